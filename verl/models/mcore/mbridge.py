@@ -1,0 +1,146 @@
+"""Build an mbridge ``Bridge`` for an HF config, refusing configs it cannot represent faithfully.
+
+Where TransformerEngine is importable the bridge is mbridge's own class. Where it is not (CPU
+hosts) the bridge builds the model from megatron-core's local spec and speaks TE names to mbridge
+through ``local_spec.local_name_to_te_name``, so the same load/save/export code runs on both.
+"""
+
+from __future__ import annotations
+
+import torch
+from mbridge import AutoBridge
+from mbridge.core.bridge import _MODEL_REGISTRY, Bridge
+from mbridge.core.safetensor_io import SafeTensorIO
+from mbridge.core.util import unwrap_model
+from transformers import PretrainedConfig
+
+from verl.models.mcore.local_spec import (
+    get_local_decoder_block_spec,
+    local_name_to_te_name,
+    transformer_engine_available,
+)
+
+
+class UnsupportedHFConfigError(ValueError):
+    """The HF config describes a model the bridge would silently build differently."""
+
+
+def check_hf_config_supported(hf_config: PretrainedConfig) -> None:
+    """Refuse HF configs whose model the bridge cannot represent exactly."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _MODEL_REGISTRY:
+        raise UnsupportedHFConfigError(
+            f"model_type={model_type!r} has no mbridge mapping; supported: {sorted(AutoBridge.list_supported_models())}"
+        )
+    if getattr(hf_config, "num_experts", None):
+        if getattr(hf_config, "norm_topk_prob", True) is not True:
+            raise UnsupportedHFConfigError(
+                "norm_topk_prob=False: mbridge's MoE mapping always renormalises the top-k router weights, so the "
+                "Megatron model would differ from the HF one. Use a checkpoint with norm_topk_prob=True."
+            )
+        if getattr(hf_config, "mlp_only_layers", None):
+            raise UnsupportedHFConfigError(
+                f"mlp_only_layers={hf_config.mlp_only_layers}: mbridge builds every layer as MoE; dense layers "
+                "inside a MoE model are not supported."
+            )
+        if getattr(hf_config, "decoder_sparse_step", 1) != 1:
+            raise UnsupportedHFConfigError(
+                f"decoder_sparse_step={hf_config.decoder_sparse_step}: mbridge builds every layer as MoE; "
+                "only decoder_sparse_step=1 is supported."
+            )
+    if getattr(hf_config, "use_sliding_window", False):
+        raise UnsupportedHFConfigError("use_sliding_window=True is not represented by the Megatron model; set it to false.")
+
+
+class _LocalSpecBridgeMixin:
+    """Mixed in front of an mbridge model class to build and name the local-spec model."""
+
+    def _build_base_config(self, text_config_key=None, **kwargs):
+        # Grouped GEMM needs TE or the grouped_gemm kernels; the local spec runs one MLP per expert.
+        kwargs.update(moe_grouped_gemm=False, use_cpu_initialization=True, persist_layer_norm=False)
+        return super()._build_base_config(text_config_key, **kwargs)
+
+    def _get_transformer_layer_spec(self, vp_stage: int | None = None):
+        self.has_vp_stage = True
+        return get_local_decoder_block_spec(self.config, vp_stage=vp_stage)
+
+    def _weight_name_mapping_mcore_local_to_global(self, model: torch.nn.Module, consider_ep: bool = True) -> dict[str, str]:
+        mapping = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=consider_ep)
+        is_moe = bool(self.config.num_moe_experts)
+        offset = 0
+        if is_moe and consider_ep and self.mpu.ep_size > 1:
+            offset = self.mpu.ep_rank * (self.config.num_moe_experts // self.mpu.ep_size)
+        return {local: local_name_to_te_name(name, is_moe, offset) for local, name in mapping.items()}
+
+    def load_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
+        """Load HF weights; rank 0 of each TP (or expert-TP) group reads, then scatters the shards."""
+        self.safetensor_io = self._get_safetensor_io(weights_path)
+        for model in models:
+            state = unwrap_model(model).state_dict()
+            names = {
+                local: te_name
+                for local, te_name in self._weight_name_mapping_mcore_local_to_global(model).items()
+                if "_extra_state" not in local
+            }
+            hf_names = {local: self._weight_name_mapping_mcore_to_hf(te) for local, te in names.items()}
+            to_read = [n for local, te in names.items() if self._shard_group(te)[1] == 0 for n in hf_names[local]]
+            hf_weights = self.safetensor_io.load_some_hf_weight(to_read) if to_read else {}
+            for local, te_name in names.items():
+                self._load_one(state[local], te_name, hf_names[local], hf_weights)
+
+    def _shard_group(self, te_name: str):
+        if ".mlp.experts.linear_fc" in te_name:
+            return self.mpu.etp_group, self.mpu.etp_rank, self.mpu.etp_size
+        return self.mpu.tp_group, self.mpu.tp_rank, self.mpu.tp_size
+
+    def _load_one(self, param: torch.Tensor, te_name: str, hf_names: list[str], hf_weights: dict) -> None:
+        group, group_rank, group_size = self._shard_group(te_name)
+        shards = None
+        if group_rank == 0:
+            full = self._weight_to_mcore_format(te_name, [hf_weights[n] for n in hf_names])
+            shards = [s.to(param.dtype).contiguous() for s in self._weight_split_across_tp(te_name, full, param, group_size)]
+            if shards[0].shape != param.shape:
+                raise ValueError(
+                    f"HF tensor(s) {hf_names} give shape {tuple(shards[0].shape)} per rank, but Megatron "
+                    f"parameter {te_name} has shape {tuple(param.shape)}: the HF config and weights disagree."
+                )
+        if group_size == 1:
+            param.copy_(shards[0])
+            return
+        received = torch.empty_like(param)
+        src = torch.distributed.get_global_rank(group, 0)
+        torch.distributed.scatter(received, shards, src=src, group=group)
+        param.copy_(received)
+
+    def save_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
+        if self.safetensor_io is None:
+            # No source index (the model was not loaded from HF here): write a single safetensors file.
+            self.safetensor_io = SafeTensorIO(weights_path)
+        super().save_weights(models, weights_path, memory_efficient=memory_efficient)
+
+
+_LOCAL_CLASSES: dict[type, type] = {}
+
+
+def _local_spec_class(bridge_cls: type) -> type:
+    if bridge_cls not in _LOCAL_CLASSES:
+        _LOCAL_CLASSES[bridge_cls] = type(f"LocalSpec{bridge_cls.__name__}", (_LocalSpecBridgeMixin, bridge_cls), {})
+    return _LOCAL_CLASSES[bridge_cls]
+
+
+def make_bridge(
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype = torch.bfloat16,
+    use_local_spec: bool | None = None,
+) -> Bridge:
+    """The mbridge bridge for ``hf_config``; needs megatron parallel state to be initialised.
+
+    ``use_local_spec`` defaults to True exactly when TransformerEngine is not importable.
+    """
+    check_hf_config_supported(hf_config)
+    bridge_cls = _MODEL_REGISTRY[hf_config.model_type]
+    if use_local_spec is None:
+        use_local_spec = not transformer_engine_available()
+    if use_local_spec:
+        bridge_cls = _local_spec_class(bridge_cls)
+    return bridge_cls(hf_config, dtype=dtype)

@@ -1,0 +1,84 @@
+"""Tiny HF models and a tokenizer the project makes itself, offline (no hub).
+
+The embedded default of the main job and the tests' fixtures: a Qwen3-MoE (4 layers, 8 experts)
+and a dense Qwen3, saved as sharded safetensors with an index, plus a character-level tokenizer.
+Norm weights are randomised so a mis-mapped norm cannot hide behind the all-ones default.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+
+import torch
+
+VOCAB_SIZE = 256
+_SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer: digits, letters, punctuation and space."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(string.digits + string.ascii_letters + string.punctuation + " ")
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS + chars)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def tiny_hf_config(kind: str = "moe", num_layers: int = 4, num_experts: int = 8):
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="float32",
+    )
+    if kind == "moe":
+        return Qwen3MoeConfig(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=num_experts,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=0.0,
+            **common,
+        )
+    if kind == "dense":
+        return Qwen3Config(intermediate_size=128, **common)
+    raise ValueError(f"unknown tiny model kind {kind!r}; use 'moe' or 'dense'")
+
+
+def make_tiny_hf_model(path: str, kind: str = "moe", seed: int = 0, max_shard_size: str = "300KB", **config_kwargs) -> str:
+    """Write a tiny HF model (config, sharded safetensors + index, tokenizer) to ``path``; return it."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = tiny_hf_config(kind, **config_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, max_shard_size=max_shard_size, safe_serialization=True)
+    build_tokenizer().save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(path)
+    return path

@@ -1,0 +1,195 @@
+"""Answers megatron-core's and mbridge's CUDA-only calls on a host without an accelerator.
+
+megatron-core 0.16 and mbridge 0.15 assume CUDA in a handful of places (see docs/cpu.md).
+On a CPU-only host those calls cannot do anything useful, so this module answers each one with
+its CPU meaning: "the current CUDA device" becomes the CPU, synchronisation and streams become
+no-ops, the CUDA RNG becomes the CPU generator. ``enable()`` is called once at rank start-up;
+it does nothing where CUDA (or NPU) exists, so a GPU host never runs any of this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from verl.utils.device import get_device_name
+
+logger = logging.getLogger(__name__)
+
+_CPU = torch.device("cpu")
+_enabled = False
+
+# torch factory functions that megatron-core calls with a literal device="cuda".
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "randn", "rand", "arange", "empty_like", "zeros_like", "ones_like")
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+def enable() -> bool:
+    """Install the CPU answers; idempotent. Returns True when the runtime is active."""
+    global _enabled
+    if _enabled:
+        return True
+    if get_device_name() != "cpu":
+        return False
+    _patch_devices()
+    _patch_streams_and_sync()
+    _patch_rng()
+    _patch_tensor_types()
+    _patch_megatron()
+    _enabled = True
+    logger.info("megatron-core CPU runtime enabled (no accelerator on this host)")
+    return True
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _to_cpu_device(device: Any) -> Any:
+    return _CPU if _is_cuda_device(device) else device
+
+
+def _patch_devices() -> None:
+    """A CUDA device named anywhere (literal, index, current device) means the CPU here."""
+    torch.cuda.current_device = lambda: _CPU
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.device_count = lambda: 0
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.memory_allocated = lambda device=None: 0
+    torch.cuda.max_memory_allocated = lambda device=None: 0
+    torch.cuda.reset_peak_memory_stats = lambda device=None: None
+
+    for name in _FACTORIES:
+        original = getattr(torch, name)
+        setattr(torch, name, _device_mapping_factory(original))
+
+    def module_cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
+        return self
+
+    torch.nn.Module.cuda = module_cuda
+
+    def tensor_cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
+        return self
+
+    torch.Tensor.cuda = tensor_cuda
+
+    original_to = torch.Tensor.to
+
+    @functools.wraps(original_to)
+    def tensor_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and _is_cuda_device(args[0]):
+            args = (_CPU, *args[1:])
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return original_to(self, *args, **kwargs)
+
+    torch.Tensor.to = tensor_to
+
+
+def _device_mapping_factory(original):
+    @functools.wraps(original)
+    def factory(*args: Any, **kwargs: Any):
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs["device"] = _CPU
+        return original(*args, **kwargs)
+
+    return factory
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream/Event: on the CPU all work is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> _NullStream:
+        return _NullStream()
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, *args: Any) -> None:
+        pass
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+def _patch_streams_and_sync() -> None:
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullStream
+    torch.cuda.current_stream = lambda device=None: _NullStream()
+    torch.cuda.default_stream = lambda device=None: _NullStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.nvtx.range_push = lambda *a, **k: None
+    torch.cuda.nvtx.range_pop = lambda *a, **k: None
+
+
+def _patch_rng() -> None:
+    """The CUDA generator is the CPU generator: megatron's RNG tracker forks and restores it."""
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    torch.cuda.get_rng_state_all = lambda: [torch.get_rng_state()]
+    torch.cuda.set_rng_state_all = lambda states: torch.set_rng_state(states[0])
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly.
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: None
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+    torch.cuda.random.set_rng_state = torch.cuda.set_rng_state
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def _patch_tensor_types() -> None:
+    """megatron's optimizers accept only ``torch.cuda.*Tensor`` types; CPU tensors stand in for them."""
+    original_type = torch.Tensor.type
+
+    @functools.wraps(original_type)
+    def tensor_type(self: torch.Tensor, *args: Any, **kwargs: Any):
+        if not args and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original_type(self, *args, **kwargs)
+
+    torch.Tensor.type = tensor_type
+
+
+def _patch_megatron() -> None:
+    """Module-level names inside megatron-core that the torch patches above cannot reach."""
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils
+
+    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    # megatron-core 0.16 leaves this name undefined when TransformerEngine is absent (NameError in routing).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -1,0 +1,114 @@
+"""Parallel sizes (TP/PP/EP/ETP/CP): validation before any rank starts, and Megatron initialisation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+_KEY = "actor_rollout_ref.actor.megatron."
+
+
+class ParallelConfigError(ValueError):
+    """Parallel sizes that cannot work with this world size or model; raised before any work starts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSizes:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None  # None: same as tp, as in upstream verl's config
+    cp: int = 1
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def min_world_size(self) -> int:
+        """Smallest world size that fits both the dense and the expert layout."""
+        dense = self.tp * self.pp * self.cp
+        expert = self.expert_tp * self.ep * self.pp
+        return dense * expert // _gcd(dense, expert)
+
+    def validate(
+        self,
+        world_size: int,
+        num_layers: int | None = None,
+        num_experts: int | None = None,
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
+    ) -> None:
+        """Raise ParallelConfigError naming every problem and the override that fixes it.
+
+        Model sizes left as None are not checked; ``num_experts=0`` means a dense model.
+        """
+        problems = []
+        for name, value in (("tensor", self.tp), ("pipeline", self.pp), ("expert", self.ep), ("context", self.cp)):
+            if value < 1:
+                problems.append(f"{name}_model_parallel_size={value} must be >= 1")
+        if self.expert_tp < 1:
+            problems.append(f"expert_tensor_parallel_size={self.expert_tp} must be >= 1")
+        if problems:
+            raise ParallelConfigError("; ".join(problems))
+        if world_size % (self.tp * self.pp * self.cp):
+            problems.append(
+                f"world size {world_size} is not divisible by TP x PP x CP = {self.tp}x{self.pp}x{self.cp}; "
+                f"set {_KEY}tensor_model_parallel_size / pipeline_model_parallel_size / context_parallel_size "
+                f"so their product divides the world size (trainer.nnodes x trainer.n_gpus_per_node)"
+            )
+        if world_size % (self.expert_tp * self.ep * self.pp):
+            problems.append(
+                f"world size {world_size} is not divisible by ETP x EP x PP = {self.expert_tp}x{self.ep}x{self.pp}; "
+                f"set {_KEY}expert_tensor_parallel_size / expert_model_parallel_size accordingly"
+            )
+        if num_experts and num_experts % self.ep:
+            problems.append(
+                f"num_experts={num_experts} is not divisible by expert_model_parallel_size={self.ep}; "
+                f"set {_KEY}expert_model_parallel_size to a divisor of {num_experts}"
+            )
+        if num_experts == 0 and self.ep > 1:
+            problems.append(f"expert_model_parallel_size={self.ep} but the model has no experts; set {_KEY}expert_model_parallel_size=1")
+        if num_layers is not None and num_layers % self.pp:
+            problems.append(
+                f"num_hidden_layers={num_layers} is not divisible by pipeline_model_parallel_size={self.pp}; "
+                f"set {_KEY}pipeline_model_parallel_size to a divisor of {num_layers}"
+            )
+        if num_attention_heads is not None and num_attention_heads % self.tp:
+            problems.append(
+                f"num_attention_heads={num_attention_heads} is not divisible by tensor_model_parallel_size={self.tp}; "
+                f"set {_KEY}tensor_model_parallel_size to a divisor of {num_attention_heads}"
+            )
+        if num_key_value_heads is not None and num_key_value_heads % self.tp:
+            problems.append(
+                f"num_key_value_heads={num_key_value_heads} is not divisible by tensor_model_parallel_size={self.tp}; "
+                f"set {_KEY}tensor_model_parallel_size to a divisor of {num_key_value_heads}"
+            )
+        if problems:
+            raise ParallelConfigError("invalid parallel configuration:\n  - " + "\n  - ".join(problems))
+
+    def validate_for_hf_config(self, world_size: int, hf_config) -> None:
+        self.validate(
+            world_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_experts=getattr(hf_config, "num_experts", None) or 0,
+            num_attention_heads=hf_config.num_attention_heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None),
+        )
+
+    def initialize_megatron(self, seed: int = 1234) -> None:
+        """Initialise megatron-core parallel state and its RNG tracker on this (already joined) rank."""
+        from megatron.core import parallel_state, tensor_parallel
+
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.expert_tp,
+        )
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
