@@ -43,6 +43,9 @@ def enable() -> bool:
     _patch_rng()
     _patch_tensor_types()
     _patch_megatron()
+    # megatron's jit_fuser is torch.compile; on a CPU host inductor spends minutes compiling C++
+    # for kernels that run in microseconds eagerly.
+    torch._dynamo.config.disable = True
     _enabled = True
     logger.info("megatron-core CPU runtime enabled (no accelerator on this host)")
     return True
@@ -186,10 +189,50 @@ def _patch_tensor_types() -> None:
 def _patch_megatron() -> None:
     """Module-level names inside megatron-core that the torch patches above cannot reach."""
     from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    # The alltoall dispatcher turns its split sizes into host numpy arrays only when they are CUDA
+    # tensors; CPU tensors would reach all_to_all_single as tensors, which it rejects.
+    def move_splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = move_splits_to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = move_splits_to_host
+    _patch_uneven_collectives()
     # megatron-core 0.16 leaves this name undefined when TransformerEngine is absent (NameError in routing).
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _patch_uneven_collectives() -> None:
+    """gloo's all_gather/reduce_scatter need equal sizes; the MoE dispatcher (TP > 1) sends uneven ones."""
+    from megatron.core.tensor_parallel import mappings
+
+    equal_gather = mappings._gather_along_first_dim
+    equal_reduce_scatter = mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return equal_gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(pieces, padded.contiguous(), group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes, strict=True)], dim=0)
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return equal_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        sizes = [int(n) for n in input_split_sizes]
+        start = sum(sizes[: group.rank()])
+        return total[start : start + sizes[group.rank()]].contiguous()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim

@@ -1,0 +1,92 @@
+"""Forward and forward+backward of Megatron GPT chunks through megatron's pipeline schedule."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+
+def _position_ids(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+
+
+def _causal_mask(tokens: torch.Tensor) -> torch.Tensor:
+    seq = tokens.shape[1]
+    # Megatron convention: True marks positions that must NOT be attended to.
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=tokens.device), diagonal=1).view(1, 1, seq, seq)
+
+
+def _run_schedule(model: list, microbatches: list[torch.Tensor], forward_only: bool, step_fn, seq_length: int) -> list:
+    forward_backward = get_forward_backward_func()
+    return forward_backward(
+        forward_step_func=step_fn,
+        data_iterator=[iter(microbatches) for _ in model] if len(model) > 1 else iter(microbatches),
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=microbatches[0].shape[0],
+        forward_only=forward_only,
+    )
+
+
+def _broadcast_from_last_stage(value: torch.Tensor | None) -> torch.Tensor:
+    """Every pipeline rank gets the tensor that only the last stage computed."""
+    group = mpu.get_pipeline_model_parallel_group()
+    last = mpu.get_pipeline_model_parallel_last_rank()
+    holder = [value.shape if value is not None else None]
+    torch.distributed.broadcast_object_list(holder, src=last, group=group)
+    if value is None:
+        value = torch.empty(holder[0], dtype=torch.float32)
+    torch.distributed.broadcast(value, src=last, group=group)
+    return value
+
+
+def forward_logits(model: list, tokens: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits [batch, seq, vocab] for ``tokens``, on every rank."""
+    captured = []
+
+    def step(data_iterator, chunk):
+        batch = next(data_iterator)
+        output = chunk(batch, _position_ids(batch), _causal_mask(batch))
+
+        def keep_logits(output_tensor):
+            captured.append(gather_from_tensor_model_parallel_region(output_tensor).float())
+            return output_tensor.sum() * 0.0, {}
+
+        return output, keep_logits
+
+    for chunk in model:
+        chunk.eval()
+    with torch.no_grad():
+        _run_schedule(model, [tokens], forward_only=True, step_fn=step, seq_length=tokens.shape[1])
+    return _broadcast_from_last_stage(captured[0] if captured else None)
+
+
+def _next_token_loss(labels: torch.Tensor, output_tensor: torch.Tensor):
+    loss = output_tensor.float().mean()
+    return loss, {"loss": loss.detach()}
+
+
+def train_step(model: list, optimizer, scheduler, microbatches: list[torch.Tensor]) -> dict:
+    """One optimizer step of next-token cross-entropy over the microbatches; returns loss and grad norm."""
+
+    def step(data_iterator, chunk):
+        batch = next(data_iterator)
+        inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        output = chunk(inputs, _position_ids(inputs), _causal_mask(inputs), labels=labels)
+        return output, partial(_next_token_loss, labels)
+
+    for chunk in model:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = _run_schedule(model, microbatches, forward_only=False, step_fn=step, seq_length=microbatches[0].shape[1] - 1)
+    update_ok, grad_norm, _ = optimizer.step()
+    if update_ok:
+        scheduler.step(increment=1)
+    mean_loss = torch.stack([item["loss"] for item in losses]).mean() if losses else None
+    return {"loss": _broadcast_from_last_stage(mean_loss).item(), "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok)}

@@ -1,0 +1,28 @@
+"""Megatron model chunks from an mbridge bridge, wrapped in Megatron DDP."""
+
+from __future__ import annotations
+
+import torch
+from mbridge.core.bridge import Bridge
+
+
+def build_megatron_model(bridge: Bridge, use_distributed_optimizer: bool = False, wrap_with_ddp: bool = True) -> list:
+    """Model chunks (one per virtual pipeline stage) in the bridge's dtype, DDP-wrapped for training.
+
+    ``use_distributed_optimizer=False`` gives DDP buffers with ``param_data is None`` (no flat
+    parameter buffer): the configuration MoE runs such as PP4 EP2 TP2 ETP2 use.
+    """
+    half = bridge.dtype in (torch.bfloat16, torch.float16)
+    return bridge.get_model(
+        wrap_with_ddp=wrap_with_ddp,
+        bf16=bridge.dtype is torch.bfloat16,
+        fp16=bridge.dtype is torch.float16,
+        use_cpu_initialization=True,
+        ddp_config={
+            "use_distributed_optimizer": use_distributed_optimizer,
+            "grad_reduce_in_fp32": True,
+            "overlap_grad_reduce": False,
+            "overlap_param_gather": False,
+        },
+        data_parallel_random_init=not half,
+    )
