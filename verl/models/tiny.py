@@ -30,7 +30,8 @@ def build_tokenizer():
     )
 
 
-def tiny_hf_config(kind: str = "moe", num_layers: int = 4, num_experts: int = 8):
+def tiny_hf_config(kind: str = "moe", num_layers: int = 4, num_experts: int = 8, **overrides):
+    """The tiny config; ``overrides`` replace any HF config field (e.g. norm_topk_prob=False)."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     common = dict(
@@ -50,7 +51,7 @@ def tiny_hf_config(kind: str = "moe", num_layers: int = 4, num_experts: int = 8)
         dtype="float32",
     )
     if kind == "moe":
-        return Qwen3MoeConfig(
+        moe = dict(
             intermediate_size=128,
             moe_intermediate_size=32,
             num_experts=num_experts,
@@ -59,10 +60,10 @@ def tiny_hf_config(kind: str = "moe", num_layers: int = 4, num_experts: int = 8)
             decoder_sparse_step=1,
             mlp_only_layers=[],
             router_aux_loss_coef=0.0,
-            **common,
         )
+        return Qwen3MoeConfig(**{**common, **moe, **overrides})
     if kind == "dense":
-        return Qwen3Config(intermediate_size=128, **common)
+        return Qwen3Config(**{**common, "intermediate_size": 128, **overrides})
     raise ValueError(f"unknown tiny model kind {kind!r}; use 'moe' or 'dense'")
 
 
@@ -72,7 +73,7 @@ def make_tiny_hf_model(path: str, kind: str = "moe", seed: int = 0, max_shard_si
 
     config = tiny_hf_config(kind, **config_kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -137,23 +137,27 @@ def _collect(procs: list, results, timeout_s: float) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     values: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    grace_until = None  # after the first failure, a moment to hear from the rank that caused it
     while len(values) + len(failures) < len(procs):
-        try:
-            rank, ok, value = results.get(timeout=0.5)
-            (values if ok else failures)[rank] = value
-            if failures:
-                break
-            continue
-        except queue.Empty:
-            pass
-        dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and r not in values]
-        if dead:
-            failures.update({r: f"rank {r} died with exit code {procs[r].exitcode}" for r in dead})
+        now = time.monotonic()
+        if grace_until is not None and now > grace_until:
             break
-        if time.monotonic() > deadline:
-            missing = [r for r in range(len(procs)) if r not in values]
-            raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s (hung collective?)")
+        if now > deadline:
+            missing = [r for r in range(len(procs)) if r not in values and r not in failures]
+            failures.update({r: f"rank {r} did not finish within {timeout_s:.0f} s (hung collective?)" for r in missing})
+            break
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+            (values if ok else failures)[rank] = value
+        except queue.Empty:
+            for rank, proc in enumerate(procs):
+                if rank not in values and rank not in failures and proc.exitcode not in (0, None):
+                    failures[rank] = f"rank {rank} died with exit code {proc.exitcode}"
+        if failures and grace_until is None:
+            grace_until = time.monotonic() + 2.0
     if failures:
-        report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        # Ranks that died first: their peers' errors ("connection closed") are only the echo.
+        order = sorted(failures, key=lambda r: (not failures[r].startswith(f"rank {r} died"), r))
+        report = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in order)
         raise RankFailure(f"{len(failures)} rank(s) failed:\n{report}")
     return [values[r] for r in range(len(procs))]

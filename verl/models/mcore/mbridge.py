@@ -7,6 +7,8 @@ through ``local_spec.local_name_to_te_name``, so the same load/save/export code 
 
 from __future__ import annotations
 
+import os
+
 import torch
 from mbridge import AutoBridge
 from mbridge.core.bridge import _MODEL_REGISTRY, Bridge
@@ -23,6 +25,19 @@ from verl.models.mcore.local_spec import (
 
 class UnsupportedHFConfigError(ValueError):
     """The HF config describes a model the bridge would silently build differently."""
+
+
+def load_hf_config(hf_path: str) -> PretrainedConfig:
+    """The HF config at a local model directory, with a clear error when the path is not one."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(hf_path):
+        raise FileNotFoundError(
+            f"HF model path {hf_path!r} does not exist; set actor_rollout_ref.model.path to a local HF model directory"
+        )
+    if not os.path.isfile(os.path.join(hf_path, "config.json")):
+        raise FileNotFoundError(f"HF model path {hf_path!r} has no config.json; it is not an HF model directory")
+    return AutoConfig.from_pretrained(hf_path)
 
 
 def check_hf_config_supported(hf_config: PretrainedConfig) -> None:

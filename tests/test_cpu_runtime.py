@@ -1,0 +1,121 @@
+"""Each CUDA-only call of megatron-core / mbridge that the CPU runtime answers, proven on a real rank.
+
+The runtime patches torch process-wide, so every check runs inside a spawned rank, never in pytest itself.
+"""
+
+import torch
+
+from verl.utils.distributed import run_on_ranks
+from verl.utils.megatron.parallel import ParallelSizes
+
+
+def _device_answers() -> dict:
+    from verl.utils.megatron import cpu_runtime
+
+    layer = torch.nn.Linear(2, 2)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.current_stream())
+    event = stream.record_event()
+    event.synchronize()
+    torch.cuda.synchronize()
+    return {
+        "enabled_twice": cpu_runtime.enable() and cpu_runtime.enable(),
+        "current_device": torch.empty(1, device=torch.cuda.current_device()).device.type,
+        "literal": torch.tensor([1.0], device="cuda").device.type,
+        "zeros_index": torch.zeros(2, device=0).device.type,
+        "module_cuda_is_self": layer.cuda(torch.cuda.current_device()) is layer,
+        "tensor_to_cuda": torch.ones(1).to("cuda").device.type,
+        "tensor_type": torch.ones(1).type(),
+        "explicit_type_cast": torch.ones(1).type(torch.float64).dtype == torch.float64,
+    }
+
+
+def test_device_stream_and_type_answers():
+    answers = run_on_ranks(_device_answers, 1)[0]
+    assert answers == {
+        "enabled_twice": True,
+        "current_device": "cpu",
+        "literal": "cpu",
+        "zeros_index": "cpu",
+        "module_cuda_is_self": True,
+        "tensor_to_cuda": "cpu",
+        "tensor_type": "torch.cuda.FloatTensor",
+        "explicit_type_cast": True,
+    }
+
+
+def _rng_tracker() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    with tracker.fork():
+        inside_first = torch.rand(3)
+    with tracker.fork():
+        inside_second = torch.rand(3)
+    after = torch.get_rng_state()
+    return {
+        "names": sorted(tracker.get_states()),
+        "default_restored": torch.equal(before, after),
+        "tracker_advances": not torch.equal(inside_first, inside_second),
+    }
+
+
+def test_rng_tracker_forks_and_restores_the_cpu_generator():
+    result = run_on_ranks(_rng_tracker, 1, ParallelSizes())[0]
+    assert "model-parallel-rng" in result["names"]
+    assert result["default_restored"] and result["tracker_advances"]
+
+
+def _clip() -> tuple[float, float]:
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+
+    param = torch.nn.Parameter(torch.zeros(4))
+    param.grad = torch.tensor([3.0, 4.0, 0.0, 0.0])
+    total = get_grad_norm_fp32([param.grad])
+    clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=total)
+    return total, param.grad.norm().item()
+
+
+def test_grad_clipping_really_clips():
+    total, after = run_on_ranks(_clip, 1, ParallelSizes())[0]
+    assert abs(total - 5.0) < 1e-6
+    assert abs(after - 1.0) < 1e-5
+
+
+def _uneven_gather() -> list[float]:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = group.rank()
+    mine = torch.full((rank + 1, 2), float(rank))
+    gathered = mappings._gather_along_first_dim(mine, group, output_split_sizes=[1, 2])
+    scattered = mappings._reduce_scatter_along_first_dim(torch.ones(3, 2), group, input_split_sizes=[1, 2])
+    return gathered[:, 0].tolist() + [scattered.shape[0], scattered.sum().item()]
+
+
+def test_uneven_gather_and_reduce_scatter_on_gloo():
+    results = run_on_ranks(_uneven_gather, 2, ParallelSizes(tp=2))
+    assert results[0] == [0.0, 1.0, 1.0, 1, 4.0]
+    assert results[1] == [0.0, 1.0, 1.0, 2, 8.0]
+
+
+def _moe_dispatch_helpers() -> tuple:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([2, 3]), as_numpy=True)
+    return type(splits).__name__, moe_utils.te_general_gemm is None
+
+
+def test_moe_dispatcher_split_sizes_and_missing_te_gemm():
+    assert run_on_ranks(_moe_dispatch_helpers, 1)[0] == ("ndarray", True)
+
+
+def test_runtime_is_off_in_this_process():
+    from verl.utils.megatron import cpu_runtime
+
+    # pytest itself never enabled it: only ranks do, and only on hosts without an accelerator.
+    assert not cpu_runtime.is_enabled()

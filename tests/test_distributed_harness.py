@@ -1,0 +1,62 @@
+"""run_on_ranks: results in rank order; a failing, dying or hanging rank fails fast with its story."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from verl.utils.distributed import RankFailure, run_on_ranks
+from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes
+
+
+def _rank_and_sum() -> tuple[int, float]:
+    value = torch.tensor([float(torch.distributed.get_rank())])
+    torch.distributed.all_reduce(value)
+    return torch.distributed.get_rank(), value.item()
+
+
+def test_results_come_back_in_rank_order():
+    assert run_on_ranks(_rank_and_sum, 3) == [(0, 3.0), (1, 3.0), (2, 3.0)]
+
+
+def _rank_one_raises() -> None:
+    if torch.distributed.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    torch.distributed.barrier()
+
+
+def test_failing_rank_reports_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"(?s)rank 1.*ValueError: boom on purpose"):
+        run_on_ranks(_rank_one_raises, 2, timeout_s=60)
+    assert time.monotonic() - start < 30
+
+
+def _rank_one_dies() -> None:
+    if torch.distributed.get_rank() == 1:
+        os._exit(3)
+    torch.distributed.barrier()
+
+
+def test_dead_rank_is_reported():
+    with pytest.raises(RankFailure, match="rank 1 died with exit code 3"):
+        run_on_ranks(_rank_one_dies, 2, timeout_s=60)
+
+
+def _rank_one_hangs() -> None:
+    if torch.distributed.get_rank() == 1:
+        time.sleep(3600)
+    torch.distributed.barrier()
+
+
+def test_hanging_rank_times_out():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 did not finish within 8 s"):
+        run_on_ranks(_rank_one_hangs, 2, timeout_s=8)
+    assert time.monotonic() - start < 30
+
+
+def test_layout_is_validated_before_any_rank_starts():
+    with pytest.raises(ParallelConfigError, match="not divisible by TP x PP x CP"):
+        run_on_ranks(_rank_and_sum, 3, ParallelSizes(tp=2))
