@@ -117,7 +117,7 @@ def run_on_ranks(
             target=_rank_entry,
             args=(rank, world_size, port, fn, args, kwargs or {}, sizes, seed, timeout_s, results),
             name=f"rank{rank}",
-            daemon=True,
+            daemon=False,  # the dist-checkpoint writer starts processes of its own
         )
         for rank in range(world_size)
     ]

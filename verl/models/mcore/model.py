@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 from mbridge.core.bridge import Bridge
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.utils import get_model_config
 
 
 def build_megatron_model(bridge: Bridge, use_distributed_optimizer: bool = False, wrap_with_ddp: bool = True) -> list:
@@ -13,7 +15,7 @@ def build_megatron_model(bridge: Bridge, use_distributed_optimizer: bool = False
     parameter buffer): the configuration MoE runs such as PP4 EP2 TP2 ETP2 use.
     """
     half = bridge.dtype in (torch.bfloat16, torch.float16)
-    return bridge.get_model(
+    model = bridge.get_model(
         wrap_with_ddp=wrap_with_ddp,
         bf16=bridge.dtype is torch.bfloat16,
         fp16=bridge.dtype is torch.float16,
@@ -26,3 +28,17 @@ def build_megatron_model(bridge: Bridge, use_distributed_optimizer: bool = False
         },
         data_parallel_random_init=not half,
     )
+    if wrap_with_ddp:
+        _install_grad_sync(model)
+    return model
+
+
+def _install_grad_sync(model: list) -> None:
+    """What megatron's training loop wires up and the pipeline schedule calls after backward.
+
+    Without ``finalize_model_grads`` no gradient is all-reduced across data parallel ranks, and the
+    replicated norm weights (sequence parallel, qk-norm) drift apart across tensor parallel ranks.
+    """
+    config = get_model_config(model[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -17,6 +18,7 @@ def get_megatron_optimizer_and_scheduler(
     min_lr: float = 0.0,
 ):
     """Adam (megatron's ChainedOptimizer over dense and expert params) plus a constant-after-warmup scheduler."""
+    dtype = next(model[0].parameters()).dtype
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -24,9 +26,9 @@ def get_megatron_optimizer_and_scheduler(
         weight_decay=weight_decay,
         clip_grad=clip_grad,
         use_distributed_optimizer=use_distributed_optimizer,
-        params_dtype=next(model[0].parameters()).dtype,
-        bf16=False,
-        fp16=False,
+        params_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
     )
     optimizer = get_megatron_optimizer(config, model)
     scheduler = OptimizerParamScheduler(

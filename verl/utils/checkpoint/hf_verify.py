@@ -1,0 +1,109 @@
+"""Check that an HF checkpoint folder holds every tensor its config implies, with the right shapes.
+
+The expectation comes from the config alone (the transformers model built on the meta device),
+never from the bridge that wrote the weights: a bridge that silently drops tensors (verl #6821:
+MoE experts of the last layers) cannot also vouch for its own output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from glob import glob
+
+import torch
+
+INDEX_FILENAME = "model.safetensors.index.json"
+
+
+class HFCheckpointIncompleteError(RuntimeError):
+    """The HF folder is missing tensors, has unexpected ones, or has tensors of the wrong shape."""
+
+
+@dataclasses.dataclass
+class HFVerifyReport:
+    path: str
+    expected: int
+    found: int
+    missing: list[str]
+    unexpected: list[str]
+    wrong_shape: list[str]
+    index_problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.wrong_shape or self.index_problems)
+
+    def describe(self, limit: int = 20) -> str:
+        if self.ok:
+            return f"{self.path}: all {self.expected} tensors present with the expected shapes"
+        parts = [f"HF checkpoint {self.path} is incomplete ({self.found} of {self.expected} expected tensors found):"]
+        for label, names in (
+            ("missing", self.missing),
+            ("unexpected", self.unexpected),
+            ("wrong shape", self.wrong_shape),
+            ("index", self.index_problems),
+        ):
+            if names:
+                shown = ", ".join(names[:limit]) + (f", ... (+{len(names) - limit} more)" if len(names) > limit else "")
+                parts.append(f"  {label} ({len(names)}): {shown}")
+        return "\n".join(parts)
+
+
+def expected_hf_tensors(hf_config) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors ``save_pretrained`` would write for this config."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if getattr(hf_config, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+    return expected
+
+
+def read_saved_tensors(path: str) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """Shapes of every tensor in the folder's safetensors files (headers only), and index problems."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    problems: list[str] = []
+    files = sorted(glob(os.path.join(path, "*.safetensors")))
+    file_of: dict[str, str] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+                    file_of[name] = os.path.basename(file)
+        except Exception as exc:  # a truncated or corrupt shard
+            problems.append(f"{os.path.basename(file)} is unreadable ({exc})")
+    index_file = os.path.join(path, INDEX_FILENAME)
+    if os.path.exists(index_file):
+        with open(index_file) as handle:
+            weight_map = json.load(handle).get("weight_map", {})
+        for name, file in sorted(weight_map.items()):
+            if file_of.get(name) != file:
+                problems.append(f"index maps {name} to {file}, which does not hold it")
+        problems.extend(f"{name} is in {file_of[name]} but not in the index" for name in sorted(set(file_of) - set(weight_map)))
+    return shapes, problems
+
+
+def verify_hf_checkpoint(path: str, hf_config=None) -> HFVerifyReport:
+    """Compare the folder's tensors with what its config (or ``hf_config``) implies."""
+    if hf_config is None:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(path)
+    expected = expected_hf_tensors(hf_config)
+    found, index_problems = read_saved_tensors(path)
+    return HFVerifyReport(
+        path=path,
+        expected=len(expected),
+        found=len(set(found) & set(expected)),
+        missing=sorted(set(expected) - set(found)),
+        unexpected=sorted(set(found) - set(expected)),
+        wrong_shape=sorted(f"{n} {found[n]} != {expected[n]}" for n in set(found) & set(expected) if found[n] != expected[n]),
+        index_problems=index_problems,
+    )

@@ -1,0 +1,394 @@
+"""MegatronCheckpointManager: dist checkpoints plus a complete, verified HF export, in a safe order.
+
+One save walks these phases (DESIGN.md, "The path of one save"):
+
+1. dist checkpoints of model / optimizer + LR scheduler / extra (RNG), all ranks;
+2. rank 0 writes the HF config.json, tokenizer and generation config into model/huggingface;
+3. a barrier, so no rank starts the HF weight save before the config is on disk (fix 2, verl #6821);
+4. every rank takes part in the bridge's HF weight save;
+5. rank 0 verifies the HF folder against what the config implies;
+6. rank 0 writes transformer_config.json, ckpt_contents.json and the manifest, last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+import warnings
+from typing import Any
+
+import torch
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import parallel_state as mpu
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.utils import unwrap_model
+
+from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, _config_get
+from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
+from verl.utils.fs import atomic_write_text
+from verl.utils.megatron_utils import (
+    get_checkpoint_contents_manifest_path,
+    get_extra_dist_checkpoint_path,
+    get_hf_model_checkpoint_path,
+    get_model_dist_checkpoint_path,
+    get_optimizer_dist_checkpoint_path,
+    get_transformer_config_checkpoint_path,
+)
+
+MANIFEST_FILENAME = "manifest.json"
+# How the distributed optimizer's state is laid out on disk (ignored by the non-distributed one, whose
+# state is always per parameter and loads at any layout). "fully_reshardable" cannot load into
+# torch's Adam (no apex/TE: a per-parameter "step" it does not save), so the DP-reshardable form it is.
+OPTIMIZER_SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the file and the cause."""
+
+
+def current_parallel_layout() -> dict[str, int]:
+    return {
+        "world_size": torch.distributed.get_world_size(),
+        "tp": mpu.get_tensor_model_parallel_world_size(),
+        "pp": mpu.get_pipeline_model_parallel_world_size(),
+        "ep": mpu.get_expert_model_parallel_world_size(),
+        "etp": mpu.get_expert_tensor_parallel_world_size(),
+        "cp": mpu.get_context_parallel_world_size(),
+    }
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    return str(value)
+
+
+class MegatronCheckpointManager(BaseCheckpointManager):
+    """Saves and loads a Megatron model, its optimizer, LR scheduler and RNG, plus an HF export.
+
+    Constructor arguments keep upstream verl's names so worker code moves between the two;
+    the ones this manager does not need (``config``, ``model_config``, ``role``, ``arch``,
+    ``param_dtype``, ``share_embeddings_and_output_weights``, ``use_dist_checkpointing``) are accepted.
+    ``bridge`` is any object with mbridge's ``save_weights(models, path)``.
+    ``checkpoint_config`` keys: ``save_contents``, ``load_contents``, ``strict_hf_verify`` (default
+    True: an incomplete HF export fails the save; False: a warning).
+    """
+
+    def __init__(
+        self,
+        config=None,
+        checkpoint_config=None,
+        model_config=None,
+        transformer_config=None,
+        role: str = "actor",
+        model: list | None = None,
+        arch: str | None = None,
+        hf_config=None,
+        param_dtype: torch.dtype = torch.float32,
+        share_embeddings_and_output_weights: bool = False,
+        processing_class=None,
+        optimizer=None,
+        optimizer_scheduler=None,
+        use_distributed_optimizer: bool = False,
+        use_checkpoint_opt_param_scheduler: bool = True,
+        use_dist_checkpointing: bool = True,
+        bridge=None,
+        **kwargs,
+    ):
+        super().__init__(
+            model,
+            optimizer=optimizer,
+            lr_scheduler=optimizer_scheduler,
+            processing_class=processing_class,
+            checkpoint_config=checkpoint_config,
+        )
+        self.config = config
+        self.role = role
+        self.hf_config = hf_config
+        self.transformer_config = transformer_config
+        self.bridge = bridge
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        self.strict_hf_verify = bool(_config_get(checkpoint_config, "strict_hf_verify", True))
+        self.model_path = _config_get(_config_get(config, "model", None), "path", None)
+        if self.should_save_hf_model and (bridge is None or hf_config is None):
+            raise ValueError("save_contents includes 'hf_model', which needs both a bridge and the hf_config")
+
+    # ------------------------------------------------------------------ save
+
+    def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None):
+        if hdfs_path is not None:
+            raise ValueError("hdfs_path is not supported by this manager; copy the local checkpoint yourself")
+        start = time.monotonic()
+        self.previous_global_step = global_step
+        self._prepare_directory(local_path)
+        self._timed("dist checkpoints", self._save_dist_checkpoints, local_path)
+        if self.should_save_model or self.should_save_hf_model:
+            if self.rank == 0:
+                self._timed("HF config + tokenizer", self._save_hf_config_and_tokenizer, local_path)
+            self._hf_config_barrier()
+        if self.should_save_hf_model:
+            self._timed("HF weights", self._save_model_as_hf_via_bridge, local_path)
+            self._timed("HF verification", self._verify_hf_model, local_path)
+        if self.rank == 0:
+            self._write_metadata(local_path, global_step)
+        torch.distributed.barrier()
+        self._log(f"saved step {global_step} to {local_path} in {time.monotonic() - start:.1f}s")
+        self.previous_saved_paths.append(local_path)
+        self._apply_retention(max_ckpt_to_keep)
+
+    def _prepare_directory(self, local_path: str) -> None:
+        """An existing folder for this step is a stale, superseded attempt: start it afresh."""
+        if self.rank == 0:
+            if os.path.exists(local_path):
+                shutil.rmtree(local_path)
+            # The path helpers create the directories (upstream behaviour).
+            for make_path in (
+                get_model_dist_checkpoint_path,
+                get_optimizer_dist_checkpoint_path,
+                get_extra_dist_checkpoint_path,
+                get_hf_model_checkpoint_path,
+            ):
+                make_path(local_path)
+        torch.distributed.barrier()
+
+    def _model_sharded_state_dict(self) -> dict:
+        state = {}
+        for index, chunk in enumerate(self.model):
+            if len(self.model) > 1:
+                mpu.set_virtual_pipeline_model_parallel_rank(index)
+            state["model" if len(self.model) == 1 else f"model{index}"] = unwrap_model(chunk).sharded_state_dict()
+        return state
+
+    def _rng_sharded_object(self) -> ShardedObject:
+        state = self.get_rng_state()
+        state["rng_tracker_states"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
+
+    def _save_dist_checkpoints(self, local_path: str) -> None:
+        # dist_checkpointing.save consumes the sharded state dict it is given: build one per save.
+        if self.should_save_model:
+            dist_checkpointing.save(self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path))
+        if self.should_save_optimizer:
+            state = {
+                "optimizer": self.optimizer.sharded_state_dict(
+                    self._model_sharded_state_dict(), metadata=OPTIMIZER_SHARDING_METADATA
+                )
+            }
+            if self.lr_scheduler is not None:
+                state["lr_scheduler"] = self.lr_scheduler.state_dict()
+            dist_checkpointing.save(state, get_optimizer_dist_checkpoint_path(local_path))
+        if self.should_save_extra:
+            dist_checkpointing.save({"rng_state": self._rng_sharded_object()}, get_extra_dist_checkpoint_path(local_path))
+
+    def _save_hf_config_and_tokenizer(self, local_path: str) -> None:
+        """Rank 0 only: everything the HF folder needs besides the weights, written before them."""
+        hf_path = get_hf_model_checkpoint_path(local_path)
+        if self.hf_config is not None:
+            self.hf_config.save_pretrained(hf_path)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(hf_path)
+        if self.model_path and os.path.exists(os.path.join(self.model_path, "generation_config.json")):
+            shutil.copyfile(os.path.join(self.model_path, "generation_config.json"), os.path.join(hf_path, "generation_config.json"))
+
+    def _hf_config_barrier(self) -> None:
+        """Fix 2: no rank may start the bridge's HF weight save until rank 0's config is on disk."""
+        torch.distributed.barrier()
+
+    def _save_model_as_hf_via_bridge(self, local_path: str) -> None:
+        self.bridge.save_weights(self.model, get_hf_model_checkpoint_path(local_path))
+        torch.distributed.barrier()
+
+    def _verify_hf_model(self, local_path: str) -> None:
+        """Rank 0 checks the folder; every rank learns the verdict, so all fail (or warn) together."""
+        verdict = [None]
+        if self.rank == 0:
+            report = verify_hf_checkpoint(get_hf_model_checkpoint_path(local_path), self.hf_config)
+            verdict = [(report.ok, report.describe())]
+        torch.distributed.broadcast_object_list(verdict, src=0)
+        ok, description = verdict[0]
+        if ok:
+            return
+        if self.strict_hf_verify:
+            raise HFCheckpointIncompleteError(description)
+        if self.rank == 0:
+            warnings.warn(description, stacklevel=2)
+
+    def _write_metadata(self, local_path: str, global_step: int) -> None:
+        if self.transformer_config is not None:
+            fields = {f.name: _json_safe(getattr(self.transformer_config, f.name)) for f in dataclasses.fields(self.transformer_config)}
+            atomic_write_text(get_transformer_config_checkpoint_path(local_path), json.dumps(fields, indent=2))
+        contents = {
+            "format_version": FORMAT_VERSION,
+            "global_step": global_step,
+            "save_contents": self.checkpoint_save_contents,
+            "parallel": current_parallel_layout(),
+            "use_distributed_optimizer": self.use_distributed_optimizer,
+        }
+        atomic_write_text(get_checkpoint_contents_manifest_path(local_path), json.dumps(contents, indent=2))
+        atomic_write_text(os.path.join(local_path, MANIFEST_FILENAME), json.dumps(build_manifest(local_path), indent=2))
+
+    def _apply_retention(self, max_ckpt_to_keep: int | None) -> None:
+        """Delete the oldest saves beyond ``max_ckpt_to_keep``, only now that the new one is complete."""
+        if not max_ckpt_to_keep or max_ckpt_to_keep <= 0 or len(self.previous_saved_paths) <= max_ckpt_to_keep:
+            return
+        stale = self.previous_saved_paths[: -max_ckpt_to_keep]
+        self.previous_saved_paths = self.previous_saved_paths[-max_ckpt_to_keep:]
+        if self.rank == 0:
+            self.remove_previous_save_local_path(stale)
+            for path in stale:
+                parent = os.path.dirname(path.rstrip("/"))
+                if os.path.isdir(parent) and not os.listdir(parent):
+                    os.rmdir(parent)
+        torch.distributed.barrier()
+
+    # ------------------------------------------------------------------ load
+
+    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False):
+        if hdfs_path is not None:
+            raise ValueError("hdfs_path is not supported by this manager; copy the checkpoint to a local path")
+        contents = read_ckpt_contents(local_path)
+        missing = [c for c in self.checkpoint_load_contents if c != "hf_model" and c not in contents["save_contents"]]
+        if missing:
+            raise CheckpointError(
+                f"{local_path} holds {contents['save_contents']} but load_contents asks for {missing}; "
+                "drop them from actor_rollout_ref.actor.checkpoint.load_contents"
+            )
+        start = time.monotonic()
+        if self.should_load_model:
+            self._load_model(local_path)
+        if self.should_load_optimizer:
+            self._load_optimizer(local_path, contents)
+        if self.should_load_extra:
+            self._load_extra(local_path, contents)
+        torch.distributed.barrier()
+        self._log(f"loaded {local_path} ({', '.join(self.checkpoint_load_contents)}) in {time.monotonic() - start:.1f}s")
+
+    def _load_model(self, local_path: str) -> None:
+        state = dist_checkpointing.load(self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path))
+        for index, chunk in enumerate(self.model):
+            if len(self.model) > 1:
+                mpu.set_virtual_pipeline_model_parallel_rank(index)
+            unwrap_model(chunk).load_state_dict(state["model" if len(self.model) == 1 else f"model{index}"])
+
+    def _load_optimizer(self, local_path: str, contents: dict) -> None:
+        saved_do = contents.get("use_distributed_optimizer")
+        if saved_do != self.use_distributed_optimizer:
+            raise CheckpointError(
+                f"{local_path} optimizer state was saved with use_distributed_optimizer={saved_do}, this run uses "
+                f"{self.use_distributed_optimizer}; set actor_rollout_ref.actor.megatron.use_distributed_optimizer="
+                f"{saved_do} or drop 'optimizer' from actor_rollout_ref.actor.checkpoint.load_contents"
+            )
+        _initialize_distributed_optimizer_state(self.optimizer)
+        state = {
+            "optimizer": self.optimizer.sharded_state_dict(
+                self._model_sharded_state_dict(), is_loading=True, metadata=OPTIMIZER_SHARDING_METADATA
+            )
+        }
+        loaded = dist_checkpointing.load(state, get_optimizer_dist_checkpoint_path(local_path))
+        with torch.no_grad():  # the DP-reshardable loader copies into leaf main params in place
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(self.optimizer, loaded["optimizer"])
+        if self.lr_scheduler is not None and self.use_checkpoint_opt_param_scheduler:
+            if "lr_scheduler" not in loaded:
+                raise CheckpointError(f"{get_optimizer_dist_checkpoint_path(local_path)} holds no lr_scheduler state")
+            self.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
+
+    def _load_extra(self, local_path: str, contents: dict) -> None:
+        saved, now = contents["parallel"], current_parallel_layout()
+        if saved != now:
+            # Per-rank RNG streams have no meaning on another layout: start fresh ones, say so.
+            if self.rank == 0:
+                warnings.warn(f"{local_path} was saved at {saved}, this run is {now}: RNG states are not restored", stacklevel=2)
+            return
+        loaded = dist_checkpointing.load({"rng_state": self._rng_sharded_object()}, get_extra_dist_checkpoint_path(local_path))
+        state = loaded["rng_state"]
+        self.load_rng_state(state)
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+    def _timed(self, label: str, fn, *args) -> None:
+        start = time.monotonic()
+        fn(*args)
+        self._log(f"  {label}: {time.monotonic() - start:.2f}s")
+
+    def _log(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"[checkpoint] {message}", flush=True)
+
+
+def _initialize_distributed_optimizer_state(optimizer) -> None:
+    """Give a fresh DistributedOptimizer the Adam state (with 'step') that its load path reads.
+
+    Without apex/TransformerEngine, megatron-core 0.16's DistributedOptimizer.state_dict asserts on
+    an optimizer that never stepped. A step with lr=0 and weight_decay=0 creates the state and
+    leaves every parameter bit-identical; the checkpoint then overwrites the state.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(inner, DistributedOptimizer) or len(inner.optimizer.state) > 0:
+            continue
+        saved = [(group["lr"], group["weight_decay"]) for group in inner.optimizer.param_groups]
+        for group in inner.optimizer.param_groups:
+            group["lr"], group["weight_decay"] = 0.0, 0.0
+        inner._init_optimizer_states_with_dummy_values()
+        for group, (lr, weight_decay) in zip(inner.optimizer.param_groups, saved, strict=True):
+            group["lr"], group["weight_decay"] = lr, weight_decay
+
+
+def _restore_adam_steps(optimizer, loaded: dict) -> None:
+    """Set every parameter's Adam ``step`` of a DistributedOptimizer from the checkpoint, untied.
+
+    Without apex/TE, megatron-core 0.16's loader writes one shared ``step`` tensor into every
+    parameter's state and then overwrites it with the pre-load value from the per-parameter state;
+    torch's Adam would then resume with the wrong bias correction (and bump the shared tensor once
+    per parameter). The step saved in the param groups is the true one.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [loaded[index] for index in range(len(inners))] if len(inners) > 1 else [loaded]
+    for inner, state in zip(inners, states, strict=True):
+        if not isinstance(inner, DistributedOptimizer):
+            continue
+        steps = {group["step"] for group in state["optimizer"]["param_groups"] if "step" in group}
+        if len(steps) != 1:
+            raise CheckpointError(f"distributed optimizer checkpoint holds inconsistent Adam steps {sorted(steps)}")
+        step = float(steps.pop())
+        for param_state in inner.optimizer.state.values():
+            param_state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def build_manifest(local_path: str) -> dict:
+    """Every file of the step (relative path -> size), so a load can tell a damaged step from a whole one."""
+    files = {}
+    for root, _, names in os.walk(local_path):
+        for name in names:
+            if name == MANIFEST_FILENAME:
+                continue
+            full = os.path.join(root, name)
+            files[os.path.relpath(full, local_path)] = os.path.getsize(full)
+    return {"format_version": FORMAT_VERSION, "files": dict(sorted(files.items()))}
+
+
+def read_ckpt_contents(local_path: str) -> dict:
+    """The step's ckpt_contents.json, with a clear error when the step is absent or was never completed."""
+    if not os.path.isdir(local_path):
+        raise FileNotFoundError(f"checkpoint {local_path} does not exist")
+    path = get_checkpoint_contents_manifest_path(local_path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: {local_path} is not a complete checkpoint (interrupted save?)")
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is unreadable ({exc}): the checkpoint is damaged") from exc

@@ -1,0 +1,87 @@
+"""One rank's Megatron actor: HF model -> bridge -> DDP model, optimizer, scheduler, checkpoint manager.
+
+The Ray worker and the tests both drive a rank through this class; parallel state must already be
+initialised on the rank (``ParallelSizes.initialize_megatron``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from verl.models.mcore import load_hf_config, make_bridge
+from verl.models.mcore.forward import forward_logits, train_step
+from verl.models.mcore.model import build_megatron_model
+from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+from verl.utils.megatron.optimizer import get_megatron_optimizer_and_scheduler
+
+
+@dataclasses.dataclass
+class ActorSettings:
+    model_path: str
+    use_distributed_optimizer: bool = False
+    lr: float = 3e-3
+    clip_grad: float = 1.0
+    weight_decay: float = 0.0
+    dtype: torch.dtype = torch.float32
+    save_contents: tuple[str, ...] = ("model", "optimizer", "extra", "hf_model")
+    load_contents: tuple[str, ...] | None = None
+    strict_hf_verify: bool = True
+
+
+class MegatronActor:
+    def __init__(self, settings: ActorSettings, bridge=None, manager_cls: type = MegatronCheckpointManager):
+        """``bridge`` and ``manager_cls`` replace the defaults (tests observe the real bridge through them)."""
+        from transformers import AutoTokenizer
+
+        self.settings = settings
+        self.hf_config = load_hf_config(settings.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+        self.bridge = make_bridge(self.hf_config, dtype=settings.dtype)
+        self.model = build_megatron_model(self.bridge, use_distributed_optimizer=settings.use_distributed_optimizer)
+        self.bridge.load_weights(self.model, settings.model_path)
+        self.optimizer, self.scheduler = get_megatron_optimizer_and_scheduler(
+            self.model,
+            lr=settings.lr,
+            clip_grad=settings.clip_grad,
+            weight_decay=settings.weight_decay,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+        )
+        checkpoint_config = {
+            "save_contents": list(settings.save_contents),
+            "load_contents": list(settings.load_contents or settings.save_contents),
+            "strict_hf_verify": settings.strict_hf_verify,
+        }
+        self.checkpoint_manager = manager_cls(
+            config={"model": {"path": settings.model_path}},
+            checkpoint_config=checkpoint_config,
+            transformer_config=self.bridge.config,
+            model=self.model,
+            hf_config=self.hf_config,
+            processing_class=self.tokenizer,
+            optimizer=self.optimizer,
+            optimizer_scheduler=self.scheduler,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+            bridge=bridge if bridge is not None else self.bridge,
+        )
+
+    def train_step(self, microbatches: list[torch.Tensor]) -> dict:
+        return train_step(self.model, self.optimizer, self.scheduler, microbatches)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return forward_logits(self.model, tokens)
+
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep)
+
+    def load_checkpoint(self, local_path: str) -> None:
+        self.checkpoint_manager.load_checkpoint(local_path)
+
+    def parameters_snapshot(self) -> dict[str, torch.Tensor]:
+        """Clones of this rank's parameters by name (to compare runs bit for bit)."""
+        return {
+            f"{index}.{name}": param.detach().clone()
+            for index, chunk in enumerate(self.model)
+            for name, param in chunk.named_parameters()
+        }
