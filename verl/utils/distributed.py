@@ -123,14 +123,40 @@ def run_on_ranks(
     ]
     for proc in procs:
         proc.start()
+    ok = False
     try:
-        return _collect(procs, results, timeout_s)
+        values = _collect(procs, results, timeout_s)
+        ok = True
+        return values
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in procs:
-            proc.join(timeout=10)
+        _stop(procs, grace_s=30.0 if ok else 0.0)
+
+
+def _stop(procs: list, grace_s: float) -> None:
+    """Let finished ranks exit on their own, then kill what is left with all its descendants.
+
+    Killing a rank alone would orphan the processes megatron's dist-checkpoint writer started.
+    """
+    import psutil
+
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if not proc.is_alive():
+            continue
+        try:
+            family = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            family = []
+        proc.kill()
+        for child in family:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+    for proc in procs:
+        proc.join(timeout=10)
 
 
 def _collect(procs: list, results, timeout_s: float) -> list[Any]:
