@@ -31,8 +31,9 @@ class ActorSettings:
 
 
 class MegatronActor:
-    def __init__(self, settings: ActorSettings, bridge=None, manager_cls: type = MegatronCheckpointManager):
-        """``bridge`` and ``manager_cls`` replace the defaults (tests observe the real bridge through them)."""
+    def __init__(self, settings: ActorSettings, wrap_bridge=None, manager_cls: type = MegatronCheckpointManager):
+        """``wrap_bridge(bridge)`` gives the object the manager saves HF weights through (tests observe
+        the real bridge with it); ``manager_cls`` replaces the checkpoint manager class."""
         from transformers import AutoTokenizer
 
         self.settings = settings
@@ -63,7 +64,7 @@ class MegatronActor:
             optimizer=self.optimizer,
             optimizer_scheduler=self.scheduler,
             use_distributed_optimizer=settings.use_distributed_optimizer,
-            bridge=bridge if bridge is not None else self.bridge,
+            bridge=wrap_bridge(self.bridge) if wrap_bridge is not None else self.bridge,
         )
 
     def train_step(self, microbatches: list[torch.Tensor]) -> dict:
@@ -77,6 +78,10 @@ class MegatronActor:
 
     def load_checkpoint(self, local_path: str) -> None:
         self.checkpoint_manager.load_checkpoint(local_path)
+
+    def export_hf(self, path: str) -> None:
+        """Write the current weights as an HF folder through the bridge (all ranks take part)."""
+        self.bridge.save_weights(self.model, path)
 
     def parameters_snapshot(self) -> dict[str, torch.Tensor]:
         """Clones of this rank's parameters by name (to compare runs bit for bit)."""

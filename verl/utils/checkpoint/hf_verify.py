@@ -35,7 +35,7 @@ class HFVerifyReport:
     def ok(self) -> bool:
         return not (self.missing or self.unexpected or self.wrong_shape or self.index_problems)
 
-    def describe(self, limit: int = 20) -> str:
+    def describe(self, limit: int = 200) -> str:
         if self.ok:
             return f"{self.path}: all {self.expected} tensors present with the expected shapes"
         parts = [f"HF checkpoint {self.path} is incomplete ({self.found} of {self.expected} expected tensors found):"]
@@ -83,9 +83,11 @@ def read_saved_tensors(path: str) -> tuple[dict[str, tuple[int, ...]], list[str]
     if os.path.exists(index_file):
         with open(index_file) as handle:
             weight_map = json.load(handle).get("weight_map", {})
+        on_disk = {os.path.basename(f) for f in files}
+        problems.extend(f"index names {file}, which does not exist" for file in sorted(set(weight_map.values()) - on_disk))
         for name, file in sorted(weight_map.items()):
-            if file_of.get(name) != file:
-                problems.append(f"index maps {name} to {file}, which does not hold it")
+            if name in file_of and file_of[name] != file:
+                problems.append(f"index maps {name} to {file}, but it is in {file_of[name]}")
         problems.extend(f"{name} is in {file_of[name]} but not in the index" for name in sorted(set(file_of) - set(weight_map)))
     return shapes, problems
 

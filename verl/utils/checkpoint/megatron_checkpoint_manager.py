@@ -28,6 +28,7 @@ from megatron.core.utils import unwrap_model
 
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, _config_get
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
+from verl.utils.checkpoint.megatron_optimizer_state import load_optimizer_state, optimizer_state_for_save
 from verl.utils.fs import atomic_write_text
 from verl.utils.megatron_utils import (
     get_checkpoint_contents_manifest_path,
@@ -39,10 +40,6 @@ from verl.utils.megatron_utils import (
 )
 
 MANIFEST_FILENAME = "manifest.json"
-# How the distributed optimizer's state is laid out on disk (ignored by the non-distributed one, whose
-# state is always per parameter and loads at any layout). "fully_reshardable" cannot load into
-# torch's Adam (no apex/TE: a per-parameter "step" it does not save), so the DP-reshardable form it is.
-OPTIMIZER_SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
 FORMAT_VERSION = 1
 
 
@@ -179,11 +176,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if self.should_save_model:
             dist_checkpointing.save(self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path))
         if self.should_save_optimizer:
-            state = {
-                "optimizer": self.optimizer.sharded_state_dict(
-                    self._model_sharded_state_dict(), metadata=OPTIMIZER_SHARDING_METADATA
-                )
-            }
+            state = optimizer_state_for_save(self.optimizer, self._model_sharded_state_dict(), self.use_distributed_optimizer)
             if self.lr_scheduler is not None:
                 state["lr_scheduler"] = self.lr_scheduler.state_dict()
             dist_checkpointing.save(state, get_optimizer_dist_checkpoint_path(local_path))
@@ -288,16 +281,23 @@ class MegatronCheckpointManager(BaseCheckpointManager):
                 f"{self.use_distributed_optimizer}; set actor_rollout_ref.actor.megatron.use_distributed_optimizer="
                 f"{saved_do} or drop 'optimizer' from actor_rollout_ref.actor.checkpoint.load_contents"
             )
-        _initialize_distributed_optimizer_state(self.optimizer)
-        state = {
-            "optimizer": self.optimizer.sharded_state_dict(
-                self._model_sharded_state_dict(), is_loading=True, metadata=OPTIMIZER_SHARDING_METADATA
-            )
-        }
-        loaded = dist_checkpointing.load(state, get_optimizer_dist_checkpoint_path(local_path))
-        with torch.no_grad():  # the DP-reshardable loader copies into leaf main params in place
-            self.optimizer.load_state_dict(loaded["optimizer"])
-        _restore_adam_steps(self.optimizer, loaded["optimizer"])
+        if self.use_distributed_optimizer:
+            saved = {k: v for k, v in contents["parallel"].items() if k != "world_size"}
+            now = {k: v for k, v in current_parallel_layout().items() if k != "world_size"}
+            if saved != now:
+                raise CheckpointError(
+                    f"{local_path} holds distributed-optimizer state saved at {saved}; it loads only at the same "
+                    f"TP/PP/EP/ETP/CP, this run is {now}. Load the model alone (drop 'optimizer' from "
+                    "actor_rollout_ref.actor.checkpoint.load_contents), or save with "
+                    "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False, whose optimizer state "
+                    "loads at any layout."
+                )
+        loaded = load_optimizer_state(
+            self.optimizer,
+            self._model_sharded_state_dict,
+            get_optimizer_dist_checkpoint_path(local_path),
+            self.use_distributed_optimizer,
+        )
         if self.lr_scheduler is not None and self.use_checkpoint_opt_param_scheduler:
             if "lr_scheduler" not in loaded:
                 raise CheckpointError(f"{get_optimizer_dist_checkpoint_path(local_path)} holds no lr_scheduler state")
@@ -323,49 +323,6 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     def _log(self, message: str) -> None:
         if self.rank == 0:
             print(f"[checkpoint] {message}", flush=True)
-
-
-def _initialize_distributed_optimizer_state(optimizer) -> None:
-    """Give a fresh DistributedOptimizer the Adam state (with 'step') that its load path reads.
-
-    Without apex/TransformerEngine, megatron-core 0.16's DistributedOptimizer.state_dict asserts on
-    an optimizer that never stepped. A step with lr=0 and weight_decay=0 creates the state and
-    leaves every parameter bit-identical; the checkpoint then overwrites the state.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(inner, DistributedOptimizer) or len(inner.optimizer.state) > 0:
-            continue
-        saved = [(group["lr"], group["weight_decay"]) for group in inner.optimizer.param_groups]
-        for group in inner.optimizer.param_groups:
-            group["lr"], group["weight_decay"] = 0.0, 0.0
-        inner._init_optimizer_states_with_dummy_values()
-        for group, (lr, weight_decay) in zip(inner.optimizer.param_groups, saved, strict=True):
-            group["lr"], group["weight_decay"] = lr, weight_decay
-
-
-def _restore_adam_steps(optimizer, loaded: dict) -> None:
-    """Set every parameter's Adam ``step`` of a DistributedOptimizer from the checkpoint, untied.
-
-    Without apex/TE, megatron-core 0.16's loader writes one shared ``step`` tensor into every
-    parameter's state and then overwrites it with the pre-load value from the per-parameter state;
-    torch's Adam would then resume with the wrong bias correction (and bump the shared tensor once
-    per parameter). The step saved in the param groups is the true one.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    inners = getattr(optimizer, "chained_optimizers", [optimizer])
-    states = [loaded[index] for index in range(len(inners))] if len(inners) > 1 else [loaded]
-    for inner, state in zip(inners, states, strict=True):
-        if not isinstance(inner, DistributedOptimizer):
-            continue
-        steps = {group["step"] for group in state["optimizer"]["param_groups"] if "step" in group}
-        if len(steps) != 1:
-            raise CheckpointError(f"distributed optimizer checkpoint holds inconsistent Adam steps {sorted(steps)}")
-        step = float(steps.pop())
-        for param_state in inner.optimizer.state.values():
-            param_state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 def build_manifest(local_path: str) -> dict:
