@@ -26,10 +26,21 @@ from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 
-from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, _config_get
+from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, _config_get, get_checkpoint_tracker_filename
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
+from verl.utils.checkpoint.integrity import (
+    FORMAT_VERSION,
+    MANIFEST_FILENAME,
+    STAGING_SUFFIX,
+    CheckpointError,
+    build_manifest,
+    check_model_identity,
+    fsync_tree,
+    read_ckpt_contents,
+    verify_manifest,
+)
 from verl.utils.checkpoint.megatron_optimizer_state import load_optimizer_state, optimizer_state_for_save
-from verl.utils.fs import atomic_write_text
+from verl.utils.fs import atomic_write_text, fsync_dir
 from verl.utils.megatron_utils import (
     get_checkpoint_contents_manifest_path,
     get_extra_dist_checkpoint_path,
@@ -38,13 +49,6 @@ from verl.utils.megatron_utils import (
     get_optimizer_dist_checkpoint_path,
     get_transformer_config_checkpoint_path,
 )
-
-MANIFEST_FILENAME = "manifest.json"
-FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; the message names the file and the cause."""
 
 
 def current_parallel_layout() -> dict[str, int]:
@@ -122,31 +126,56 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     # ------------------------------------------------------------------ save
 
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None):
+        """Save into ``<local_path>.incomplete``; rename it to ``local_path`` only once every part is done."""
         if hdfs_path is not None:
             raise ValueError("hdfs_path is not supported by this manager; copy the local checkpoint yourself")
         start = time.monotonic()
         self.previous_global_step = global_step
-        self._prepare_directory(local_path)
-        self._timed("dist checkpoints", self._save_dist_checkpoints, local_path)
-        if self.should_save_model or self.should_save_hf_model:
+        staging = local_path.rstrip("/") + STAGING_SUFFIX
+        try:
+            self._save_parts(staging, global_step)
+        except OSError as exc:
             if self.rank == 0:
-                self._timed("HF config + tokenizer", self._save_hf_config_and_tokenizer, local_path)
-            self._hf_config_barrier()
-        if self.should_save_hf_model:
-            self._timed("HF weights", self._save_model_as_hf_via_bridge, local_path)
-            self._timed("HF verification", self._verify_hf_model, local_path)
+                shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointError(
+                f"saving step {global_step} to {local_path} failed: {exc}. Nothing was committed; the previous "
+                "checkpoint and the tracker are unchanged."
+            ) from exc
+        self._enter_phase("commit")
         if self.rank == 0:
-            self._write_metadata(local_path, global_step)
+            self._commit(staging, local_path)
         torch.distributed.barrier()
         self._log(f"saved step {global_step} to {local_path} in {time.monotonic() - start:.1f}s")
         self.previous_saved_paths.append(local_path)
         self._apply_retention(max_ckpt_to_keep)
 
-    def _prepare_directory(self, local_path: str) -> None:
-        """An existing folder for this step is a stale, superseded attempt: start it afresh."""
+    def _save_parts(self, staging: str, global_step: int) -> None:
+        self._prepare_directory(staging)
+        self._enter_phase("dist_checkpoint")
+        self._timed("dist checkpoints", self._save_dist_checkpoints, staging)
+        self._enter_phase("after_dist_checkpoint")
+        if self.should_save_model or self.should_save_hf_model:
+            if self.rank == 0:
+                self._enter_phase("hf_config")
+                self._timed("HF config + tokenizer", self._save_hf_config_and_tokenizer, staging)
+            self._hf_config_barrier()
+        if self.should_save_hf_model:
+            self._enter_phase("hf_weights")
+            self._timed("HF weights", self._save_model_as_hf_via_bridge, staging)
+            self._enter_phase("hf_verify")
+            self._timed("HF verification", self._verify_hf_model, staging)
         if self.rank == 0:
-            if os.path.exists(local_path):
-                shutil.rmtree(local_path)
+            self._write_metadata(staging, global_step)
+        torch.distributed.barrier()
+
+    def _enter_phase(self, phase: str) -> None:
+        """Called as each save phase starts; the crash-injection tests hook in here."""
+
+    def _prepare_directory(self, staging: str) -> None:
+        """A leftover staging directory is an interrupted attempt: start it afresh."""
+        if self.rank == 0:
+            if os.path.exists(staging):
+                shutil.rmtree(staging)
             # The path helpers create the directories (upstream behaviour).
             for make_path in (
                 get_model_dist_checkpoint_path,
@@ -154,8 +183,22 @@ class MegatronCheckpointManager(BaseCheckpointManager):
                 get_extra_dist_checkpoint_path,
                 get_hf_model_checkpoint_path,
             ):
-                make_path(local_path)
+                make_path(staging)
         torch.distributed.barrier()
+
+    @staticmethod
+    def _commit(staging: str, local_path: str) -> None:
+        """Make the staged step durable, then visible in one rename (an older copy goes only after)."""
+        fsync_tree(staging)
+        superseded = None
+        if os.path.exists(local_path):
+            superseded = local_path.rstrip("/") + ".superseded"
+            shutil.rmtree(superseded, ignore_errors=True)
+            os.replace(local_path, superseded)
+        os.replace(staging, local_path)
+        fsync_dir(os.path.dirname(os.path.abspath(local_path)))
+        if superseded:
+            shutil.rmtree(superseded, ignore_errors=True)
 
     def _model_sharded_state_dict(self) -> dict:
         state = {}
@@ -228,17 +271,24 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             "use_distributed_optimizer": self.use_distributed_optimizer,
         }
         atomic_write_text(get_checkpoint_contents_manifest_path(local_path), json.dumps(contents, indent=2))
+        # Last: the manifest covers every other file of the step.
         atomic_write_text(os.path.join(local_path, MANIFEST_FILENAME), json.dumps(build_manifest(local_path), indent=2))
 
     def _apply_retention(self, max_ckpt_to_keep: int | None) -> None:
-        """Delete the oldest saves beyond ``max_ckpt_to_keep``, only now that the new one is complete."""
+        """Delete the oldest saves beyond ``max_ckpt_to_keep``, now that the new one is committed.
+
+        The step the tracker names is never deleted, even when it is among the oldest.
+        """
         if not max_ckpt_to_keep or max_ckpt_to_keep <= 0 or len(self.previous_saved_paths) <= max_ckpt_to_keep:
             return
-        stale = self.previous_saved_paths[: -max_ckpt_to_keep]
-        self.previous_saved_paths = self.previous_saved_paths[-max_ckpt_to_keep:]
+        stale = self.previous_saved_paths[:-max_ckpt_to_keep]
+        protected = {os.path.abspath(p) for p in (_tracked_step_path(p) for p in stale) if p}
+        self.previous_saved_paths = [p for p in stale if os.path.abspath(p) in protected] + self.previous_saved_paths[-max_ckpt_to_keep:]
         if self.rank == 0:
-            self.remove_previous_save_local_path(stale)
             for path in stale:
+                if os.path.abspath(path) in protected:
+                    continue
+                self.remove_previous_save_local_path(path)
                 parent = os.path.dirname(path.rstrip("/"))
                 if os.path.isdir(parent) and not os.listdir(parent):
                     os.rmdir(parent)
@@ -249,6 +299,15 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False):
         if hdfs_path is not None:
             raise ValueError("hdfs_path is not supported by this manager; copy the checkpoint to a local path")
+        verdict = [None]
+        if self.rank == 0:
+            try:
+                self._validate_for_load(local_path)
+            except (CheckpointError, FileNotFoundError, HFCheckpointIncompleteError) as exc:
+                verdict = [f"{type(exc).__name__}: {exc}"]
+        torch.distributed.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise CheckpointError(f"cannot load {local_path}; nothing was loaded. {verdict[0]}")
         contents = read_ckpt_contents(local_path)
         missing = [c for c in self.checkpoint_load_contents if c != "hf_model" and c not in contents["save_contents"]]
         if missing:
@@ -265,6 +324,17 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             self._load_extra(local_path, contents)
         torch.distributed.barrier()
         self._log(f"loaded {local_path} ({', '.join(self.checkpoint_load_contents)}) in {time.monotonic() - start:.1f}s")
+
+    def _validate_for_load(self, local_path: str) -> None:
+        """Rank 0, before anything loads: the step is whole, of this model, and its HF folder complete."""
+        contents = read_ckpt_contents(local_path)
+        verify_manifest(local_path)
+        if self.transformer_config is not None:
+            check_model_identity(local_path, self.transformer_config)
+        if "hf_model" in contents.get("save_contents", []):
+            report = verify_hf_checkpoint(get_hf_model_checkpoint_path(local_path), self.hf_config)
+            if not report.ok:
+                raise HFCheckpointIncompleteError(report.describe())
 
     def _load_model(self, local_path: str) -> None:
         state = dist_checkpointing.load(self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path))
@@ -325,27 +395,13 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             print(f"[checkpoint] {message}", flush=True)
 
 
-def build_manifest(local_path: str) -> dict:
-    """Every file of the step (relative path -> size), so a load can tell a damaged step from a whole one."""
-    files = {}
-    for root, _, names in os.walk(local_path):
-        for name in names:
-            if name == MANIFEST_FILENAME:
-                continue
-            full = os.path.join(root, name)
-            files[os.path.relpath(full, local_path)] = os.path.getsize(full)
-    return {"format_version": FORMAT_VERSION, "files": dict(sorted(files.items()))}
-
-
-def read_ckpt_contents(local_path: str) -> dict:
-    """The step's ckpt_contents.json, with a clear error when the step is absent or was never completed."""
-    if not os.path.isdir(local_path):
-        raise FileNotFoundError(f"checkpoint {local_path} does not exist")
-    path = get_checkpoint_contents_manifest_path(local_path)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: {local_path} is not a complete checkpoint (interrupted save?)")
-    try:
-        with open(path) as handle:
-            return json.load(handle)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} is unreadable ({exc}): the checkpoint is damaged") from exc
+def _tracked_step_path(step_path: str) -> str | None:
+    """The ``global_step_N/<role>`` path the tracker above ``step_path`` names, if there is one."""
+    role = os.path.basename(step_path.rstrip("/"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(step_path)))
+    tracker = get_checkpoint_tracker_filename(root)
+    if not os.path.exists(tracker):
+        return None
+    with open(tracker) as handle:
+        text = handle.read().strip()
+    return os.path.join(root, f"global_step_{text}", role) if text.isdigit() else None

@@ -1,0 +1,158 @@
+"""Is a checkpoint step whole, and which one does a resume take?
+
+A step is committed by renaming its staging directory (``<actor>.incomplete``) into place after
+every rank finished every part; its ``manifest.json`` (written last, inside the staging directory)
+lists every file with its size. A load checks the manifest first, so a truncated shard, a deleted
+metadata file or a foreign model fails with the file and the cause named, before anything loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs
+
+MANIFEST_FILENAME = "manifest.json"
+CONTENTS_FILENAME = "ckpt_contents.json"
+TRANSFORMER_CONFIG_FILENAME = "transformer_config.json"
+STAGING_SUFFIX = ".incomplete"
+FORMAT_VERSION = 1
+# TransformerConfig fields that make two models incompatible (a checkpoint of one cannot load into the other).
+MODEL_IDENTITY_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "num_moe_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "qk_layernorm",
+    "gated_linear_unit",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the file and the cause."""
+
+
+def build_manifest(step_path: str) -> dict:
+    """Every file of the step (relative path -> size)."""
+    files = {}
+    for root, _, names in os.walk(step_path):
+        for name in names:
+            if name == MANIFEST_FILENAME:
+                continue
+            full = os.path.join(root, name)
+            files[os.path.relpath(full, step_path)] = os.path.getsize(full)
+    return {"format_version": FORMAT_VERSION, "files": dict(sorted(files.items()))}
+
+
+def fsync_tree(path: str) -> None:
+    """Flush every file and directory under ``path`` to disk, so a rename commits durable data."""
+    for root, dirs, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for name in [*dirs, "."]:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _read_json(path: str, what: str) -> dict:
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: the checkpoint is not complete (interrupted save?) or was damaged")
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} ({what}) is unreadable: {exc}") from exc
+
+
+def read_ckpt_contents(step_path: str) -> dict:
+    """The step's ckpt_contents.json, with a clear error when the step is absent or not a directory."""
+    if not os.path.exists(step_path):
+        raise FileNotFoundError(f"checkpoint {step_path} does not exist")
+    if not os.path.isdir(step_path):
+        raise CheckpointError(f"checkpoint {step_path} is not a directory")
+    return _read_json(os.path.join(step_path, CONTENTS_FILENAME), "checkpoint contents")
+
+
+def verify_manifest(step_path: str) -> None:
+    """Every file the manifest lists exists with its recorded size."""
+    manifest = _read_json(os.path.join(step_path, MANIFEST_FILENAME), "manifest")
+    problems = []
+    for relative, size in manifest.get("files", {}).items():
+        full = os.path.join(step_path, relative)
+        if not os.path.isfile(full):
+            problems.append(f"{full} is missing")
+        elif os.path.getsize(full) != size:
+            problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest says {size} (truncated or overwritten)")
+    if problems:
+        raise CheckpointError(f"checkpoint {step_path} is damaged:\n  - " + "\n  - ".join(problems))
+
+
+def check_model_identity(step_path: str, transformer_config) -> None:
+    """The step was saved from the same model architecture as ``transformer_config``."""
+    saved = _read_json(os.path.join(step_path, TRANSFORMER_CONFIG_FILENAME), "transformer config")
+    differences = [
+        f"{field}: checkpoint {saved.get(field)!r}, this model {getattr(transformer_config, field, None)!r}"
+        for field in MODEL_IDENTITY_FIELDS
+        if field in saved and saved.get(field) != getattr(transformer_config, field, None)
+    ]
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {step_path} is of a different model; set actor_rollout_ref.model.path to the model it was "
+            "trained from, or point trainer.resume_from_path at a checkpoint of this model:\n  - " + "\n  - ".join(differences)
+        )
+
+
+def is_complete(step_path: str) -> bool:
+    try:
+        read_ckpt_contents(step_path)
+        verify_manifest(step_path)
+    except (CheckpointError, FileNotFoundError):
+        return False
+    return True
+
+
+def find_resume_checkpoint(root: str, role: str = "actor") -> tuple[str | None, list[str]]:
+    """The step directory (``.../global_step_N/<role>``) a ``resume_mode=auto`` run loads, and notes.
+
+    The tracker names the step. A tracker that names a missing or damaged step is an error (nothing
+    is deleted); incomplete staging directories and committed steps newer than the tracker are
+    reported in the notes and skipped. No tracker: no resume.
+    """
+    notes = []
+    for step, step_dir in list_step_dirs(root):
+        staging = os.path.join(step_dir, role + STAGING_SUFFIX)
+        if os.path.isdir(staging):
+            notes.append(f"skipping {staging}: an interrupted save of step {step}")
+    tracker = get_checkpoint_tracker_filename(root)
+    if not os.path.exists(tracker):
+        return None, notes
+    with open(tracker) as handle:
+        text = handle.read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"checkpoint tracker {tracker} is corrupt: expected a step number, found {text[:50]!r}")
+    tracked = int(text)
+    path = os.path.join(root, f"global_step_{tracked}", role)
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"checkpoint tracker {tracker} names step {tracked}, but {path} does not exist; restore it, or set "
+            "trainer.resume_mode=disable or trainer.resume_from_path=<a complete step>"
+        )
+    read_ckpt_contents(path)
+    verify_manifest(path)
+    for step, step_dir in list_step_dirs(root):
+        if step > tracked and is_complete(os.path.join(step_dir, role)):
+            notes.append(f"skipping step {step}: committed but never tracked (the run stopped before the tracker was written)")
+    return path, notes
