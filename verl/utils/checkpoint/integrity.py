@@ -150,9 +150,26 @@ def find_resume_checkpoint(root: str, role: str = "actor") -> tuple[str | None, 
             f"checkpoint tracker {tracker} names step {tracked}, but {path} does not exist; restore it, or set "
             "trainer.resume_mode=disable or trainer.resume_from_path=<a complete step>"
         )
-    read_ckpt_contents(path)
-    verify_manifest(path)
+    verify_checkpoint(path)
     for step, step_dir in list_step_dirs(root):
         if step > tracked and is_complete(os.path.join(step_dir, role)):
             notes.append(f"skipping step {step}: committed but never tracked (the run stopped before the tracker was written)")
     return path, notes
+
+
+def verify_checkpoint(step_path: str, transformer_config=None, hf_config=None) -> dict:
+    """Everything a load checks before touching a tensor; returns the step's contents.
+
+    Raises CheckpointError (or FileNotFoundError) naming the file and the cause.
+    """
+    from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
+
+    contents = read_ckpt_contents(step_path)
+    verify_manifest(step_path)
+    if transformer_config is not None:
+        check_model_identity(step_path, transformer_config)
+    if "hf_model" in contents.get("save_contents", []):
+        report = verify_hf_checkpoint(os.path.join(step_path, "model", "huggingface"), hf_config)
+        if not report.ok:
+            raise CheckpointError(report.describe())
+    return contents

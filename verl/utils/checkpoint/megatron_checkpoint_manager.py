@@ -25,6 +25,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, _config_get, get_checkpoint_tracker_filename
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
@@ -34,10 +35,9 @@ from verl.utils.checkpoint.integrity import (
     STAGING_SUFFIX,
     CheckpointError,
     build_manifest,
-    check_model_identity,
     fsync_tree,
     read_ckpt_contents,
-    verify_manifest,
+    verify_checkpoint,
 )
 from verl.utils.checkpoint.megatron_optimizer_state import load_optimizer_state, optimizer_state_for_save
 from verl.utils.fs import atomic_write_text, fsync_dir
@@ -134,12 +134,15 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         staging = local_path.rstrip("/") + STAGING_SUFFIX
         try:
             self._save_parts(staging, global_step)
-        except OSError as exc:
+        except (Exception, DistributedCheckpointException) as exc:  # the latter derives from BaseException
             if self.rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(exc, HFCheckpointIncompleteError):
+                raise
+            cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             raise CheckpointError(
-                f"saving step {global_step} to {local_path} failed: {exc}. Nothing was committed; the previous "
-                "checkpoint and the tracker are unchanged."
+                f"saving step {global_step} to {local_path} failed ({type(exc).__name__}: {cause}). Nothing was "
+                "committed; the previous checkpoint and the tracker are unchanged."
             ) from exc
         self._enter_phase("commit")
         if self.rank == 0:
@@ -218,6 +221,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         # dist_checkpointing.save consumes the sharded state dict it is given: build one per save.
         if self.should_save_model:
             dist_checkpointing.save(self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path))
+        self._enter_phase("dist_checkpoint_optimizer")
         if self.should_save_optimizer:
             state = optimizer_state_for_save(self.optimizer, self._model_sharded_state_dict(), self.use_distributed_optimizer)
             if self.lr_scheduler is not None:
@@ -327,14 +331,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
 
     def _validate_for_load(self, local_path: str) -> None:
         """Rank 0, before anything loads: the step is whole, of this model, and its HF folder complete."""
-        contents = read_ckpt_contents(local_path)
-        verify_manifest(local_path)
-        if self.transformer_config is not None:
-            check_model_identity(local_path, self.transformer_config)
-        if "hf_model" in contents.get("save_contents", []):
-            report = verify_hf_checkpoint(get_hf_model_checkpoint_path(local_path), self.hf_config)
-            if not report.ok:
-                raise HFCheckpointIncompleteError(report.describe())
+        verify_checkpoint(local_path, self.transformer_config, self.hf_config)
 
     def _load_model(self, local_path: str) -> None:
         state = dist_checkpointing.load(self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path))

@@ -1,0 +1,338 @@
+"""Crash-safe lifecycle: atomic commit, resume from the last complete step, retention, bad checkpoints."""
+
+import json
+import os
+import resource
+import shutil
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
+from verl.utils.checkpoint.integrity import (
+    CheckpointError,
+    build_manifest,
+    find_resume_checkpoint,
+    verify_checkpoint,
+)
+from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+from verl.utils.distributed import RankFailure, run_on_ranks
+from verl.utils.fs import atomic_write_text
+from verl.utils.megatron.parallel import ParallelSizes
+
+LAYOUT = ParallelSizes(ep=2, etp=1)  # 2 ranks: MoE with expert parallel, dense data parallel
+WORLD = 2
+
+
+def _batches(seed: int) -> list[torch.Tensor]:
+    data = torch.randint(4, 90, (4, 17), generator=torch.Generator().manual_seed(seed))
+    return [data[:2], data[2:]]
+
+
+def _actor(src: str, manager_cls=MegatronCheckpointManager):
+    from verl.workers.megatron_actor import ActorSettings, MegatronActor
+
+    return MegatronActor(ActorSettings(model_path=src), manager_cls=manager_cls)
+
+
+def _step_path(root: str, step: int) -> str:
+    return os.path.join(root, f"global_step_{step}", "actor")
+
+
+def _write_tracker(root: str, step: int) -> None:
+    if torch.distributed.get_rank() == 0:
+        atomic_write_text(get_checkpoint_tracker_filename(root), str(step))
+    torch.distributed.barrier()
+
+
+def _tracked(root: str) -> str:
+    with open(get_checkpoint_tracker_filename(root)) as handle:
+        return handle.read().strip()
+
+
+def _save_first_step(src: str, root: str) -> None:
+    actor = _actor(src)
+    actor.train_step(_batches(0))
+    actor.save_checkpoint(_step_path(root, 1), global_step=1)
+    _write_tracker(root, 1)
+
+
+@pytest.fixture(scope="module")
+def base_root(tiny_moe_path, tmp_path_factory) -> str:
+    """A run directory holding one complete, tracked step (global_step_1)."""
+    root = str(tmp_path_factory.mktemp("base_run"))
+    run_on_ranks(_save_first_step, WORLD, LAYOUT, args=(tiny_moe_path, root))
+    return root
+
+
+def _copy_run(base_root: str, tmp_path) -> str:
+    root = str(tmp_path / "run")
+    shutil.copytree(base_root, root)
+    return root
+
+
+def _files(root: str) -> set:
+    return {os.path.join(d, f) for d, _, names in os.walk(root) for f in names}
+
+
+# --------------------------------------------------------------------------- crash injection
+
+PHASES = ["dist_checkpoint_optimizer", "after_dist_checkpoint", "hf_config", "hf_weights", "hf_verify", "commit", "tracker"]
+
+
+def _crashing_manager(phase: str, mode: str) -> type:
+    class CrashingManager(MegatronCheckpointManager):
+        """SIGKILLs rank 1 (mode 'one'; rank 0 for rank-0-only phases) or every rank ('all') at ``phase``."""
+
+        def _enter_phase(self, name):
+            if name != phase:
+                return
+            victims = {0, 1} if mode == "all" else ({0} if phase == "hf_config" else {1})
+            if self.rank in victims:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def _hf_config_barrier(self):
+            if self.rank != 0:  # in 'all' mode the ranks waiting for rank 0's config die there
+                self._enter_phase("hf_config")
+            super()._hf_config_barrier()
+
+    return CrashingManager
+
+
+def _resume_then_crash(src: str, root: str, phase: str, mode: str) -> None:
+    path, _ = find_resume_checkpoint(root)
+    actor = _actor(src, manager_cls=_crashing_manager(phase, mode))
+    actor.load_checkpoint(path)
+    actor.train_step(_batches(1))
+    actor.save_checkpoint(_step_path(root, 2), global_step=2)
+    if phase == "tracker" and (mode == "all" or actor.checkpoint_manager.rank == 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+    _write_tracker(root, 2)
+
+
+def _resume_and_continue(src: str, root: str) -> tuple[str, list[str], float]:
+    path, notes = find_resume_checkpoint(root)
+    actor = _actor(src)
+    actor.load_checkpoint(path)
+    loss = actor.train_step(_batches(1))["loss"]
+    actor.save_checkpoint(_step_path(root, 2), global_step=2)
+    _write_tracker(root, 2)
+    return path, notes, loss
+
+
+@pytest.mark.parametrize("mode", ["one", "all"])
+@pytest.mark.parametrize("phase", PHASES)
+def test_sigkill_in_any_phase_keeps_the_previous_step(tiny_moe_path, base_root, tmp_path, phase, mode):
+    root = _copy_run(base_root, tmp_path)
+    with pytest.raises(RankFailure, match="died with exit code -9"):
+        run_on_ranks(_resume_then_crash, WORLD, LAYOUT, args=(tiny_moe_path, root, phase, mode), timeout_s=240)
+    assert _tracked(root) == "1"
+    if phase != "tracker":
+        assert not os.path.exists(_step_path(root, 2)), "a crashed save must not leave a visible step"
+    path, notes, loss = run_on_ranks(_resume_and_continue, WORLD, LAYOUT, args=(tiny_moe_path, root))[0]
+    assert path == _step_path(root, 1)
+    if phase == "tracker":
+        assert any("never tracked" in note for note in notes)
+    assert loss == loss  # finite: training continued
+    assert _tracked(root) == "2"
+    verify_checkpoint(_step_path(root, 2))
+    assert not os.path.exists(_step_path(root, 2) + ".incomplete")
+
+
+# --------------------------------------------------------------------------- write failures
+
+
+def _save_with_a_full_disk(src: str, root: str) -> str:
+    path, _ = find_resume_checkpoint(root)
+    actor = _actor(src)
+    actor.load_checkpoint(path)
+    actor.train_step(_batches(1))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        actor.save_checkpoint(_step_path(root, 2), global_step=2)
+        message = "no error"
+    except CheckpointError as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    torch.distributed.barrier()
+    intact = os.path.exists(_step_path(root, 1)) and not os.path.exists(_step_path(root, 2))
+    actor.save_checkpoint(_step_path(root, 2), global_step=2)  # with space again, the next save succeeds
+    _write_tracker(root, 2)
+    return message, intact
+
+
+def test_disk_full_fails_clearly_and_loses_nothing(tiny_moe_path, base_root, tmp_path):
+    root = _copy_run(base_root, tmp_path)
+    results = run_on_ranks(_save_with_a_full_disk, WORLD, LAYOUT, args=(tiny_moe_path, root))
+    for message, intact in results:
+        assert "failed" in message and "previous checkpoint and the tracker are unchanged" in message, message
+        assert intact
+    assert _tracked(root) == "2"
+    verify_checkpoint(_step_path(root, 1))
+    verify_checkpoint(_step_path(root, 2))
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def test_retention_never_deletes_the_tracked_step(tiny_moe_path, base_root, tmp_path):
+    root = _copy_run(base_root, tmp_path)
+    # max_ckpt_to_keep=1: after step 2 the tracker still names step 1, which must survive;
+    # after step 3 (tracker at 2) step 2 survives the save and goes only once step 3 is tracked.
+    actor_history = run_on_ranks(_save_steps_with_retention_from_one, WORLD, LAYOUT, args=(tiny_moe_path, root))[0]
+    assert actor_history[0] == ["global_step_1", "global_step_2"]
+    assert actor_history[1] == ["global_step_2", "global_step_3"]
+    assert _tracked(root) == "3"
+
+
+def _save_steps_with_retention_from_one(src: str, root: str) -> list[list[str]]:
+    actor = _actor(src)
+    actor.checkpoint_manager.previous_saved_paths.append(_step_path(root, 1))  # what a resumed run knows
+    seen = []
+    for step in (2, 3):
+        actor.train_step(_batches(step))
+        actor.save_checkpoint(_step_path(root, step), global_step=step, max_ckpt_to_keep=1)
+        seen.append(sorted(d for d in os.listdir(root) if d.startswith("global_step_")))
+        _write_tracker(root, step)
+    return seen
+
+
+# --------------------------------------------------------------------------- bad checkpoints
+
+
+def _rewrite_manifest(step: str) -> None:
+    with open(os.path.join(step, "manifest.json"), "w") as handle:
+        json.dump(build_manifest(step), handle)
+
+
+def _truncate_shard(step):
+    shard = next(os.path.join(step, "model", "dist_ckpt", f) for f in os.listdir(os.path.join(step, "model", "dist_ckpt")) if f.endswith(".distcp"))
+    with open(shard, "r+b") as handle:
+        handle.truncate(os.path.getsize(shard) // 2)
+    return "truncated"
+
+
+def _delete_metadata(step):
+    os.remove(os.path.join(step, "optimizer", "dist_ckpt", ".metadata"))
+    return "optimizer/dist_ckpt/.metadata is missing"
+
+
+def _manifest_names_absent_file(step):
+    manifest = json.loads(open(os.path.join(step, "manifest.json")).read())
+    manifest["files"]["extra/dist_ckpt/__9_0.distcp"] = 123
+    open(os.path.join(step, "manifest.json"), "w").write(json.dumps(manifest))
+    return "extra/dist_ckpt/__9_0.distcp is missing"
+
+
+def _hf_missing_tensors(step):
+    hf = os.path.join(step, "model", "huggingface")
+    index = json.load(open(os.path.join(hf, "model.safetensors.index.json")))
+    victim = "model.layers.3.mlp.experts.7.down_proj.weight"
+    shard = os.path.join(hf, index["weight_map"][victim])
+    tensors = load_file(shard)
+    del tensors[victim]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    _rewrite_manifest(step)  # a consistent manifest: only the HF check can catch it
+    return victim
+
+
+def _missing_contents(step):
+    os.remove(os.path.join(step, "ckpt_contents.json"))
+    return "ckpt_contents.json is missing"
+
+
+def _corrupt_contents(step):
+    open(os.path.join(step, "ckpt_contents.json"), "w").write("{not json")
+    return "unreadable"
+
+
+def _missing_manifest(step):
+    os.remove(os.path.join(step, "manifest.json"))
+    return "manifest.json is missing"
+
+
+def _step_is_a_file(step):
+    shutil.rmtree(step)
+    open(step, "w").write("oops")
+    return "is not a directory"
+
+
+CORRUPTIONS = [
+    _truncate_shard,
+    _delete_metadata,
+    _manifest_names_absent_file,
+    _hf_missing_tensors,
+    _missing_contents,
+    _corrupt_contents,
+    _missing_manifest,
+    _step_is_a_file,
+]
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__.strip("_"))
+def test_bad_checkpoint_gets_a_clear_error_and_nothing_is_deleted(base_root, tmp_path, corrupt):
+    root = _copy_run(base_root, tmp_path)
+    step = _step_path(root, 1)
+    expected = corrupt(step)
+    before = _files(root)
+    with pytest.raises(CheckpointError, match="") as err:
+        verify_checkpoint(step)
+    assert expected in str(err.value)
+    with pytest.raises(CheckpointError):
+        find_resume_checkpoint(root)  # a resume refuses the damaged tracked step too
+    assert _files(root) == before
+
+
+def test_checkpoint_of_another_model_is_refused(base_root, tmp_path):
+    root = _copy_run(base_root, tmp_path)
+
+    class OtherModel:  # the identity fields of a model with 6 layers and no experts
+        num_layers = 6
+        num_moe_experts = None
+
+    with pytest.raises(CheckpointError, match="different model") as err:
+        verify_checkpoint(_step_path(root, 1), transformer_config=OtherModel())
+    assert "num_layers: checkpoint 4, this model 6" in str(err.value)
+
+
+def test_tracker_problems(base_root, tmp_path):
+    root = _copy_run(base_root, tmp_path)
+    atomic_write_text(get_checkpoint_tracker_filename(root), "7")
+    with pytest.raises(CheckpointError, match="names step 7, but .*global_step_7/actor does not exist"):
+        find_resume_checkpoint(root)
+    atomic_write_text(get_checkpoint_tracker_filename(root), "seven")
+    with pytest.raises(CheckpointError, match="tracker .* is corrupt"):
+        find_resume_checkpoint(root)
+    assert os.path.isdir(_step_path(root, 1))
+
+
+def test_interrupted_staging_directory_is_reported_and_skipped(base_root, tmp_path):
+    root = _copy_run(base_root, tmp_path)
+    os.makedirs(_step_path(root, 2) + ".incomplete/model")
+    path, notes = find_resume_checkpoint(root)
+    assert path == _step_path(root, 1)
+    assert any("interrupted save of step 2" in note for note in notes)
+
+
+def _load_damaged(src: str, step: str) -> str:
+    actor = _actor(src)
+    before = actor.parameters_snapshot()
+    try:
+        actor.load_checkpoint(step)
+    except CheckpointError as exc:
+        after = actor.parameters_snapshot()
+        untouched = all(torch.equal(before[k], after[k]) for k in before)
+        return f"{exc} | untouched={untouched}"
+    return "loaded"
+
+
+def test_manager_refuses_a_damaged_step_before_loading_anything(tiny_moe_path, base_root, tmp_path):
+    root = _copy_run(base_root, tmp_path)
+    _truncate_shard(_step_path(root, 1))
+    for message in run_on_ranks(_load_damaged, WORLD, LAYOUT, args=(tiny_moe_path, _step_path(root, 1))):
+        assert "nothing was loaded" in message and "truncated" in message and message.endswith("untouched=True")
