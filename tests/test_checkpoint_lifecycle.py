@@ -42,6 +42,8 @@ def _step_path(root: str, step: int) -> str:
 
 
 def _write_tracker(root: str, step: int) -> None:
+    """As the trainer does: only once every rank has returned from the save."""
+    torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         atomic_write_text(get_checkpoint_tracker_filename(root), str(step))
     torch.distributed.barrier()
@@ -129,7 +131,10 @@ def test_sigkill_in_any_phase_keeps_the_previous_step(tiny_moe_path, base_root, 
     with pytest.raises(RankFailure, match="died with exit code -9"):
         run_on_ranks(_resume_then_crash, WORLD, LAYOUT, args=(tiny_moe_path, root, phase, mode), timeout_s=240)
     assert _tracked(root) == "1"
-    if phase != "tracker":
+    if phase in ("tracker", "commit") and os.path.exists(_step_path(root, 2)):
+        # every rank had finished every part, so rank 0 may have committed: whole, but untracked
+        verify_checkpoint(_step_path(root, 2))
+    else:
         assert not os.path.exists(_step_path(root, 2)), "a crashed save must not leave a visible step"
     path, notes, loss = run_on_ranks(_resume_and_continue, WORLD, LAYOUT, args=(tiny_moe_path, root))[0]
     assert path == _step_path(root, 1)
@@ -336,3 +341,15 @@ def test_manager_refuses_a_damaged_step_before_loading_anything(tiny_moe_path, b
     _truncate_shard(_step_path(root, 1))
     for message in run_on_ranks(_load_damaged, WORLD, LAYOUT, args=(tiny_moe_path, _step_path(root, 1))):
         assert "nothing was loaded" in message and "truncated" in message and message.endswith("untouched=True")
+
+
+def test_verify_cli_reports_whole_and_damaged_checkpoints(base_root, tmp_path):
+    import subprocess
+    import sys
+
+    root = _copy_run(base_root, tmp_path)
+    ok = subprocess.run([sys.executable, "-m", "verl.model_merger", "verify", "--local_dir", root], capture_output=True, text=True)
+    assert ok.returncode == 0 and "OK:" in ok.stdout and "global_step_1/actor" in ok.stdout
+    _delete_metadata(_step_path(root, 1))
+    bad = subprocess.run([sys.executable, "-m", "verl.model_merger", "verify", "--local_dir", _step_path(root, 1)], capture_output=True, text=True)
+    assert bad.returncode == 1 and ".metadata is missing" in bad.stderr

@@ -121,22 +121,28 @@ def get_checkpoint_tracker_filename(root_path: str) -> str:
     return os.path.join(root_path, TRACKER_FILENAME)
 
 
-def find_latest_ckpt_path(path: str | None, directory_format: str = "global_step_{}") -> str | None:
-    """The step directory the tracker under ``path`` names, or None when there is no tracker."""
-    if path is None:
-        return None
-    tracker = get_checkpoint_tracker_filename(path)
+def read_tracker(root_path: str) -> int | None:
+    """The step the tracker under ``root_path`` names; None without a tracker; ValueError when corrupt."""
+    tracker = get_checkpoint_tracker_filename(root_path)
     if not os.path.exists(tracker):
         return None
     with open(tracker) as handle:
         text = handle.read().strip()
     if not text.isdigit():
         raise ValueError(f"checkpoint tracker {tracker} is corrupt: expected a step number, found {text[:50]!r}")
-    step_dir = os.path.join(path, directory_format.format(int(text)))
+    return int(text)
+
+
+def find_latest_ckpt_path(path: str | None, directory_format: str = "global_step_{}") -> str | None:
+    """The step directory the tracker under ``path`` names, or None when there is no tracker."""
+    step = read_tracker(path) if path is not None else None
+    if step is None:
+        return None
+    step_dir = os.path.join(path, directory_format.format(step))
     if not os.path.isdir(step_dir):
         raise FileNotFoundError(
-            f"checkpoint tracker {tracker} names step {text}, but {step_dir} does not exist; "
-            "restore that directory or set trainer.resume_mode=disable / trainer.resume_from_path"
+            f"checkpoint tracker {get_checkpoint_tracker_filename(path)} names step {step}, but {step_dir} does not "
+            "exist; restore that directory or set trainer.resume_mode=disable / trainer.resume_from_path"
         )
     return step_dir
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs
+from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs, read_tracker
 
 MANIFEST_FILENAME = "manifest.json"
 CONTENTS_FILENAME = "ckpt_contents.json"
@@ -137,13 +137,12 @@ def find_resume_checkpoint(root: str, role: str = "actor") -> tuple[str | None, 
         if os.path.isdir(staging):
             notes.append(f"skipping {staging}: an interrupted save of step {step}")
     tracker = get_checkpoint_tracker_filename(root)
-    if not os.path.exists(tracker):
+    try:
+        tracked = read_tracker(root)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
+    if tracked is None:
         return None, notes
-    with open(tracker) as handle:
-        text = handle.read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"checkpoint tracker {tracker} is corrupt: expected a step number, found {text[:50]!r}")
-    tracked = int(text)
     path = os.path.join(root, f"global_step_{tracked}", role)
     if not os.path.isdir(path):
         raise CheckpointError(

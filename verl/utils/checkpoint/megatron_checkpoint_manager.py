@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
-from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, _config_get, get_checkpoint_tracker_filename
+from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, _config_get, read_tracker
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
 from verl.utils.checkpoint.integrity import (
     FORMAT_VERSION,
@@ -396,9 +396,8 @@ def _tracked_step_path(step_path: str) -> str | None:
     """The ``global_step_N/<role>`` path the tracker above ``step_path`` names, if there is one."""
     role = os.path.basename(step_path.rstrip("/"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(step_path)))
-    tracker = get_checkpoint_tracker_filename(root)
-    if not os.path.exists(tracker):
+    try:
+        step = read_tracker(root)
+    except ValueError:
         return None
-    with open(tracker) as handle:
-        text = handle.read().strip()
-    return os.path.join(root, f"global_step_{text}", role) if text.isdigit() else None
+    return os.path.join(root, f"global_step_{step}", role) if step is not None else None

@@ -1,0 +1,1 @@
+"""Offline tools for saved checkpoints (upstream verl's ``verl.model_merger``)."""
