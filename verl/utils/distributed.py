@@ -39,8 +39,14 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def init_rank(rank: int, world_size: int, sizes: ParallelSizes | None, seed: int, timeout_s: float) -> None:
-    """Join the process group on this rank and, given sizes, initialise Megatron parallel state."""
+def init_rank(
+    rank: int, world_size: int, sizes: ParallelSizes | None, seed: int, timeout_s: float, device_index: int | None = None
+) -> None:
+    """Join the process group on this rank and, given sizes, initialise Megatron parallel state.
+
+    ``device_index``: the accelerator this rank uses; None means LOCAL_RANK (a Ray actor that sees only
+    its own GPU passes 0). Ignored on a CPU host.
+    """
     import torch
 
     from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device
@@ -48,7 +54,7 @@ def init_rank(rank: int, world_size: int, sizes: ParallelSizes | None, seed: int
 
     cpu_runtime.enable()
     if get_device_name() != "cpu":
-        get_torch_device().set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        get_torch_device().set_device(device_index if device_index is not None else int(os.environ.get("LOCAL_RANK", rank)))
     torch.distributed.init_process_group(
         backend=get_nccl_backend(),
         rank=rank,

@@ -1,0 +1,106 @@
+"""The Ray worker group: one actor per rank, torch.distributed + megatron state, dispatch, and no hang on failure."""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.base.megatron.worker import MegatronWorker
+from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool, WorkerGroupError
+from verl.utils.logging_utils import silence_library_notices
+from verl.utils.megatron.parallel import ParallelSizes
+
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+class ProbeWorker(MegatronWorker):
+    def __init__(self, tp: int = 1, fail_in_init_on: int | None = None) -> None:
+        silence_library_notices()
+        super().__init__()
+        if self.rank == fail_in_init_on:
+            raise RuntimeError(f"constructor of rank {self.rank} refuses to start")
+        self._init_megatron(ParallelSizes(tp=tp), seed=1, timeout_s=120)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def describe(self) -> dict:
+        import torch
+
+        total = torch.tensor([float(self.rank)])
+        torch.distributed.all_reduce(total)
+        env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
+        return {"env": env, "rank_sum": total.item(), "threads": torch.get_num_threads(), **self.get_megatron_rank_info()}
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
+    def echo(self, item) -> tuple:
+        return self.rank, item
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def fail_on(self, bad_rank: int) -> int:
+        import torch
+
+        if self.rank == bad_rank:
+            raise ValueError(f"boom on rank {self.rank}")
+        torch.distributed.barrier()  # the healthy ranks wait for the failed one forever
+        return self.rank
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": REPO}})
+    yield
+    ray.shutdown()
+
+
+def _group(world: int, **kwargs) -> MegatronRayWorkerGroup:
+    return MegatronRayWorkerGroup(
+        RayResourcePool([world], name_prefix="probe"), RayClassWithInitArgs(ProbeWorker, **kwargs), init_timeout_s=180
+    )
+
+
+def test_ranks_join_and_dispatch(local_ray):
+    group = _group(4, tp=2)
+    try:
+        info = group.describe()
+        assert [i["env"]["RANK"] for i in info] == ["0", "1", "2", "3"]
+        assert {i["env"]["WORLD_SIZE"] for i in info} == {"4"}
+        assert [i["env"]["LOCAL_RANK"] for i in info] == ["0", "1", "2", "3"]
+        assert len({(i["env"]["MASTER_ADDR"], i["env"]["MASTER_PORT"]) for i in info}) == 1
+        assert {i["env"]["OMP_NUM_THREADS"] for i in info} == {"1"} and {i["threads"] for i in info} == {1}
+        assert {i["rank_sum"] for i in info} == {6.0}  # all_reduce over the 4 actors
+        assert [i["tp_rank"] for i in info] == [0, 1, 0, 1] and [i["dp_rank"] for i in info] == [0, 0, 1, 1]
+        # Each DP group gets its own item; the answer comes from the group's TP-rank-0 member.
+        assert group.echo(["first", "second"]) == [(0, "first"), (2, "second")]
+    finally:
+        group.shutdown()
+
+
+def test_failing_rank_reaches_driver_without_hang(local_ray):
+    group = _group(4)
+    workers = group.workers
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupError) as err:
+        group.fail_on([2] * 4)
+    elapsed = time.monotonic() - start
+    message = str(err.value)
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+    assert "rank 2 failed first" in message
+    assert "Traceback (most recent call last):" in message and ", in fail_on" in message
+    assert "ValueError: boom on rank 2" in message
+    assert "ranks [0, 1, 3] were still running and have been stopped" in message
+    # The group is gone: no further calls, and the actors are dead.
+    with pytest.raises(WorkerGroupError, match="shut down"):
+        group.describe()
+    for worker in workers:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.get_node_and_pid.remote(), timeout=60)
+
+
+def test_failing_constructor_reaches_driver(local_ray):
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupError) as err:
+        _group(2, fail_in_init_on=1)
+    assert time.monotonic() - start < 60
+    assert "constructor of rank 1 refuses to start" in str(err.value)

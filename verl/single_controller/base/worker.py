@@ -1,0 +1,59 @@
+"""One rank of a worker group.
+
+The group starts each worker with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT in its environment (the torch.distributed names); the worker reads them here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+class Worker:
+    def __init__(self) -> None:
+        missing = [key for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
+        if missing:
+            raise RuntimeError(f"worker started without {missing} in its environment; start it through a worker group")
+        self._rank = int(os.environ["RANK"])
+        self._world_size = int(os.environ["WORLD_SIZE"])
+        self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self._master_addr = os.environ["MASTER_ADDR"]
+        self._master_port = int(os.environ["MASTER_PORT"])
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    def get_master_addr_port(self) -> tuple[str, int]:
+        return self._master_addr, self._master_port
+
+    def get_node_and_pid(self) -> tuple[str, int]:
+        """(IP of this worker's node, its process id): the group uses them to clean up after a failure."""
+        return get_node_ip(), os.getpid()
+
+
+def get_node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def get_free_port(host: str = "") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,358 @@
+"""A worker group on Ray: one Ray actor per rank, placed through placement groups.
+
+- ``RayResourcePool``: ``process_on_nodes`` ranks per node; one STRICT_PACK placement group per node.
+  Each rank's bundle holds one GPU on GPU hosts, or a fraction of a CPU on CPU hosts, so 8 or 16 ranks
+  fit on a 2-core machine.
+- ``RayWorkerGroup``: starts the actors with RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE /
+  MASTER_ADDR / MASTER_PORT set (the actors' constructors join torch.distributed themselves), binds
+  every ``@register``-ed worker method as a method of the group, and collects the results.
+
+A failing rank never leaves the driver waiting: the first failure (an exception in a rank, a rank that
+died, a call past its timeout) stops every actor of the group, and the driver gets a ``WorkerGroupError``
+that carries the failing ranks' tracebacks, the root cause first.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from verl.single_controller.base.decorator import Dispatch, registered_methods
+from verl.single_controller.base.worker import get_free_port, get_node_ip
+
+logger = logging.getLogger(__name__)
+
+# Environment every rank starts with (the group adds the rank variables).
+DEFAULT_WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class WorkerGroupError(RuntimeError):
+    """One or more ranks failed; the message holds their tracebacks. The group has been shut down."""
+
+
+class RayResourcePool:
+    """Where the ranks go: ``process_on_nodes[i]`` ranks on node i.
+
+    ``cpus_per_process=None``: one CPU per rank where the smallest node has that many, else that node's
+    CPUs shared evenly (fractional Ray resources), so the ranks of a node always fit on it.
+    """
+
+    def __init__(
+        self,
+        process_on_nodes: list[int],
+        use_gpu: bool = False,
+        cpus_per_process: float | None = None,
+        name_prefix: str = "verl",
+    ) -> None:
+        if not process_on_nodes or any(n < 1 for n in process_on_nodes):
+            raise ValueError(f"process_on_nodes must list at least one rank per node, got {process_on_nodes}")
+        self.process_on_nodes = list(process_on_nodes)
+        self.use_gpu = use_gpu
+        self.cpus_per_process = cpus_per_process
+        self.name_prefix = name_prefix
+        self.pgs: list[PlacementGroup] = []
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.process_on_nodes)
+
+    def bundle(self) -> dict[str, float]:
+        cpus = self.cpus_per_process
+        if cpus is None:
+            cpus = _default_cpus_per_process(max(self.process_on_nodes), self.use_gpu)
+        bundle = {"CPU": cpus}
+        if self.use_gpu:
+            bundle["GPU"] = 1
+        return bundle
+
+    def get_placement_groups(self, timeout_s: float = 300.0) -> list[PlacementGroup]:
+        if self.pgs:
+            return self.pgs
+        bundle = self.bundle()
+        self.pgs = [
+            placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_PACK", name=f"{self.name_prefix}_node{index}")
+            for index, count in enumerate(self.process_on_nodes)
+        ]
+        _, not_ready = ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs), timeout=timeout_s)
+        if not_ready:
+            available = ray.cluster_resources()
+            self.remove()
+            raise WorkerGroupError(
+                f"could not place {self.world_size} ranks ({self.process_on_nodes} per node, each {bundle}) within "
+                f"{timeout_s:.0f}s; the cluster holds {available}. Set trainer.nnodes / trainer.n_gpus_per_node to "
+                "what the cluster has."
+            )
+        return self.pgs
+
+    def remove(self) -> None:
+        for pg in self.pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - best effort during teardown
+                pass
+        self.pgs = []
+
+
+def _default_cpus_per_process(ranks_per_node: int, use_gpu: bool) -> float:
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    if use_gpu:
+        nodes = [node for node in nodes if node.get("Resources", {}).get("GPU", 0) > 0]
+    cpus = [node.get("Resources", {}).get("CPU", 0.0) for node in nodes]
+    smallest = min((c for c in cpus if c > 0), default=1.0)
+    share = min(1.0, smallest / ranks_per_node)
+    # Ray accepts at most four decimals of a resource.
+    return max(0.0001, int(share * 10_000) / 10_000)
+
+
+class RayClassWithInitArgs:
+    """A worker class (plain or ``ray.remote``-decorated) with the arguments of its constructor."""
+
+    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
+        self.user_cls = getattr(cls, "__ray_actor_class__", cls)
+        self.remote_cls = cls if hasattr(cls, "__ray_actor_class__") else ray.remote(cls)
+        self.args = args
+        self.kwargs = kwargs
+
+
+@ray.remote(num_cpus=0)
+def _node_ip_and_free_port() -> tuple[str, int]:
+    ip = get_node_ip()
+    return ip, get_free_port(ip)
+
+
+class RayWorkerGroup:
+    """One Ray actor per rank of ``resource_pool``; methods registered on the worker class become group calls."""
+
+    def __init__(
+        self,
+        resource_pool: RayResourcePool,
+        ray_cls_with_init: RayClassWithInitArgs,
+        env_vars: dict[str, str] | None = None,
+        init_timeout_s: float = 300.0,
+        failure_grace_s: float = 3.0,
+    ) -> None:
+        self.resource_pool = resource_pool
+        self.ray_cls_with_init = ray_cls_with_init
+        self.failure_grace_s = failure_grace_s
+        self._workers: list[ray.actor.ActorHandle] = []
+        self._node_pids: list[tuple[str, int]] = []
+        self._alive = False
+        try:
+            self._start(env_vars or {}, init_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._bind_worker_methods(ray_cls_with_init.user_cls)
+
+    # ------------------------------------------------------------------ start
+
+    def _start(self, env_vars: dict[str, str], init_timeout_s: float) -> None:
+        pgs = self.resource_pool.get_placement_groups(timeout_s=init_timeout_s)
+        bundle = self.resource_pool.bundle()
+        master_addr, master_port = self._master_addr_port(pgs[0])
+        world_size = self.resource_pool.world_size
+        rank = 0
+        for pg, local_world_size in zip(pgs, self.resource_pool.process_on_nodes, strict=True):
+            for local_rank in range(local_world_size):
+                env = {
+                    **DEFAULT_WORKER_ENV,
+                    **{k: str(v) for k, v in env_vars.items()},
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world_size),
+                    "LOCAL_RANK": str(local_rank),
+                    "LOCAL_WORLD_SIZE": str(local_world_size),
+                    "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": str(master_port),
+                }
+                options = {
+                    "num_cpus": bundle["CPU"],
+                    "num_gpus": bundle.get("GPU", 0),
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=local_rank
+                    ),
+                    "runtime_env": {"env_vars": env},
+                    "max_restarts": 0,
+                }
+                cls = self.ray_cls_with_init
+                self._workers.append(cls.remote_cls.options(**options).remote(*cls.args, **cls.kwargs))
+                rank += 1
+        self._alive = True
+        # The constructors join the process group together: wait for all of them, failing fast.
+        self._node_pids = self.get(
+            [worker.get_node_and_pid.remote() for worker in self._workers], timeout_s=init_timeout_s
+        )
+
+    @staticmethod
+    def _master_addr_port(pg: PlacementGroup) -> tuple[str, int]:
+        """Rank 0's node IP and a port free on it (asked on that node when it is not this one)."""
+        node_id = placement_group_table(pg)["bundles_to_node_id"][0]
+        if node_id == ray.get_runtime_context().get_node_id():
+            ip = get_node_ip()
+            return ip, get_free_port(ip)
+        strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+        return ray.get(_node_ip_and_free_port.options(scheduling_strategy=strategy).remote(), timeout=120)
+
+    def _bind_worker_methods(self, user_cls: type) -> None:
+        for name, mode in registered_methods(user_cls).items():
+            if hasattr(self, name):
+                raise AttributeError(f"worker method {name!r} clashes with an attribute of {type(self).__name__}")
+            setattr(self, name, self._make_group_method(name, mode))
+
+    def _make_group_method(self, name: str, mode: Dispatch):
+        def group_method(*args: Any, **kwargs: Any):
+            return self.dispatch(name, mode, *args, **kwargs)
+
+        group_method.__name__ = name
+        group_method.__doc__ = f"Call {name} on the group ({mode.name})."
+        return group_method
+
+    # ------------------------------------------------------------------ calls
+
+    @property
+    def world_size(self) -> int:
+        return len(self._workers)
+
+    @property
+    def workers(self) -> list:
+        return list(self._workers)
+
+    def dispatch(self, method: str, mode: Dispatch, *args: Any, **kwargs: Any) -> list:
+        if mode is Dispatch.ONE_TO_ALL:
+            return self.execute_all(method, *args, **kwargs)
+        if mode is Dispatch.ALL_TO_ALL:
+            return self.execute_per_rank(method, *args, **kwargs)
+        raise NotImplementedError(f"{type(self).__name__} has no dispatch for {mode}")
+
+    def execute_all_async(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """Call ``method(*args, **kwargs)`` on every rank; the object refs, in rank order."""
+        self._check_alive()
+        return [getattr(worker, method).remote(*args, **kwargs) for worker in self._workers]
+
+    def execute_all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
+        """Call ``method`` with the same arguments on every rank; every rank's result, in rank order."""
+        return self.get(self.execute_all_async(method, *args, **kwargs), timeout_s=timeout_s)
+
+    def execute_per_rank(self, method: str, *args: list, timeout_s: float | None = None, **kwargs: list) -> list:
+        """Every argument is a list with one entry per rank; rank r is called with the r-th entries."""
+        self._check_alive()
+        for value in (*args, *kwargs.values()):
+            if not isinstance(value, (list, tuple)) or len(value) != self.world_size:
+                raise ValueError(f"{method}: every argument must be a list of {self.world_size} entries (one per rank)")
+        refs = [
+            getattr(worker, method).remote(*(a[r] for a in args), **{k: v[r] for k, v in kwargs.items()})
+            for r, worker in enumerate(self._workers)
+        ]
+        return self.get(refs, timeout_s=timeout_s)
+
+    def get(self, refs: list, timeout_s: float | None = None) -> list:
+        """Wait for every ref (one per rank); on the first failure stop the group and raise ``WorkerGroupError``.
+
+        After the first failure the other ranks get ``failure_grace_s`` to report their own errors (the
+        root cause is often on one rank, its peers only see a broken collective); whatever is still running
+        is then stopped with the group.
+        """
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        values: dict[int, Any] = {}
+        failures: dict[int, str] = {}  # in the order they were seen
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        grace_until = None
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+            for ref in ready:
+                try:
+                    values[rank_of[ref]] = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - every failure is reported
+                    failures[rank_of[ref]] = _describe_failure(exc)
+            now = time.monotonic()
+            if failures and grace_until is None:
+                grace_until = now + self.failure_grace_s
+            if grace_until is not None and now >= grace_until:
+                break
+            if deadline is not None and now >= deadline and pending:
+                for ref in pending:
+                    failures[rank_of[ref]] = f"no answer within {timeout_s:.0f}s (hung collective?)"
+                break
+        if failures:
+            unfinished = sorted(rank_of[ref] for ref in pending if rank_of[ref] not in failures)
+            self.shutdown()
+            raise WorkerGroupError(_failure_report(failures, unfinished, len(refs)))
+        return [values[rank] for rank in range(len(refs))]
+
+    def _check_alive(self) -> None:
+        if not self._alive:
+            raise WorkerGroupError("the worker group has been shut down (an earlier call failed or shutdown() ran)")
+
+    # ------------------------------------------------------------------ stop
+
+    def shutdown(self) -> None:
+        """Stop every actor (and, on this node, the processes they started) and free the placement groups."""
+        if self._workers:
+            here = get_node_ip()
+            for node_ip, pid in self._node_pids:
+                if node_ip == here:
+                    _kill_descendants(pid)
+            for worker in self._workers:
+                try:
+                    ray.kill(worker, no_restart=True)
+                except Exception:  # noqa: BLE001 - already dead
+                    pass
+        self._workers = []
+        self._node_pids = []
+        self._alive = False
+        self.resource_pool.remove()
+
+    def __enter__(self) -> RayWorkerGroup:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _describe_failure(exc: BaseException) -> str:
+    """The remote traceback Ray carries (RayTaskError / RayActorError render it in their text), as a
+    plain Python traceback: colour codes and caret-only lines dropped, the usual header put back."""
+    lines = [line for line in _ANSI.sub("", str(exc)).strip().splitlines() if line.strip(" ^")]
+    if not lines:
+        return repr(exc)
+    if len(lines) > 1 and lines[1].startswith("  File ") and lines[0].startswith("ray::"):
+        lines.insert(1, "Traceback (most recent call last):")
+    return "\n".join(lines)
+
+
+def _failure_report(failures: dict[int, str], unfinished: list[int], world_size: int) -> str:
+    first = next(iter(failures))
+    lines = [f"{len(failures)} of {world_size} rank(s) failed; rank {first} failed first:"]
+    for rank, text in failures.items():
+        lines.append(f"--- rank {rank} ---\n{text}")
+    if unfinished:
+        lines.append(f"ranks {unfinished} were still running and have been stopped")
+    return "\n".join(lines)
+
+
+def _kill_descendants(pid: int) -> None:
+    """Kill the processes a rank started (megatron's dist-checkpoint writers) before the rank itself goes."""
+    try:
+        import psutil
+
+        children = psutil.Process(pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - psutil missing or the rank already gone
+        return
+    for child in children:
+        try:
+            child.kill()
+        except Exception:  # noqa: BLE001
+            pass
