@@ -1,0 +1,178 @@
+"""The Megatron actor worker: one rank's model, optimizer + LR scheduler and checkpoint manager.
+
+A ``MegatronRayWorkerGroup`` starts one ``ActorRolloutRefWorker`` per rank (upstream verl's name; only
+the actor role exists here). The constructor joins torch.distributed and megatron parallel state;
+``init_model`` builds a ``MegatronActor`` (HF model -> bridge -> DDP model, optimizer, scheduler,
+``MegatronCheckpointManager``); ``update_actor``, ``save_checkpoint`` and ``load_checkpoint`` are the
+calls the trainer makes on every rank.
+
+With ``param_offload`` (and ``grad_offload`` / ``optimizer_offload``) the weights live in host copies
+between calls; every call that needs them brings them back first and offloads them again after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.base.megatron.worker import MegatronWorker
+from verl.utils.logging_utils import silence_library_notices
+from verl.utils.megatron.parallel import ParallelSizes
+
+silence_library_notices()  # before megatron-core / mbridge are imported on this rank
+
+
+class ActorRolloutRefWorker(MegatronWorker):
+    """``config`` is the plain-dict ``actor_rollout_ref`` section, with ``model.path`` already resolved."""
+
+    def __init__(self, config: dict, role: str = "actor") -> None:
+        super().__init__()
+        if role != "actor":
+            raise ValueError(f"role={role!r}: this worker implements the actor role only")
+        self.config = config
+        self.role = role
+        megatron = config["actor"]["megatron"]
+        self.sizes = ParallelSizes(
+            tp=int(megatron["tensor_model_parallel_size"]),
+            pp=int(megatron["pipeline_model_parallel_size"]),
+            ep=int(megatron["expert_model_parallel_size"]),
+            etp=None if megatron.get("expert_tensor_parallel_size") is None else int(megatron["expert_tensor_parallel_size"]),
+            cp=int(megatron["context_parallel_size"]),
+        )
+        self._is_offload_param = bool(megatron.get("param_offload", False))
+        self._is_offload_grad = bool(megatron.get("grad_offload", False))
+        self._is_offload_optimizer = bool(megatron.get("optimizer_offload", False))
+        self._init_megatron(self.sizes, seed=int(megatron["seed"]), timeout_s=float(config.get("nccl_timeout", 600)))
+        self.actor = None
+
+    # ------------------------------------------------------------------ build
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
+        from verl.workers.megatron_actor import ActorSettings, MegatronActor
+
+        actor = self.config["actor"]
+        optim, checkpoint = actor["optim"], actor["checkpoint"]
+        settings = ActorSettings(
+            model_path=self.config["model"]["path"],
+            use_distributed_optimizer=bool(actor["megatron"]["use_distributed_optimizer"]),
+            lr=float(optim["lr"]),
+            clip_grad=float(optim["clip_grad"]),
+            weight_decay=float(optim["weight_decay"]),
+            save_contents=tuple(checkpoint["save_contents"]),
+            load_contents=tuple(checkpoint["load_contents"]),
+        )
+        start = time.monotonic()
+        self.actor = MegatronActor(settings)
+        if self._is_offload_param:
+            offload_megatron_model_to_cpu(self.actor.model, offload_grad=self._is_offload_grad)
+        if self._is_offload_optimizer:
+            offload_megatron_optimizer(self.actor.optimizer)
+        return {
+            "rank": self.rank,
+            "seconds": time.monotonic() - start,
+            "num_params": sum(p.numel() for chunk in self.actor.model for p in chunk.parameters()),
+        }
+
+    @contextlib.contextmanager
+    def _resident(self, optimizer: bool):
+        """Model (and optimizer) weights on the device for the duration; offloaded again afterwards."""
+        from verl.utils.megatron_utils import (
+            load_megatron_model_to_gpu,
+            load_megatron_optimizer,
+            offload_megatron_model_to_cpu,
+            offload_megatron_optimizer,
+        )
+
+        if self._is_offload_param:
+            load_megatron_model_to_gpu(self.actor.model, load_grad=True)
+        if optimizer and self._is_offload_optimizer:
+            load_megatron_optimizer(self.actor.optimizer)
+        try:
+            yield
+        finally:
+            if self._is_offload_param:
+                offload_megatron_model_to_cpu(self.actor.model, offload_grad=self._is_offload_grad)
+            if optimizer and self._is_offload_optimizer:
+                offload_megatron_optimizer(self.actor.optimizer)
+
+    # ------------------------------------------------------------------ train
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
+    def update_actor(self, tokens) -> dict:
+        """One optimizer step on this data-parallel rank's token rows ``[rows, seq + 1]``."""
+        self._check_built()
+        micro = int(self.config["actor"]["ppo_micro_batch_size_per_gpu"])
+        if tokens.shape[0] % micro:
+            raise ValueError(f"{tokens.shape[0]} rows do not split into micro batches of {micro}")
+        start = time.monotonic()
+        with self._resident(optimizer=True):
+            metrics = self.actor.train_step(list(tokens.split(micro)))
+        metrics["lr"] = float(self.actor.optimizer.param_groups[0]["lr"])
+        metrics["update_seconds"] = time.monotonic() - start
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(
+        self, checkpoint_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None
+    ) -> dict:
+        """Save this rank's part of ``checkpoint_path`` (``<default_local_dir>/global_step_N/actor``).
+
+        The upstream order: find where the model is (``get_megatron_module_device``, safe for DDP buffers
+        whose ``param_data`` is None, i.e. use_distributed_optimizer=False), bring offloaded weights back,
+        save through the checkpoint manager, and offload again when param_offload is on.
+        """
+        from verl.utils.megatron_utils import (
+            get_megatron_module_device,
+            is_megatron_module_offloaded,
+            load_megatron_model_to_gpu,
+            load_megatron_optimizer,
+            offload_megatron_model_to_cpu,
+            offload_megatron_optimizer,
+        )
+
+        self._check_built()
+        if hdfs_path is not None:
+            raise ValueError("hdfs_path is not supported; copy the local checkpoint yourself")
+        model = self.actor.model
+        module_device = get_megatron_module_device(model)
+        offloaded_before = is_megatron_module_offloaded(model)
+        if offloaded_before:
+            load_megatron_model_to_gpu(model, load_grad=False)
+        reload_optimizer = self._is_offload_optimizer and self.actor.checkpoint_manager.should_save_optimizer
+        if reload_optimizer:
+            load_megatron_optimizer(self.actor.optimizer)
+        start = time.monotonic()
+        try:
+            self.actor.save_checkpoint(checkpoint_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep)
+        finally:
+            if self._is_offload_param:
+                offload_megatron_model_to_cpu(model, offload_grad=self._is_offload_grad)
+            if reload_optimizer:
+                offload_megatron_optimizer(self.actor.optimizer)
+        return {
+            "rank": self.rank,
+            "module_device": module_device,
+            "param_offloaded_before": offloaded_before,
+            "param_offloaded_after": is_megatron_module_offloaded(model),
+            "seconds": time.monotonic() - start,
+        }
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, checkpoint_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False) -> dict:
+        self._check_built()
+        if hdfs_path is not None or del_local_after_load:
+            raise ValueError("hdfs_path / del_local_after_load are not supported; load from a local checkpoint")
+        start = time.monotonic()
+        with self._resident(optimizer=self.actor.checkpoint_manager.should_load_optimizer):
+            self.actor.load_checkpoint(checkpoint_path)
+        return {"rank": self.rank, "seconds": time.monotonic() - start}
+
+    def _check_built(self) -> None:
+        if self.actor is None:
+            raise RuntimeError("init_model() must run before this call")
+
