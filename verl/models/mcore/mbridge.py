@@ -21,6 +21,7 @@ from verl.models.mcore.local_spec import (
     local_name_to_te_name,
     transformer_engine_available,
 )
+from verl.models.mcore.parallel_hf_save import save_weights_in_parallel
 
 
 class UnsupportedHFConfigError(ValueError):
@@ -128,6 +129,21 @@ class _LocalSpecBridgeMixin:
         param.copy_(received)
 
     def save_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
+        """Write the HF folder with every rank writing the files it owns (``parallel_hf_save``).
+
+        The files and the tensors in them are the same as mbridge's ``save_weights`` writes (bit for
+        bit when the model was loaded from an HF folder with an index; without one, the same tensors
+        in about one file per rank plus an index instead of a single file). ``config.json`` already
+        in ``weights_path`` (the checkpoint manager writes it first) is left as it is. An
+        ``export_weights`` replaced on the instance is honoured by taking mbridge's own path.
+        """
+        if "export_weights" in vars(self) or not torch.distributed.is_initialized():
+            self.save_weights_gathered(models, weights_path, memory_efficient=memory_efficient)
+            return
+        save_weights_in_parallel(self, models, weights_path)
+
+    def save_weights_gathered(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
+        """mbridge's own save: every tensor gathered to rank 0, which writes every file."""
         if self.safetensor_io is None:
             # No source index (the model was not loaded from HF here): write a single safetensors file.
             self.safetensor_io = SafeTensorIO(weights_path)

@@ -1,0 +1,85 @@
+"""The parallel HF export (every rank writes its own files) against mbridge's own save_weights, bit for bit."""
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from verl.utils.distributed import run_on_ranks
+from verl.utils.megatron.parallel import ParallelSizes
+
+
+def _export_both_ways(src: str, root: str) -> None:
+    from mbridge.core.safetensor_io import SafeTensorIO
+    from transformers import AutoConfig
+
+    from verl.models.mcore import make_bridge
+    from verl.models.mcore.model import build_megatron_model
+
+    bridge = make_bridge(AutoConfig.from_pretrained(src), dtype=torch.float32)
+    model = build_megatron_model(bridge, wrap_with_ddp=False)
+    bridge.load_weights(model, src)
+    # With the source's shard plan (what the checkpoint manager sees after loading from HF).
+    bridge.save_weights(model, os.path.join(root, "fast"))
+    bridge.save_weights_gathered(model, os.path.join(root, "mbridge"))
+    torch.distributed.barrier()
+    # Without a source plan: mbridge writes one file, the parallel export about one per rank.
+    bridge.safetensor_io = SafeTensorIO(os.path.join(root, "no_such_dir"))
+    bridge.save_weights(model, os.path.join(root, "fast_noindex"))
+    bridge.save_weights_gathered(model, os.path.join(root, "mbridge_noindex"))
+    torch.distributed.barrier()
+
+
+def _files(path: str) -> dict[str, bytes]:
+    out = {}
+    for file in sorted(os.listdir(path)):
+        with open(os.path.join(path, file), "rb") as handle:
+            out[file] = handle.read()
+    return out
+
+
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    state = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        part = load_file(file)
+        assert not set(part) & set(state), f"{file} repeats tensors"
+        state.update(part)
+    return state
+
+
+@pytest.mark.parametrize(
+    "sizes,world", [(ParallelSizes(1, 1, 1, 1), 1), (ParallelSizes(tp=2, pp=2, ep=2, etp=2), 8)], ids=["1rank", "tp2pp2ep2etp2"]
+)
+def test_parallel_export_is_bit_identical_to_mbridge(tiny_moe_path, tmp_path, sizes, world):
+    from transformers import AutoModelForCausalLM
+
+    run_on_ranks(_export_both_ways, world, sizes, args=(tiny_moe_path, str(tmp_path)))
+
+    # Same source plan: the very same files, byte for byte (safetensors, index, config).
+    fast, reference = _files(str(tmp_path / "fast")), _files(str(tmp_path / "mbridge"))
+    assert sorted(fast) == sorted(reference)
+    assert len([f for f in fast if f.endswith(".safetensors")]) > 1
+    for name in reference:
+        assert fast[name] == reference[name], name
+
+    # No source plan: same tensors, bit for bit; a proper index covering each exactly once.
+    fast_dir = str(tmp_path / "fast_noindex")
+    exported, source = _tensors(fast_dir), _tensors(str(tmp_path / "mbridge_noindex"))
+    assert set(exported) == set(source) and len(source) == 135
+    for name, tensor in source.items():
+        assert tensor.dtype == exported[name].dtype and torch.equal(tensor, exported[name]), name
+    with open(os.path.join(fast_dir, "model.safetensors.index.json")) as handle:
+        weight_map = json.load(handle)["weight_map"]
+    assert set(weight_map) == set(exported)
+    for name, file in weight_map.items():
+        assert name in load_file(os.path.join(fast_dir, file)), name
+    assert len(set(weight_map.values())) == world
+
+    # transformers loads it, and gets the source weights.
+    model = AutoModelForCausalLM.from_pretrained(fast_dir, dtype=torch.float32)
+    original = _tensors(tiny_moe_path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, original[name]), name

@@ -1,0 +1,223 @@
+"""Write an HF safetensors folder from a Megatron model with every rank writing the shards it owns.
+
+mbridge's ``Bridge.save_weights`` routes every tensor through every rank (a broadcast over the
+pipeline group, all-gathers over EP and ETP) and then through rank 0, which writes every file. Here:
+
+1. every rank lists what it holds: for each parameter its global (TE) name, which TP / expert-TP
+   shard it is, shape and dtype; one ``all_gather_object`` gives every rank the same full picture;
+2. the shard plan (HF tensor -> file) is the source checkpoint's ``model.safetensors.index.json``
+   when the model was loaded from one (the same files mbridge writes), else a plan of about one
+   file per rank made from the parameters themselves;
+3. each file gets one writer rank, balancing bytes per rank and preferring the rank that already
+   holds most of the file's shards;
+4. in rounds (one file per writer per round, so a writer holds at most one file's tensors at a
+   time) the holders send the missing shards straight to the writer (point-to-point), which merges
+   them and converts them to HF tensors with the bridge's own ``_weight_merge_across_tp`` and
+   ``_weight_to_hf_format`` -- so the tensors are bit-identical to mbridge's -- and writes the file;
+5. rank 0 writes the index (the source index verbatim, as mbridge does, or a new one) and, only if
+   it is not there yet, ``config.json``; a barrier ends the save on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import warnings
+from collections import defaultdict
+
+import torch
+from mbridge.core.util import unwrap_model
+from safetensors.torch import save_file
+
+INDEX_FILENAME = "model.safetensors.index.json"
+MAX_FILE_BYTES = 5 * 1024**3  # transformers' default max_shard_size when there is no source plan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shard:
+    """One rank's piece of one Megatron parameter, as every rank learns it."""
+
+    te_name: str
+    index: int  # TP (or expert-TP) rank of this piece
+    count: int  # how many pieces make the parameter (1: replicated)
+    merge: bool  # merged with _weight_merge_across_tp (TP-split or expert weights)
+    shape: tuple[int, ...]
+    dtype: str
+    partition_dim: int | None
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * _dtype(self.dtype).itemsize
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _natural_key(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _local_shards(bridge, models: list) -> tuple[list[_Shard], dict[tuple[str, int], torch.Tensor]]:
+    """This rank's parameters (plus the unregistered ``expert_bias`` buffers mbridge also exports)."""
+    mpu = bridge.mpu
+    shards, tensors = [], {}
+    for model in models:
+        model = unwrap_model(model)
+        names = bridge._weight_name_mapping_mcore_local_to_global(model)
+        params = dict(model.named_parameters())
+        state = model.state_dict()
+        extra = {k: state[k] for k in state if "_extra_state" not in k and "expert_bias" in k and k not in params}
+        for local_name, tensor in [*params.items(), *extra.items()]:
+            te_name = names[local_name]
+            if ".mlp.experts.linear_fc" in te_name:
+                index, count, merge = mpu.etp_rank, mpu.etp_size, True
+            elif getattr(tensor, "tensor_model_parallel", False):
+                index, count, merge = mpu.tp_rank, mpu.tp_size, True
+            else:
+                index, count, merge = 0, 1, False
+            shards.append(
+                _Shard(te_name, index, count, merge, tuple(tensor.shape), str(tensor.dtype), getattr(tensor, "partition_dim", None))
+            )
+            tensors[(te_name, index)] = tensor  # the parameter itself: its TP attributes are needed to merge
+    return shards, tensors
+
+
+def _default_plan(hf_names: dict[str, list[str]], shards: dict[str, _Shard], world_size: int) -> dict[str, str]:
+    """HF name -> file, in natural name order, about ``world_size`` files of similar size."""
+    sizes: dict[str, int] = {}
+    for te_name, names in hf_names.items():
+        for name in names:
+            sizes[name] = shards[te_name].nbytes * shards[te_name].count // len(names)
+    ordered = sorted(sizes, key=_natural_key)
+    total = sum(sizes.values())
+    count = max(1, min(len(ordered), max(world_size, -(-total // MAX_FILE_BYTES))))
+    target = total / count
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for name in ordered:
+        if groups[-1] and filled + sizes[name] / 2 > target * len(groups) and len(groups) < count:
+            groups.append([])
+        groups[-1].append(name)
+        filled += sizes[name]
+    return {
+        name: f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i, group in enumerate(groups) for name in group
+    }
+
+
+def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
+    """Write the HF folder ``weights_path``; every rank calls this (collectives inside)."""
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    os.makedirs(weights_path, exist_ok=True)
+
+    # 1. who holds what
+    my_shards, my_tensors = _local_shards(bridge, models)
+    everyone: list = [None] * world_size
+    torch.distributed.all_gather_object(everyone, my_shards)
+    holders: dict[tuple[str, int], list[int]] = defaultdict(list)
+    meta: dict[str, _Shard] = {}
+    for holder, shards in enumerate(everyone):
+        for shard in shards:
+            holders[(shard.te_name, shard.index)].append(holder)
+            meta.setdefault(shard.te_name, shard)
+    te_names = sorted(meta, key=_natural_key)
+    hf_names = {te: bridge._weight_name_mapping_mcore_to_hf(te) for te in te_names}
+
+    # 2. the shard plan
+    source_index = getattr(getattr(bridge, "safetensor_io", None), "origin_index", None) or {}
+    plan = dict(source_index.get("weight_map") or {}) or _default_plan(hf_names, meta, world_size)
+    files: dict[str, set[str]] = defaultdict(set)
+    for name, file in plan.items():
+        files[file].add(name)
+    te_for_file = {file: [te for te in te_names if files[file].intersection(hf_names[te])] for file in files}
+
+    # 3. one writer per file
+    def pieces(te: str) -> list[tuple[str, int]]:
+        return [(te, i) for i in range(meta[te].count)]
+
+    file_bytes = {f: sum(meta[te].nbytes * meta[te].count for te in tes) for f, tes in te_for_file.items()}
+    load = [0] * world_size
+    writer_files: list[list[str]] = [[] for _ in range(world_size)]
+    for file in sorted(files, key=lambda f: (-file_bytes[f], f)):
+        local = [0] * world_size
+        for te in te_for_file[file]:
+            for key in pieces(te):
+                for holder in holders[key]:
+                    local[holder] += meta[te].nbytes
+        writer = min(range(world_size), key=lambda r: (load[r] - local[r], r))
+        load[writer] += file_bytes[file]
+        writer_files[writer].append(file)
+
+    # 4. rounds: shards to writers, merge, convert, write
+    written: dict[str, int] = {}
+    tag = 0
+    for round_index in range(max(len(f) for f in writer_files)):
+        jobs = [(w, fs[round_index]) for w, fs in enumerate(writer_files) if round_index < len(fs)]
+        received: dict[tuple[str, int], torch.Tensor] = {}
+        ops = []
+        for writer, file in jobs:
+            for te in te_for_file[file]:
+                for key in pieces(te):
+                    tag += 1
+                    source = writer if writer in holders[key] else holders[key][0]
+                    if source == writer:
+                        continue
+                    if rank == source:
+                        ops.append(torch.distributed.isend(my_tensors[key].detach().contiguous(), writer, tag=tag))
+                    elif rank == writer:
+                        received[key] = torch.empty(meta[te].shape, dtype=_dtype(meta[te].dtype))
+                        ops.append(torch.distributed.irecv(received[key], source, tag=tag))
+        for op in ops:
+            op.wait()
+        for writer, file in jobs:
+            if writer == rank:
+                written.update(_write_file(bridge, weights_path, file, files[file], te_for_file[file], meta, my_tensors, received))
+        del received
+
+    # 5. index and config
+    reports: list = [None] * world_size
+    torch.distributed.all_gather_object(reports, written)
+    if rank == 0:
+        sizes = {name: nbytes for report in reports for name, nbytes in report.items()}
+        missing = sorted(set(plan) - set(sizes), key=_natural_key)
+        shared = set(bridge._get_hf_shared_weight_keys())
+        if set(missing) - shared:
+            warnings.warn(f"HF export: {len(missing)} planned tensors were not produced: {missing[:20]}", stacklevel=2)
+        if source_index:
+            with open(os.path.join(weights_path, INDEX_FILENAME), "w") as handle:
+                json.dump(source_index, handle)  # as mbridge's SafeTensorIO.save_index writes it
+        else:
+            weight_map = {name: plan[name] for name in sorted(sizes, key=_natural_key)}
+            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+            with open(os.path.join(weights_path, INDEX_FILENAME), "w") as handle:
+                json.dump(index, handle, indent=2)
+        if not os.path.exists(os.path.join(weights_path, "config.json")):
+            bridge.hf_config.save_pretrained(weights_path)
+    torch.distributed.barrier()
+
+
+def _write_file(bridge, weights_path, file, names, te_list, meta, my_tensors, received) -> dict[str, int]:
+    out: dict[str, torch.Tensor] = {}
+    for te in te_list:
+        shard = meta[te]
+        pieces = [my_tensors[(te, i)].detach() if (te, i) in my_tensors else received[(te, i)] for i in range(shard.count)]
+        if shard.merge:
+            # What mbridge hands _weight_merge_across_tp as ``param``: a tensor with the TP attributes.
+            ref = torch.empty(0, dtype=pieces[0].dtype)
+            ref.tensor_model_parallel = True
+            if shard.partition_dim is not None:
+                ref.partition_dim = shard.partition_dim
+            merged = bridge._weight_merge_across_tp(te, pieces, ref)
+        else:
+            merged = pieces[0]
+        for name, tensor in zip(*bridge._weight_to_hf_format(te, merged), strict=True):
+            if name in names:
+                out[name] = tensor.contiguous()
+    if out:
+        save_file(out, os.path.join(weights_path, file))
+    return {name: tensor.numel() * tensor.element_size() for name, tensor in out.items()}
