@@ -1,0 +1,223 @@
+"""``python -m verl.trainer.main_ppo`` from the command line, as a user runs it (real Hydra, Ray, Megatron).
+
+- 8 ranks at TP2 PP2 EP2 ETP2, use_distributed_optimizer=False: step checkpoints; the run is killed
+  mid-way and a restart with resume_mode=auto continues from the last saved step, bit for bit;
+- the seed layout PP4 EP2 TP2 ETP2 on 16 ranks completes one verified save;
+- param_offload with use_distributed_optimizer=False saves (fix 1, through the worker);
+- bad configurations exit with status 2 and their message before Ray or any rank starts.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MEGATRON = "actor_rollout_ref.actor.megatron."
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+        # The embedded default model is made here once (not in the user's ~/.cache).
+        "VERL_TINY_MODEL_CACHE": str(tmp_path_factory.mktemp("tiny_cache")),
+    }
+
+
+def _start(overrides: list[str], cwd: Path, env: dict, log: Path) -> subprocess.Popen:
+    """The trainer in its own session, so it can be stopped with everything it started (Ray included)."""
+    handle = open(log, "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
+        cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
+
+
+def _run(overrides: list[str], cwd: Path, env: dict, timeout_s: float = 540) -> tuple[int, str]:
+    log = cwd / f"run_{time.monotonic_ns()}.log"
+    proc = _start(overrides, cwd, env, log)
+    try:
+        proc.wait(timeout=timeout_s)
+    finally:
+        _kill_session(proc)  # nothing may outlive the run
+    return proc.returncode, log.read_text()
+
+
+def _metrics(ckpt: Path) -> list[dict]:
+    path = ckpt / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_kill_and_resume_auto_continues_from_last_save(tmp_path, env):
+    """Default layout (8 ranks, TP2 PP2 EP2 ETP2), embedded default model, DO=False."""
+    ckpt = tmp_path / "ckpt"
+    common = [f"trainer.default_local_dir={ckpt}", f"{MEGATRON}use_distributed_optimizer=False", "trainer.save_freq=2"]
+    log = tmp_path / "first.log"
+    first = _start([*common, "trainer.total_training_steps=8"], tmp_path, env, log)
+    try:
+        deadline = time.monotonic() + 480
+        while not any(m["step"] == 3 for m in _metrics(ckpt)):
+            assert first.poll() is None, f"first run exited early:\n{log.read_text()[-5000:]}"
+            assert time.monotonic() < deadline, f"no step 3 in time:\n{log.read_text()[-5000:]}"
+            time.sleep(0.2)
+    finally:
+        _kill_session(first)  # killed between saves: step 3 trained, step 4 not saved
+    assert (ckpt / TRACKER).read_text() == "2"
+    first_run = {m["step"]: m for m in _metrics(ckpt)}
+    assert "checkpoint" in first_run[2] and "checkpoint" not in first_run[3]
+
+    code, out = _run([*common, "trainer.total_training_steps=4", "trainer.resume_mode=auto"], tmp_path, env)
+    assert code == 0, out[-6000:]
+    assert f"resumed from {ckpt}/global_step_2 (step 2)" in out
+    second_run = _metrics(ckpt)[len(first_run):]
+    assert [m["step"] for m in second_run] == [3, 4]
+    # The resumed step 3 sees the same data and state as the killed run's step 3.
+    assert second_run[0]["loss"] == pytest.approx(first_run[3]["loss"], rel=1e-6, abs=1e-7)
+    assert second_run[0]["grad_norm"] == pytest.approx(first_run[3]["grad_norm"], rel=1e-5)
+    assert (ckpt / TRACKER).read_text() == "4"
+    contents = json.loads((ckpt / "global_step_4/actor/ckpt_contents.json").read_text())
+    assert contents["parallel"] == {"world_size": 8, "tp": 2, "pp": 2, "ep": 2, "etp": 2, "cp": 1}
+    assert contents["use_distributed_optimizer"] is False
+    assert "HF export: all 135 tensors present with the expected shapes" in out
+
+
+def test_seed_layout_16_ranks_one_verified_save(tmp_path, env, tiny_moe_path):
+    ckpt = tmp_path / "ckpt"
+    code, out = _run(
+        [
+            f"actor_rollout_ref.model.path={tiny_moe_path}",
+            "trainer.n_gpus_per_node=16",
+            f"{MEGATRON}pipeline_model_parallel_size=4",
+            f"{MEGATRON}tensor_model_parallel_size=2",
+            f"{MEGATRON}expert_model_parallel_size=2",
+            f"{MEGATRON}expert_tensor_parallel_size=2",
+            f"{MEGATRON}use_distributed_optimizer=False",
+            "trainer.total_training_steps=1",
+            "trainer.save_freq=1",
+            f"trainer.default_local_dir={ckpt}",
+        ],
+        tmp_path,
+        env,
+    )
+    assert code == 0, out[-6000:]
+    assert "16 ranks on cpu" in out and "TP2 PP4 EP2 ETP2 CP1" in out
+    assert (ckpt / TRACKER).read_text() == "1"
+    contents = json.loads((ckpt / "global_step_1/actor/ckpt_contents.json").read_text())
+    assert contents["parallel"] == {"world_size": 16, "tp": 2, "pp": 4, "ep": 2, "etp": 2, "cp": 1}
+    record = _metrics(ckpt)[0]["checkpoint"]
+    assert record["hf"] == "all 135 tensors present with the expected shapes" and record["files"] > 0
+
+
+def test_param_offload_saves_without_distributed_optimizer(tmp_path, env, tiny_moe_path):
+    ckpt = tmp_path / "ckpt"
+    code, out = _run(
+        [
+            f"actor_rollout_ref.model.path={tiny_moe_path}",
+            "trainer.n_gpus_per_node=2",
+            f"{MEGATRON}tensor_model_parallel_size=1",
+            f"{MEGATRON}pipeline_model_parallel_size=1",
+            f"{MEGATRON}expert_model_parallel_size=2",
+            f"{MEGATRON}use_distributed_optimizer=False",
+            f"{MEGATRON}param_offload=True",
+            f"{MEGATRON}grad_offload=True",
+            f"{MEGATRON}optimizer_offload=True",
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=1",
+            f"trainer.default_local_dir={ckpt}",
+        ],
+        tmp_path,
+        env,
+    )
+    assert code == 0, out[-6000:]
+    records = [m["checkpoint"] for m in _metrics(ckpt)]
+    assert len(records) == 2
+    for record in records:
+        # Fix 1: the device query saw an offloaded DDP model with param_data None and said "cpu";
+        # the worker brought the weights back for the save and offloaded them again.
+        assert record["module_device"] == "cpu"
+        assert record["param_offloaded_before"] is True and record["param_offloaded_after"] is True
+        assert record["hf"] == "all 135 tensors present with the expected shapes"
+    assert (ckpt / TRACKER).read_text() == "2"
+    assert "brought back for the save, then offloaded again" in out
+
+
+BAD_CONFIGS = {
+    "tp_vs_world": ([f"{MEGATRON}tensor_model_parallel_size=3"], f"is not divisible by TP x PP x CP = 3x2x1; set {MEGATRON}tensor_model_parallel_size"),
+    "etp_ep_pp_vs_world": ([f"{MEGATRON}expert_model_parallel_size=4"], f"is not divisible by ETP x EP x PP = 2x4x2; set {MEGATRON}expert_tensor_parallel_size"),
+    "experts_vs_ep": (
+        ["trainer.n_gpus_per_node=3", "data.train_batch_size=6", f"{MEGATRON}tensor_model_parallel_size=1",
+         f"{MEGATRON}pipeline_model_parallel_size=1", f"{MEGATRON}expert_model_parallel_size=3", f"{MEGATRON}expert_tensor_parallel_size=1"],
+        f"num_experts=8 is not divisible by expert_model_parallel_size=3; set {MEGATRON}expert_model_parallel_size",
+    ),
+    "layers_vs_pp": (
+        [f"{MEGATRON}pipeline_model_parallel_size=8", f"{MEGATRON}tensor_model_parallel_size=1", f"{MEGATRON}expert_model_parallel_size=1", "data.train_batch_size=2"],
+        f"num_hidden_layers=4 is not divisible by pipeline_model_parallel_size=8; set {MEGATRON}pipeline_model_parallel_size",
+    ),
+    "heads_vs_tp": (
+        [f"{MEGATRON}tensor_model_parallel_size=8", f"{MEGATRON}pipeline_model_parallel_size=1", f"{MEGATRON}expert_model_parallel_size=1"],
+        f"num_attention_heads=4 is not divisible by tensor_model_parallel_size=8; set {MEGATRON}tensor_model_parallel_size",
+    ),
+    "no_cuda": (["trainer.device=cuda"], "trainer.device=cuda but this host has no cuda device; set trainer.device=cpu"),
+    "model_path": (["actor_rollout_ref.model.path=/nonexistent/model"], "actor_rollout_ref.model.path=/nonexistent/model does not exist"),
+    "resume_path": (["trainer.resume_mode=resume_path"], "trainer.resume_mode=resume_path needs trainer.resume_from_path"),
+    "async_save": (["actor_rollout_ref.actor.checkpoint.async_save=True"], "set actor_rollout_ref.actor.checkpoint.async_save=False"),
+    "grad_offload": ([f"{MEGATRON}grad_offload=True"], f"set {MEGATRON}param_offload=True or grad_offload=False"),
+    "batch_vs_dp": (["data.train_batch_size=6"], "set data.train_batch_size to a multiple of 4"),
+}
+
+
+def test_bad_configs_fail_fast_before_any_rank(tmp_path, env, tiny_moe_path):
+    procs = {}
+    for name, (overrides, _) in BAD_CONFIGS.items():
+        model = [] if any(o.startswith("actor_rollout_ref.model.path=") for o in overrides) else [f"actor_rollout_ref.model.path={tiny_moe_path}"]
+        args = [*model, *overrides, f"trainer.default_local_dir={tmp_path / name / 'ckpt'}"]
+        (tmp_path / name).mkdir()
+        procs[name] = (_start(args, tmp_path / name, env, tmp_path / f"{name}.log"), time.monotonic())
+    try:
+        for name, (proc, started) in procs.items():
+            proc.wait(timeout=120)
+            procs[name] = (proc, time.monotonic() - started)
+    finally:
+        for proc, _ in procs.values():
+            _kill_session(proc)
+    for name, (proc, seconds) in procs.items():
+        out = (tmp_path / f"{name}.log").read_text()
+        expected = BAD_CONFIGS[name][1]
+        assert proc.returncode == 2, f"{name}: exit {proc.returncode}\n{out[-3000:]}"
+        assert expected in out, f"{name}: {expected!r} not in\n{out[-3000:]}"
+        assert "invalid configuration" in out
+        assert "Ray instance" not in out and "ranks up" not in out, f"{name} got as far as Ray:\n{out[-3000:]}"
+        assert not (tmp_path / name / "ckpt").exists()
+        assert seconds < 60, f"{name} took {seconds:.0f}s to fail"
+
+
+def test_synthetic_batches_depend_only_on_seed_and_step():
+    from verl.trainer.ppo.ray_trainer import make_synthetic_batch
+
+    a = make_synthetic_batch(1, 3, 8, 32, 256)
+    assert a.shape == (8, 33) and int(a.min()) >= 4 and int(a.max()) < 256
+    assert (a == make_synthetic_batch(1, 3, 8, 32, 256)).all()
+    assert not (a == make_synthetic_batch(1, 4, 8, 32, 256)).all()
+
+
+def test_validation_contents_match_the_checkpoint_manager():
+    from verl.trainer.validation import CHECKPOINT_CONTENTS
+    from verl.utils.checkpoint.checkpoint_manager import ALL_CONTENTS
+
+    assert tuple(CHECKPOINT_CONTENTS) == tuple(ALL_CONTENTS)

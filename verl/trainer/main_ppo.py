@@ -1,0 +1,179 @@
+"""``python -m verl.trainer.main_ppo [key=value ...]``: the Hydra entry point of the trainer.
+
+What happens, in order:
+
+1. the config is checked (``verl.trainer.validation``): every problem is printed on its own line, naming
+   the override that fixes it, and the process exits with status 2 before Ray or any rank starts;
+2. with ``actor_rollout_ref.model.path=null`` the embedded tiny Qwen3-MoE is made once into a cache
+   directory (``$VERL_TINY_MODEL_CACHE`` or ``~/.cache/verl_tiny``), and the model is checked against
+   the parallel layout;
+3. Ray starts locally, or the run joins the cluster in ``RAY_ADDRESS`` (what ``ray job submit`` sets);
+4. one Ray actor per rank, then the trainer: update steps, periodic saves, resume.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import hydra
+
+from verl.trainer.validation import (
+    ConfigError,
+    check_cluster,
+    check_config,
+    check_device,
+    check_model_build,
+    find_resume_step,
+    parallel_sizes,
+    read_model_config,
+    world_size,
+)
+from verl.utils.logging_utils import silence_library_notices
+
+EXIT_CONFIG_ERROR = 2
+EMBEDDED_MODEL_NAME = "tiny_qwen3_moe_l4_e8_v1"
+
+
+@hydra.main(config_path="config", config_name="ppo_megatron_trainer", version_base=None)
+def main(config) -> None:
+    run_ppo(config)
+
+
+@dataclass
+class RunPlan:
+    model_path: str
+    vocab_size: int
+    device: str | None  # None: decided from the Ray cluster's resources
+    cluster: bool
+    resume: tuple[int, str] | None
+
+
+def prepare(config) -> RunPlan:
+    """Every check that can run before Ray starts; raises ConfigError with all problems found."""
+    cluster = bool(os.environ.get("RAY_ADDRESS"))
+    given = config.actor_rollout_ref.model.path
+    model_path = os.path.abspath(os.path.expanduser(str(given))) if given else None
+    problems = check_config(config, model_path)
+    device = None
+    if not problems or config.trainer.device in ("cuda", "npu"):
+        device, device_problems = check_device(config, cluster)
+        problems += device_problems
+    if problems:
+        raise ConfigError(problems)
+    if model_path is None:
+        model_path = embedded_model_path()
+        problems = check_config(config, model_path)
+        if problems:
+            raise ConfigError(problems)
+    problems = check_model_build(model_path, config)
+    if problems:
+        raise ConfigError(problems)
+    resume = find_resume_step(config)
+    vocab_size = int(read_model_config(model_path)["vocab_size"])
+    return RunPlan(model_path=model_path, vocab_size=vocab_size, device=device, cluster=cluster, resume=resume)
+
+
+def embedded_model_path() -> str:
+    """The embedded tiny Qwen3-MoE, made on first use (atomically: concurrent runs never see half of it)."""
+    from verl.models.tiny import make_tiny_hf_model
+
+    root = os.environ.get("VERL_TINY_MODEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "verl_tiny")
+    final = os.path.join(root, EMBEDDED_MODEL_NAME)
+    marker = os.path.join(final, ".complete")
+    if os.path.isfile(marker):
+        return final
+    os.makedirs(root, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{EMBEDDED_MODEL_NAME}.", dir=root)
+    try:
+        make_tiny_hf_model(staging, kind="moe", seed=0)
+        with open(os.path.join(staging, ".complete"), "w") as handle:
+            handle.write("made by verl.trainer.main_ppo\n")
+        if os.path.isdir(final) and not os.path.isfile(marker):
+            shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not os.path.isfile(marker):  # not a concurrent run that finished first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"[main_ppo] made the embedded tiny Qwen3-MoE at {final}", flush=True)
+    return final
+
+
+def _init_ray(config) -> bool:
+    """Start a local Ray instance, or join RAY_ADDRESS's cluster. True when this process started Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+        print(f"[main_ppo] joined the Ray cluster at {address}", flush=True)
+        return True
+    num_cpus = config.ray_init.num_cpus or os.cpu_count() or 1
+    ray.init(address="local", num_cpus=int(num_cpus), include_dashboard=False)
+    return True
+
+
+def run_ppo(config) -> None:
+    silence_library_notices()
+    try:
+        plan = prepare(config)
+    except ConfigError as err:
+        _exit_config_error(err)
+    import ray
+
+    from verl.single_controller.ray import WorkerGroupError
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    started = _init_ray(config)
+    try:
+        device = plan.device
+        if plan.cluster:
+            alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+            device, problems = check_cluster(config, plan.device, ray.cluster_resources(), alive)
+            if problems:
+                _exit_config_error(ConfigError(problems))
+        _print_plan(config, plan, device)
+        trainer = RayPPOTrainer(config, plan.model_path, plan.vocab_size, device, plan.resume)
+        try:
+            trainer.init_workers()
+            trainer.fit()
+        except WorkerGroupError as err:
+            print(f"[main_ppo] training failed:\n{err}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        finally:
+            trainer.shutdown()
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _print_plan(config, plan: RunPlan, device: str) -> None:
+    sizes = parallel_sizes(config)
+    megatron = config.actor_rollout_ref.actor.megatron
+    resume = f"resume from {plan.resume[1]}" if plan.resume else f"start fresh (resume_mode={config.trainer.resume_mode})"
+    print(
+        f"[main_ppo] model {plan.model_path}\n"
+        f"[main_ppo] {world_size(config)} ranks on {device} ({config.trainer.nnodes} node(s) x {config.trainer.n_gpus_per_node}); "
+        f"TP{sizes.tp} PP{sizes.pp} EP{sizes.ep} ETP{sizes.expert_tp} CP{sizes.cp}; "
+        f"use_distributed_optimizer={megatron.use_distributed_optimizer} param_offload={megatron.param_offload}\n"
+        f"[main_ppo] {config.trainer.total_training_steps} steps, save_freq={config.trainer.save_freq}, "
+        f"checkpoints -> {os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))}; {resume}",
+        flush=True,
+    )
+
+
+def _exit_config_error(err: ConfigError) -> None:
+    print(f"[main_ppo] {err}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_CONFIG_ERROR)
+
+
+if __name__ == "__main__":
+    main()

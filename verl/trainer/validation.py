@@ -1,0 +1,311 @@
+"""Every check of a trainer config that can run before any rank starts.
+
+Each problem is one line that names the override fixing it. ``check_config`` reads only the config and
+the model's ``config.json`` (no torch, no Ray), so a bad command line fails in about a second;
+``check_device`` and ``check_model_build`` need torch / megatron and run only once the cheap checks pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes
+
+_MEGATRON = "actor_rollout_ref.actor.megatron."
+_CHECKPOINT = "actor_rollout_ref.actor.checkpoint."
+# verl.utils.checkpoint.checkpoint_manager.ALL_CONTENTS (not imported: it pulls in torch).
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+RESUME_MODES = ("auto", "disable", "resume_path")
+LOGGERS = ("console", "file")
+DEVICES = ("auto", "cpu", "cuda", "npu")
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+class ConfigError(ValueError):
+    """The config cannot run; ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+def world_size(config: Any) -> int:
+    return int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+
+
+def parallel_sizes(config: Any) -> ParallelSizes:
+    megatron = config.actor_rollout_ref.actor.megatron
+    etp = megatron.expert_tensor_parallel_size
+    return ParallelSizes(
+        tp=int(megatron.tensor_model_parallel_size),
+        pp=int(megatron.pipeline_model_parallel_size),
+        ep=int(megatron.expert_model_parallel_size),
+        etp=None if etp is None else int(etp),
+        cp=int(megatron.context_parallel_size),
+    )
+
+
+def read_model_config(model_path: str) -> dict:
+    with open(os.path.join(model_path, "config.json")) as handle:
+        return json.load(handle)
+
+
+def check_config(config: Any, model_path: str | None) -> list[str]:
+    """Problems found in the config alone, plus the model's layout from its config.json when ``model_path``
+    is given (None: the embedded model, which is checked once it is made)."""
+    problems: list[str] = []
+    problems += _check_trainer(config)
+    problems += _check_actor(config)
+    model = None
+    if model_path is not None:
+        model, model_problems = _read_model(model_path)
+        problems += model_problems
+    problems += _check_layout(config, model)
+    problems += _check_data(config, model)
+    return problems
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_trainer(config: Any) -> list[str]:
+    trainer = config.trainer
+    problems = []
+    for key in ("nnodes", "n_gpus_per_node", "total_training_steps"):
+        if not _positive_int(trainer[key]):
+            problems.append(f"trainer.{key}={trainer[key]} must be an integer >= 1; set trainer.{key}=<n>")
+    if not isinstance(trainer.save_freq, int) or isinstance(trainer.save_freq, bool):
+        problems.append(f"trainer.save_freq={trainer.save_freq} must be an integer (<= 0: never save)")
+    if trainer.device not in DEVICES:
+        problems.append(f"trainer.device={trainer.device} is not one of {list(DEVICES)}; set trainer.device=auto")
+    keep = trainer.max_actor_ckpt_to_keep
+    if keep is not None and not _positive_int(keep):
+        problems.append(f"trainer.max_actor_ckpt_to_keep={keep} must be null (keep all) or >= 1")
+    loggers = list(trainer.logger) if not isinstance(trainer.logger, str) else [trainer.logger]
+    unknown = [name for name in loggers if name not in LOGGERS]
+    if unknown:
+        problems.append(f"trainer.logger has {unknown}, which this trainer does not provide; use a subset of {list(LOGGERS)}, e.g. trainer.logger=[console,file]")
+    problems += _check_output_dir(str(trainer.default_local_dir))
+    problems += _check_resume(trainer)
+    return problems
+
+
+def _check_output_dir(path: str) -> list[str]:
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        return [f"trainer.default_local_dir={path} is a file; set trainer.default_local_dir to a directory"]
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        return [f"trainer.default_local_dir={path} cannot be created ({existing} is not a writable directory); set trainer.default_local_dir"]
+    return []
+
+
+def _check_resume(trainer: Any) -> list[str]:
+    mode = trainer.resume_mode
+    if mode not in RESUME_MODES:
+        return [f"trainer.resume_mode={mode} is not one of {list(RESUME_MODES)}; set trainer.resume_mode=auto"]
+    if mode != "resume_path":
+        return []
+    path = trainer.resume_from_path
+    if not path:
+        return ["trainer.resume_mode=resume_path needs trainer.resume_from_path=<default_local_dir>/global_step_N"]
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    if not _STEP_DIR.match(os.path.basename(path.rstrip("/"))):
+        return [f"trainer.resume_from_path={path} is not a global_step_N directory; point it at one"]
+    if not os.path.isdir(path):
+        return [f"trainer.resume_from_path={path} does not exist; set trainer.resume_from_path to a saved global_step_N directory"]
+    if not os.path.isfile(os.path.join(path, "actor", "ckpt_contents.json")):
+        return [f"trainer.resume_from_path={path} holds no complete actor checkpoint (actor/ckpt_contents.json is missing: an interrupted save?); choose another step"]
+    return []
+
+
+def _check_actor(config: Any) -> list[str]:
+    actor = config.actor_rollout_ref.actor
+    megatron, checkpoint = actor.megatron, actor.checkpoint
+    problems = []
+    if actor.strategy != "megatron":
+        problems.append(f"actor_rollout_ref.actor.strategy={actor.strategy}: only megatron is implemented; set actor_rollout_ref.actor.strategy=megatron")
+    if not _positive_int(actor.ppo_micro_batch_size_per_gpu):
+        problems.append(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} must be an integer >= 1")
+    try:
+        if float(actor.optim.lr) <= 0:
+            problems.append(f"actor_rollout_ref.actor.optim.lr={actor.optim.lr} must be > 0")
+    except (TypeError, ValueError):
+        problems.append(f"actor_rollout_ref.actor.optim.lr={actor.optim.lr} is not a number")
+    if not megatron.use_mbridge:
+        problems.append(f"{_MEGATRON}use_mbridge=False: models are built only through mbridge here; set {_MEGATRON}use_mbridge=True")
+    if not megatron.vanilla_mbridge:
+        problems.append(f"{_MEGATRON}vanilla_mbridge=False asks for Megatron-Bridge, which is not supported here; set {_MEGATRON}vanilla_mbridge=True")
+    if megatron.grad_offload and not megatron.param_offload:
+        problems.append(f"{_MEGATRON}grad_offload=True without param_offload: grads are offloaded together with the weights; set {_MEGATRON}param_offload=True or grad_offload=False")
+    if int(megatron.context_parallel_size) > 1:
+        problems.append(f"{_MEGATRON}context_parallel_size={megatron.context_parallel_size}: the update step does not split sequences over context-parallel ranks yet; set {_MEGATRON}context_parallel_size=1")
+    if int(megatron.tensor_model_parallel_size) > 1 and not megatron.sequence_parallel:
+        problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: mbridge always uses sequence parallelism with TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
+    if checkpoint.async_save:
+        problems.append(f"{_CHECKPOINT}async_save=True is not supported: a save completes before the step's tracker is written; set {_CHECKPOINT}async_save=False")
+    for key in ("save_contents", "load_contents"):
+        contents = list(checkpoint[key])
+        unknown = [c for c in contents if c not in CHECKPOINT_CONTENTS]
+        if unknown:
+            problems.append(f"{_CHECKPOINT}{key} has unknown entries {unknown}; choose from {list(CHECKPOINT_CONTENTS)}")
+    if config.trainer.save_freq > 0 and not list(checkpoint.save_contents):
+        problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={config.trainer.save_freq}; list what to save or set trainer.save_freq=-1")
+    return problems
+
+
+def _read_model(model_path: str) -> tuple[dict | None, list[str]]:
+    if not os.path.isdir(model_path):
+        return None, [f"actor_rollout_ref.model.path={model_path} does not exist; set actor_rollout_ref.model.path to a local HF model directory (or null for the embedded tiny model)"]
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        return None, [f"actor_rollout_ref.model.path={model_path} has no config.json; it is not an HF model directory"]
+    try:
+        return read_model_config(model_path), []
+    except (OSError, json.JSONDecodeError) as exc:
+        return None, [f"actor_rollout_ref.model.path={model_path}: config.json is unreadable ({exc})"]
+
+
+def _check_layout(config: Any, model: dict | None) -> list[str]:
+    try:
+        sizes = parallel_sizes(config)
+    except (TypeError, ValueError) as exc:
+        return [f"{_MEGATRON}*_parallel_size must be integers: {exc}"]
+    if not _positive_int(config.trainer.nnodes) or not _positive_int(config.trainer.n_gpus_per_node):
+        return []  # the world size is unknown; reported above
+    numbers = {}
+    if model is not None:
+        numbers = {
+            "num_layers": model.get("num_hidden_layers"),
+            "num_experts": model.get("num_experts") or 0,
+            "num_attention_heads": model.get("num_attention_heads"),
+            "num_key_value_heads": model.get("num_key_value_heads"),
+        }
+    try:
+        sizes.validate(world_size(config), **numbers)
+    except ParallelConfigError as exc:
+        text = str(exc)
+        bullets = [line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- ")]
+        return bullets or [text]
+    return []
+
+
+def _check_data(config: Any, model: dict | None) -> list[str]:
+    data, problems = config.data, []
+    for key in ("train_batch_size", "max_prompt_length", "max_response_length"):
+        if not _positive_int(data[key]):
+            problems.append(f"data.{key}={data[key]} must be an integer >= 1")
+    if problems:
+        return problems
+    megatron = config.actor_rollout_ref.actor.megatron
+    tp, pp, cp = (int(megatron[k]) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
+    seq = int(data.max_prompt_length) + int(data.max_response_length)
+    if tp > 1 and seq % tp:
+        problems.append(f"sequence length data.max_prompt_length + data.max_response_length = {seq} is not divisible by tensor_model_parallel_size={tp} (sequence parallelism splits it); change data.max_response_length")
+    if model is not None and seq + 1 > int(model.get("max_position_embeddings", seq + 1)):
+        problems.append(f"sequence length {seq} exceeds the model's max_position_embeddings={model['max_position_embeddings']}; lower data.max_prompt_length / data.max_response_length")
+    micro = config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+    world = world_size(config) if _positive_int(config.trainer.nnodes) and _positive_int(config.trainer.n_gpus_per_node) else None
+    if world and min(tp, pp, cp) >= 1 and world % (tp * pp * cp) == 0 and _positive_int(micro):
+        dp = world // (tp * pp * cp)
+        if int(data.train_batch_size) % (dp * micro):
+            problems.append(
+                f"data.train_batch_size={data.train_batch_size} does not split into {dp} data-parallel ranks x micro batches of "
+                f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}; set data.train_batch_size to a multiple of {dp * micro}"
+            )
+    return problems
+
+
+def check_device(config: Any, cluster: bool) -> tuple[str | None, list[str]]:
+    """The device type the ranks compute on, for a local run (``cluster=False``), with its problems.
+
+    On a Ray cluster the device is decided from the cluster's resources instead (``check_cluster``).
+    """
+    requested = config.trainer.device
+    if cluster:
+        return (None if requested == "auto" else requested), []
+    if int(config.trainer.nnodes) > 1:
+        return None, [f"trainer.nnodes={config.trainer.nnodes} needs a Ray cluster: set RAY_ADDRESS (or submit with `ray job submit`), or set trainer.nnodes=1"]
+    if requested == "cpu":
+        return "cpu", []
+    from verl.utils.device import get_device_name, get_torch_device
+
+    found = get_device_name()
+    device = found if requested == "auto" else requested
+    if requested != "auto" and found != requested:
+        return None, [f"trainer.device={requested} but this host has no {requested} device; set trainer.device=cpu (or auto)"]
+    if device != "cpu":
+        count = get_torch_device().device_count()
+        if int(config.trainer.n_gpus_per_node) > count:
+            return None, [f"trainer.n_gpus_per_node={config.trainer.n_gpus_per_node} but this host has {count} {device} device(s); set trainer.n_gpus_per_node={count}"]
+    return device, []
+
+
+def check_cluster(config: Any, requested: str | None, resources: dict, alive_nodes: int) -> tuple[str, list[str]]:
+    """Device and capacity of the Ray cluster the run joined."""
+    gpus = int(resources.get("GPU", 0))
+    device = requested or ("cuda" if gpus else "cpu")
+    problems = []
+    if alive_nodes < int(config.trainer.nnodes):
+        problems.append(f"trainer.nnodes={config.trainer.nnodes} but the Ray cluster has {alive_nodes} node(s); set trainer.nnodes={alive_nodes}")
+    if device == "cuda" and gpus < world_size(config):
+        problems.append(f"{world_size(config)} ranks need as many GPUs but the Ray cluster has {gpus}; set trainer.n_gpus_per_node / trainer.nnodes (or trainer.device=cpu)")
+    return device, problems
+
+
+def check_model_build(model_path: str, config: Any) -> list[str]:
+    """The full pre-start check of the model (mbridge support, exact representability, layout)."""
+    from verl.models.mcore import UnsupportedHFConfigError, validate_model_build
+
+    try:
+        validate_model_build(model_path, parallel_sizes(config), world_size(config))
+    except UnsupportedHFConfigError as exc:
+        return [f"actor_rollout_ref.model.path={model_path}: {exc}"]
+    except (FileNotFoundError, ParallelConfigError) as exc:
+        return [str(exc)]
+    return []
+
+
+def find_resume_step(config: Any) -> tuple[int, str] | None:
+    """(step, global_step_N directory) the run resumes from, or None to start fresh. Raises ConfigError.
+
+    The step is verified as a load would (manifest sizes, contents, HF completeness) before any rank starts.
+    """
+    from verl.utils.checkpoint.integrity import CheckpointError, find_resume_checkpoint, verify_checkpoint
+
+    trainer = config.trainer
+    if trainer.resume_mode == "disable":
+        return None
+    try:
+        if trainer.resume_mode == "resume_path":
+            step_dir = os.path.abspath(os.path.expanduser(str(trainer.resume_from_path))).rstrip("/")
+            contents = verify_checkpoint(os.path.join(step_dir, "actor"))
+        else:
+            root = os.path.abspath(os.path.expanduser(str(trainer.default_local_dir)))
+            actor_path, notes = find_resume_checkpoint(root, role="actor")
+            for note in notes:
+                print(f"[main_ppo] note: {note}", flush=True)
+            if actor_path is None:
+                return None
+            step_dir = os.path.dirname(actor_path)
+            contents = verify_checkpoint(actor_path)
+    except (CheckpointError, FileNotFoundError) as exc:
+        raise ConfigError([f"trainer.resume_mode={trainer.resume_mode}: {exc}"]) from exc
+    step = int(_STEP_DIR.match(os.path.basename(step_dir)).group(1))
+    load = list(config.actor_rollout_ref.actor.checkpoint.load_contents)
+    problems = []
+    missing = [c for c in load if c != "hf_model" and c not in contents.get("save_contents", [])]
+    if missing:
+        problems.append(f"{step_dir}/actor holds {contents.get('save_contents')} but {_CHECKPOINT}load_contents asks for {missing}; drop them from {_CHECKPOINT}load_contents")
+    saved_do = contents.get("use_distributed_optimizer")
+    now_do = bool(config.actor_rollout_ref.actor.megatron.use_distributed_optimizer)
+    if "optimizer" in load and saved_do is not None and saved_do != now_do:
+        problems.append(f"{step_dir}/actor optimizer state was saved with use_distributed_optimizer={saved_do}; set {_MEGATRON}use_distributed_optimizer={saved_do} or drop 'optimizer' from {_CHECKPOINT}load_contents")
+    if problems:
+        raise ConfigError(problems)
+    return step, step_dir
