@@ -1,0 +1,64 @@
+"""Ray job submission against a head on loopback: scripts/ray_job_submit.sh starts the head (dashboard on
+127.0.0.1), submits a short run with `ray job submit -- python -m verl.trainer.main_ppo ...`, waits for
+SUCCEEDED and stops the head it started. The checkpoint the job wrote is then checked here."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MEGATRON = "actor_rollout_ref.actor.megatron."
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ray_job_submit_to_loopback_head(tmp_path, tiny_moe_path):
+    ckpt = tmp_path / "ckpt"
+    temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths live under it
+    env = {
+        **os.environ,
+        "RAY_PORT": str(_free_port()),
+        "RAY_DASHBOARD_PORT": str(_free_port()),
+        "RAY_NUM_CPUS": "2",
+        "RAY_TEMP_DIR": temp_dir,
+    }
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(
+        [
+            "bash", str(REPO / "scripts" / "ray_job_submit.sh"),
+            f"actor_rollout_ref.model.path={tiny_moe_path}",
+            "trainer.n_gpus_per_node=2",
+            f"{MEGATRON}tensor_model_parallel_size=1",
+            f"{MEGATRON}pipeline_model_parallel_size=1",
+            f"{MEGATRON}expert_model_parallel_size=2",
+            f"{MEGATRON}use_distributed_optimizer=False",
+            "trainer.total_training_steps=1",
+            "trainer.save_freq=1",
+            f"trainer.default_local_dir={ckpt}",
+        ],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=420)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the script stops its head; this is only a safety net
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, out[-6000:]
+    assert "SUCCEEDED" in out
+    assert "[main_ppo] joined the Ray cluster at" in out and "Started a local Ray instance" not in out
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
+    contents = json.loads((ckpt / "global_step_1" / "actor" / "ckpt_contents.json").read_text())
+    assert contents["parallel"]["world_size"] == 2 and contents["parallel"]["ep"] == 2
+    record = json.loads((ckpt / "metrics.jsonl").read_text().splitlines()[0])["checkpoint"]
+    assert record["hf"] == "all 135 tensors present with the expected shapes"
