@@ -30,6 +30,7 @@ from collections import defaultdict
 import torch
 from mbridge.core.util import unwrap_model
 from safetensors.torch import save_file
+from torch.distributed import P2POp
 
 INDEX_FILENAME = "model.safetensors.index.json"
 MAX_FILE_BYTES = 5 * 1024**3  # transformers' default max_shard_size when there is no source plan
@@ -155,6 +156,7 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
 
     # 4. rounds: shards to writers, merge, convert, write
     written: dict[str, int] = {}
+    device = next(iter(my_tensors.values())).device if my_tensors else torch.device("cpu")
     tag = 0
     for round_index in range(max(len(f) for f in writer_files)):
         jobs = [(w, fs[round_index]) for w, fs in enumerate(writer_files) if round_index < len(fs)]
@@ -168,12 +170,13 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
                     if source == writer:
                         continue
                     if rank == source:
-                        ops.append(torch.distributed.isend(my_tensors[key].detach().contiguous(), writer, tag=tag))
+                        ops.append(P2POp(torch.distributed.isend, my_tensors[key].detach().contiguous(), writer, tag=tag))
                     elif rank == writer:
-                        received[key] = torch.empty(meta[te].shape, dtype=_dtype(meta[te].dtype))
-                        ops.append(torch.distributed.irecv(received[key], source, tag=tag))
-        for op in ops:
-            op.wait()
+                        received[key] = torch.empty(meta[te].shape, dtype=_dtype(meta[te].dtype), device=device)
+                        ops.append(P2POp(torch.distributed.irecv, received[key], source, tag=tag))
+        # One batch per round: NCCL needs the sends and receives of a round grouped; gloo takes them as they come.
+        for work in torch.distributed.batch_isend_irecv(ops) if ops else []:
+            work.wait()
         for writer, file in jobs:
             if writer == rank:
                 written.update(_write_file(bridge, weights_path, file, files[file], te_for_file[file], meta, my_tensors, received))
@@ -217,7 +220,7 @@ def _write_file(bridge, weights_path, file, names, te_list, meta, my_tensors, re
             merged = pieces[0]
         for name, tensor in zip(*bridge._weight_to_hf_format(te, merged), strict=True):
             if name in names:
-                out[name] = tensor.contiguous()
+                out[name] = tensor.contiguous().cpu()
     if out:
         save_file(out, os.path.join(weights_path, file))
     return {name: tensor.numel() * tensor.element_size() for name, tensor in out.items()}
