@@ -8,7 +8,10 @@ import signal
 import socket
 import subprocess
 import tempfile
+import uuid
 from pathlib import Path
+
+from tests.process_marker import MARKER, kill_marked
 
 REPO = Path(__file__).resolve().parents[1]
 MEGATRON = "actor_rollout_ref.actor.megatron."
@@ -29,6 +32,7 @@ def test_ray_job_submit_to_loopback_head(tmp_path, tiny_moe_path):
         "RAY_DASHBOARD_PORT": str(_free_port()),
         "RAY_NUM_CPUS": "2",
         "RAY_TEMP_DIR": temp_dir,
+        MARKER: uuid.uuid4().hex,
     }
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
@@ -54,6 +58,7 @@ def test_ray_job_submit_to_loopback_head(tmp_path, tiny_moe_path):
         except ProcessLookupError:
             pass
         proc.wait(timeout=60)
+        kill_marked(env[MARKER])  # anything of the head's that outlived it
     assert proc.returncode == 0, out[-6000:]
     assert "SUCCEEDED" in out
     assert "[main_ppo] joined the Ray cluster at" in out and "Started a local Ray instance" not in out

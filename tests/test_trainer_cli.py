@@ -13,9 +13,12 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.process_marker import MARKER, kill_marked
 
 REPO = Path(__file__).resolve().parents[1]
 MEGATRON = "actor_rollout_ref.actor.megatron."
@@ -33,12 +36,17 @@ def env(tmp_path_factory) -> dict:
 
 
 def _start(overrides: list[str], cwd: Path, env: dict, log: Path) -> subprocess.Popen:
-    """The trainer in its own session, so it can be stopped with everything it started (Ray included)."""
+    """The trainer in its own session, so it can be stopped with everything it started (Ray included).
+    Every process of the run inherits a marker in its environment (see ``_kill_session``)."""
     handle = open(log, "w")
-    return subprocess.Popen(
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen(
         [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
-        cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cwd=cwd, env={**env, MARKER: marker}, stdout=handle, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
     )
+    proc.marker = marker
+    return proc
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
@@ -47,6 +55,7 @@ def _kill_session(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=60)
+    kill_marked(proc.marker)
 
 
 def _run(overrides: list[str], cwd: Path, env: dict, timeout_s: float = 540) -> tuple[int, str]:
@@ -95,6 +104,11 @@ def test_kill_and_resume_auto_continues_from_last_save(tmp_path, env):
     assert contents["parallel"] == {"world_size": 8, "tp": 2, "pp": 2, "ep": 2, "etp": 2, "cp": 1}
     assert contents["use_distributed_optimizer"] is False
     assert "HF export: all 135 tensors present with the expected shapes" in out
+
+    # Once more: the tracked step is already the last one, so nothing starts.
+    code, out = _run([*common, "trainer.total_training_steps=4"], tmp_path, env)
+    assert code == 0, out[-3000:]
+    assert "is already at trainer.total_training_steps=4: nothing to train" in out and "Ray instance" not in out
 
 
 def test_seed_layout_16_ranks_one_verified_save(tmp_path, env, tiny_moe_path):

@@ -117,7 +117,16 @@ def _init_ray(config) -> bool:
         print(f"[main_ppo] joined the Ray cluster at {address}", flush=True)
         return True
     num_cpus = config.ray_init.num_cpus or os.cpu_count() or 1
-    ray.init(address="local", num_cpus=int(num_cpus), include_dashboard=False)
+    for attempt in (1, 2):
+        try:
+            ray.init(address="local", num_cpus=int(num_cpus), include_dashboard=False)
+            return True
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for a slow raylet
+            # Ray gives a local raylet a fixed 30 s to register; an overloaded host can miss that once.
+            ray.shutdown()
+            if attempt == 2:
+                raise
+            print(f"[main_ppo] starting a local Ray instance failed ({exc}); trying once more", flush=True)
     return True
 
 
@@ -127,6 +136,15 @@ def run_ppo(config) -> None:
         plan = prepare(config)
     except ConfigError as err:
         _exit_config_error(err)
+    total = int(config.trainer.total_training_steps)
+    if plan.resume and plan.resume[0] >= total:
+        print(
+            f"[main_ppo] {plan.resume[1]} (step {plan.resume[0]}) is already at trainer.total_training_steps={total}: "
+            "nothing to train. It was verified before this message (manifest, contents, HF export). Raise "
+            "trainer.total_training_steps to continue, or set trainer.resume_mode=disable to start over.",
+            flush=True,
+        )
+        return
     import ray
 
     from verl.single_controller.ray import WorkerGroupError

@@ -233,10 +233,14 @@ def check_device(config: Any, cluster: bool) -> tuple[str | None, list[str]]:
         return None, [f"trainer.nnodes={config.trainer.nnodes} needs a Ray cluster: set RAY_ADDRESS (or submit with `ray job submit`), or set trainer.nnodes=1"]
     if requested == "cpu":
         return "cpu", []
+    if requested == "npu":
+        return None, ["trainer.device=npu: the Ray worker group places ranks on GPUs or CPUs only; set trainer.device=cpu (or cuda on a GPU host)"]
     from verl.utils.device import get_device_name, get_torch_device
 
     found = get_device_name()
     device = found if requested == "auto" else requested
+    if device == "npu":
+        return None, ["this host's accelerator is an NPU: the Ray worker group places ranks on GPUs or CPUs only; set trainer.device=cpu"]
     if requested != "auto" and found != requested:
         return None, [f"trainer.device={requested} but this host has no {requested} device; set trainer.device=cpu (or auto)"]
     if device != "cpu":

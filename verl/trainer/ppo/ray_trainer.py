@@ -90,7 +90,7 @@ class RayPPOTrainer:
 
     def fit(self) -> None:
         self.global_steps = self._load_checkpoint()
-        if self.global_steps >= self.total_training_steps:
+        if self.global_steps >= self.total_training_steps:  # main_ppo stops before starting ranks; kept for other callers
             self._print(f"[trainer] step {self.global_steps} >= trainer.total_training_steps={self.total_training_steps}: nothing to train")
             return
         data = self.config.data
