@@ -14,6 +14,7 @@ import queue
 import socket
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -65,8 +66,9 @@ def init_rank(
         sizes.initialize_megatron(seed=seed)
 
 
-def _rank_entry(rank, world_size, port, fn, args, kwargs, sizes, seed, timeout_s, results) -> None:
+def _rank_entry(rank, world_size, port, fn, args, kwargs, sizes, seed, timeout_s, results, group_tag) -> None:
     os.environ.update(
+        VERL_RANK_GROUP=group_tag,  # inherited by every process the rank starts; see _kill_tagged
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
@@ -132,10 +134,11 @@ def run_on_ranks(
     ctx = _context()
     results = ctx.Queue()
     port = find_free_port()
+    group_tag = uuid.uuid4().hex
     procs = [
         ctx.Process(
             target=_rank_entry,
-            args=(rank, world_size, port, fn, args, kwargs or {}, sizes, seed, timeout_s, results),
+            args=(rank, world_size, port, fn, args, kwargs or {}, sizes, seed, timeout_s, results, group_tag),
             name=f"rank{rank}",
             daemon=False,  # the dist-checkpoint writer starts processes of its own
         )
@@ -150,6 +153,7 @@ def run_on_ranks(
         return values
     finally:
         _stop(procs, grace_s=30.0 if ok else 0.0)
+        _kill_tagged(group_tag)
 
 
 def _stop(procs: list, grace_s: float) -> None:
@@ -177,6 +181,19 @@ def _stop(procs: list, grace_s: float) -> None:
                 pass
     for proc in procs:
         proc.join(timeout=10)
+
+
+def _kill_tagged(group_tag: str) -> None:
+    """Kill what the ranks started and left behind, also below a rank that was SIGKILLed (its
+    children are reparented and no longer its descendants)."""
+    import psutil
+
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("VERL_RANK_GROUP") == group_tag:
+                proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
 
 
 def _collect(procs: list, results, timeout_s: float) -> list[Any]:
