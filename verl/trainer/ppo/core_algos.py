@@ -1,0 +1,131 @@
+"""GRPO advantages and the PPO-clip policy loss, with upstream verl's names and semantics.
+
+``policy_loss_per_token`` is the reduction-free core: the Megatron loss function applies its own
+global-token normalisation to it; ``compute_policy_loss`` is upstream's reduced form on top of it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from verl.utils.torch_functional import masked_mean, masked_sum
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+# Upstream clamps log(ratio) so one wild token cannot overflow exp().
+_LOG_RATIO_BOUND = 20.0
+
+
+@torch.no_grad()
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray | Sequence,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outcome advantages normalised within each group of responses to the same prompt.
+
+    A row's score is the sum of its token rewards; rows sharing ``index[i]`` form a group; the score minus the
+    group mean (divided by the group's unbiased std + ``epsilon`` when ``norm_adv_by_std_in_grpo``) is
+    broadcast over the response tokens and masked. A group of one has mean 0 and std 1, as upstream.
+    Returns ``(advantages, returns)``, which are equal for GRPO.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    if len(index) != scores.shape[0]:
+        raise ValueError(f"index has {len(index)} entries for {scores.shape[0]} rows; pass one group id per row")
+    groups: dict = defaultdict(list)
+    for row, group_id in enumerate(index):
+        groups[group_id].append(row)
+    normalised = torch.empty_like(scores)
+    for rows in groups.values():
+        group_scores = scores[rows]
+        if len(rows) == 1:
+            mean, std = torch.zeros((), dtype=scores.dtype), torch.ones((), dtype=scores.dtype)
+        else:
+            mean, std = group_scores.mean(), group_scores.std()
+        centred = group_scores - mean
+        normalised[rows] = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
+    advantages = normalised.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """Reduce a ``[batch, response_len]`` loss to a scalar.
+
+    token-mean: mean over all valid tokens; seq-mean-token-sum: mean over sequences of each one's token sum;
+    seq-mean-token-mean: mean over sequences of each one's token mean (sequences with no valid token skipped).
+    """
+    if loss_agg_mode == "token-mean":
+        return masked_mean(loss_mat, loss_mask)
+    if loss_agg_mode == "seq-mean-token-sum":
+        return masked_sum(loss_mat, loss_mask, axis=-1).mean()
+    if loss_agg_mode == "seq-mean-token-mean":
+        tokens = loss_mask.sum(dim=-1)
+        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1) / (tokens + 1e-8)
+        return masked_mean(seq_losses, tokens > 0)
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; use one of {', '.join(LOSS_AGG_MODES)}")
+
+
+def policy_loss_per_token(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    cliprange_low: float,
+    cliprange_high: float,
+    clip_ratio_c: float,
+) -> dict[str, torch.Tensor]:
+    """Dual-clip PPO per token, no reduction and no mask (the caller normalises).
+
+    Returns ``pg_losses`` (the loss per token), ``clipped_high`` (float, 1 where the clipped surrogate was the
+    larger, i.e. the ratio bound was taken), ``clipped_lower`` (float, 1 where the dual clip at
+    ``-advantage * clip_ratio_c`` applied, negative advantages only) and ``negative_approx_kl``
+    (``log_prob - old_log_prob``, clamped to +-20 as in the ratio).
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
+    ratio = torch.exp(negative_approx_kl)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
+    clip_loss = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    pg_losses = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
+    return {
+        "pg_losses": pg_losses,
+        "clipped_high": (clipped > unclipped).float(),
+        "clipped_lower": ((clip_loss > dual_bound) & negative).float(),
+        "negative_approx_kl": negative_approx_kl,
+    }
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float = 0.2,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Upstream's vanilla PPO-clip loss: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, the fractions and
+    the KL averaged over valid tokens. ``cliprange_low``/``cliprange_high`` default to ``cliprange``."""
+    per_token = policy_loss_per_token(
+        old_log_prob,
+        log_prob,
+        advantages,
+        cliprange_low=cliprange if cliprange_low is None else cliprange_low,
+        cliprange_high=cliprange if cliprange_high is None else cliprange_high,
+        clip_ratio_c=clip_ratio_c,
+    )
+    pg_loss = agg_loss(per_token["pg_losses"], response_mask, loss_agg_mode)
+    pg_clipfrac = masked_mean(per_token["clipped_high"], response_mask)
+    ppo_kl = masked_mean(-per_token["negative_approx_kl"], response_mask)
+    pg_clipfrac_lower = masked_mean(per_token["clipped_lower"], response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower

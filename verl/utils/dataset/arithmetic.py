@@ -1,0 +1,109 @@
+"""The synthetic task the project generates itself: single-digit addition, ``"3+4="`` -> ``"7"``.
+
+Prompts are single-digit operands on purpose: every prompt of a dataset then has the same length in
+characters (and tokens, with the char-level tokenizer), so a batch needs no padding on the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DATA_SOURCE = "arithmetic"
+_MAX_SINGLE_DIGIT = 9
+
+
+def make_arithmetic_dataset(seed: int, size: int | None = None, max_operand: int = 9) -> list[dict]:
+    """Every pair ``a + b`` with ``a, b`` in ``0..max_operand``, shuffled by ``seed``; the first ``size`` rows
+    (None: all). Rows carry upstream verl's keys (``prompt``, ``ground_truth``, ``data_source``, ``index``)."""
+    if not 0 <= max_operand <= _MAX_SINGLE_DIGIT:
+        raise ValueError(
+            f"max_operand={max_operand}: operands must be single digits (0..{_MAX_SINGLE_DIGIT}) so all prompts "
+            "have the same length; pick max_operand in that range"
+        )
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    if size is None:
+        size = len(pairs)
+    if not 1 <= size <= len(pairs):
+        raise ValueError(
+            f"size={size}: max_operand={max_operand} gives {len(pairs)} distinct pairs; use 1..{len(pairs)} or None"
+        )
+    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
+    rows = []
+    for i, pair_idx in enumerate(order[:size]):
+        a, b = pairs[pair_idx]
+        rows.append({"prompt": f"{a}+{b}=", "ground_truth": str(a + b), "data_source": DATA_SOURCE, "index": i})
+    return rows
+
+
+def prompt_length(rows: list[dict]) -> int:
+    """The common prompt length in characters; ValueError if the prompts differ (the ranks do not pad)."""
+    lengths = {len(row["prompt"]) for row in rows}
+    if len(lengths) != 1:
+        raise ValueError(f"prompts must all have one length (no padding), got lengths {sorted(lengths)}")
+    return lengths.pop()
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    """A distinct 64-bit generator seed per (seed, epoch)."""
+    return ((seed & 0xFFFFFFFF) << 32) | (epoch & 0xFFFFFFFF)
+
+
+class PromptSampler:
+    """Endless batches of prompts, reshuffled every epoch from (seed, epoch) alone.
+
+    Batches may straddle an epoch boundary and are never short. The state is three plain ints (plus the
+    seed and dataset size, checked on load), so a checkpoint can restore the exact data position.
+    """
+
+    def __init__(self, rows: list[dict], batch_size: int, seed: int) -> None:
+        if not rows:
+            raise ValueError("PromptSampler needs at least one row")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r} (set data.train_batch_size)")
+        self.rows = rows
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self.batches_served = 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
+        return torch.randperm(len(self.rows), generator=generator).tolist()
+
+    def next_batch(self) -> list[dict]:
+        """The next ``batch_size`` rows, continuing into the next epoch's order when this one runs out."""
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.position == len(self.rows):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._epoch_order(self.epoch)
+            batch.append(self.rows[self._order[self.position]])
+            self.position += 1
+        self.batches_served += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "batches_served": self.batches_served,
+            "seed": self.seed,
+            "num_rows": len(self.rows),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where the sampler that wrote ``state`` was; refuses a different seed or dataset size."""
+        if state["seed"] != self.seed or state["num_rows"] != len(self.rows):
+            raise ValueError(
+                f"sampler state is for seed={state['seed']}, {state['num_rows']} rows; this sampler has "
+                f"seed={self.seed}, {len(self.rows)} rows: resume with the data config the run was saved with"
+            )
+        if not 0 <= state["position"] <= len(self.rows):
+            raise ValueError(f"sampler state position {state['position']} outside 0..{len(self.rows)}")
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self.batches_served = int(state["batches_served"])
+        self._order = self._epoch_order(self.epoch)
