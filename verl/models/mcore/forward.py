@@ -7,7 +7,7 @@ from functools import partial
 import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
 
 
 def _position_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -28,19 +28,24 @@ def _run_schedule(model: list, microbatches: list[torch.Tensor], forward_only: b
         model=model,
         num_microbatches=len(microbatches),
         seq_length=seq_length,
-        micro_batch_size=microbatches[0].shape[0],
+        micro_batch_size=_rows(microbatches[0]),
         forward_only=forward_only,
     )
 
 
-def _broadcast_from_last_stage(value: torch.Tensor | None) -> torch.Tensor:
+def _rows(microbatch) -> int:
+    return (microbatch["input_ids"] if isinstance(microbatch, dict) else microbatch).shape[0]
+
+
+def broadcast_from_last_stage(value: torch.Tensor | None) -> torch.Tensor:
     """Every pipeline rank gets the tensor that only the last stage computed."""
     group = mpu.get_pipeline_model_parallel_group()
     last = mpu.get_pipeline_model_parallel_last_rank()
-    holder = [value.shape if value is not None else None]
+    holder = [(value.shape, value.dtype, value.device.type) if value is not None else None]
     torch.distributed.broadcast_object_list(holder, src=last, group=group)
     if value is None:
-        value = torch.empty(holder[0], dtype=torch.float32)
+        shape, dtype, device = holder[0]
+        value = torch.empty(shape, dtype=dtype, device=device)
     torch.distributed.broadcast(value, src=last, group=group)
     return value
 
@@ -63,7 +68,63 @@ def forward_logits(model: list, tokens: torch.Tensor) -> torch.Tensor:
         chunk.eval()
     with torch.no_grad():
         _run_schedule(model, [tokens], forward_only=True, step_fn=step, seq_length=tokens.shape[1])
-    return _broadcast_from_last_stage(captured[0] if captured else None)
+    return broadcast_from_last_stage(captured[0] if captured else None)
+
+
+def token_log_probs(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[batch, seq - 1]`` log-probabilities of ``input_ids[:, 1:]`` under ``softmax(logits / temperature)``.
+
+    Works on the tensor-parallel vocabulary shards (``[batch, seq, vocab / TP]``) without gathering them;
+    differentiable, so the policy loss uses it too.
+    """
+    scaled = vocab_parallel_logits[:, :-1].float() / temperature
+    labels = input_ids[:, 1:]
+    # megatron's cross entropy wants [seq, batch, ...] and gives -log p.
+    negative = vocab_parallel_cross_entropy(scaled.transpose(0, 1).contiguous(), labels.transpose(0, 1).contiguous())
+    return -negative.transpose(0, 1)
+
+
+def compute_log_probs(model: list, input_ids: torch.Tensor, response_length: int, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """``[batch, response_length]`` log-probabilities of the last ``response_length`` tokens of each row, on every rank."""
+    captured = []
+
+    def step(data_iterator, chunk):
+        batch = next(data_iterator)
+        output = chunk(batch, _position_ids(batch), _causal_mask(batch))
+
+        def keep_log_probs(output_tensor):
+            captured.append(token_log_probs(output_tensor, batch, temperature)[:, -response_length:])
+            return output_tensor.sum() * 0.0, {}
+
+        return output, keep_log_probs
+
+    for chunk in model:
+        chunk.eval()
+    microbatches = list(input_ids.split(micro_batch_size))
+    with torch.no_grad():
+        _run_schedule(model, microbatches, forward_only=True, step_fn=step, seq_length=input_ids.shape[1])
+    return broadcast_from_last_stage(torch.cat(captured) if captured else None)
+
+
+def forward_backward(model: list, microbatches: list[dict], loss_fn) -> list[dict]:
+    """Forward and backward of every microbatch (dicts holding at least ``input_ids``) through the pipeline.
+
+    ``loss_fn(microbatch, vocab_parallel_logits) -> (loss, stats)`` runs on the last stage; megatron
+    divides each loss by the number of microbatches before backward. Returns the stats of every
+    microbatch on the last stage (empty elsewhere). Gradients are left in the DDP buffers.
+    """
+
+    def step(data_iterator, chunk):
+        batch = next(data_iterator)
+        input_ids = batch["input_ids"]
+        output = chunk(input_ids, _position_ids(input_ids), _causal_mask(input_ids))
+        return output, partial(loss_fn, batch)
+
+    for chunk in model:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    first = microbatches[0]["input_ids"]
+    return _run_schedule(model, microbatches, forward_only=False, step_fn=step, seq_length=first.shape[1])
 
 
 def _next_token_loss(labels: torch.Tensor, output_tensor: torch.Tensor):
@@ -89,4 +150,4 @@ def train_step(model: list, optimizer, scheduler, microbatches: list[torch.Tenso
     if update_ok:
         scheduler.step(increment=1)
     mean_loss = torch.stack([item["loss"] for item in losses]).mean() if losses else None
-    return {"loss": _broadcast_from_last_stage(mean_loss).item(), "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok)}
+    return {"loss": broadcast_from_last_stage(mean_loss).item(), "grad_norm": float(grad_norm or 0.0), "update_ok": bool(update_ok)}

@@ -1,0 +1,108 @@
+"""The GRPO pieces on Megatron ranks: in-memory weight sync to the HF rollout, logprob agreement, the update."""
+
+import torch
+
+from verl.utils.distributed import run_on_ranks
+from verl.utils.megatron.parallel import ParallelSizes
+
+PROMPT_LEN, RESPONSE_LEN = 4, 12
+
+
+def _prompts(rows: int) -> torch.Tensor:
+    return torch.randint(4, 99, (rows, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
+
+
+def _build(model_path: str, micro_batch_size: int = 2, temperature: float = 1.0):
+    from verl.workers.actor.megatron_actor import MegatronPPOActor, PPOActorSettings
+    from verl.workers.megatron_actor import ActorSettings, MegatronActor
+
+    actor = MegatronActor(ActorSettings(model_path=model_path, lr=1e-3))
+    settings = PPOActorSettings(response_length=RESPONSE_LEN, temperature=temperature, micro_batch_size=micro_batch_size)
+    return actor, MegatronPPOActor(settings, actor.model, actor.optimizer, actor.scheduler)
+
+
+def _rollout_on_rank0(actor, rollout, prompts: torch.Tensor, seed: int) -> dict:
+    """Every rank exports (a collective); rank 0 generates and shares the result."""
+    exported = actor.bridge.export_weights(actor.model)
+    if rollout is not None:
+        rollout.load_weights(exported)
+    else:
+        for _ in exported:
+            pass
+    holder = [rollout.generate_sequences(prompts, seed=seed) if rollout is not None else None]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _logprob_agreement(model_path: str) -> dict:
+    from verl.workers.rollout.hf_rollout import HFRollout, RolloutSettings
+
+    temperature = 0.9
+    actor, ppo = _build(model_path, temperature=temperature)
+    rollout = None
+    if torch.distributed.get_rank() == 0:
+        tok = actor.tokenizer
+        rollout = HFRollout(actor.hf_config, RolloutSettings(RESPONSE_LEN, temperature=temperature, top_p=0.9), tok.eos_token_id, tok.pad_token_id)
+    prompts = _prompts(8)
+    report = {}
+    for phase in ("initial", "after_update"):
+        out = _rollout_on_rank0(actor, rollout, prompts, seed=11)
+        sequences = torch.cat([prompts, out["responses"]], dim=1)
+        megatron = ppo.compute_log_prob(sequences)
+        mask = out["response_mask"].bool()
+        report[phase] = {
+            "max_diff": (megatron - out["rollout_log_probs"]).abs()[mask].max().item(),
+            "log_probs": megatron,
+            "tokens": int(mask.sum()),
+        }
+        if phase == "initial":
+            advantages = torch.linspace(-1.0, 1.0, 8).unsqueeze(1).expand(8, RESPONSE_LEN).contiguous()
+            report["update"] = ppo.update_policy(
+                {"input_ids": sequences, "response_mask": out["response_mask"], "old_log_probs": megatron, "advantages": advantages}
+            )
+    return report if torch.distributed.get_rank() == 0 else {}
+
+
+def test_rollout_logprobs_match_megatron_before_and_after_an_update(tiny_moe_path):
+    """PP2 TP2 EP2 ETP2: the HF rollout gets the actor's weights in memory; its sampled tokens' logprobs
+    equal Megatron's recomputation within 1e-4, also after a PPO update (so the sync carried it)."""
+    report = run_on_ranks(_logprob_agreement, 8, ParallelSizes(tp=2, pp=2, ep=2, etp=2), args=(tiny_moe_path,), timeout_s=400)[0]
+    assert report["initial"]["tokens"] > 0
+    assert report["initial"]["max_diff"] <= 1e-4, report["initial"]["max_diff"]
+    assert report["after_update"]["max_diff"] <= 1e-4, report["after_update"]["max_diff"]
+    # The update changed the policy, and the rollout sampled from the changed one.
+    assert not torch.allclose(report["initial"]["log_probs"], report["after_update"]["log_probs"], atol=1e-4)
+    update = report["update"]
+    assert update["update_ok"] and update["grad_norm"] > 0
+    # Ratio 1 at the first step: no clipping, and the loss is the token mean of -advantage.
+    assert update["pg_clipfrac"] == 0.0
+    assert abs(update["ppo_kl"]) < 1e-6
+
+
+def _one_update(model_path: str, micro_batch_size: int) -> dict:
+    from megatron.core import parallel_state as mpu
+
+    actor, ppo = _build(model_path, micro_batch_size=micro_batch_size)
+    rows = 8
+    generator = torch.Generator().manual_seed(3)
+    sequences = torch.randint(4, 99, (rows, PROMPT_LEN + RESPONSE_LEN), generator=generator)
+    lengths = torch.randint(1, RESPONSE_LEN + 1, (rows, 1), generator=generator)
+    mask = (torch.arange(RESPONSE_LEN).unsqueeze(0) < lengths).long()
+    advantages = torch.randn(rows, 1, generator=generator).expand(rows, RESPONSE_LEN).contiguous()
+    old = ppo.compute_log_prob(sequences) - 0.5 * torch.randn(rows, RESPONSE_LEN, generator=generator)
+    batch = {"input_ids": sequences, "response_mask": mask, "old_log_probs": old, "advantages": advantages}
+    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    mine = {key: value.chunk(dp_size)[dp_rank] for key, value in batch.items()}
+    return ppo.update_policy(mine)
+
+
+def test_policy_loss_is_a_global_token_mean(tiny_dense_path):
+    """The same 8 rows as one rank x 4 microbatches of 2, and as 2 data-parallel ranks x 1 microbatch of 4:
+    the same loss statistics and grad norm (the token mean spans every rank and microbatch)."""
+    single = run_on_ranks(_one_update, 1, ParallelSizes(), args=(tiny_dense_path, 2), timeout_s=300)[0]
+    split = run_on_ranks(_one_update, 2, ParallelSizes(), args=(tiny_dense_path, 4), timeout_s=300)[0]
+    assert single["tokens"] == split["tokens"] > 0
+    for key in ("pg_loss", "pg_clipfrac", "ppo_kl"):
+        assert abs(single[key] - split[key]) <= 1e-5 * max(1.0, abs(single[key])), key
+    assert single["pg_clipfrac"] > 0  # the perturbed old logprobs make some ratios clip
+    assert abs(single["grad_norm"] - split["grad_norm"]) <= 1e-5 * single["grad_norm"]

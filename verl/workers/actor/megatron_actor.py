@@ -1,0 +1,113 @@
+"""The PPO actor on one Megatron rank: log-probabilities of responses and the clipped policy update.
+
+Both run through megatron's pipeline schedule on this rank's data-parallel share of the batch. The
+policy loss is a token mean over the whole mini-batch (every data-parallel rank's tokens), so the
+update does not depend on how the batch was split into ranks and microbatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core import parallel_state as mpu
+
+from verl.models.mcore.forward import broadcast_from_last_stage, compute_log_probs, forward_backward, token_log_probs
+from verl.trainer.ppo.core_algos import policy_loss_per_token
+
+# Per-mini-batch sums the loss function collects; the trainer divides them by the token count.
+_STAT_KEYS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "tokens")
+
+
+@dataclasses.dataclass
+class PPOActorSettings:
+    response_length: int
+    temperature: float = 1.0
+    micro_batch_size: int = 2
+    mini_batches: int = 1  # optimizer steps per update (the rows split evenly)
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+
+
+class MegatronPPOActor:
+    def __init__(self, settings: PPOActorSettings, model: list, optimizer, scheduler) -> None:
+        self.settings = settings
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+
+    def compute_log_prob(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[rows, response_length]`` log-probabilities of each row's response under the current weights."""
+        s = self.settings
+        return compute_log_probs(self.model, input_ids, s.response_length, s.temperature, s.micro_batch_size)
+
+    def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """PPO-clip updates on ``batch`` (``input_ids``, ``response_mask``, ``old_log_probs``, ``advantages``).
+
+        Returns the sums of the loss statistics over every mini-batch and data-parallel rank (divide by
+        ``tokens``), and the last step's grad norm and learning rate.
+        """
+        s = self.settings
+        rows = batch["input_ids"].shape[0]
+        if rows % s.mini_batches or (rows // s.mini_batches) % s.micro_batch_size:
+            raise ValueError(
+                f"{rows} rows on this rank do not split into {s.mini_batches} mini-batch(es) of whole microbatches of "
+                f"{s.micro_batch_size}; adjust actor_rollout_ref.actor.ppo_mini_batch_size / ppo_micro_batch_size_per_gpu"
+            )
+        totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
+        result: dict[str, float] = {}
+        for _ in range(s.ppo_epochs):
+            for mini in range(s.mini_batches):
+                part = {key: value.chunk(s.mini_batches)[mini] for key, value in batch.items()}
+                stats, step = self._optimizer_step(part)
+                totals += stats
+                result.update(step)
+        result.update({key: float(value) for key, value in zip(_STAT_KEYS, totals.tolist(), strict=True)})
+        return result
+
+    def _optimizer_step(self, mini_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        s = self.settings
+        tokens = mini_batch["response_mask"].sum().to(torch.float64)
+        # Every data-parallel rank divides by the same global count; megatron divides each microbatch
+        # loss by the number of microbatches and DDP averages over data parallel: undo both.
+        torch.distributed.all_reduce(tokens, group=mpu.get_data_parallel_group())
+        microbatches = [
+            dict(zip(mini_batch.keys(), values, strict=True))
+            for values in zip(*(value.split(s.micro_batch_size) for value in mini_batch.values()), strict=True)
+        ]
+        scale = len(microbatches) * mpu.get_data_parallel_world_size() / max(float(tokens), 1.0)
+
+        def loss_fn(microbatch: dict, vocab_parallel_logits: torch.Tensor):
+            log_probs = token_log_probs(vocab_parallel_logits, microbatch["input_ids"], s.temperature)[:, -s.response_length :]
+            terms = policy_loss_per_token(
+                microbatch["old_log_probs"], log_probs, microbatch["advantages"],
+                s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c,
+            )  # fmt: skip
+            mask = microbatch["response_mask"].to(log_probs.dtype)
+            loss = (terms["pg_losses"] * mask).sum() * scale
+            stats = torch.stack(
+                [
+                    (terms["pg_losses"] * mask).sum(),
+                    (terms["clipped_high"].to(mask.dtype) * mask).sum(),
+                    (terms["clipped_lower"].to(mask.dtype) * mask).sum(),
+                    (-terms["negative_approx_kl"] * mask).sum(),
+                    mask.sum(),
+                ]
+            ).detach()
+            return loss, {"stats": stats}
+
+        collected = forward_backward(self.model, microbatches, loss_fn)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if update_ok:
+            self.scheduler.step(increment=1)
+        local = torch.stack([item["stats"] for item in collected]).sum(0).double() if collected else None
+        local = broadcast_from_last_stage(local)
+        torch.distributed.all_reduce(local, group=mpu.get_data_parallel_group())
+        step = {
+            "grad_norm": float(grad_norm or 0.0),
+            "update_ok": bool(update_ok),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+        }
+        return local, step
