@@ -1,7 +1,8 @@
 """``python -m verl.trainer.main_ppo`` from the command line, as a user runs it (real Hydra, Ray, Megatron).
 
-- 8 ranks at TP2 PP2 EP2 ETP2, use_distributed_optimizer=False: step checkpoints; the run is killed
-  mid-way and a restart with resume_mode=auto continues from the last saved step, bit for bit;
+- 8 ranks at TP2 PP2 EP2 ETP2, use_distributed_optimizer=False, GRPO: step checkpoints; the run is
+  killed mid-way and a restart with resume_mode=auto continues from the last saved step with the
+  metrics of the uninterrupted run;
 - the seed layout PP4 EP2 TP2 ETP2 on 16 ranks completes one verified save;
 - param_offload with use_distributed_optimizer=False saves (fix 1, through the worker);
 - bad configurations exit with status 2 and their message before Ray or any rank starts.
@@ -74,41 +75,49 @@ def _metrics(ckpt: Path) -> list[dict]:
 
 
 def test_kill_and_resume_auto_continues_from_last_save(tmp_path, env):
-    """Default layout (8 ranks, TP2 PP2 EP2 ETP2), embedded default model, DO=False."""
+    """Default layout (8 ranks, TP2 PP2 EP2 ETP2), embedded default model, DO=False, GRPO: a run killed
+    after step 5 (saved at 3) resumes at step 3 and its steps 4 and 5 equal the killed run's."""
     ckpt = tmp_path / "ckpt"
-    common = [f"trainer.default_local_dir={ckpt}", f"{MEGATRON}use_distributed_optimizer=False", "trainer.save_freq=2"]
+    common = [f"trainer.default_local_dir={ckpt}", f"{MEGATRON}use_distributed_optimizer=False", "trainer.save_freq=3"]
     log = tmp_path / "first.log"
     first = _start([*common, "trainer.total_training_steps=8"], tmp_path, env, log)
     try:
         deadline = time.monotonic() + 480
-        while not any(m["step"] == 3 for m in _metrics(ckpt)):
+        while not any(m["step"] == 5 for m in _metrics(ckpt)):
             assert first.poll() is None, f"first run exited early:\n{log.read_text()[-5000:]}"
-            assert time.monotonic() < deadline, f"no step 3 in time:\n{log.read_text()[-5000:]}"
+            assert time.monotonic() < deadline, f"no step 5 in time:\n{log.read_text()[-5000:]}"
             time.sleep(0.2)
     finally:
-        _kill_session(first)  # killed between saves: step 3 trained, step 4 not saved
-    assert (ckpt / TRACKER).read_text() == "2"
+        _kill_session(first)  # killed between saves: step 5 trained, step 6 not saved
+    assert (ckpt / TRACKER).read_text() == "3"
+    assert (ckpt / "global_step_3" / "data.pt").is_file()
     first_run = {m["step"]: m for m in _metrics(ckpt)}
-    assert "checkpoint" in first_run[2] and "checkpoint" not in first_run[3]
+    assert "checkpoint" in first_run[3] and "checkpoint" not in first_run[5]
 
-    code, out = _run([*common, "trainer.total_training_steps=4", "trainer.resume_mode=auto"], tmp_path, env)
+    code, out = _run([*common, "trainer.total_training_steps=5", "trainer.resume_mode=auto"], tmp_path, env)
     assert code == 0, out[-6000:]
-    assert f"resumed from {ckpt}/global_step_2 (step 2)" in out
+    assert f"resumed from {ckpt}/global_step_3 (step 3)" in out and "data: epoch 0, position 24" in out
     second_run = _metrics(ckpt)[len(first_run):]
-    assert [m["step"] for m in second_run] == [3, 4]
-    # The resumed step 3 sees the same data and state as the killed run's step 3.
-    assert second_run[0]["loss"] == pytest.approx(first_run[3]["loss"], rel=1e-6, abs=1e-7)
-    assert second_run[0]["grad_norm"] == pytest.approx(first_run[3]["grad_norm"], rel=1e-5)
-    assert (ckpt / TRACKER).read_text() == "4"
-    contents = json.loads((ckpt / "global_step_4/actor/ckpt_contents.json").read_text())
+    assert [m["step"] for m in second_run] == [4, 5]
+    # Same prompts, same samples (seeded by step), same weights and optimizer state: the same metrics.
+    for resumed in second_run:
+        original = first_run[resumed["step"]]
+        for key in ("critic/score/mean", "response_length/mean", "critic/advantages/max"):
+            assert resumed[key] == original[key], key
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
+            assert resumed[key] == pytest.approx(original[key], rel=1e-5, abs=1e-7), key
+        assert resumed["rollout/log_prob_diff_max"] <= 1e-4
+    assert (ckpt / TRACKER).read_text() == "5"
+    contents = json.loads((ckpt / "global_step_5/actor/ckpt_contents.json").read_text())
     assert contents["parallel"] == {"world_size": 8, "tp": 2, "pp": 2, "ep": 2, "etp": 2, "cp": 1}
     assert contents["use_distributed_optimizer"] is False
     assert "HF export: all 135 tensors present with the expected shapes" in out
+    assert (ckpt / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Once more: the tracked step is already the last one, so nothing starts.
-    code, out = _run([*common, "trainer.total_training_steps=4"], tmp_path, env)
+    code, out = _run([*common, "trainer.total_training_steps=5"], tmp_path, env)
     assert code == 0, out[-3000:]
-    assert "is already at trainer.total_training_steps=4: nothing to train" in out and "Ray instance" not in out
+    assert "is already at trainer.total_training_steps=5: nothing to train" in out and "Ray instance" not in out
 
 
 def test_seed_layout_16_ranks_one_verified_save(tmp_path, env, tiny_moe_path):
@@ -192,7 +201,11 @@ BAD_CONFIGS = {
     "resume_path": (["trainer.resume_mode=resume_path"], "trainer.resume_mode=resume_path needs trainer.resume_from_path"),
     "async_save": (["actor_rollout_ref.actor.checkpoint.async_save=True"], "set actor_rollout_ref.actor.checkpoint.async_save=False"),
     "grad_offload": ([f"{MEGATRON}grad_offload=True"], f"set {MEGATRON}param_offload=True or grad_offload=False"),
-    "batch_vs_dp": (["data.train_batch_size=6"], "set data.train_batch_size to a multiple of 4"),
+    "batch_vs_mini": (["data.train_batch_size=6"], "is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size=8"),
+    "micro_vs_dp": (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], "ppo_micro_batch_size_per_gpu=5; set it to a divisor of 32"),
+    "group_of_one": (["actor_rollout_ref.rollout.n=1"], "set actor_rollout_ref.rollout.n to 2 or more"),
+    "estimator": (["algorithm.adv_estimator=gae"], "only grpo is implemented here; set algorithm.adv_estimator=grpo"),
+    "seq_vs_tp": (["data.max_response_length=5"], "is not divisible by tensor_model_parallel_size=2"),
 }
 
 
@@ -221,13 +234,11 @@ def test_bad_configs_fail_fast_before_any_rank(tmp_path, env, tiny_moe_path):
         assert seconds < 60, f"{name} took {seconds:.0f}s to fail"
 
 
-def test_synthetic_batches_depend_only_on_seed_and_step():
-    from verl.trainer.ppo.ray_trainer import make_synthetic_batch
+def test_validation_knows_the_task_prompt_length():
+    from verl.trainer.validation import TASK_PROMPT_TOKENS
+    from verl.utils.dataset.arithmetic import make_arithmetic_dataset, prompt_length
 
-    a = make_synthetic_batch(1, 3, 8, 32, 256)
-    assert a.shape == (8, 33) and int(a.min()) >= 4 and int(a.max()) < 256
-    assert (a == make_synthetic_batch(1, 3, 8, 32, 256)).all()
-    assert not (a == make_synthetic_batch(1, 4, 8, 32, 256)).all()
+    assert prompt_length(make_arithmetic_dataset(seed=0)) == TASK_PROMPT_TOKENS
 
 
 def test_validation_contents_match_the_checkpoint_manager():

@@ -8,7 +8,7 @@ What happens, in order:
    directory (``$VERL_TINY_MODEL_CACHE`` or ``~/.cache/verl_tiny``), and the model is checked against
    the parallel layout;
 3. Ray starts locally, or the run joins the cluster in ``RAY_ADDRESS`` (what ``ray job submit`` sets);
-4. one Ray actor per rank, then the trainer: update steps, periodic saves, resume.
+4. one Ray actor per rank, then the GRPO trainer: rollout, reward, update, periodic saves, resume.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from verl.trainer.validation import (
     check_model_build,
     find_resume_step,
     parallel_sizes,
-    read_model_config,
     world_size,
 )
 from verl.utils.logging_utils import silence_library_notices
@@ -46,7 +45,6 @@ def main(config) -> None:
 @dataclass
 class RunPlan:
     model_path: str
-    vocab_size: int
     device: str | None  # None: decided from the Ray cluster's resources
     cluster: bool
     resume: tuple[int, str] | None
@@ -73,8 +71,7 @@ def prepare(config) -> RunPlan:
     if problems:
         raise ConfigError(problems)
     resume = find_resume_step(config)
-    vocab_size = int(read_model_config(model_path)["vocab_size"])
-    return RunPlan(model_path=model_path, vocab_size=vocab_size, device=device, cluster=cluster, resume=resume)
+    return RunPlan(model_path=model_path, device=device, cluster=cluster, resume=resume)
 
 
 def embedded_model_path() -> str:
@@ -159,7 +156,7 @@ def run_ppo(config) -> None:
             if problems:
                 _exit_config_error(ConfigError(problems))
         _print_plan(config, plan, device)
-        trainer = RayPPOTrainer(config, plan.model_path, plan.vocab_size, device, plan.resume)
+        trainer = RayPPOTrainer(config, plan.model_path, device, plan.resume)
         try:
             trainer.init_workers()
             trainer.fit()

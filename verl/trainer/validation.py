@@ -21,6 +21,9 @@ CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 RESUME_MODES = ("auto", "disable", "resume_path")
 LOGGERS = ("console", "file")
 DEVICES = ("auto", "cpu", "cuda", "npu")
+# "a+b=" with single-digit operands (verl.utils.dataset.arithmetic; not imported: it pulls in torch).
+TASK_PROMPT_TOKENS = 4
+DATA_STATE_FILENAME = "data.pt"  # verl.trainer.ppo.ray_trainer.DATA_STATE_FILENAME
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -64,6 +67,7 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
         model, model_problems = _read_model(model_path)
         problems += model_problems
     problems += _check_layout(config, model)
+    problems += _check_grpo(config)
     problems += _check_data(config, model)
     return problems
 
@@ -200,24 +204,74 @@ def _check_data(config: Any, model: dict | None) -> list[str]:
     for key in ("train_batch_size", "max_prompt_length", "max_response_length"):
         if not _positive_int(data[key]):
             problems.append(f"data.{key}={data[key]} must be an integer >= 1")
+    if not isinstance(data.max_operand, int) or not 0 <= data.max_operand <= 9:
+        problems.append(f"data.max_operand={data.max_operand}: the task's operands are single digits; set data.max_operand to 0..9")
     if problems:
         return problems
+    if int(data.max_prompt_length) < TASK_PROMPT_TOKENS:
+        problems.append(f"data.max_prompt_length={data.max_prompt_length} is shorter than the task's prompts ({TASK_PROMPT_TOKENS} tokens); set data.max_prompt_length={TASK_PROMPT_TOKENS} or more")
+    megatron = config.actor_rollout_ref.actor.megatron
+    tp = int(megatron.tensor_model_parallel_size)
+    seq = TASK_PROMPT_TOKENS + int(data.max_response_length)
+    if tp > 1 and seq % tp:
+        problems.append(f"sequence length {TASK_PROMPT_TOKENS} (prompt) + data.max_response_length={data.max_response_length} = {seq} is not divisible by tensor_model_parallel_size={tp} (sequence parallelism splits it); change data.max_response_length")
+    if model is not None and seq > int(model.get("max_position_embeddings", seq)):
+        problems.append(f"sequence length {seq} exceeds the model's max_position_embeddings={model['max_position_embeddings']}; lower data.max_response_length")
+    return problems + _check_batch_split(config)
+
+
+def _check_batch_split(config: Any) -> list[str]:
+    """Prompts x n must split into data-parallel ranks, mini-batches and whole microbatches."""
+    actor, n = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout.n
+    train, mini, micro = int(config.data.train_batch_size), actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu
+    if not (_positive_int(mini) and _positive_int(micro) and _positive_int(n)):
+        return []  # reported by _check_grpo / _check_actor
+    if train % mini:
+        return [f"data.train_batch_size={train} is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size={mini}; set ppo_mini_batch_size to a divisor of it"]
     megatron = config.actor_rollout_ref.actor.megatron
     tp, pp, cp = (int(megatron[k]) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
-    seq = int(data.max_prompt_length) + int(data.max_response_length)
-    if tp > 1 and seq % tp:
-        problems.append(f"sequence length data.max_prompt_length + data.max_response_length = {seq} is not divisible by tensor_model_parallel_size={tp} (sequence parallelism splits it); change data.max_response_length")
-    if model is not None and seq + 1 > int(model.get("max_position_embeddings", seq + 1)):
-        problems.append(f"sequence length {seq} exceeds the model's max_position_embeddings={model['max_position_embeddings']}; lower data.max_prompt_length / data.max_response_length")
-    micro = config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
-    world = world_size(config) if _positive_int(config.trainer.nnodes) and _positive_int(config.trainer.n_gpus_per_node) else None
-    if world and min(tp, pp, cp) >= 1 and world % (tp * pp * cp) == 0 and _positive_int(micro):
-        dp = world // (tp * pp * cp)
-        if int(data.train_batch_size) % (dp * micro):
-            problems.append(
-                f"data.train_batch_size={data.train_batch_size} does not split into {dp} data-parallel ranks x micro batches of "
-                f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}; set data.train_batch_size to a multiple of {dp * micro}"
-            )
+    if not (_positive_int(config.trainer.nnodes) and _positive_int(config.trainer.n_gpus_per_node)) or min(tp, pp, cp) < 1:
+        return []
+    world = world_size(config)
+    if world % (tp * pp * cp):
+        return []  # reported by _check_layout
+    dp = world // (tp * pp * cp)
+    sequences = mini * n
+    if sequences % dp:
+        return [f"a mini-batch of actor_rollout_ref.actor.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {sequences} sequences does not split into {dp} data-parallel ranks; make it a multiple of {dp}"]
+    if (sequences // dp) % micro:
+        return [f"{sequences // dp} sequences per data-parallel rank and mini-batch (ppo_mini_batch_size={mini} x rollout.n={n} / {dp} ranks) do not split into microbatches of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}; set it to a divisor of {sequences // dp}"]
+    return []
+
+
+def _check_grpo(config: Any) -> list[str]:
+    algorithm, rollout, actor = config.algorithm, config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
+    problems = []
+    if algorithm.adv_estimator != "grpo":
+        problems.append(f"algorithm.adv_estimator={algorithm.adv_estimator}: only grpo is implemented here; set algorithm.adv_estimator=grpo")
+    if algorithm.use_kl_in_reward or actor.use_kl_loss:
+        problems.append("algorithm.use_kl_in_reward / actor_rollout_ref.actor.use_kl_loss: there is no reference model here; set both to False")
+    if float(actor.entropy_coeff) != 0:
+        problems.append(f"actor_rollout_ref.actor.entropy_coeff={actor.entropy_coeff}: the entropy bonus is not implemented; set it to 0")
+    if actor.loss_agg_mode != "token-mean":
+        problems.append(f"actor_rollout_ref.actor.loss_agg_mode={actor.loss_agg_mode}: only token-mean is implemented; set actor_rollout_ref.actor.loss_agg_mode=token-mean")
+    if rollout.name != "hf":
+        problems.append(f"actor_rollout_ref.rollout.name={rollout.name}: only the in-process transformers rollout (hf) is available here; set actor_rollout_ref.rollout.name=hf")
+    if not _positive_int(rollout.n) or rollout.n < 2:
+        problems.append(f"actor_rollout_ref.rollout.n={rollout.n}: GRPO compares responses within a group; set actor_rollout_ref.rollout.n to 2 or more")
+    if not float(rollout.temperature) > 0:
+        problems.append(f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0")
+    if not 0 < float(rollout.top_p) <= 1:
+        problems.append(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    for key in ("ppo_mini_batch_size", "ppo_epochs"):
+        if not _positive_int(actor[key]):
+            problems.append(f"actor_rollout_ref.actor.{key}={actor[key]} must be an integer >= 1")
+    low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
+    high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
+    if not (0 < float(low) < 1 and float(high) > 0):
+        problems.append(f"actor_rollout_ref.actor.clip_ratio (low {low}, high {high}) must be > 0 (low < 1)")
+    if not float(actor.clip_ratio_c) > 1:
+        problems.append(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1")
     return problems
 
 
@@ -310,6 +364,8 @@ def find_resume_step(config: Any) -> tuple[int, str] | None:
     now_do = bool(config.actor_rollout_ref.actor.megatron.use_distributed_optimizer)
     if "optimizer" in load and saved_do is not None and saved_do != now_do:
         problems.append(f"{step_dir}/actor optimizer state was saved with use_distributed_optimizer={saved_do}; set {_MEGATRON}use_distributed_optimizer={saved_do} or drop 'optimizer' from {_CHECKPOINT}load_contents")
+    if not os.path.isfile(os.path.join(step_dir, DATA_STATE_FILENAME)):
+        problems.append(f"{step_dir} has no {DATA_STATE_FILENAME} (the data position; written by the GRPO trainer before the tracker): it was not saved by this trainer; set trainer.resume_mode=disable or choose another step")
     if problems:
         raise ConfigError(problems)
     return step, step_dir

@@ -3,8 +3,9 @@
 A ``MegatronRayWorkerGroup`` starts one ``ActorRolloutRefWorker`` per rank (upstream verl's name; only
 the actor role exists here). The constructor joins torch.distributed and megatron parallel state;
 ``init_model`` builds a ``MegatronActor`` (HF model -> bridge -> DDP model, optimizer, scheduler,
-``MegatronCheckpointManager``); ``update_actor``, ``save_checkpoint`` and ``load_checkpoint`` are the
-calls the trainer makes on every rank.
+``MegatronCheckpointManager``), the PPO actor and the HF rollout; ``generate_sequences``,
+``compute_log_prob``, ``update_actor``, ``save_checkpoint`` and ``load_checkpoint`` are the calls the
+trainer makes on every rank.
 
 With ``param_offload`` (and ``grad_offload`` / ``optimizer_offload``) the weights live in host copies
 between calls; every call that needs them brings them back first and offloads them again after.
@@ -45,13 +46,18 @@ class ActorRolloutRefWorker(MegatronWorker):
         self._is_offload_optimizer = bool(megatron.get("optimizer_offload", False))
         self._init_megatron(self.sizes, seed=int(megatron["seed"]), timeout_s=float(config.get("nccl_timeout", 600)))
         self.actor = None
+        self.ppo_actor = None
+        self.rollout = None
 
     # ------------------------------------------------------------------ build
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
+        from verl.utils.device import get_device_name
         from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
+        from verl.workers.actor.megatron_actor import MegatronPPOActor
         from verl.workers.megatron_actor import ActorSettings, MegatronActor
+        from verl.workers.rollout.hf_rollout import HFRollout, RolloutSettings
 
         actor = self.config["actor"]
         optim, checkpoint = actor["optim"], actor["checkpoint"]
@@ -66,6 +72,22 @@ class ActorRolloutRefWorker(MegatronWorker):
         )
         start = time.monotonic()
         self.actor = MegatronActor(settings)
+        self.ppo_actor = MegatronPPOActor(self._ppo_settings(), self.actor.model, self.actor.optimizer, self.actor.scheduler)
+        if self._is_output_rank():
+            rollout = self.config["rollout"]
+            tokenizer = self.actor.tokenizer
+            self.rollout = HFRollout(
+                self.actor.hf_config,
+                RolloutSettings(
+                    response_length=int(rollout["response_length"]),
+                    temperature=float(rollout["temperature"]),
+                    top_p=float(rollout["top_p"]),
+                    do_sample=bool(rollout.get("do_sample", True)),
+                ),
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                device=get_device_name(),
+            )
         if self._is_offload_param:
             offload_megatron_model_to_cpu(self.actor.model, offload_grad=self._is_offload_grad)
         if self._is_offload_optimizer:
@@ -100,17 +122,74 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     # ------------------------------------------------------------------ train
 
+    def _ppo_settings(self):
+        from verl.workers.actor.megatron_actor import PPOActorSettings
+
+        actor, rollout = self.config["actor"], self.config["rollout"]
+        clip = float(actor["clip_ratio"])
+        low, high = actor.get("clip_ratio_low"), actor.get("clip_ratio_high")
+        return PPOActorSettings(
+            response_length=int(rollout["response_length"]),
+            temperature=float(rollout["temperature"]),
+            micro_batch_size=int(actor["ppo_micro_batch_size_per_gpu"]),
+            mini_batches=int(actor["ppo_mini_batches"]),
+            ppo_epochs=int(actor["ppo_epochs"]),
+            clip_ratio_low=clip if low is None else float(low),
+            clip_ratio_high=clip if high is None else float(high),
+            clip_ratio_c=float(actor["clip_ratio_c"]),
+        )
+
+    def _is_output_rank(self) -> bool:
+        """The rank whose results the worker group returns for its data-parallel group."""
+        from megatron.core import parallel_state as mpu
+
+        return (
+            mpu.get_tensor_model_parallel_rank() == 0
+            and mpu.get_context_parallel_rank() == 0
+            and mpu.is_pipeline_last_stage(ignore_virtual=True)
+        )
+
+    # ------------------------------------------------------------------ rollout and train
+
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
-    def update_actor(self, tokens) -> dict:
-        """One optimizer step on this data-parallel rank's token rows ``[rows, seq + 1]``."""
+    def generate_sequences(self, prompts: dict) -> dict | None:
+        """Responses for ``prompts["input_ids"]`` (``[rows, prompt_len]``), sampled with ``prompts["seed"]``.
+
+        Every rank takes part in exporting the current weights to the rollout model; the output rank of
+        each data-parallel group generates for its group.
+        """
         self._check_built()
-        micro = int(self.config["actor"]["ppo_micro_batch_size_per_gpu"])
-        if tokens.shape[0] % micro:
-            raise ValueError(f"{tokens.shape[0]} rows do not split into micro batches of {micro}")
+        start = time.monotonic()
+        with self._resident(optimizer=False):
+            exported = self.actor.bridge.export_weights(self.actor.model)
+            if self.rollout is not None:
+                self.rollout.load_weights(exported)
+            else:
+                for _ in exported:  # the collectives need every rank; the tensors are not kept
+                    pass
+        sync_seconds = time.monotonic() - start
+        if self.rollout is None:
+            return None
+        start = time.monotonic()
+        output = self.rollout.generate_sequences(prompts["input_ids"], seed=int(prompts["seed"]))
+        output["timing"] = {"weight_sync": sync_seconds, "generate": time.monotonic() - start}
+        return output
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
+    def compute_log_prob(self, batch: dict) -> dict:
+        """Log-probabilities of the responses in ``batch["input_ids"]`` (prompt + response) under the current weights."""
+        self._check_built()
+        with self._resident(optimizer=False):
+            log_probs = self.ppo_actor.compute_log_prob(batch["input_ids"])
+        return {"old_log_probs": log_probs}
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
+    def update_actor(self, batch: dict) -> dict:
+        """PPO-clip update on this data-parallel rank's rows (``input_ids``, ``response_mask``, ``old_log_probs``, ``advantages``)."""
+        self._check_built()
         start = time.monotonic()
         with self._resident(optimizer=True):
-            metrics = self.actor.train_step(list(tokens.split(micro)))
-        metrics["lr"] = float(self.actor.optimizer.param_groups[0]["lr"])
+            metrics = self.ppo_actor.update_policy(batch)
         metrics["update_seconds"] = time.monotonic() - start
         return metrics
 

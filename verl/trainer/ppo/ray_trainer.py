@@ -1,50 +1,57 @@
-"""The trainer on the driver: drives the Megatron actor worker group step by step, saves and resumes.
+"""The GRPO trainer on the driver: rollout, reward, advantages, update, periodic saves, resume.
 
-Until GRPO lands, a step is one actor update on a synthetic token batch that depends only on
-``data.seed`` and the step number, so a resumed run sees exactly the data an uninterrupted one would.
+One step (``RayPPOTrainer.fit``):
 
-Saves follow upstream verl: every ``trainer.save_freq`` steps (and at the last step) the workers save
-``<default_local_dir>/global_step_N/actor``; only after every rank returned does the driver check the
-step on disk and write ``<default_local_dir>/latest_checkpointed_iteration.txt`` (atomically). A crash
-anywhere before that leaves the tracker on the previous complete step.
+1. the next ``data.train_batch_size`` prompts of the synthetic task (``verl.utils.dataset.arithmetic``),
+   each repeated ``rollout.n`` times;
+2. ``generate_sequences`` on the ranks: the actor's current weights go to an HF model in memory
+   (mbridge ``export_weights``), which samples the responses; the sampling seed is a function of
+   ``data.seed``, the step and the data-parallel rank, so a resumed run samples what an uninterrupted one would;
+3. rule-based rewards on the driver, GRPO advantages (group-normalised per prompt);
+4. ``compute_log_prob``: Megatron recomputes the responses' log-probabilities (the PPO "old" policy;
+   their distance to the rollout's is logged as ``rollout/log_prob_diff_max``);
+5. ``update_actor``: the PPO-clip loss through Megatron's pipeline, optimizer step;
+6. every ``trainer.save_freq`` steps (and at the last) the workers save ``global_step_N/actor``; the
+   driver writes ``global_step_N/data.pt`` (the prompt sampler's position), checks the step on disk and
+   only then writes ``latest_checkpointed_iteration.txt``. A crash before that leaves the previous step tracked.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
+from verl.utils.dataset.arithmetic import PromptSampler, make_arithmetic_dataset
 from verl.utils.fs import atomic_write_text, local_mkdir_safe
+from verl.utils.reward_score import default_compute_score
 from verl.workers.megatron_workers import ActorRolloutRefWorker
 
 METRICS_FILENAME = "metrics.jsonl"
-# Synthetic sequences use token ids from here up (below are the tokenizer's specials).
-_FIRST_TOKEN = 4
+REWARD_PLOT_FILENAME = "reward_curve.png"
+DATA_STATE_FILENAME = "data.pt"
 
 
-def make_synthetic_batch(seed: int, step: int, batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
-    """``[batch_size, seq_len + 1]`` token rows for ``step``: each row an arithmetic progression (random start
-    and stride, modulo the usable vocabulary), so there is something to learn. Same (seed, step): same rows."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    span = min(vocab_size, 96) - _FIRST_TOKEN
-    start = torch.randint(0, span, (batch_size, 1), generator=generator)
-    stride = torch.randint(1, 6, (batch_size, 1), generator=generator)
-    positions = torch.arange(seq_len + 1).unsqueeze(0)
-    return _FIRST_TOKEN + (start + stride * positions) % span
+def sampling_seed(data_seed: int, step: int, dp_rank: int) -> int:
+    """The rollout's sampling seed: a function of the step, so resume needs no generator state."""
+    return (data_seed * 1_000_003 + step) * 1009 + dp_rank
 
 
 class RayPPOTrainer:
-    def __init__(self, config: Any, model_path: str, vocab_size: int, device: str, resume: tuple[int, str] | None) -> None:
+    def __init__(self, config: Any, model_path: str, device: str, resume: tuple[int, str] | None) -> None:
+        from transformers import AutoTokenizer
+
         self.config = config
         self.model_path = model_path
-        self.vocab_size = vocab_size
         self.device = device
         self.resume = resume
         self.default_local_dir = os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))
@@ -56,6 +63,13 @@ class RayPPOTrainer:
         self.loggers = [loggers] if isinstance(loggers, str) else list(loggers)
         self.metrics_path = os.path.join(self.default_local_dir, METRICS_FILENAME)
         self.saved: list[dict] = []
+        self.history: list[dict] = []
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        data = config.data
+        self.sampler = PromptSampler(
+            make_arithmetic_dataset(int(data.seed), max_operand=int(data.max_operand)), int(data.train_batch_size), int(data.seed)
+        )
+        self.n = int(config.actor_rollout_ref.rollout.n)
 
     # ------------------------------------------------------------------ workers
 
@@ -63,6 +77,9 @@ class RayPPOTrainer:
         trainer = self.config.trainer
         worker_config = OmegaConf.to_container(self.config.actor_rollout_ref, resolve=True)
         worker_config["model"]["path"] = self.model_path
+        worker_config["actor"]["ppo_mini_batches"] = int(self.config.data.train_batch_size) // int(
+            worker_config["actor"]["ppo_mini_batch_size"]
+        )
         pool = RayResourcePool(
             [int(trainer.n_gpus_per_node)] * int(trainer.nnodes), use_gpu=self.device == "cuda", name_prefix="actor_rollout"
         )
@@ -89,34 +106,118 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> None:
+        from tqdm import tqdm
+
         self.global_steps = self._load_checkpoint()
         if self.global_steps >= self.total_training_steps:  # main_ppo stops before starting ranks; kept for other callers
             self._print(f"[trainer] step {self.global_steps} >= trainer.total_training_steps={self.total_training_steps}: nothing to train")
             return
-        data = self.config.data
-        seq_len = int(data.max_prompt_length) + int(data.max_response_length)
-        for step in range(self.global_steps + 1, self.total_training_steps + 1):
-            self.global_steps = step
-            start = time.monotonic()
-            batch = make_synthetic_batch(int(data.seed), step, int(data.train_batch_size), seq_len, self.vocab_size)
-            results = self.actor_rollout_wg.update_actor(list(batch.chunk(self.actor_rollout_wg.dp_size)))
-            metrics = {
-                "step": step,
-                "loss": sum(r["loss"] for r in results) / len(results),
-                "grad_norm": results[0]["grad_norm"],
-                "lr": results[0]["lr"],
-                "update_ok": all(r["update_ok"] for r in results),
-                "step_time_s": round(time.monotonic() - start, 3),
-            }
-            self._print(
-                f"[trainer] step {step}/{self.total_training_steps}  loss {metrics['loss']:.6f}  "
-                f"grad_norm {metrics['grad_norm']:.4f}  time {metrics['step_time_s']:.1f}s"
-            )
-            is_last_step = step >= self.total_training_steps
-            if self.save_freq > 0 and (is_last_step or step % self.save_freq == 0):
-                metrics["checkpoint"] = self._save_checkpoint()
-            self._log_metrics(metrics)
+        bar = tqdm(
+            total=self.total_training_steps, initial=self.global_steps, desc="GRPO", unit="step",
+            # On a terminal; in logs (CI, ray job logs) the per-step lines below say the same.
+            disable="console" not in self.loggers or not sys.stderr.isatty(), dynamic_ncols=True,
+        )  # fmt: skip
+        try:
+            for step in range(self.global_steps + 1, self.total_training_steps + 1):
+                self.global_steps = step
+                metrics = self._train_step(step)
+                if self.save_freq > 0 and (step >= self.total_training_steps or step % self.save_freq == 0):
+                    start = time.monotonic()
+                    metrics["checkpoint"] = self._save_checkpoint(bar)
+                    metrics["timing_s/save_checkpoint"] = round(time.monotonic() - start, 3)
+                self._log_metrics(metrics)
+                bar.set_postfix(
+                    reward=f"{metrics['critic/score/mean']:.3f}", pg_loss=f"{metrics['actor/pg_loss']:.4f}",
+                    len=f"{metrics['response_length/mean']:.1f}", refresh=False,
+                )  # fmt: skip
+                bar.update(1)
+                if "console" in self.loggers:
+                    bar.write(_step_line(metrics, self.total_training_steps))
+        finally:
+            bar.close()
         self._summary()
+
+    def _train_step(self, step: int) -> dict:
+        wg = self.actor_rollout_wg
+        timing: dict[str, float] = {}
+        start_step = time.monotonic()
+        rows = self.sampler.next_batch()
+        prompts = self._encode_prompts(rows)
+        group_index = np.repeat(np.arange(len(rows)), self.n)
+        input_ids = prompts.repeat_interleave(self.n, dim=0)
+
+        start = time.monotonic()
+        seed = int(self.config.data.seed)
+        shards = [{"input_ids": chunk, "seed": sampling_seed(seed, step, dp)} for dp, chunk in enumerate(input_ids.chunk(wg.dp_size))]
+        generated = wg.generate_sequences(shards)
+        timing["gen"] = time.monotonic() - start
+        timing["weight_sync"] = max(g["timing"]["weight_sync"] for g in generated)
+        responses = torch.cat([g["responses"] for g in generated])
+        response_mask = torch.cat([g["response_mask"] for g in generated])
+        rollout_log_probs = torch.cat([g["rollout_log_probs"] for g in generated])
+        sequences = torch.cat([input_ids, responses], dim=1)
+
+        start = time.monotonic()
+        scores = self._score(rows, responses, response_mask)
+        token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
+        last = (response_mask.sum(dim=1) - 1).clamp(min=0)
+        token_rewards[torch.arange(len(scores)), last] = scores
+        advantages, _ = compute_grpo_outcome_advantage(
+            token_rewards, response_mask, group_index, norm_adv_by_std_in_grpo=bool(self.config.algorithm.norm_adv_by_std_in_grpo)
+        )
+        timing["reward"] = time.monotonic() - start
+
+        start = time.monotonic()
+        old = wg.compute_log_prob([{"input_ids": chunk} for chunk in sequences.chunk(wg.dp_size)])
+        old_log_probs = torch.cat([o["old_log_probs"] for o in old])
+        timing["old_log_prob"] = time.monotonic() - start
+        mask = response_mask.bool()
+        diff = (old_log_probs - rollout_log_probs).abs()[mask]
+
+        start = time.monotonic()
+        batch = {"input_ids": sequences, "response_mask": response_mask, "old_log_probs": old_log_probs, "advantages": advantages}
+        updates = wg.update_actor([dict(zip(batch, parts, strict=True)) for parts in zip(*(v.chunk(wg.dp_size) for v in batch.values()), strict=True)])
+        timing["update_actor"] = time.monotonic() - start
+        update = updates[0]  # the statistics are already summed over data-parallel ranks
+        tokens = max(update["tokens"], 1.0)
+        timing["step"] = time.monotonic() - start_step
+        lengths = response_mask.sum(dim=1).float()
+        return {
+            "step": step,
+            "critic/score/mean": scores.mean().item(),
+            "critic/score/max": scores.max().item(),
+            "critic/score/min": scores.min().item(),
+            "critic/accuracy": (scores >= 1.0).float().mean().item(),
+            "critic/advantages/max": advantages[mask].max().item(),
+            "critic/advantages/min": advantages[mask].min().item(),
+            "response_length/mean": lengths.mean().item(),
+            "response_length/clip_ratio": (lengths == response_mask.shape[1]).float().mean().item(),
+            "actor/pg_loss": update["pg_loss"] / tokens,
+            "actor/pg_clipfrac": update["pg_clipfrac"] / tokens,
+            "actor/pg_clipfrac_lower": update["pg_clipfrac_lower"] / tokens,
+            "actor/ppo_kl": update["ppo_kl"] / tokens,
+            "actor/grad_norm": update["grad_norm"],
+            "actor/lr": update["lr"],
+            "actor/update_ok": all(u["update_ok"] for u in updates),
+            "rollout/log_prob_diff_max": diff.max().item() if diff.numel() else 0.0,
+            "rollout/log_prob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
+            "data/epoch": self.sampler.epoch,
+            **{f"timing_s/{key}": round(value, 3) for key, value in timing.items()},
+        }
+
+    def _encode_prompts(self, rows: list[dict]) -> torch.Tensor:
+        encoded = [self.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in rows]
+        if len({len(ids) for ids in encoded}) != 1:
+            raise ValueError(f"prompts encode to different lengths {sorted({len(i) for i in encoded})}; the ranks do not pad prompts")
+        return torch.tensor(encoded, dtype=torch.long)
+
+    def _score(self, rows: list[dict], responses: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+        scores = []
+        for i, (ids, mask) in enumerate(zip(responses.tolist(), response_mask.tolist(), strict=True)):
+            row = rows[i // self.n]
+            text = self.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=True)
+            scores.append(default_compute_score(row["data_source"], text, row["ground_truth"]))
+        return torch.tensor(scores, dtype=torch.float32)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -130,10 +231,14 @@ class RayPPOTrainer:
         step, path = self.resume
         start = time.monotonic()
         self.actor_rollout_wg.load_checkpoint(os.path.join(path, "actor"))
-        self._print(f"[trainer] resumed from {path} (step {step}) in {time.monotonic() - start:.1f}s")
+        self.sampler.load_state_dict(torch.load(os.path.join(path, DATA_STATE_FILENAME), weights_only=True))
+        self._print(
+            f"[trainer] resumed from {path} (step {step}) in {time.monotonic() - start:.1f}s; "
+            f"data: epoch {self.sampler.epoch}, position {self.sampler.position}"
+        )
         return step
 
-    def _save_checkpoint(self) -> dict:
+    def _save_checkpoint(self, bar) -> dict:
         step = self.global_steps
         actor_path = os.path.join(self._step_dir(step), "actor")
         start = time.monotonic()
@@ -141,7 +246,8 @@ class RayPPOTrainer:
         results = self.actor_rollout_wg.save_checkpoint(actor_path, global_step=step, max_ckpt_to_keep=keep)
         seconds = time.monotonic() - start
         verified = verify_saved_step(actor_path)
-        # Every rank returned and the step checks out: only now does the tracker move to it.
+        _atomic_torch_save(self.sampler.state_dict(), os.path.join(self._step_dir(step), DATA_STATE_FILENAME))
+        # Every rank returned, the step checks out and the data position is on disk: only now does the tracker move.
         atomic_write_text(get_checkpoint_tracker_filename(self.default_local_dir), str(step))
         record = {
             "path": actor_path,
@@ -156,13 +262,14 @@ class RayPPOTrainer:
         if record["param_offloaded_before"]:
             after = "offloaded again" if record["param_offloaded_after"] else "NOT offloaded again"
             offload = f"\n[trainer]   param_offload: the weights were offloaded; brought back for the save, then {after}"
-        self._print(
-            f"[trainer] saved step {step} in {seconds:.1f}s -> {actor_path}\n"
-            f"[trainer]   verified: {verified['files']} files match the manifest; contents {verified['contents']}"
-            + (f"; HF export: {verified['hf']}" if verified.get("hf") else "")
-            + offload
-            + f"\n[trainer]   tracker {get_checkpoint_tracker_filename(self.default_local_dir)} -> {step}"
-        )
+        if "console" in self.loggers:
+            bar.write(
+                f"[trainer] saved step {step} in {seconds:.1f}s -> {actor_path}\n"
+                f"[trainer]   verified: {verified['files']} files match the manifest; contents {verified['contents']}"
+                + (f"; HF export: {verified['hf']}" if verified.get("hf") else "")
+                + offload
+                + f"\n[trainer]   tracker {get_checkpoint_tracker_filename(self.default_local_dir)} -> {step}"
+            )
         return record
 
     # ------------------------------------------------------------------ output
@@ -172,6 +279,7 @@ class RayPPOTrainer:
             print(message, flush=True)
 
     def _log_metrics(self, metrics: dict) -> None:
+        self.history.append(metrics)
         if "file" not in self.loggers:
             return
         local_mkdir_safe(self.default_local_dir)
@@ -180,14 +288,50 @@ class RayPPOTrainer:
 
     def _summary(self) -> None:
         lines = [f"[trainer] done: {self.total_training_steps} steps; checkpoints under {self.default_local_dir}"]
+        if self.history:
+            first, last = _window_mean(self.history[:10]), _window_mean(self.history[-10:])
+            lines.append(
+                f"[trainer]   mean reward: first {min(10, len(self.history))} steps {first:.3f} -> last {min(10, len(self.history))} steps {last:.3f}"
+            )
         if self.saved:
-            last = self.saved[-1]
-            lines.append(f"[trainer]   latest: {last['path']} (tracker latest_checkpointed_iteration.txt -> {self.global_steps})")
-            lines.append("[trainer]   verified at every save: manifest files present with their sizes, ckpt_contents.json"
-                         + ("; HF export complete (every tensor the config implies, right shapes)" if last.get("hf") else ""))
-        if "file" in self.loggers:
-            lines.append(f"[trainer]   metrics: {self.metrics_path}")
+            latest = self.saved[-1]
+            lines.append(f"[trainer]   latest: {latest['path']} (tracker latest_checkpointed_iteration.txt -> {self.global_steps})")
+        if "file" in self.loggers and os.path.exists(self.metrics_path):
+            from verl.utils.metric.plot import plot_metric_curve
+
+            png = plot_metric_curve(
+                self.metrics_path, os.path.join(self.default_local_dir, REWARD_PLOT_FILENAME),
+                key="critic/score/mean", title=f"GRPO mean reward ({self.config.trainer.experiment_name})",
+            )  # fmt: skip
+            lines.append(f"[trainer]   metrics: {self.metrics_path}\n[trainer]   reward curve: {png}")
         print("\n".join(lines), flush=True)
+
+
+def _window_mean(history: list[dict]) -> float:
+    return sum(m["critic/score/mean"] for m in history) / len(history)
+
+
+def _step_line(metrics: dict, total: int) -> str:
+    return (
+        f"[trainer] step {metrics['step']}/{total}  reward {metrics['critic/score/mean']:.3f}  "
+        f"acc {metrics['critic/accuracy']:.3f}  resp_len {metrics['response_length/mean']:.1f}  "
+        f"pg_loss {metrics['actor/pg_loss']:+.4f}  grad_norm {metrics['actor/grad_norm']:.3f}  "
+        f"logp_diff {metrics['rollout/log_prob_diff_max']:.1e}  "
+        f"time {metrics['timing_s/step']:.1f}s (gen {metrics['timing_s/gen']:.1f}, logp {metrics['timing_s/old_log_prob']:.1f}, "
+        f"update {metrics['timing_s/update_actor']:.1f})"
+    )
+
+
+def _atomic_torch_save(obj: Any, path: str) -> None:
+    from verl.utils.fs import fsync_dir
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
 
 
 def verify_saved_step(actor_path: str) -> dict:

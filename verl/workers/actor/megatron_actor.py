@@ -98,6 +98,8 @@ class MegatronPPOActor:
             ).detach()
             return loss, {"stats": stats}
 
+        # Parameters whose gradients live outside the DDP buffers keep .grad between steps unless cleared.
+        self.optimizer.zero_grad()
         collected = forward_backward(self.model, microbatches, loss_fn)
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
