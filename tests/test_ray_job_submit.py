@@ -65,5 +65,8 @@ def test_ray_job_submit_to_loopback_head(tmp_path, tiny_moe_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
     contents = json.loads((ckpt / "global_step_1" / "actor" / "ckpt_contents.json").read_text())
     assert contents["parallel"]["world_size"] == 2 and contents["parallel"]["ep"] == 2
-    record = json.loads((ckpt / "metrics.jsonl").read_text().splitlines()[0])["checkpoint"]
-    assert record["hf"] == "all 135 tensors present with the expected shapes"
+    metrics = json.loads((ckpt / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["checkpoint"]["hf"] == "all 135 tensors present with the expected shapes"
+    # A GRPO step ran: responses were sampled, scored, and Megatron's logprobs matched the rollout's.
+    assert 0.0 <= metrics["critic/score/mean"] <= 1.0 and metrics["response_length/mean"] > 0
+    assert metrics["rollout/log_prob_diff_max"] <= 1e-4
