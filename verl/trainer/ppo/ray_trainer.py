@@ -215,7 +215,7 @@ class RayPPOTrainer:
         scores = []
         for i, (ids, mask) in enumerate(zip(responses.tolist(), response_mask.tolist(), strict=True)):
             row = rows[i // self.n]
-            text = self.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=True)
+            text = response_text(self.tokenizer, [t for t, m in zip(ids, mask, strict=True) if m])
             scores.append(default_compute_score(row["data_source"], text, row["ground_truth"]))
         return torch.tensor(scores, dtype=torch.float32)
 
@@ -305,6 +305,15 @@ class RayPPOTrainer:
             )  # fmt: skip
             lines.append(f"[trainer]   metrics: {self.metrics_path}\n[trainer]   reward curve: {png}")
         print("\n".join(lines), flush=True)
+
+
+def response_text(tokenizer, ids: list[int]) -> str:
+    """The response as the model wrote it, one character per token: ``decode`` of the char-level tokenizer
+    puts spaces between characters and drops ids outside its vocabulary, which would turn "7x7" into a
+    correct "7". Unknown ids become U+FFFD; special tokens (EOS) are dropped."""
+    special = set(tokenizer.all_special_ids)
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    return "".join("\ufffd" if token is None else token for i, token in zip(ids, tokens, strict=True) if i not in special)
 
 
 def _window_mean(history: list[dict]) -> float:
