@@ -246,3 +246,18 @@ def test_validation_contents_match_the_checkpoint_manager():
     from verl.utils.checkpoint.checkpoint_manager import ALL_CONTENTS
 
     assert tuple(CHECKPOINT_CONTENTS) == tuple(ALL_CONTENTS)
+
+
+def test_reward_reads_responses_character_by_character():
+    """decode() of the char-level tokenizer spaces characters and drops out-of-vocabulary ids ("7x7" -> "7 7");
+    the reward must see what the model wrote."""
+    from verl.models.tiny import build_tokenizer
+    from verl.trainer.ppo.ray_trainer import response_text
+    from verl.utils.reward_score import default_compute_score
+
+    tok = build_tokenizer()
+    seven, one, two = (tok.convert_tokens_to_ids(c) for c in "712")
+    assert response_text(tok, [one, two, tok.eos_token_id]) == "12"
+    assert default_compute_score("arithmetic", response_text(tok, [one, two, tok.eos_token_id]), "12") == 1.0
+    unknown = len(tok) + 5  # the model's vocabulary (256) is larger than the tokenizer's
+    assert response_text(tok, [seven, unknown, seven]) == "7\ufffd7"
