@@ -22,13 +22,12 @@ def _build(model_path: str, micro_batch_size: int = 2, temperature: float = 1.0)
 
 
 def _rollout_on_rank0(actor, rollout, prompts: torch.Tensor, seed: int) -> dict:
-    """Every rank exports (a collective); rank 0 generates and shares the result."""
-    exported = actor.bridge.export_weights(actor.model)
+    """Every rank takes part in the in-memory weight sync; rank 0 generates and shares the result."""
+    from verl.models.mcore.parallel_hf_save import gather_hf_weights
+
+    weights = gather_hf_weights(actor.bridge, actor.model, receivers=[0])
     if rollout is not None:
-        rollout.load_weights(exported)
-    else:
-        for _ in exported:
-            pass
+        rollout.load_weights(weights.items())
     holder = [rollout.generate_sequences(prompts, seed=seed) if rollout is not None else None]
     torch.distributed.broadcast_object_list(holder, src=0)
     return holder[0]

@@ -83,3 +83,27 @@ def test_parallel_export_is_bit_identical_to_mbridge(tiny_moe_path, tmp_path, si
     original = _tensors(tiny_moe_path)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, original[name]), name
+
+
+def _gather_vs_export(src: str) -> dict:
+    from verl.models.mcore.parallel_hf_save import gather_hf_weights
+    from verl.workers.megatron_actor import ActorSettings, MegatronActor
+
+    actor = MegatronActor(ActorSettings(model_path=src, save_contents=("model",)))
+    receivers = [0, torch.distributed.get_world_size() - 3]
+    gathered = gather_hf_weights(actor.bridge, actor.model, receivers=receivers)
+    exported = dict(actor.bridge.export_weights(actor.model))  # mbridge's: every tensor on every rank
+    if torch.distributed.get_rank() not in receivers:
+        return {"receiver": False, "gathered": len(gathered)}
+    mismatched = [name for name in exported if name not in gathered or not torch.equal(gathered[name], exported[name])]
+    return {"receiver": True, "names": sorted(gathered) == sorted(exported), "mismatched": mismatched, "count": len(gathered)}
+
+
+def test_in_memory_gather_equals_mbridge_export_weights(tiny_moe_path):
+    """The rollout's weight sync: whole HF tensors on the receiving ranks only, bit-identical to mbridge's export."""
+    results = run_on_ranks(_gather_vs_export, 8, ParallelSizes(tp=2, pp=2, ep=2, etp=2), args=(tiny_moe_path,))
+    receivers = [r for r in results if r["receiver"]]
+    assert len(receivers) == 2
+    for report in receivers:
+        assert report["names"] and report["mismatched"] == [] and report["count"] == 135
+    assert all(r["gathered"] == 0 for r in results if not r["receiver"])

@@ -48,11 +48,14 @@ class ActorRolloutRefWorker(MegatronWorker):
         self.actor = None
         self.ppo_actor = None
         self.rollout = None
+        self._rollout_ranks: list[int] = []
 
     # ------------------------------------------------------------------ build
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
+        import torch
+
         from verl.utils.device import get_device_name
         from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
         from verl.workers.actor.megatron_actor import MegatronPPOActor
@@ -73,6 +76,9 @@ class ActorRolloutRefWorker(MegatronWorker):
         start = time.monotonic()
         self.actor = MegatronActor(settings)
         self.ppo_actor = MegatronPPOActor(self._ppo_settings(), self.actor.model, self.actor.optimizer, self.actor.scheduler)
+        flags: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(flags, self._is_output_rank())
+        self._rollout_ranks = [rank for rank, flag in enumerate(flags) if flag]
         if self._is_output_rank():
             rollout = self.config["rollout"]
             tokenizer = self.actor.tokenizer
@@ -155,18 +161,19 @@ class ActorRolloutRefWorker(MegatronWorker):
     def generate_sequences(self, prompts: dict) -> dict | None:
         """Responses for ``prompts["input_ids"]`` (``[rows, prompt_len]``), sampled with ``prompts["seed"]``.
 
-        Every rank takes part in exporting the current weights to the rollout model; the output rank of
-        each data-parallel group generates for its group.
+        Every rank takes part in gathering the current weights, whole and in HF names, onto the output
+        rank of each data-parallel group (in memory), which loads them into its rollout model and
+        generates for its group.
         """
+        from verl.models.mcore.parallel_hf_save import gather_hf_weights
+
         self._check_built()
         start = time.monotonic()
         with self._resident(optimizer=False):
-            exported = self.actor.bridge.export_weights(self.actor.model)
-            if self.rollout is not None:
-                self.rollout.load_weights(exported)
-            else:
-                for _ in exported:  # the collectives need every rank; the tensors are not kept
-                    pass
+            weights = gather_hf_weights(self.actor.bridge, self.actor.model, receivers=self._rollout_ranks)
+        if self.rollout is not None:
+            self.rollout.load_weights(weights.items())
+        del weights
         sync_seconds = time.monotonic() - start
         if self.rollout is None:
             return None

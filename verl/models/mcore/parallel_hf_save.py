@@ -1,4 +1,5 @@
-"""Write an HF safetensors folder from a Megatron model with every rank writing the shards it owns.
+"""Write an HF safetensors folder from a Megatron model with every rank writing the shards it owns;
+and the same machinery in memory (``gather_hf_weights``) for the rollout's weight sync.
 
 mbridge's ``Bridge.save_weights`` routes every tensor through every rank (a broadcast over the
 pipeline group, all-gathers over EP and ETP) and then through rank 0, which writes every file. Here:
@@ -111,14 +112,27 @@ def _default_plan(hf_names: dict[str, list[str]], shards: dict[str, _Shard], wor
     }
 
 
-def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
-    """Write the HF folder ``weights_path``; every rank calls this (collectives inside)."""
-    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    os.makedirs(weights_path, exist_ok=True)
+@dataclasses.dataclass
+class _Holdings:
+    """Every rank's view of who holds which piece of which parameter, plus this rank's own pieces."""
 
-    # 1. who holds what
+    my_tensors: dict[tuple[str, int], torch.Tensor]
+    holders: dict[tuple[str, int], list[int]]
+    meta: dict[str, _Shard]
+    te_names: list[str]
+
+    def pieces(self, te: str) -> list[tuple[str, int]]:
+        return [(te, i) for i in range(self.meta[te].count)]
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.my_tensors.values())).device if self.my_tensors else torch.device("cpu")
+
+
+def _gather_holdings(bridge, models: list) -> _Holdings:
+    """Step 1, one ``all_gather_object``: every rank learns what every rank holds."""
     my_shards, my_tensors = _local_shards(bridge, models)
-    everyone: list = [None] * world_size
+    everyone: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, my_shards)
     holders: dict[tuple[str, int], list[int]] = defaultdict(list)
     meta: dict[str, _Shard] = {}
@@ -126,7 +140,70 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
         for shard in shards:
             holders[(shard.te_name, shard.index)].append(holder)
             meta.setdefault(shard.te_name, shard)
-    te_names = sorted(meta, key=_natural_key)
+    return _Holdings(my_tensors, holders, meta, sorted(meta, key=_natural_key))
+
+
+def gather_hf_weights(bridge, models: list, receivers: list[int]) -> dict[str, torch.Tensor]:
+    """Every HF tensor of the model, whole, on each rank in ``receivers``; an empty dict on the others.
+
+    In-memory counterpart of the parallel save (a rollout engine's weight sync): one ``all_gather_object``
+    of what every rank holds, then one batch of point-to-point transfers in which each receiver gets
+    every piece it lacks from one holder, then the bridge's own merge and HF conversion on the receivers
+    (the same tensors as mbridge's ``export_weights``, which instead broadcasts and all-gathers every
+    parameter separately on every rank). Every rank must call it.
+    """
+    rank = torch.distributed.get_rank()
+    held = _gather_holdings(bridge, models)
+    received: dict[tuple[str, int], torch.Tensor] = {}
+    ops = []
+    tag = 0
+    for order, receiver in enumerate(receivers):
+        for te in held.te_names:
+            for key in held.pieces(te):
+                tag += 1
+                holders = held.holders[key]
+                if receiver in holders:
+                    continue
+                source = holders[order % len(holders)]  # spread the sending over the replicas
+                if rank == source:
+                    ops.append(P2POp(torch.distributed.isend, held.my_tensors[key].detach().contiguous(), receiver, tag=tag))
+                elif rank == receiver:
+                    shard = held.meta[te]
+                    received[key] = torch.empty(shard.shape, dtype=_dtype(shard.dtype), device=held.device)
+                    ops.append(P2POp(torch.distributed.irecv, received[key], source, tag=tag))
+    for work in torch.distributed.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    if rank not in receivers:
+        return {}
+    weights: dict[str, torch.Tensor] = {}
+    for te in held.te_names:
+        pieces = [held.my_tensors[key].detach() if key in held.my_tensors else received[key] for key in held.pieces(te)]
+        weights.update(_to_hf(bridge, te, held.meta[te], pieces))
+    return weights
+
+
+def _to_hf(bridge, te: str, shard: _Shard, pieces: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One Megatron parameter from its pieces, as HF tensors, with the bridge's own merge and conversion."""
+    if shard.merge:
+        # What mbridge hands _weight_merge_across_tp as ``param``: a tensor with the TP attributes.
+        ref = torch.empty(0, dtype=pieces[0].dtype)
+        ref.tensor_model_parallel = True
+        if shard.partition_dim is not None:
+            ref.partition_dim = shard.partition_dim
+        merged = bridge._weight_merge_across_tp(te, pieces, ref)
+    else:
+        merged = pieces[0]
+    return dict(zip(*bridge._weight_to_hf_format(te, merged), strict=True))
+
+
+def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
+    """Write the HF folder ``weights_path``; every rank calls this (collectives inside)."""
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    os.makedirs(weights_path, exist_ok=True)
+
+    # 1. who holds what
+    held = _gather_holdings(bridge, models)
+    my_tensors, holders, meta, te_names = held.my_tensors, held.holders, held.meta, held.te_names
     hf_names = {te: bridge._weight_name_mapping_mcore_to_hf(te) for te in te_names}
 
     # 2. the shard plan
@@ -138,9 +215,7 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
     te_for_file = {file: [te for te in te_names if files[file].intersection(hf_names[te])] for file in files}
 
     # 3. one writer per file
-    def pieces(te: str) -> list[tuple[str, int]]:
-        return [(te, i) for i in range(meta[te].count)]
-
+    pieces = held.pieces
     file_bytes = {f: sum(meta[te].nbytes * meta[te].count for te in tes) for f, tes in te_for_file.items()}
     load = [0] * world_size
     writer_files: list[list[str]] = [[] for _ in range(world_size)]
@@ -156,7 +231,7 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
 
     # 4. rounds: shards to writers, merge, convert, write
     written: dict[str, int] = {}
-    device = next(iter(my_tensors.values())).device if my_tensors else torch.device("cpu")
+    device = held.device
     tag = 0
     for round_index in range(max(len(f) for f in writer_files)):
         jobs = [(w, fs[round_index]) for w, fs in enumerate(writer_files) if round_index < len(fs)]
@@ -207,18 +282,8 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
 def _write_file(bridge, weights_path, file, names, te_list, meta, my_tensors, received) -> dict[str, int]:
     out: dict[str, torch.Tensor] = {}
     for te in te_list:
-        shard = meta[te]
-        pieces = [my_tensors[(te, i)].detach() if (te, i) in my_tensors else received[(te, i)] for i in range(shard.count)]
-        if shard.merge:
-            # What mbridge hands _weight_merge_across_tp as ``param``: a tensor with the TP attributes.
-            ref = torch.empty(0, dtype=pieces[0].dtype)
-            ref.tensor_model_parallel = True
-            if shard.partition_dim is not None:
-                ref.partition_dim = shard.partition_dim
-            merged = bridge._weight_merge_across_tp(te, pieces, ref)
-        else:
-            merged = pieces[0]
-        for name, tensor in zip(*bridge._weight_to_hf_format(te, merged), strict=True):
+        pieces = [my_tensors[(te, i)].detach() if (te, i) in my_tensors else received[(te, i)] for i in range(meta[te].count)]
+        for name, tensor in _to_hf(bridge, te, meta[te], pieces).items():
             if name in names:
                 out[name] = tensor.contiguous().cpu()
     if out:
