@@ -20,17 +20,28 @@ import torch
 
 from verl.models.tiny import make_tiny_hf_model
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, compute_policy_loss
+from verl.trainer.ppo.ray_trainer import response_text
+from verl.utils.dataset import arithmetic
 from verl.utils.dataset.arithmetic import PromptSampler, make_arithmetic_dataset, prompt_length
 from verl.utils.reward_score.arithmetic import compute_score
 from verl.utils.torch_functional import logprobs_from_logits, masked_mean
 
 EOS_ID, PAD_ID = 2, 0
+TASKS = {**arithmetic.TASKS, "max": max}  # max: a probe-only rule (its skewed answers reward a constant guess)
+
+
+def retarget(rows: list[dict], task: str) -> list[dict]:
+    """Same "a+b=" prompts, the ground truth replaced by ``task``'s rule (add keeps the sum)."""
+    out = []
+    for row in rows:
+        a, b = int(row["prompt"][0]), int(row["prompt"][2])
+        out.append({**row, "ground_truth": str(TASKS[task](a, b))})
+    return out
 
 
 def decode_response(tokenizer, ids: list[int]) -> str:
-    """Concatenate the char tokens (``tokenizer.decode`` would put spaces between them); ids the tokenizer does
-    not know become U+FFFD so they cannot pass for a digit."""
-    return "".join(tok if tok is not None else "\ufffd" for tok in tokenizer.convert_ids_to_tokens(ids))
+    """The trainer's reading of a response: one character per token, unknown ids as U+FFFD."""
+    return response_text(tokenizer, ids)
 
 
 def shaped_score(kind: str, text: str, ground_truth: str, format_score: float, score: float) -> float:
@@ -39,6 +50,11 @@ def shaped_score(kind: str, text: str, ground_truth: str, format_score: float, s
     right leading integer, else ``format_score * max(0, 1 - |pred - answer| / 10)``, a dense signal towards it."""
     if kind == "leading":
         return compute_score(text, ground_truth, format_score=format_score, score=score)
+    if kind == "exact":
+        # the whole response (its EOS is not part of the text) must be the answer
+        if text == ground_truth:
+            return score
+        return format_score if re.match(r"\d+", text) else 0.0
     stripped = text.lstrip()
     if kind == "prefix":
         if stripped.startswith(ground_truth):
@@ -70,7 +86,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    rows = make_arithmetic_dataset(seed=args.seed, max_operand=args.max_operand)
+    rows = retarget(make_arithmetic_dataset(seed=args.seed, max_operand=args.max_operand), args.task)
     plen = prompt_length(rows)
     sampler = PromptSampler(rows, batch_size=args.train_batch_size, seed=args.seed)
     torch.manual_seed(args.seed)
@@ -86,7 +102,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 prompts,
                 attention_mask=torch.ones_like(prompts),
                 do_sample=True,
-                temperature=1.0,
+                temperature=args.temperature,
                 top_p=1.0,
                 top_k=0,
                 max_new_tokens=args.response_length,
@@ -150,13 +166,39 @@ def run(args: argparse.Namespace) -> list[dict]:
                 f.write(json.dumps(record) + "\n")
         if args.verbose:
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}), flush=True)
+    # final evaluation on every distinct prompt: greedy answer + a few samples at the training temperature
+    model.eval()
+    prompts = torch.tensor([tokenizer(row["prompt"])["input_ids"] for row in rows])
+    final = {}
+    with torch.no_grad():
+        greedy = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                                max_new_tokens=args.response_length, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+        rep = prompts.repeat_interleave(4, dim=0)
+        sampled = model.generate(rep, attention_mask=torch.ones_like(rep), do_sample=True,
+                                 temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.response_length,
+                                 eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    g_resp, g_mask = cut_after_eos(greedy[:, plen:], args.response_length)
+    s_resp, s_mask = cut_after_eos(sampled[:, plen:], args.response_length)
+    g_texts = [decode_response(tokenizer, r[m.bool()].tolist()) for r, m in zip(g_resp, g_mask, strict=True)]
+    s_texts = [decode_response(tokenizer, r[m.bool()].tolist()) for r, m in zip(s_resp, s_mask, strict=True)]
+    for i, row in enumerate(rows):
+        final[row["prompt"]] = {"gt": row["ground_truth"], "greedy": g_texts[i], "samples": s_texts[4 * i : 4 * i + 4]}
+    run.final = final
     return history
 
 
 def summarize(history: list[dict], window: int = 10) -> dict:
     first, last = history[:window], history[-window:]
     mean = lambda recs, key: round(float(np.mean([r[key] for r in recs])), 3)  # noqa: E731
+    first_above = next((r["step"] for r in history if r["accuracy"] > 0.5), None)
+    final = getattr(run, "final", {})
+    greedy_ok = [compute_score(v["greedy"], v["gt"]) == 1.0 for v in final.values()]
+    sample_ok = [compute_score(t, v["gt"]) == 1.0 for v in final.values() for t in v["samples"]]
     return {
+        "first_step_acc_gt_0.5": first_above,
+        "final_greedy_acc": round(float(np.mean(greedy_ok)), 3) if greedy_ok else None,
+        "final_sample_acc": round(float(np.mean(sample_ok)), 3) if sample_ok else None,
+        "final_distinct_greedy": len({v["greedy"] for v in final.values()}),
         "score_first": mean(first, "critic/score/mean"),
         "score_last": mean(last, "critic/score/mean"),
         "acc_first": mean(first, "accuracy"),
@@ -173,7 +215,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-operand", type=int, default=9)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--reward", choices=("leading", "prefix", "distance"), default="leading")
+    parser.add_argument("--task", choices=tuple(TASKS), default="add", help="answer rule for the a+b= prompts")
+    parser.add_argument("--reward", choices=("leading", "prefix", "distance", "exact"), default="leading")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--show", type=int, default=12, help="print final greedy/samples for this many prompts")
     parser.add_argument("--format-score", type=float, default=0.1)
     parser.add_argument("--score", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=60)
@@ -185,6 +230,8 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
     summary = summarize(run(args))
+    for prompt, v in list(getattr(run, "final", {}).items())[: args.show]:
+        print(f"  {prompt}{v['gt']:>3}  greedy={v['greedy']!r}  samples={v['samples']}")
     print(json.dumps({**{k: v for k, v in vars(args).items() if k not in ("out", "verbose")}, **summary}))
 
 

@@ -36,6 +36,13 @@ def test_dataset_all_pairs_deterministic_equal_length():
     assert len(small) == 7 and all(int(r["prompt"][0]) <= 4 and int(r["prompt"][2]) <= 4 for r in small)
 
 
+def test_first_operand_task():
+    rows = make_arithmetic_dataset(seed=0, max_operand=2, task="first")
+    assert len(rows) == 9 and all(r["ground_truth"] == r["prompt"][0] for r in rows)
+    with pytest.raises(ValueError, match="set data.task"):
+        make_arithmetic_dataset(seed=0, task="reverse")
+
+
 def test_dataset_rejects_bad_arguments():
     with pytest.raises(ValueError, match="single digits"):
         make_arithmetic_dataset(seed=0, max_operand=10)
@@ -83,7 +90,8 @@ def test_sampler_restore_across_epoch_boundary():
     [("7", 1.0), ("  7</s>", 1.0), ("7abc", 1.0), ("07", 1.0), ("8", 0.1), ("77", 0.1), ("x7", 0.0), ("", 0.0)],
 )
 def test_arithmetic_reward(response, expected):
-    assert compute_score(response, "7") == expected
+    assert compute_score(response, "7", format_score=0.1) == expected
+    assert compute_score(response, "7") == (1.0 if expected == 1.0 else 0.0)  # no format credit by default
 
 
 def test_default_compute_score_dispatch():

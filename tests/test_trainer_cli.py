@@ -96,7 +96,7 @@ def test_kill_and_resume_auto_continues_from_last_save(tmp_path, env):
 
     code, out = _run([*common, "trainer.total_training_steps=5", "trainer.resume_mode=auto"], tmp_path, env)
     assert code == 0, out[-6000:]
-    assert f"resumed from {ckpt}/global_step_3 (step 3)" in out and "data: epoch 0, position 24" in out
+    assert f"resumed from {ckpt}/global_step_3 (step 3)" in out and "data: epoch 2, position 6" in out
     second_run = _metrics(ckpt)[len(first_run):]
     assert [m["step"] for m in second_run] == [4, 5]
     # Same prompts, same samples (seeded by step), same weights and optimizer state: the same metrics.
@@ -206,6 +206,7 @@ BAD_CONFIGS = {
     "group_of_one": (["actor_rollout_ref.rollout.n=1"], "set actor_rollout_ref.rollout.n to 2 or more"),
     "estimator": (["algorithm.adv_estimator=gae"], "only grpo is implemented here; set algorithm.adv_estimator=grpo"),
     "seq_vs_tp": (["data.max_response_length=5"], "is not divisible by tensor_model_parallel_size=2"),
+    "task": (["data.task=reverse"], "data.task=reverse is not one of ['add', 'first']; set data.task=first"),
 }
 
 
@@ -235,10 +236,11 @@ def test_bad_configs_fail_fast_before_any_rank(tmp_path, env, tiny_moe_path):
 
 
 def test_validation_knows_the_task_prompt_length():
-    from verl.trainer.validation import TASK_PROMPT_TOKENS
-    from verl.utils.dataset.arithmetic import make_arithmetic_dataset, prompt_length
+    from verl.trainer.validation import TASK_PROMPT_TOKENS, TASKS
+    from verl.utils.dataset import arithmetic
 
-    assert prompt_length(make_arithmetic_dataset(seed=0)) == TASK_PROMPT_TOKENS
+    assert arithmetic.prompt_length(arithmetic.make_arithmetic_dataset(seed=0)) == TASK_PROMPT_TOKENS
+    assert tuple(sorted(TASKS)) == tuple(sorted(arithmetic.TASKS))
 
 
 def test_validation_contents_match_the_checkpoint_manager():

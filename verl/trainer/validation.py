@@ -23,6 +23,7 @@ LOGGERS = ("console", "file")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 # "a+b=" with single-digit operands (verl.utils.dataset.arithmetic; not imported: it pulls in torch).
 TASK_PROMPT_TOKENS = 4
+TASKS = ("add", "first")  # verl.utils.dataset.arithmetic.TASKS
 DATA_STATE_FILENAME = "data.pt"  # verl.trainer.ppo.ray_trainer.DATA_STATE_FILENAME
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
@@ -206,6 +207,8 @@ def _check_data(config: Any, model: dict | None) -> list[str]:
             problems.append(f"data.{key}={data[key]} must be an integer >= 1")
     if not isinstance(data.max_operand, int) or not 0 <= data.max_operand <= 9:
         problems.append(f"data.max_operand={data.max_operand}: the task's operands are single digits; set data.max_operand to 0..9")
+    if data.task not in TASKS:
+        problems.append(f"data.task={data.task} is not one of {list(TASKS)}; set data.task=first")
     if problems:
         return problems
     if int(data.max_prompt_length) < TASK_PROMPT_TOKENS:

@@ -67,7 +67,7 @@ class RayPPOTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         data = config.data
         self.sampler = PromptSampler(
-            make_arithmetic_dataset(int(data.seed), max_operand=int(data.max_operand)), int(data.train_batch_size), int(data.seed)
+            make_arithmetic_dataset(int(data.seed), max_operand=int(data.max_operand), task=str(data.task)), int(data.train_batch_size), int(data.seed)
         )
         self.n = int(config.actor_rollout_ref.rollout.n)
 

@@ -1,4 +1,9 @@
-"""The synthetic task the project generates itself: single-digit addition, ``"3+4="`` -> ``"7"``.
+"""The synthetic tasks the project generates itself, on prompts ``"a+b="`` with single-digit a, b:
+
+- ``first``: answer ``a`` (copy the first operand): ``"2+1="`` -> ``"2"``; the default of the main job,
+  because the tiny random-init model learns it by GRPO in about a hundred steps;
+- ``add``: answer ``a + b``: ``"3+4="`` -> ``"7"``; not learned by the tiny model in a few hundred steps
+  (scripts/grpo_task_probe.py), kept for bigger models.
 
 Prompts are single-digit operands on purpose: every prompt of a dataset then has the same length in
 characters (and tokens, with the char-level tokenizer), so a batch needs no padding on the ranks.
@@ -10,11 +15,15 @@ import torch
 
 DATA_SOURCE = "arithmetic"
 _MAX_SINGLE_DIGIT = 9
+TASKS = {"add": lambda a, b: a + b, "first": lambda a, b: a}
 
 
-def make_arithmetic_dataset(seed: int, size: int | None = None, max_operand: int = 9) -> list[dict]:
+def make_arithmetic_dataset(seed: int, size: int | None = None, max_operand: int = 9, task: str = "add") -> list[dict]:
     """Every pair ``a + b`` with ``a, b`` in ``0..max_operand``, shuffled by ``seed``; the first ``size`` rows
-    (None: all). Rows carry upstream verl's keys (``prompt``, ``ground_truth``, ``data_source``, ``index``)."""
+    (None: all), answered by ``task`` (``TASKS``). Rows carry upstream verl's keys (``prompt``,
+    ``ground_truth``, ``data_source``, ``index``)."""
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is not one of {sorted(TASKS)}; set data.task")
     if not 0 <= max_operand <= _MAX_SINGLE_DIGIT:
         raise ValueError(
             f"max_operand={max_operand}: operands must be single digits (0..{_MAX_SINGLE_DIGIT}) so all prompts "
@@ -31,7 +40,7 @@ def make_arithmetic_dataset(seed: int, size: int | None = None, max_operand: int
     rows = []
     for i, pair_idx in enumerate(order[:size]):
         a, b = pairs[pair_idx]
-        rows.append({"prompt": f"{a}+{b}=", "ground_truth": str(a + b), "data_source": DATA_SOURCE, "index": i})
+        rows.append({"prompt": f"{a}+{b}=", "ground_truth": str(TASKS[task](a, b)), "data_source": DATA_SOURCE, "index": i})
     return rows
 
 
