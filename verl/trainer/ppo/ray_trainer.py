@@ -18,6 +18,7 @@ One step (``RayPPOTrainer.fit``):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -138,52 +139,59 @@ class RayPPOTrainer:
         self._summary()
 
     def _train_step(self, step: int) -> dict:
-        wg = self.actor_rollout_wg
         timing: dict[str, float] = {}
         start_step = time.monotonic()
         rows = self.sampler.next_batch()
-        prompts = self._encode_prompts(rows)
         group_index = np.repeat(np.arange(len(rows)), self.n)
-        input_ids = prompts.repeat_interleave(self.n, dim=0)
+        input_ids = self._encode_prompts(rows).repeat_interleave(self.n, dim=0)
 
-        start = time.monotonic()
+        with _timed(timing, "gen"):
+            rollout = self._generate(input_ids, step, timing)
+        with _timed(timing, "reward"):
+            scores = self._score(rows, rollout["responses"], rollout["response_mask"])
+            advantages = self._advantages(scores, rollout["response_mask"], group_index)
+        sequences = torch.cat([input_ids, rollout["responses"]], dim=1)
+        with _timed(timing, "old_log_prob"):
+            old_log_probs = self._per_dp_rank("compute_log_prob", {"input_ids": sequences}, "old_log_probs")
+        batch = {"input_ids": sequences, "response_mask": rollout["response_mask"], "old_log_probs": old_log_probs, "advantages": advantages}
+        with _timed(timing, "update_actor"):
+            updates = self.actor_rollout_wg.update_actor(self._split(batch))
+        timing["step"] = time.monotonic() - start_step
+        return {"step": step, **self._step_metrics(scores, advantages, rollout, old_log_probs, updates), "data/epoch": self.sampler.epoch,
+                **{f"timing_s/{key}": round(value, 3) for key, value in timing.items()}}  # fmt: skip
+
+    def _split(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """One dict per data-parallel rank, the rows split evenly in order."""
+        parts = zip(*(value.chunk(self.actor_rollout_wg.dp_size) for value in batch.values()), strict=True)
+        return [dict(zip(batch, values, strict=True)) for values in parts]
+
+    def _per_dp_rank(self, method: str, batch: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+        return torch.cat([out[key] for out in getattr(self.actor_rollout_wg, method)(self._split(batch))])
+
+    def _generate(self, input_ids: torch.Tensor, step: int, timing: dict) -> dict[str, torch.Tensor]:
         seed = int(self.config.data.seed)
-        shards = [{"input_ids": chunk, "seed": sampling_seed(seed, step, dp)} for dp, chunk in enumerate(input_ids.chunk(wg.dp_size))]
-        generated = wg.generate_sequences(shards)
-        timing["gen"] = time.monotonic() - start
+        shards = [{**part, "seed": sampling_seed(seed, step, dp)} for dp, part in enumerate(self._split({"input_ids": input_ids}))]
+        generated = self.actor_rollout_wg.generate_sequences(shards)
         timing["weight_sync"] = max(g["timing"]["weight_sync"] for g in generated)
-        responses = torch.cat([g["responses"] for g in generated])
-        response_mask = torch.cat([g["response_mask"] for g in generated])
-        rollout_log_probs = torch.cat([g["rollout_log_probs"] for g in generated])
-        sequences = torch.cat([input_ids, responses], dim=1)
+        return {key: torch.cat([g[key] for g in generated]) for key in ("responses", "response_mask", "rollout_log_probs")}
 
-        start = time.monotonic()
-        scores = self._score(rows, responses, response_mask)
+    def _advantages(self, scores: torch.Tensor, response_mask: torch.Tensor, group_index: np.ndarray) -> torch.Tensor:
+        """The score on each response's last token, then GRPO's group normalisation."""
         token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
         last = (response_mask.sum(dim=1) - 1).clamp(min=0)
         token_rewards[torch.arange(len(scores)), last] = scores
-        advantages, _ = compute_grpo_outcome_advantage(
-            token_rewards, response_mask, group_index, norm_adv_by_std_in_grpo=bool(self.config.algorithm.norm_adv_by_std_in_grpo)
-        )
-        timing["reward"] = time.monotonic() - start
+        norm = bool(self.config.algorithm.norm_adv_by_std_in_grpo)
+        advantages, _ = compute_grpo_outcome_advantage(token_rewards, response_mask, group_index, norm_adv_by_std_in_grpo=norm)
+        return advantages
 
-        start = time.monotonic()
-        old = wg.compute_log_prob([{"input_ids": chunk} for chunk in sequences.chunk(wg.dp_size)])
-        old_log_probs = torch.cat([o["old_log_probs"] for o in old])
-        timing["old_log_prob"] = time.monotonic() - start
-        mask = response_mask.bool()
-        diff = (old_log_probs - rollout_log_probs).abs()[mask]
-
-        start = time.monotonic()
-        batch = {"input_ids": sequences, "response_mask": response_mask, "old_log_probs": old_log_probs, "advantages": advantages}
-        updates = wg.update_actor([dict(zip(batch, parts, strict=True)) for parts in zip(*(v.chunk(wg.dp_size) for v in batch.values()), strict=True)])
-        timing["update_actor"] = time.monotonic() - start
+    @staticmethod
+    def _step_metrics(scores, advantages, rollout: dict, old_log_probs: torch.Tensor, updates: list[dict]) -> dict:
+        mask = rollout["response_mask"].bool()
+        diff = (old_log_probs - rollout["rollout_log_probs"]).abs()[mask]
         update = updates[0]  # the statistics are already summed over data-parallel ranks
         tokens = max(update["tokens"], 1.0)
-        timing["step"] = time.monotonic() - start_step
-        lengths = response_mask.sum(dim=1).float()
+        lengths = rollout["response_mask"].sum(dim=1).float()
         return {
-            "step": step,
             "critic/score/mean": scores.mean().item(),
             "critic/score/max": scores.max().item(),
             "critic/score/min": scores.min().item(),
@@ -191,7 +199,7 @@ class RayPPOTrainer:
             "critic/advantages/max": advantages[mask].max().item(),
             "critic/advantages/min": advantages[mask].min().item(),
             "response_length/mean": lengths.mean().item(),
-            "response_length/clip_ratio": (lengths == response_mask.shape[1]).float().mean().item(),
+            "response_length/clip_ratio": (lengths == mask.shape[1]).float().mean().item(),
             "actor/pg_loss": update["pg_loss"] / tokens,
             "actor/pg_clipfrac": update["pg_clipfrac"] / tokens,
             "actor/pg_clipfrac_lower": update["pg_clipfrac_lower"] / tokens,
@@ -201,8 +209,6 @@ class RayPPOTrainer:
             "actor/update_ok": all(u["update_ok"] for u in updates),
             "rollout/log_prob_diff_max": diff.max().item() if diff.numel() else 0.0,
             "rollout/log_prob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
-            "data/epoch": self.sampler.epoch,
-            **{f"timing_s/{key}": round(value, 3) for key, value in timing.items()},
         }
 
     def _encode_prompts(self, rows: list[dict]) -> torch.Tensor:
@@ -314,6 +320,15 @@ def response_text(tokenizer, ids: list[int]) -> str:
     special = set(tokenizer.all_special_ids)
     tokens = tokenizer.convert_ids_to_tokens(ids)
     return "".join("\ufffd" if token is None else token for i, token in zip(ids, tokens, strict=True) if i not in special)
+
+
+@contextlib.contextmanager
+def _timed(timing: dict[str, float], key: str):
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        timing[key] = time.monotonic() - start
 
 
 def _window_mean(history: list[dict]) -> float:
