@@ -31,6 +31,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
@@ -167,6 +168,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         # snapshot of the tensors (on CPU megatron's "copy to host" returns the live tensors themselves).
         self._async_queue = AsyncCallsQueue(persistent=False)
         self._pending: _PendingSave | None = None
+        self._save_strategies: dict[str, TorchDistSaveShardedStrategy] = {}
         if self.should_save_hf_model and (bridge is None or hf_config is None):
             raise ValueError("save_contents includes 'hf_model', which needs both a bridge and the hf_config")
 
@@ -319,22 +321,33 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         """Write (or, with async_save, plan) the dist checkpoints; return the write still to run."""
         requests = []
 
-        def save(state: dict, path: str) -> None:
-            request = dist_checkpointing.save(state, path, async_sharded_save=self.async_save)
+        def save(content: str, state: dict, path: str) -> None:
+            # One strategy per content, kept across saves: from a run's third save on, megatron reuses
+            # the plan it validated twice instead of gathering and checking every rank's plan again.
+            # The access-integrity check (each shard written exactly once) of the same structure is
+            # likewise needed only on its first save.
+            strategy = self._save_strategies.get(content)
+            validate = strategy is None
+            if strategy is None:
+                strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+            request = dist_checkpointing.save(
+                state, path, sharded_strategy=strategy, validate_access_integrity=validate, async_sharded_save=self.async_save
+            )
+            self._save_strategies[content] = strategy
             if request is not None:
                 requests.append(request)
 
         # dist_checkpointing.save consumes the sharded state dict it is given: build one per save.
         if self.should_save_model:
-            save(self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path))
+            save("model", self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path))
         self._enter_phase("dist_checkpoint_optimizer")
         if self.should_save_optimizer:
             state = optimizer_state_for_save(self.optimizer, self._model_sharded_state_dict(), self.use_distributed_optimizer)
             if self.lr_scheduler is not None:
                 state["lr_scheduler"] = self.lr_scheduler.state_dict()
-            save(state, get_optimizer_dist_checkpoint_path(local_path))
+            save("optimizer", state, get_optimizer_dist_checkpoint_path(local_path))
         if self.should_save_extra:
-            save({"rng_state": self._rng_sharded_object()}, get_extra_dist_checkpoint_path(local_path))
+            save("extra", {"rng_state": self._rng_sharded_object()}, get_extra_dist_checkpoint_path(local_path))
         return _merge_async_requests(requests) if self.async_save else None
 
     def _save_hf_config_and_tokenizer(self, local_path: str) -> None:
