@@ -5,8 +5,9 @@ each layout -- (TP,PP,EP,ETP) = (2,2,2,2) on 8 ranks and (1,1,1,1) on 1 rank -- 
 
 1. builds the actor (HF load through the bridge, DDP model, Adam), trains one step so the optimizer
    holds state, and counts its model + optimizer state bytes (params, grads, Adam moments);
-2. saves a full checkpoint (model, optimizer, extra, hf_model) through MegatronCheckpointManager;
-   the manager's own phase times are read through its ``_timed`` / ``_enter_phase`` hooks;
+2. saves a full checkpoint (model, optimizer, extra, hf_model) through MegatronCheckpointManager
+   three times (cold, plan validated, warm: the plan reused); the manager's own phase times are read
+   through its ``_timed`` / ``_enter_phase`` hooks;
 3. saves it once more with ``async_save``: how long the call blocks training, and how long the
    background write takes until ``finalize_async_save`` has committed the step;
 4. loads it back (model, optimizer, extra), timed;
@@ -302,8 +303,7 @@ def bench_rank(model_path: str, work: str) -> dict:
     out["build_and_train_s"] = time.monotonic() - start
     out["state"] = state_bytes(actor)
 
-    # The first save of a process also starts megatron's writer helper process (spawn); the second
-    # is what every later save of a training run costs.
+    # The first save of a process also starts megatron's writer helper process (spawn).
     out["cold"] = _save(actor, manager_cls, os.path.join(work, "ckpt", "global_step_1", "actor"), 1, peak)
     # The second save validates megatron's cached save plan; the third and later reuse it.
     _save(actor, manager_cls, os.path.join(work, "ckpt", "global_step_2", "actor"), 2, peak)
