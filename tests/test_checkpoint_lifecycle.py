@@ -233,6 +233,25 @@ def test_async_save_equals_a_sync_save_while_training_goes_on(tiny_moe_path, tmp
             assert a.read() == b.read(), name
 
 
+def _saves_before_and_after_training(src: str, root: str) -> list[str]:
+    actor = _actor(src, save_contents=("model", "optimizer", "extra"))
+    for step in (1, 2):  # the optimizer has no state yet: megatron validates (and caches) that plan
+        actor.save_checkpoint(_step_path(root, step), global_step=step)
+    actor.train_step(_batches(0))
+    at_save = _params_and_optimizer(actor)
+    actor.save_checkpoint(_step_path(root, 3), global_step=3)
+    actor.train_step(_batches(1))
+    actor.load_checkpoint(_step_path(root, 3))
+    return _differing(at_save, _params_and_optimizer(actor))
+
+
+def test_a_cached_save_plan_is_not_reused_once_the_state_grows(tiny_moe_path, tmp_path):
+    """megatron's cached plan lists what to write: reused for a state that gained Adam moments, the
+    optimizer checkpoint would silently lack them."""
+    for differing in run_on_ranks(_saves_before_and_after_training, WORLD, LAYOUT, args=(tiny_moe_path, str(tmp_path))):
+        assert differing == []
+
+
 def _async_save_then_crash(src: str, root: str) -> None:
     path, _ = find_resume_checkpoint(root)
     actor = _actor(src, async_save=True)

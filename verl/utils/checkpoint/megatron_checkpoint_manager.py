@@ -29,7 +29,8 @@ from typing import Any, NamedTuple
 import torch
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.utils import unwrap_model
@@ -88,6 +89,19 @@ class _PendingSave(NamedTuple):
     global_step: int
     max_ckpt_to_keep: int | None
     started: float
+
+
+def _sharded_structure(state: dict) -> tuple:
+    """What megatron's save plan is made of: each sharded item's kind, key, place, shape and dtype."""
+    items = []
+    for value in nested_values(state):
+        if not isinstance(value, ShardedBase):
+            continue
+        data = getattr(value, "data", None)
+        shape = (tuple(data.shape), str(data.dtype)) if isinstance(data, torch.Tensor) else None
+        place = tuple(str(getattr(value, name, None)) for name in ("global_shape", "global_offset", "replica_id", "flattened_range"))
+        items.append((type(value).__name__, value.key, place, shape))
+    return tuple(items)
 
 
 def _merge_async_requests(requests: list[AsyncRequest]) -> AsyncRequest:
@@ -168,7 +182,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         # snapshot of the tensors (on CPU megatron's "copy to host" returns the live tensors themselves).
         self._async_queue = AsyncCallsQueue(persistent=False)
         self._pending: _PendingSave | None = None
-        self._save_strategies: dict[str, TorchDistSaveShardedStrategy] = {}
+        self._save_strategies: dict[str, tuple[tuple, TorchDistSaveShardedStrategy]] = {}
         if self.should_save_hf_model and (bridge is None or hf_config is None):
             raise ValueError("save_contents includes 'hf_model', which needs both a bridge and the hf_config")
 
@@ -322,18 +336,19 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         requests = []
 
         def save(content: str, state: dict, path: str) -> None:
-            # One strategy per content, kept across saves: from a run's third save on, megatron reuses
-            # the plan it validated twice instead of gathering and checking every rank's plan again.
-            # The access-integrity check (each shard written exactly once) of the same structure is
-            # likewise needed only on its first save.
-            strategy = self._save_strategies.get(content)
-            validate = strategy is None
-            if strategy is None:
-                strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+            # One strategy per content and structure, kept across saves: from the third save of the same
+            # structure on, megatron reuses the plan it validated twice instead of gathering and checking
+            # every rank's plan again, and the access-integrity check (each shard written exactly once)
+            # is needed only on its first save. The reused plan lists the items to write, so a changed
+            # structure (an optimizer that gained state) must start afresh.
+            structure = _sharded_structure(state)
+            known = self._save_strategies.get(content)
+            fresh = known is None or known[0] != structure
+            strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True) if fresh else known[1]
             request = dist_checkpointing.save(
-                state, path, sharded_strategy=strategy, validate_access_integrity=validate, async_sharded_save=self.async_save
+                state, path, sharded_strategy=strategy, validate_access_integrity=fresh, async_sharded_save=self.async_save
             )
-            self._save_strategies[content] = strategy
+            self._save_strategies[content] = (structure, strategy)
             if request is not None:
                 requests.append(request)
 
