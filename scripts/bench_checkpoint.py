@@ -5,10 +5,13 @@ each layout -- (TP,PP,EP,ETP) = (2,2,2,2) on 8 ranks and (1,1,1,1) on 1 rank -- 
 
 1. builds the actor (HF load through the bridge, DDP model, Adam), trains one step so the optimizer
    holds state, and counts its model + optimizer state bytes (params, grads, Adam moments);
-2. saves a full checkpoint (model, optimizer, extra, hf_model) through MegatronCheckpointManager;
-   the manager's own phase times are read through its ``_timed`` / ``_enter_phase`` hooks;
-3. loads it back (model, optimizer, extra), timed;
-4. exports HF weights standalone with the bridge's parallel ``save_weights`` and with mbridge's own
+2. saves a full checkpoint (model, optimizer, extra, hf_model) through MegatronCheckpointManager
+   three times (cold, plan validated, warm: the plan reused); the manager's own phase times are read
+   through its ``_timed`` / ``_enter_phase`` hooks;
+3. saves it once more with ``async_save``: how long the call blocks training, and how long the
+   background write takes until ``finalize_async_save`` has committed the step;
+4. loads it back (model, optimizer, extra), timed;
+5. exports HF weights standalone with the bridge's parallel ``save_weights`` and with mbridge's own
    ``save_weights`` (everything gathered to rank 0: the baseline), timed, and compares the files.
 
 Peak RSS per rank is the kernel's high-water mark (VmHWM, reset through /proc/self/clear_refs) of
@@ -52,6 +55,7 @@ TARGETS = {
     "verify_share_of_save": 0.10,  # verification adds <= 10% to a save
     "load_vs_save": 1.0,  # load time <= save time
     "peak_rss_vs_state": 1.25,  # peak RSS per rank during save <= 1.25x model+optimizer state
+    "async_blocked_vs_sync": 0.10,  # async save: training blocked <= 10% of a sync save
 }
 
 
@@ -214,10 +218,11 @@ def timed_manager_class() -> type:
         phase_times: dict[str, float] = {}
         phase_starts: dict[str, float] = {}
 
-        def _timed(self, label: str, fn, *args) -> None:
+        def _timed(self, label: str, fn, *args):
             start = time.monotonic()
-            super()._timed(label, fn, *args)
+            result = super()._timed(label, fn, *args)
             self.phase_times[label] = time.monotonic() - start
+            return result
 
         def _enter_phase(self, phase: str) -> None:
             self.phase_starts[phase] = time.monotonic()
@@ -264,6 +269,24 @@ def _save(actor, manager_cls, step_dir: str, step: int, peak: PeakRSS) -> dict:
     return out
 
 
+def _save_async(actor, manager_cls, step_dir: str, step: int, peak: PeakRSS) -> dict:
+    """One async save: the time the call blocks, then the background write until finalized."""
+    import torch
+
+    manager = actor.checkpoint_manager
+    manager.async_save = True
+    gc.collect()
+    torch.distributed.barrier()
+    peak.start()
+    out = {"blocked_s": _timed_collective(actor.save_checkpoint, step_dir, step)}
+    if torch.distributed.get_rank() == 0:
+        out["phases"] = dict(manager_cls.phase_times)
+    out["finalize_s"] = _timed_collective(actor.finalize_checkpoint)
+    out["peak"] = peak.stop()
+    manager.async_save = False
+    return out
+
+
 def bench_rank(model_path: str, work: str) -> dict:
     import torch
 
@@ -280,11 +303,13 @@ def bench_rank(model_path: str, work: str) -> dict:
     out["build_and_train_s"] = time.monotonic() - start
     out["state"] = state_bytes(actor)
 
-    # The first save of a process also starts megatron's writer helper process (spawn); the second
-    # is what every later save of a training run costs.
+    # The first save of a process also starts megatron's writer helper process (spawn).
     out["cold"] = _save(actor, manager_cls, os.path.join(work, "ckpt", "global_step_1", "actor"), 1, peak)
-    step_dir = os.path.join(work, "ckpt", "global_step_2", "actor")
-    out["warm"] = _save(actor, manager_cls, step_dir, 2, peak)
+    # The second save validates megatron's cached save plan; the third and later reuse it.
+    _save(actor, manager_cls, os.path.join(work, "ckpt", "global_step_2", "actor"), 2, peak)
+    step_dir = os.path.join(work, "ckpt", "global_step_3", "actor")
+    out["warm"] = _save(actor, manager_cls, step_dir, 3, peak)
+    out["async"] = _save_async(actor, manager_cls, os.path.join(work, "ckpt", "global_step_4", "actor"), 4, peak)
 
     gc.collect()
     peak.start()
@@ -352,6 +377,8 @@ def summarize(world: int, ranks: list[dict], wall: float) -> dict:
                 "rss_before_save_MiB": r["warm"]["rss_before"] / MiB,
                 "peak_save_MiB": peak / MiB,
                 "peak_save_cold_MiB": r["cold"]["peak"]["self"] / MiB,
+                "peak_save_async_MiB": r["async"]["peak"]["self"] / MiB,
+                "peak_save_async_children_MiB": r["async"]["peak"]["children"] / MiB,
                 "peak_save_children_MiB": max(r["warm"]["peak"]["children"], r["cold"]["peak"]["children"]) / MiB,
                 "peak_load_MiB": r["peak_load"]["self"] / MiB,
                 "peak_hf_parallel_MiB": r["peak_hf_parallel"]["self"] / MiB,
@@ -370,6 +397,11 @@ def summarize(world: int, ranks: list[dict], wall: float) -> dict:
         "build_and_train_s": r0["build_and_train_s"],
         "cold": _save_summary(r0["cold"]),
         "warm": _save_summary(r0["warm"]),
+        "async": {
+            "blocked_s": r0["async"]["blocked_s"],
+            "finalize_s": r0["async"]["finalize_s"],
+            "phases_s": r0["async"]["phases"],
+        },
         "load_s": r0["load_s"],
         "hf_parallel_s": r0["hf_parallel_s"],
         "hf_mbridge_s": r0["hf_mbridge_s"],
@@ -399,6 +431,11 @@ def evaluate(results: dict, disk: dict) -> dict:
             verify / (warm["save_s"] - verify),
             "<=",
             TARGETS["verify_share_of_save"],
+        )
+        checks[f"{key}: async save, training blocked / sync save"] = (
+            layout["async"]["blocked_s"] / warm["save_s"],
+            "<=",
+            TARGETS["async_blocked_vs_sync"],
         )
         checks[f"{key}: load / save"] = (layout["load_s"] / warm["save_s"], "<=", TARGETS["load_vs_save"])
         checks[f"{key}: peak RSS during save above the runtime / state (worst rank)"] = (
@@ -468,6 +505,10 @@ def print_report(results: dict) -> None:
         for phase in ("dist checkpoints", "HF config + tokenizer", "HF weights", "HF verification", "commit", "other"):
             row(f"&nbsp;&nbsp;{phase}", lambda x, s=save, p=phase: f"{x[s]['phases_s'].get(p, 0.0):.2f}")
         row(f"&nbsp;&nbsp;dist-ckpt MiB/s ({save})", lambda x, s=save: f"{x[s]['dist_ckpt_Bps'] / MiB:.0f}")
+    row("async save: training blocked, s", lambda x: f"{x['async']['blocked_s']:.2f}")
+    row("&nbsp;&nbsp;of it: dist-ckpt planning", lambda x: f"{x['async']['phases_s'].get('dist checkpoints (planned; written in the background)', 0.0):.2f}")
+    row("&nbsp;&nbsp;of it: HF weights + verification", lambda x: f"{x['async']['phases_s'].get('HF weights', 0.0) + x['async']['phases_s'].get('HF verification', 0.0):.2f}")
+    row("async save: background write until committed (finalize called at once), s", lambda x: f"{x['async']['finalize_s']:.2f}")
     row("load (model + optimizer + extra), s", lambda x: f"{x['load_s']:.2f}")
     row("HF export, parallel save_weights, s", lambda x: f"{x['hf_parallel_s']:.2f}")
     row("HF export, mbridge save_weights, s", lambda x: f"{x['hf_mbridge_s']:.2f}")
@@ -484,6 +525,7 @@ def print_report(results: dict) -> None:
         lambda x: "/".join(f"{r['rss_before_save_MiB']:.0f}" for r in x["per_rank"]),
     )
     row("peak RSS during save per rank, MiB", lambda x: "/".join(f"{r['peak_save_MiB']:.0f}" for r in x["per_rank"]))
+    row("peak RSS during async save per rank, MiB", lambda x: "/".join(f"{r['peak_save_async_MiB']:.0f}" for r in x["per_rank"]))
     row("peak RSS during load per rank, MiB", lambda x: "/".join(f"{r['peak_load_MiB']:.0f}" for r in x["per_rank"]))
     row(
         "peak RSS, parallel HF export, MiB",

@@ -31,10 +31,10 @@ def _batches(seed: int) -> list[torch.Tensor]:
     return [data[:2], data[2:]]
 
 
-def _actor(src: str, manager_cls=MegatronCheckpointManager):
+def _actor(src: str, manager_cls=MegatronCheckpointManager, **settings):
     from verl.workers.megatron_actor import ActorSettings, MegatronActor
 
-    return MegatronActor(ActorSettings(model_path=src), manager_cls=manager_cls)
+    return MegatronActor(ActorSettings(model_path=src, **settings), manager_cls=manager_cls)
 
 
 def _step_path(root: str, step: int) -> str:
@@ -114,12 +114,13 @@ def _resume_then_crash(src: str, root: str, phase: str, mode: str) -> None:
     _write_tracker(root, 2)
 
 
-def _resume_and_continue(src: str, root: str) -> tuple[str, list[str], float]:
+def _resume_and_continue(src: str, root: str, async_save: bool = False) -> tuple[str, list[str], float]:
     path, notes = find_resume_checkpoint(root)
-    actor = _actor(src)
+    actor = _actor(src, async_save=async_save)
     actor.load_checkpoint(path)
     loss = actor.train_step(_batches(1))["loss"]
     actor.save_checkpoint(_step_path(root, 2), global_step=2)
+    actor.finalize_checkpoint()  # a no-op after a synchronous save
     _write_tracker(root, 2)
     return path, notes, loss
 
@@ -144,6 +145,138 @@ def test_sigkill_in_any_phase_keeps_the_previous_step(tiny_moe_path, base_root, 
     assert _tracked(root) == "2"
     verify_checkpoint(_step_path(root, 2))
     assert not os.path.exists(_step_path(root, 2) + ".incomplete")
+
+
+# --------------------------------------------------------------------------- async save
+
+
+def _params_and_optimizer(actor) -> dict[str, object]:
+    """Every parameter, optimizer state entry and RNG state of this rank, copied, by path."""
+    out = {f"param.{name}": tensor for name, tensor in actor.parameters_snapshot().items()}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(f"{prefix}.{index}", item)
+        else:
+            out[prefix] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+    walk("optimizer", actor.optimizer.state_dict())
+    walk("rng", actor.checkpoint_manager.get_rng_state())
+    return out
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    def same(x, y) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return bool(x == y) if not hasattr(x, "shape") else bool((x == y).all())
+
+    return sorted(set(a) ^ set(b)) + [key for key in a if key in b and not same(a[key], b[key])]
+
+
+def _async_and_sync_saves_of_one_state(src: str, root: str) -> dict:
+    actor = _actor(src, async_save=True)
+    manager = actor.checkpoint_manager
+    actor.train_step(_batches(0))
+    manager.async_save = False  # the reference: the same state, saved synchronously
+    assert actor.save_checkpoint(os.path.join(root, "sync", "global_step_1", "actor"), global_step=1) is False
+    manager.async_save = True
+    async_root = os.path.join(root, "async")
+    pending = actor.save_checkpoint(_step_path(async_root, 1), global_step=1)
+    # Training goes on while the write runs: a write of the live tensors would see these steps.
+    for step in (1, 2):
+        actor.train_step(_batches(step))
+    step_1_visible_while_pending = os.path.exists(_step_path(async_root, 1))
+    before_step_3 = _params_and_optimizer(actor)
+    actor.save_checkpoint(_step_path(async_root, 3), global_step=3)  # finalizes step 1 first
+    step_1_committed_by_next_save = os.path.exists(_step_path(async_root, 1))
+    actor.train_step(_batches(3))
+    finalized = actor.finalize_checkpoint()
+    trained_on = _params_and_optimizer(actor)
+
+    loaded = {}
+    for name, path in (("sync", os.path.join(root, "sync", "global_step_1", "actor")), ("async", _step_path(async_root, 1)), ("async3", _step_path(async_root, 3))):
+        actor.load_checkpoint(path)
+        loaded[name] = _params_and_optimizer(actor)
+    return {
+        "pending": pending,
+        "visible_while_pending": step_1_visible_while_pending,
+        "committed_by_next_save": step_1_committed_by_next_save,
+        "finalized": finalized,
+        "async_vs_sync": _differing(loaded["sync"], loaded["async"]),
+        "sync_vs_trained_on": len(_differing(loaded["sync"], trained_on)),
+        "async3_vs_state_at_save": _differing(loaded["async3"], before_step_3),
+    }
+
+
+def test_async_save_equals_a_sync_save_while_training_goes_on(tiny_moe_path, tmp_path):
+    root = str(tmp_path)
+    for result in run_on_ranks(_async_and_sync_saves_of_one_state, WORLD, LAYOUT, args=(tiny_moe_path, root)):
+        assert result["pending"] is True
+        assert not result["visible_while_pending"], "an async step must stay in staging until finalized"
+        assert result["committed_by_next_save"], "a second save must first finalize the pending one"
+        assert result["finalized"] == _step_path(os.path.join(root, "async"), 3)
+        assert result["sync_vs_trained_on"] > 0, "training after the save must have changed the state"
+        assert result["async_vs_sync"] == []
+        assert result["async3_vs_state_at_save"] == []
+    for step in (1, 3):
+        verify_checkpoint(_step_path(os.path.join(root, "async"), step))
+    hf = ("model", "huggingface")
+    sync_hf, async_hf = os.path.join(root, "sync", "global_step_1", "actor", *hf), os.path.join(_step_path(os.path.join(root, "async"), 1), *hf)
+    assert sorted(os.listdir(sync_hf)) == sorted(os.listdir(async_hf))
+    for name in os.listdir(sync_hf):
+        with open(os.path.join(sync_hf, name), "rb") as a, open(os.path.join(async_hf, name), "rb") as b:
+            assert a.read() == b.read(), name
+
+
+def _saves_before_and_after_training(src: str, root: str) -> list[str]:
+    actor = _actor(src, save_contents=("model", "optimizer", "extra"))
+    for step in (1, 2):  # the optimizer has no state yet: megatron validates (and caches) that plan
+        actor.save_checkpoint(_step_path(root, step), global_step=step)
+    actor.train_step(_batches(0))
+    at_save = _params_and_optimizer(actor)
+    actor.save_checkpoint(_step_path(root, 3), global_step=3)
+    actor.train_step(_batches(1))
+    actor.load_checkpoint(_step_path(root, 3))
+    return _differing(at_save, _params_and_optimizer(actor))
+
+
+def test_a_cached_save_plan_is_not_reused_once_the_state_grows(tiny_moe_path, tmp_path):
+    """megatron's cached plan lists what to write: reused for a state that gained Adam moments, the
+    optimizer checkpoint would silently lack them."""
+    for differing in run_on_ranks(_saves_before_and_after_training, WORLD, LAYOUT, args=(tiny_moe_path, str(tmp_path))):
+        assert differing == []
+
+
+def _async_save_then_crash(src: str, root: str) -> None:
+    path, _ = find_resume_checkpoint(root)
+    actor = _actor(src, async_save=True)
+    actor.load_checkpoint(path)
+    actor.train_step(_batches(1))
+    assert actor.save_checkpoint(_step_path(root, 2), global_step=2)
+    actor.train_step(_batches(2))
+    os.kill(os.getpid(), signal.SIGKILL)  # every rank, after the save returned, before its finalize
+
+
+def test_sigkill_before_async_finalize_keeps_the_previous_step(tiny_moe_path, base_root, tmp_path):
+    root = _copy_run(base_root, tmp_path)
+    with pytest.raises(RankFailure, match="died with exit code -9"):
+        run_on_ranks(_async_save_then_crash, WORLD, LAYOUT, args=(tiny_moe_path, root), timeout_s=240)
+    assert _tracked(root) == "1"
+    assert not os.path.exists(_step_path(root, 2))
+    staging = _step_path(root, 2) + ".incomplete"
+    assert os.path.isdir(staging) and not os.path.exists(os.path.join(staging, "manifest.json"))
+    path, notes, loss = run_on_ranks(_resume_and_continue, WORLD, LAYOUT, args=(tiny_moe_path, root, True))[0]
+    assert path == _step_path(root, 1)
+    assert any("interrupted save of step 2" in note for note in notes)
+    assert loss == loss
+    assert _tracked(root) == "2"
+    verify_checkpoint(_step_path(root, 2))
+    assert not os.path.exists(staging)
 
 
 # --------------------------------------------------------------------------- write failures

@@ -104,3 +104,38 @@ def test_failing_constructor_reaches_driver(local_ray):
         _group(2, fail_in_init_on=1)
     assert time.monotonic() - start < 60
     assert "constructor of rank 1 refuses to start" in str(err.value)
+
+
+def test_actor_worker_async_save_is_pending_until_finalized(local_ray, tiny_moe_path, tmp_path):
+    """The real actor worker: save returns pending, training goes on, finalize_checkpoint commits."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from verl.utils.checkpoint.integrity import verify_checkpoint
+    from verl.workers.megatron_workers import ActorRolloutRefWorker
+
+    megatron = "actor_rollout_ref.actor.megatron."
+    overrides = [f"{megatron}tensor_model_parallel_size=1", f"{megatron}pipeline_model_parallel_size=1",
+                 f"{megatron}expert_model_parallel_size=2", f"{megatron}expert_tensor_parallel_size=1",
+                 "actor_rollout_ref.actor.checkpoint.async_save=True"]  # fmt: skip
+    with initialize_config_dir(config_dir=os.path.join(REPO, "verl", "trainer", "config"), version_base=None):
+        config = OmegaConf.to_container(compose(config_name="ppo_megatron_trainer", overrides=overrides).actor_rollout_ref, resolve=True)
+    config["model"]["path"] = tiny_moe_path
+    group = MegatronRayWorkerGroup(
+        RayResourcePool([2], name_prefix="async_actor"), RayClassWithInitArgs(ActorRolloutRefWorker, config=config), init_timeout_s=180
+    )
+    try:
+        import torch
+
+        group.init_model()
+        tokens = torch.randint(4, 90, (4, 17), generator=torch.Generator().manual_seed(0))
+        group.update_actor([tokens[:2], tokens[2:]])
+        step = str(tmp_path / "global_step_1" / "actor")
+        assert all(r["pending"] for r in group.save_checkpoint(step, global_step=1))
+        group.update_actor([tokens[2:], tokens[:2]])
+        assert not os.path.exists(step)
+        assert [r["path"] for r in group.finalize_checkpoint()] == [step, step]
+        verify_checkpoint(step)
+        assert [r["path"] for r in group.finalize_checkpoint()] == [None, None]  # nothing pending any more
+    finally:
+        group.shutdown()

@@ -153,8 +153,8 @@ def _check_actor(config: Any) -> list[str]:
         problems.append(f"{_MEGATRON}context_parallel_size={megatron.context_parallel_size}: the update step does not split sequences over context-parallel ranks yet; set {_MEGATRON}context_parallel_size=1")
     if int(megatron.tensor_model_parallel_size) > 1 and not megatron.sequence_parallel:
         problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: mbridge always uses sequence parallelism with TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
-    if checkpoint.async_save:
-        problems.append(f"{_CHECKPOINT}async_save=True is not supported: a save completes before the step's tracker is written; set {_CHECKPOINT}async_save=False")
+    if not isinstance(checkpoint.async_save, bool):
+        problems.append(f"{_CHECKPOINT}async_save={checkpoint.async_save!r} is not a boolean; set {_CHECKPOINT}async_save=True or False")
     for key in ("save_contents", "load_contents"):
         contents = list(checkpoint[key])
         unknown = [c for c in contents if c not in CHECKPOINT_CONTENTS]

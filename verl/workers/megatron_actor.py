@@ -28,6 +28,7 @@ class ActorSettings:
     save_contents: tuple[str, ...] = ("model", "optimizer", "extra", "hf_model")
     load_contents: tuple[str, ...] | None = None
     strict_hf_verify: bool = True
+    async_save: bool = False
 
 
 class MegatronActor:
@@ -53,6 +54,7 @@ class MegatronActor:
             "save_contents": list(settings.save_contents),
             "load_contents": list(settings.load_contents or settings.save_contents),
             "strict_hf_verify": settings.strict_hf_verify,
+            "async_save": settings.async_save,
         }
         self.checkpoint_manager = manager_cls(
             config={"model": {"path": settings.model_path}},
@@ -73,8 +75,14 @@ class MegatronActor:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return forward_logits(self.model, tokens)
 
-    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> bool:
+        """Save (or, with async_save, start saving) the step; True while its write is still pending."""
         self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep)
+        return self.checkpoint_manager.async_save_pending
+
+    def finalize_checkpoint(self, blocking: bool = True) -> str | None:
+        """Commit a pending async save (see ``MegatronCheckpointManager.finalize_async_save``)."""
+        return self.checkpoint_manager.finalize_async_save(blocking=blocking)
 
     def load_checkpoint(self, local_path: str) -> None:
         self.checkpoint_manager.load_checkpoint(local_path)

@@ -72,6 +72,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             weight_decay=float(optim["weight_decay"]),
             save_contents=tuple(checkpoint["save_contents"]),
             load_contents=tuple(checkpoint["load_contents"]),
+            async_save=bool(checkpoint.get("async_save", False)),
         )
         start = time.monotonic()
         self.actor = MegatronActor(settings)
@@ -211,6 +212,8 @@ class ActorRolloutRefWorker(MegatronWorker):
         The upstream order: find where the model is (``get_megatron_module_device``, safe for DDP buffers
         whose ``param_data`` is None, i.e. use_distributed_optimizer=False), bring offloaded weights back,
         save through the checkpoint manager, and offload again when param_offload is on.
+        With ``checkpoint.async_save`` the result's ``pending`` is True: the step is committed only by
+        ``finalize_checkpoint``, which the trainer calls before it writes the tracker.
         """
         from verl.utils.megatron_utils import (
             get_megatron_module_device,
@@ -234,7 +237,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             load_megatron_optimizer(self.actor.optimizer)
         start = time.monotonic()
         try:
-            self.actor.save_checkpoint(checkpoint_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep)
+            pending = self.actor.save_checkpoint(checkpoint_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep)
         finally:
             if self._is_offload_param:
                 offload_megatron_model_to_cpu(model, offload_grad=self._is_offload_grad)
@@ -245,6 +248,24 @@ class ActorRolloutRefWorker(MegatronWorker):
             "module_device": module_device,
             "param_offloaded_before": offloaded_before,
             "param_offloaded_after": is_megatron_module_offloaded(model),
+            "seconds": time.monotonic() - start,
+            "pending": pending,
+        }
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def finalize_checkpoint(self, blocking: bool = True) -> dict:
+        """Commit the pending async save once its background write is durable (every rank takes part).
+
+        ``path`` is the committed step, or None when nothing was pending (or, with ``blocking=False``,
+        the write is still running: ``pending`` stays True). The weights need not be resident.
+        """
+        self._check_built()
+        start = time.monotonic()
+        path = self.actor.finalize_checkpoint(blocking=blocking)
+        return {
+            "rank": self.rank,
+            "path": path,
+            "pending": self.actor.checkpoint_manager.async_save_pending,
             "seconds": time.monotonic() - start,
         }
 

@@ -8,22 +8,31 @@ One save walks these phases (DESIGN.md, "The path of one save"):
 4. every rank takes part in the bridge's HF weight save;
 5. rank 0 verifies the HF folder against what the config implies;
 6. rank 0 writes transformer_config.json, ckpt_contents.json and the manifest, last.
+
+With ``async_save`` the tensors of phase 1 are written by a process forked from each rank (megatron's
+``AsyncCallsQueue``) while training goes on; phases 6 and the commit wait for
+``finalize_async_save``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import time
 import warnings
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
@@ -72,6 +81,53 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+class _PendingSave(NamedTuple):
+    """A save whose dist-checkpoint write runs in the background; committed by finalize_async_save."""
+
+    staging: str
+    local_path: str
+    global_step: int
+    max_ckpt_to_keep: int | None
+    started: float
+
+
+def _sharded_structure(state: dict) -> tuple:
+    """What megatron's save plan is made of: each sharded item's kind, key, place, shape and dtype."""
+    items = []
+    for value in nested_values(state):
+        if not isinstance(value, ShardedBase):
+            continue
+        data = getattr(value, "data", None)
+        shape = (tuple(data.shape), str(data.dtype)) if isinstance(data, torch.Tensor) else None
+        place = tuple(str(getattr(value, name, None)) for name in ("global_shape", "global_offset", "replica_id", "flattened_range"))
+        items.append((type(value).__name__, value.key, place, shape))
+    return tuple(items)
+
+
+def _merge_async_requests(requests: list[AsyncRequest]) -> AsyncRequest:
+    """One request that writes ``requests`` one after another in a single forked process.
+
+    Every torch_dist writer of a process reports through the same results queue, so the writes must
+    finish in the order their finalize functions read the results: concurrent processes could swap
+    them. Tensors are staged (``preload_fn``: device -> host on an accelerator) here, before the fork.
+    """
+    calls = []
+    for request in requests:
+        if request.async_fn is None:
+            continue
+        args = list(request.async_fn_args)
+        if request.preload_fn is not None:
+            args[1] = request.preload_fn()  # megatron's convention: argument 1 holds the write buckets
+        calls.append((request.async_fn, tuple(args), dict(request.async_fn_kwargs)))
+
+    def write_all() -> None:
+        for fn, args, kwargs in calls:
+            fn(*args, **kwargs)
+
+    finalize_fns = [fn for request in requests for fn in request.finalize_fns]
+    return AsyncRequest(write_all if calls else None, (), finalize_fns)
+
+
 class MegatronCheckpointManager(BaseCheckpointManager):
     """Saves and loads a Megatron model, its optimizer, LR scheduler and RNG, plus an HF export.
 
@@ -80,7 +136,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     ``param_dtype``, ``share_embeddings_and_output_weights``, ``use_dist_checkpointing``) are accepted.
     ``bridge`` is any object with mbridge's ``save_weights(models, path)``.
     ``checkpoint_config`` keys: ``save_contents``, ``load_contents``, ``strict_hf_verify`` (default
-    True: an incomplete HF export fails the save; False: a warning).
+    True: an incomplete HF export fails the save; False: a warning), ``async_save`` (default False:
+    see ``finalize_async_save``).
     """
 
     def __init__(
@@ -120,42 +177,101 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
         self.strict_hf_verify = bool(_config_get(checkpoint_config, "strict_hf_verify", True))
         self.model_path = _config_get(_config_get(config, "model", None), "path", None)
+        self.async_save = bool(_config_get(checkpoint_config, "async_save", False))
+        # Not persistent: each save forks its writer, whose copy-on-write image of this process is the
+        # snapshot of the tensors (on CPU megatron's "copy to host" returns the live tensors themselves).
+        self._async_queue = AsyncCallsQueue(persistent=False)
+        self._pending: _PendingSave | None = None
+        self._save_strategies: dict[str, tuple[tuple, TorchDistSaveShardedStrategy]] = {}
         if self.should_save_hf_model and (bridge is None or hf_config is None):
             raise ValueError("save_contents includes 'hf_model', which needs both a bridge and the hf_config")
 
     # ------------------------------------------------------------------ save
 
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None):
-        """Save into ``<local_path>.incomplete``; rename it to ``local_path`` only once every part is done."""
+        """Save into ``<local_path>.incomplete``; rename it to ``local_path`` only once every part is done.
+
+        With ``async_save`` this returns as soon as the HF export is verified and the dist-checkpoint
+        write has started in the background; the step is committed by ``finalize_async_save`` (which a
+        later save or load calls first). Until then a crash leaves only the staging directory.
+        """
         if hdfs_path is not None:
             raise ValueError("hdfs_path is not supported by this manager; copy the local checkpoint yourself")
-        start = time.monotonic()
+        self.finalize_async_save(blocking=True)
+        save = _PendingSave(local_path.rstrip("/") + STAGING_SUFFIX, local_path, global_step, max_ckpt_to_keep, time.monotonic())
         self.previous_global_step = global_step
-        staging = local_path.rstrip("/") + STAGING_SUFFIX
+        with self._failure_reported(save):
+            request = self._save_parts(save.staging)
+            if request is not None:
+                self._async_queue.schedule_async_request(request)
+                self._pending = save
+                self._log(f"step {global_step}: returned after {time.monotonic() - save.started:.2f}s; dist checkpoints are being written in the background")
+                return
+        self._complete(save)
+
+    @property
+    def async_save_pending(self) -> bool:
+        """Whether a save's background write is still waiting for ``finalize_async_save``."""
+        return self._pending is not None
+
+    def finalize_async_save(self, blocking: bool = True) -> str | None:
+        """Commit the pending async save once its background write is durable; all ranks call this.
+
+        Returns the committed step path; None when nothing was pending or, with ``blocking=False``,
+        when the write is still running. A failed write raises ``CheckpointError`` and leaves the
+        previous checkpoint as it was. The trainer writes the tracker only after this returned.
+        """
+        save = self._pending
+        if save is None:
+            return None
+        with self._failure_reported(save):
+            try:
+                start = time.monotonic()
+                if not self._async_queue.maybe_finalize_async_calls(blocking=blocking):
+                    return None
+                self._log(f"  background dist-checkpoint write finished (waited {time.monotonic() - start:.2f}s)")
+            finally:
+                if not self._async_queue.get_num_unfinalized_calls():
+                    self._pending = None
+        self._complete(save)
+        return save.local_path
+
+    @contextlib.contextmanager
+    def _failure_reported(self, save: _PendingSave) -> Iterator[None]:
+        """Turn any failure of ``save`` into one CheckpointError, after removing its staging directory."""
         try:
-            self._save_parts(staging, global_step)
+            yield
         except (Exception, DistributedCheckpointException) as exc:  # the latter derives from BaseException
             if self.rank == 0:
-                shutil.rmtree(staging, ignore_errors=True)
+                shutil.rmtree(save.staging, ignore_errors=True)
             if isinstance(exc, HFCheckpointIncompleteError):
                 raise
             cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             raise CheckpointError(
-                f"saving step {global_step} to {local_path} failed ({type(exc).__name__}: {cause}). Nothing was "
-                "committed; the previous checkpoint and the tracker are unchanged."
+                f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause}). Nothing "
+                "was committed; the previous checkpoint and the tracker are unchanged."
             ) from exc
+
+    def _complete(self, save: _PendingSave) -> None:
+        """Every part is on disk: metadata and manifest, commit, then retention."""
+        with self._failure_reported(save):
+            if self.rank == 0:
+                self._write_metadata(save.staging, save.global_step)
+            torch.distributed.barrier()
         self._enter_phase("commit")
         if self.rank == 0:
-            self._commit(staging, local_path)
+            self._commit(save.staging, save.local_path)
         torch.distributed.barrier()
-        self._log(f"saved step {global_step} to {local_path} in {time.monotonic() - start:.1f}s")
-        self.previous_saved_paths.append(local_path)
-        self._apply_retention(max_ckpt_to_keep)
+        self._log(f"saved step {save.global_step} to {save.local_path} in {time.monotonic() - save.started:.1f}s")
+        self.previous_saved_paths.append(save.local_path)
+        self._apply_retention(save.max_ckpt_to_keep)
 
-    def _save_parts(self, staging: str, global_step: int) -> None:
+    def _save_parts(self, staging: str) -> AsyncRequest | None:
+        """Every part but the metadata; with async_save, the dist-checkpoint write still to schedule."""
         self._prepare_directory(staging)
         self._enter_phase("dist_checkpoint")
-        self._timed("dist checkpoints", self._save_dist_checkpoints, staging)
+        label = "dist checkpoints (planned; written in the background)" if self.async_save else "dist checkpoints"
+        request = self._timed(label, self._save_dist_checkpoints, staging)
         self._enter_phase("after_dist_checkpoint")
         if self.should_save_model or self.should_save_hf_model:
             if self.rank == 0:
@@ -167,9 +283,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             self._timed("HF weights", self._save_model_as_hf_via_bridge, staging)
             self._enter_phase("hf_verify")
             self._timed("HF verification", self._verify_hf_model, staging)
-        if self.rank == 0:
-            self._write_metadata(staging, global_step)
-        torch.distributed.barrier()
+        return request
 
     def _enter_phase(self, phase: str) -> None:
         """Called as each save phase starts; the crash-injection tests hook in here."""
@@ -217,18 +331,39 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
 
-    def _save_dist_checkpoints(self, local_path: str) -> None:
+    def _save_dist_checkpoints(self, local_path: str) -> AsyncRequest | None:
+        """Write (or, with async_save, plan) the dist checkpoints; return the write still to run."""
+        requests = []
+
+        def save(content: str, state: dict, path: str) -> None:
+            # One strategy per content and structure, kept across saves: from the third save of the same
+            # structure on, megatron reuses the plan it validated twice instead of gathering and checking
+            # every rank's plan again, and the access-integrity check (each shard written exactly once)
+            # is needed only on its first save. The reused plan lists the items to write, so a changed
+            # structure (an optimizer that gained state) must start afresh.
+            structure = _sharded_structure(state)
+            known = self._save_strategies.get(content)
+            fresh = known is None or known[0] != structure
+            strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True) if fresh else known[1]
+            request = dist_checkpointing.save(
+                state, path, sharded_strategy=strategy, validate_access_integrity=fresh, async_sharded_save=self.async_save
+            )
+            self._save_strategies[content] = (structure, strategy)
+            if request is not None:
+                requests.append(request)
+
         # dist_checkpointing.save consumes the sharded state dict it is given: build one per save.
         if self.should_save_model:
-            dist_checkpointing.save(self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path))
+            save("model", self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path))
         self._enter_phase("dist_checkpoint_optimizer")
         if self.should_save_optimizer:
             state = optimizer_state_for_save(self.optimizer, self._model_sharded_state_dict(), self.use_distributed_optimizer)
             if self.lr_scheduler is not None:
                 state["lr_scheduler"] = self.lr_scheduler.state_dict()
-            dist_checkpointing.save(state, get_optimizer_dist_checkpoint_path(local_path))
+            save("optimizer", state, get_optimizer_dist_checkpoint_path(local_path))
         if self.should_save_extra:
-            dist_checkpointing.save({"rng_state": self._rng_sharded_object()}, get_extra_dist_checkpoint_path(local_path))
+            save("extra", {"rng_state": self._rng_sharded_object()}, get_extra_dist_checkpoint_path(local_path))
+        return _merge_async_requests(requests) if self.async_save else None
 
     def _save_hf_config_and_tokenizer(self, local_path: str) -> None:
         """Rank 0 only: everything the HF folder needs besides the weights, written before them."""
@@ -303,6 +438,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False):
         if hdfs_path is not None:
             raise ValueError("hdfs_path is not supported by this manager; copy the checkpoint to a local path")
+        self.finalize_async_save(blocking=True)  # a pending save is of the state about to be replaced
         verdict = [None]
         if self.rank == 0:
             try:
@@ -382,10 +518,11 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self.load_rng_state(state)
         tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
-    def _timed(self, label: str, fn, *args) -> None:
+    def _timed(self, label: str, fn: Callable[..., Any], *args: Any) -> Any:
         start = time.monotonic()
-        fn(*args)
+        result = fn(*args)
         self._log(f"  {label}: {time.monotonic() - start:.2f}s")
+        return result
 
     def _log(self, message: str) -> None:
         if self.rank == 0:
