@@ -117,7 +117,8 @@ def test_actor_worker_async_save_is_pending_until_finalized(local_ray, tiny_moe_
     megatron = "actor_rollout_ref.actor.megatron."
     overrides = [f"{megatron}tensor_model_parallel_size=1", f"{megatron}pipeline_model_parallel_size=1",
                  f"{megatron}expert_model_parallel_size=2", f"{megatron}expert_tensor_parallel_size=1",
-                 "actor_rollout_ref.actor.checkpoint.async_save=True"]  # fmt: skip
+                 "actor_rollout_ref.actor.checkpoint.async_save=True", "actor_rollout_ref.rollout.n=2",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]  # fmt: skip
     with initialize_config_dir(config_dir=os.path.join(REPO, "verl", "trainer", "config"), version_base=None):
         config = OmegaConf.to_container(compose(config_name="ppo_megatron_trainer", overrides=overrides).actor_rollout_ref, resolve=True)
     config["model"]["path"] = tiny_moe_path
@@ -128,11 +129,18 @@ def test_actor_worker_async_save_is_pending_until_finalized(local_ray, tiny_moe_
         import torch
 
         group.init_model()
-        tokens = torch.randint(4, 90, (4, 17), generator=torch.Generator().manual_seed(0))
-        group.update_actor([tokens[:2], tokens[2:]])
+        generator = torch.Generator().manual_seed(0)
+
+        def ppo_batches() -> list[dict]:  # one per data-parallel rank: 2 rows of 4 prompt + 2 response tokens
+            batches = [{"input_ids": torch.randint(4, 90, (2, 6), generator=generator)} for _ in range(2)]
+            for batch, old in zip(batches, group.compute_log_prob(batches), strict=True):
+                batch.update(old, response_mask=torch.ones(2, 2, dtype=torch.long), advantages=torch.randn(2, 2, generator=generator))
+            return batches
+
+        group.update_actor(ppo_batches())
         step = str(tmp_path / "global_step_1" / "actor")
         assert all(r["pending"] for r in group.save_checkpoint(step, global_step=1))
-        group.update_actor([tokens[2:], tokens[:2]])
+        group.update_actor(ppo_batches())
         assert not os.path.exists(step)
         assert [r["path"] for r in group.finalize_checkpoint()] == [step, step]
         verify_checkpoint(step)

@@ -180,6 +180,35 @@ def test_param_offload_saves_without_distributed_optimizer(tmp_path, env, tiny_m
     assert "brought back for the save, then offloaded again" in out
 
 
+def test_async_save_commits_every_step_and_tracks_it_last(tmp_path, env, tiny_moe_path):
+    """checkpoint.async_save=True through the trainer: training goes on while the dist checkpoint is written;
+    each step is committed, verified and tracked once durable (the last one before the run ends)."""
+    ckpt = tmp_path / "ckpt"
+    code, out = _run(
+        [
+            f"actor_rollout_ref.model.path={tiny_moe_path}",
+            "trainer.n_gpus_per_node=2",
+            f"{MEGATRON}tensor_model_parallel_size=1",
+            f"{MEGATRON}pipeline_model_parallel_size=1",
+            f"{MEGATRON}expert_model_parallel_size=2",
+            "actor_rollout_ref.actor.checkpoint.async_save=True",
+            "trainer.total_training_steps=3",
+            "trainer.save_freq=1",
+            f"trainer.default_local_dir={ckpt}",
+        ],
+        tmp_path,
+        env,
+    )
+    assert code == 0, out[-6000:]
+    assert out.count("async save started") == 3
+    assert all(f"committed async save of step {step}" in out for step in (1, 2, 3))
+    assert (ckpt / TRACKER).read_text() == "3"
+    for step in (1, 2, 3):
+        assert (ckpt / f"global_step_{step}" / "data.pt").is_file()
+        assert not (ckpt / f"global_step_{step}" / "actor.incomplete").exists()
+    assert all(m["checkpoint"]["pending"] for m in _metrics(ckpt))
+
+
 BAD_CONFIGS = {
     "tp_vs_world": ([f"{MEGATRON}tensor_model_parallel_size=3"], f"is not divisible by TP x PP x CP = 3x2x1; set {MEGATRON}tensor_model_parallel_size"),
     "etp_ep_pp_vs_world": ([f"{MEGATRON}expert_model_parallel_size=4"], f"is not divisible by ETP x EP x PP = 2x4x2; set {MEGATRON}expert_tensor_parallel_size"),

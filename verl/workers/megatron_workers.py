@@ -130,6 +130,8 @@ class ActorRolloutRefWorker(MegatronWorker):
     # ------------------------------------------------------------------ train
 
     def _ppo_settings(self):
+        from megatron.core import parallel_state as mpu
+
         from verl.workers.actor.megatron_actor import PPOActorSettings
 
         actor, rollout = self.config["actor"], self.config["rollout"]
@@ -139,7 +141,8 @@ class ActorRolloutRefWorker(MegatronWorker):
             response_length=int(rollout["response_length"]),
             temperature=float(rollout["temperature"]),
             micro_batch_size=int(actor["ppo_micro_batch_size_per_gpu"]),
-            mini_batches=int(actor["ppo_mini_batches"]),
+            # upstream's normalisation: ppo_mini_batch_size prompts x n responses, split over data parallel
+            mini_batch_rows=int(actor["ppo_mini_batch_size"]) * int(rollout["n"]) // mpu.get_data_parallel_world_size(),
             ppo_epochs=int(actor["ppo_epochs"]),
             clip_ratio_low=clip if low is None else float(low),
             clip_ratio_high=clip if high is None else float(high),

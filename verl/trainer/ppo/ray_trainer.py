@@ -14,6 +14,9 @@ One step (``RayPPOTrainer.fit``):
 6. every ``trainer.save_freq`` steps (and at the last) the workers save ``global_step_N/actor``; the
    driver writes ``global_step_N/data.pt`` (the prompt sampler's position), checks the step on disk and
    only then writes ``latest_checkpointed_iteration.txt``. A crash before that leaves the previous step tracked.
+   With ``checkpoint.async_save`` training goes on while the ranks write the dist checkpoint; after every
+   step the driver asks whether the write is durable and then commits and tracks the step (at the latest
+   before the next save and at the end of the run).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class RayPPOTrainer:
         self.loggers = [loggers] if isinstance(loggers, str) else list(loggers)
         self.metrics_path = os.path.join(self.default_local_dir, METRICS_FILENAME)
         self.saved: list[dict] = []
+        self._pending: dict | None = None  # an async save not yet committed
         self.history: list[dict] = []
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         data = config.data
@@ -78,9 +82,6 @@ class RayPPOTrainer:
         trainer = self.config.trainer
         worker_config = OmegaConf.to_container(self.config.actor_rollout_ref, resolve=True)
         worker_config["model"]["path"] = self.model_path
-        worker_config["actor"]["ppo_mini_batches"] = int(self.config.data.train_batch_size) // int(
-            worker_config["actor"]["ppo_mini_batch_size"]
-        )
         pool = RayResourcePool(
             [int(trainer.n_gpus_per_node)] * int(trainer.nnodes), use_gpu=self.device == "cuda", name_prefix="actor_rollout"
         )
@@ -122,6 +123,9 @@ class RayPPOTrainer:
             for step in range(self.global_steps + 1, self.total_training_steps + 1):
                 self.global_steps = step
                 metrics = self._train_step(step)
+                committed = self._finalize_pending(bar, blocking=False)
+                if committed:
+                    metrics["checkpoint_committed"] = committed
                 if self.save_freq > 0 and (step >= self.total_training_steps or step % self.save_freq == 0):
                     start = time.monotonic()
                     metrics["checkpoint"] = self._save_checkpoint(bar)
@@ -134,6 +138,7 @@ class RayPPOTrainer:
                 bar.update(1)
                 if "console" in self.loggers:
                     bar.write(_step_line(metrics, self.total_training_steps))
+            self._finalize_pending(bar, blocking=True)  # the last save is committed before the run ends
         finally:
             bar.close()
         self._summary()
@@ -245,32 +250,63 @@ class RayPPOTrainer:
         return step
 
     def _save_checkpoint(self, bar) -> dict:
+        """Save this step. With ``checkpoint.async_save`` the ranks return once the dist-ckpt write runs in
+        the background; the step is committed (and tracked) later by ``_finalize_pending``."""
+        self._finalize_pending(bar, blocking=True)  # one save in flight at a time
         step = self.global_steps
         actor_path = os.path.join(self._step_dir(step), "actor")
         start = time.monotonic()
         keep = self.config.trainer.max_actor_ckpt_to_keep
         results = self.actor_rollout_wg.save_checkpoint(actor_path, global_step=step, max_ckpt_to_keep=keep)
-        seconds = time.monotonic() - start
+        save = {"step": step, "path": actor_path, "data": self.sampler.state_dict(), "results": results,
+                "blocked_s": time.monotonic() - start}  # fmt: skip
+        if not results[0].get("pending"):
+            return self._commit_step(save, bar)
+        self._pending = save
+        if "console" in self.loggers:
+            bar.write(
+                f"[trainer] step {step}: async save started, training blocked {save['blocked_s']:.1f}s; the tracker moves "
+                "once the background write is durable"
+            )
+        return {"path": actor_path, "pending": True, "blocked_s": round(save["blocked_s"], 3)}
+
+    def _finalize_pending(self, bar, blocking: bool) -> dict | None:
+        """Commit a pending async save once every rank's background write is durable; its record, or None."""
+        if self._pending is None:
+            return None
+        start = time.monotonic()
+        if self.actor_rollout_wg.finalize_checkpoint(blocking=blocking)[0]["path"] is None:
+            return None  # still writing
+        save, self._pending = self._pending, None
+        save["waited_s"] = time.monotonic() - start
+        return self._commit_step(save, bar)
+
+    def _commit_step(self, save: dict, bar) -> dict:
+        """The step is on disk on every rank: verify it, write its data position, then move the tracker."""
+        step, actor_path, results = save["step"], save["path"], save["results"]
         verified = verify_saved_step(actor_path)
-        _atomic_torch_save(self.sampler.state_dict(), os.path.join(self._step_dir(step), DATA_STATE_FILENAME))
+        _atomic_torch_save(save["data"], os.path.join(self._step_dir(step), DATA_STATE_FILENAME))
         # Every rank returned, the step checks out and the data position is on disk: only now does the tracker move.
         atomic_write_text(get_checkpoint_tracker_filename(self.default_local_dir), str(step))
         record = {
             "path": actor_path,
-            "save_time_s": round(seconds, 3),
+            "save_time_s": round(save["blocked_s"], 3),
             "module_device": results[0]["module_device"],
             "param_offloaded_before": results[0]["param_offloaded_before"],
             "param_offloaded_after": all(r["param_offloaded_after"] for r in results),
             **verified,
         }
+        if "waited_s" in save:
+            record["async_finalize_wait_s"] = round(save["waited_s"], 3)
         self.saved.append(record)
         offload = ""
         if record["param_offloaded_before"]:
             after = "offloaded again" if record["param_offloaded_after"] else "NOT offloaded again"
             offload = f"\n[trainer]   param_offload: the weights were offloaded; brought back for the save, then {after}"
+        how = "committed async save of" if "waited_s" in save else "saved"
         if "console" in self.loggers:
             bar.write(
-                f"[trainer] saved step {step} in {seconds:.1f}s -> {actor_path}\n"
+                f"[trainer] {how} step {step} (training blocked {save['blocked_s']:.1f}s) -> {actor_path}\n"
                 f"[trainer]   verified: {verified['files']} files match the manifest; contents {verified['contents']}"
                 + (f"; HF export: {verified['hf']}" if verified.get("hf") else "")
                 + offload

@@ -24,7 +24,7 @@ class PPOActorSettings:
     response_length: int
     temperature: float = 1.0
     micro_batch_size: int = 2
-    mini_batches: int = 1  # optimizer steps per update (the rows split evenly)
+    mini_batch_rows: int | None = None  # rows of one optimizer step on this rank; None: all rows, one step
     ppo_epochs: int = 1
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -51,16 +51,17 @@ class MegatronPPOActor:
         """
         s = self.settings
         rows = batch["input_ids"].shape[0]
-        if rows % s.mini_batches or (rows // s.mini_batches) % s.micro_batch_size:
+        per_step = s.mini_batch_rows or rows
+        if rows % per_step or per_step % s.micro_batch_size:
             raise ValueError(
-                f"{rows} rows on this rank do not split into {s.mini_batches} mini-batch(es) of whole microbatches of "
+                f"{rows} rows on this rank do not split into mini-batches of {per_step} rows made of whole microbatches of "
                 f"{s.micro_batch_size}; adjust actor_rollout_ref.actor.ppo_mini_batch_size / ppo_micro_batch_size_per_gpu"
             )
         totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
         result: dict[str, float] = {}
         for _ in range(s.ppo_epochs):
-            for mini in range(s.mini_batches):
-                part = {key: value.chunk(s.mini_batches)[mini] for key, value in batch.items()}
+            for start in range(0, rows, per_step):
+                part = {key: value[start : start + per_step] for key, value in batch.items()}
                 stats, step = self._optimizer_step(part)
                 totals += stats
                 result.update(step)
