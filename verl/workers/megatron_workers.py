@@ -175,9 +175,10 @@ class ActorRolloutRefWorker(MegatronWorker):
         start = time.monotonic()
         with self._resident(optimizer=False):
             weights = gather_hf_weights(self.actor.bridge, self.actor.model, receivers=self._rollout_ranks)
-        if self.rollout is not None:
-            self.rollout.load_weights(weights.items())
-        del weights
+            # Inside: a gathered tensor may be this rank's own parameter storage, which param_offload frees.
+            if self.rollout is not None:
+                self.rollout.load_weights(weights.items())
+            del weights
         sync_seconds = time.monotonic() - start
         if self.rollout is None:
             return None

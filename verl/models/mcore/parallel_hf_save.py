@@ -150,7 +150,8 @@ def gather_hf_weights(bridge, models: list, receivers: list[int]) -> dict[str, t
     of what every rank holds, then one batch of point-to-point transfers in which each receiver gets
     every piece it lacks from one holder, then the bridge's own merge and HF conversion on the receivers
     (the same tensors as mbridge's ``export_weights``, which instead broadcasts and all-gathers every
-    parameter separately on every rank). Every rank must call it.
+    parameter separately on every rank). Every rank must call it. A returned tensor may share storage
+    with a parameter this rank holds: use it before that storage is offloaded or changed.
     """
     rank = torch.distributed.get_rank()
     held = _gather_holdings(bridge, models)
