@@ -147,22 +147,29 @@ def test_seed_layout_16_ranks_one_verified_save(tmp_path, env, tiny_moe_path):
     assert record["hf"] == "all 135 tensors present with the expected shapes" and record["files"] > 0
 
 
+def _two_ranks_ep2(model_path: str, ckpt: Path) -> list[str]:
+    """2 ranks, EP2 only (the cheapest MoE layout), a save every step into ``ckpt``."""
+    return [
+        f"actor_rollout_ref.model.path={model_path}",
+        "trainer.n_gpus_per_node=2",
+        f"{MEGATRON}tensor_model_parallel_size=1",
+        f"{MEGATRON}pipeline_model_parallel_size=1",
+        f"{MEGATRON}expert_model_parallel_size=2",
+        "trainer.save_freq=1",
+        f"trainer.default_local_dir={ckpt}",
+    ]
+
+
 def test_param_offload_saves_without_distributed_optimizer(tmp_path, env, tiny_moe_path):
     ckpt = tmp_path / "ckpt"
     code, out = _run(
         [
-            f"actor_rollout_ref.model.path={tiny_moe_path}",
-            "trainer.n_gpus_per_node=2",
-            f"{MEGATRON}tensor_model_parallel_size=1",
-            f"{MEGATRON}pipeline_model_parallel_size=1",
-            f"{MEGATRON}expert_model_parallel_size=2",
+            *_two_ranks_ep2(tiny_moe_path, ckpt),
             f"{MEGATRON}use_distributed_optimizer=False",
             f"{MEGATRON}param_offload=True",
             f"{MEGATRON}grad_offload=True",
             f"{MEGATRON}optimizer_offload=True",
             "trainer.total_training_steps=2",
-            "trainer.save_freq=1",
-            f"trainer.default_local_dir={ckpt}",
         ],
         tmp_path,
         env,
@@ -185,17 +192,7 @@ def test_async_save_commits_every_step_and_tracks_it_last(tmp_path, env, tiny_mo
     each step is committed, verified and tracked once durable (the last one before the run ends)."""
     ckpt = tmp_path / "ckpt"
     code, out = _run(
-        [
-            f"actor_rollout_ref.model.path={tiny_moe_path}",
-            "trainer.n_gpus_per_node=2",
-            f"{MEGATRON}tensor_model_parallel_size=1",
-            f"{MEGATRON}pipeline_model_parallel_size=1",
-            f"{MEGATRON}expert_model_parallel_size=2",
-            "actor_rollout_ref.actor.checkpoint.async_save=True",
-            "trainer.total_training_steps=3",
-            "trainer.save_freq=1",
-            f"trainer.default_local_dir={ckpt}",
-        ],
+        [*_two_ranks_ep2(tiny_moe_path, ckpt), "actor_rollout_ref.actor.checkpoint.async_save=True", "trainer.total_training_steps=3"],
         tmp_path,
         env,
     )
