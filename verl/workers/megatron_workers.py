@@ -54,13 +54,9 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
-        import torch
-
-        from verl.utils.device import get_device_name
         from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
         from verl.workers.actor.megatron_actor import MegatronPPOActor
         from verl.workers.megatron_actor import ActorSettings, MegatronActor
-        from verl.workers.rollout.hf_rollout import HFRollout, RolloutSettings
 
         actor = self.config["actor"]
         optim, checkpoint = actor["optim"], actor["checkpoint"]
@@ -77,24 +73,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         start = time.monotonic()
         self.actor = MegatronActor(settings)
         self.ppo_actor = MegatronPPOActor(self._ppo_settings(), self.actor.model, self.actor.optimizer, self.actor.scheduler)
-        flags: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(flags, self._is_output_rank())
-        self._rollout_ranks = [rank for rank, flag in enumerate(flags) if flag]
-        if self._is_output_rank():
-            rollout = self.config["rollout"]
-            tokenizer = self.actor.tokenizer
-            self.rollout = HFRollout(
-                self.actor.hf_config,
-                RolloutSettings(
-                    response_length=int(rollout["response_length"]),
-                    temperature=float(rollout["temperature"]),
-                    top_p=float(rollout["top_p"]),
-                    do_sample=bool(rollout.get("do_sample", True)),
-                ),
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-                device=get_device_name(),
-            )
+        self._build_rollout()
         if self._is_offload_param:
             offload_megatron_model_to_cpu(self.actor.model, offload_grad=self._is_offload_grad)
         if self._is_offload_optimizer:
@@ -128,6 +107,32 @@ class ActorRolloutRefWorker(MegatronWorker):
                 offload_megatron_optimizer(self.actor.optimizer)
 
     # ------------------------------------------------------------------ train
+
+    def _build_rollout(self) -> None:
+        """The HF rollout model on the output rank of each data-parallel group; every rank learns which those are."""
+        import torch
+
+        from verl.utils.device import get_device_name
+        from verl.workers.rollout.hf_rollout import HFRollout, RolloutSettings
+
+        flags: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(flags, self._is_output_rank())
+        self._rollout_ranks = [rank for rank, flag in enumerate(flags) if flag]
+        if not self._is_output_rank():
+            return
+        rollout, tokenizer = self.config["rollout"], self.actor.tokenizer
+        self.rollout = HFRollout(
+            self.actor.hf_config,
+            RolloutSettings(
+                response_length=int(rollout["response_length"]),
+                temperature=float(rollout["temperature"]),
+                top_p=float(rollout["top_p"]),
+                do_sample=bool(rollout.get("do_sample", True)),
+            ),
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            device=get_device_name(),
+        )
 
     def _ppo_settings(self):
         from megatron.core import parallel_state as mpu
