@@ -50,25 +50,30 @@ def broadcast_from_last_stage(value: torch.Tensor | None) -> torch.Tensor:
     return value
 
 
-def forward_logits(model: list, tokens: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logits [batch, seq, vocab] for ``tokens``, on every rank."""
+def _forward_only(model: list, microbatches: list[torch.Tensor], capture) -> torch.Tensor:
+    """Forward of every microbatch; ``capture(output, microbatch)`` on the last stage, concatenated, on every rank."""
     captured = []
 
     def step(data_iterator, chunk):
         batch = next(data_iterator)
         output = chunk(batch, _position_ids(batch), _causal_mask(batch))
 
-        def keep_logits(output_tensor):
-            captured.append(gather_from_tensor_model_parallel_region(output_tensor).float())
+        def keep(output_tensor):
+            captured.append(capture(output_tensor, batch))
             return output_tensor.sum() * 0.0, {}
 
-        return output, keep_logits
+        return output, keep
 
     for chunk in model:
         chunk.eval()
     with torch.no_grad():
-        _run_schedule(model, [tokens], forward_only=True, step_fn=step, seq_length=tokens.shape[1])
-    return broadcast_from_last_stage(captured[0] if captured else None)
+        _run_schedule(model, microbatches, forward_only=True, step_fn=step, seq_length=microbatches[0].shape[1])
+    return broadcast_from_last_stage(torch.cat(captured) if captured else None)
+
+
+def forward_logits(model: list, tokens: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits [batch, seq, vocab] for ``tokens``, on every rank."""
+    return _forward_only(model, [tokens], lambda output, _: gather_from_tensor_model_parallel_region(output).float())
 
 
 def token_log_probs(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -86,24 +91,11 @@ def token_log_probs(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor
 
 def compute_log_probs(model: list, input_ids: torch.Tensor, response_length: int, temperature: float, micro_batch_size: int) -> torch.Tensor:
     """``[batch, response_length]`` log-probabilities of the last ``response_length`` tokens of each row, on every rank."""
-    captured = []
-
-    def step(data_iterator, chunk):
-        batch = next(data_iterator)
-        output = chunk(batch, _position_ids(batch), _causal_mask(batch))
-
-        def keep_log_probs(output_tensor):
-            captured.append(token_log_probs(output_tensor, batch, temperature)[:, -response_length:])
-            return output_tensor.sum() * 0.0, {}
-
-        return output, keep_log_probs
-
-    for chunk in model:
-        chunk.eval()
-    microbatches = list(input_ids.split(micro_batch_size))
-    with torch.no_grad():
-        _run_schedule(model, microbatches, forward_only=True, step_fn=step, seq_length=input_ids.shape[1])
-    return broadcast_from_last_stage(torch.cat(captured) if captured else None)
+    return _forward_only(
+        model,
+        list(input_ids.split(micro_batch_size)),
+        lambda output, batch: token_log_probs(output, batch, temperature)[:, -response_length:],
+    )
 
 
 def forward_backward(model: list, microbatches: list[dict], loss_fn) -> list[dict]:

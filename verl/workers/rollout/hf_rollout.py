@@ -1,9 +1,9 @@
 """Rollout with transformers' ``generate`` on the rank, weights synced in memory from the Megatron actor.
 
-The HF model is built once from the HF config; before each rollout every rank takes part in the
-bridge's ``export_weights`` (it gathers tensor/pipeline/expert shards collectively) and the rank that
-generates copies each full HF tensor into its model in place, so no file is written and the rollout
-always samples from the weights the actor has now.
+The HF model is built once from the HF config; before each rollout every rank takes part in
+``gather_hf_weights`` (verl.models.mcore.parallel_hf_save), which brings each whole HF tensor to the
+generating rank, and that rank copies them into its model in place, so no file is written and the
+rollout always samples from the weights the actor has now.
 """
 
 from __future__ import annotations
