@@ -2,6 +2,7 @@
 
 import glob
 import json
+import multiprocessing
 import os
 
 import pytest
@@ -26,11 +27,26 @@ def _export_both_ways(src: str, root: str) -> None:
     bridge.save_weights(model, os.path.join(root, "fast"))
     bridge.save_weights_gathered(model, os.path.join(root, "mbridge"))
     torch.distributed.barrier()
+    # From processes forked off every rank, over their own gloo group (the background save's way),
+    # while the parents go on using the default group.
+    forked = multiprocessing.get_context("fork").Process(target=_export_from_fork, args=(bridge, model, os.path.join(root, "forked")))
+    forked.start()
+    for _ in range(20):
+        torch.distributed.all_reduce(torch.ones(1024))
+    forked.join(120)
+    assert forked.exitcode == 0, f"the forked export exited with {forked.exitcode}"
+    torch.distributed.barrier()
     # Without a source plan: mbridge writes one file, the parallel export about one per rank.
     bridge.safetensor_io = SafeTensorIO(os.path.join(root, "no_such_dir"))
     bridge.save_weights(model, os.path.join(root, "fast_noindex"))
     bridge.save_weights_gathered(model, os.path.join(root, "mbridge_noindex"))
     torch.distributed.barrier()
+
+
+def _export_from_fork(bridge, model, path: str) -> None:
+    from verl.utils.rank_comm import ForkedRankComm
+
+    bridge.save_weights(model, path, comm=ForkedRankComm("test_export"))
 
 
 def _files(path: str) -> dict[str, bytes]:
@@ -64,6 +80,7 @@ def test_parallel_export_is_bit_identical_to_mbridge(tiny_moe_path, tmp_path, si
     assert len([f for f in fast if f.endswith(".safetensors")]) > 1
     for name in reference:
         assert fast[name] == reference[name], name
+    assert _files(str(tmp_path / "forked")) == fast, "the export from forked processes differs"
 
     # No source plan: same tensors, bit for bit; a proper index covering each exactly once.
     fast_dir = str(tmp_path / "fast_noindex")

@@ -22,6 +22,7 @@ from verl.models.mcore.local_spec import (
     transformer_engine_available,
 )
 from verl.models.mcore.parallel_hf_save import save_weights_in_parallel
+from verl.utils.rank_comm import RankComm
 
 
 class UnsupportedHFConfigError(ValueError):
@@ -128,7 +129,7 @@ class _LocalSpecBridgeMixin:
         torch.distributed.scatter(received, shards, src=src, group=group)
         param.copy_(received)
 
-    def save_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
+    def save_weights(self, models: list, weights_path: str, memory_efficient: bool = False, comm: RankComm | None = None) -> None:
         """Write the HF folder with every rank writing the files it owns (``parallel_hf_save``).
 
         The files and the tensors in them are the same as mbridge's ``save_weights`` writes (bit for
@@ -136,11 +137,20 @@ class _LocalSpecBridgeMixin:
         in about one file per rank plus an index instead of a single file). ``config.json`` already
         in ``weights_path`` (the checkpoint manager writes it first) is left as it is. An
         ``export_weights`` replaced on the instance is honoured by taking mbridge's own path.
+        ``comm``: the group of ranks that writes (default: torch.distributed's default group; the
+        background save passes its forked processes' group); only the parallel path takes one.
         """
-        if "export_weights" in vars(self) or not torch.distributed.is_initialized():
+        if not self.saves_in_parallel:
+            if comm is not None:
+                raise ValueError("only the parallel HF save runs over another group than the default one")
             self.save_weights_gathered(models, weights_path, memory_efficient=memory_efficient)
             return
-        save_weights_in_parallel(self, models, weights_path)
+        save_weights_in_parallel(self, models, weights_path, comm)
+
+    @property
+    def saves_in_parallel(self) -> bool:
+        """Whether ``save_weights`` takes the parallel path (and so can run over any group)."""
+        return "export_weights" not in vars(self) and torch.distributed.is_initialized()
 
     def save_weights_gathered(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
         """mbridge's own save: every tensor gathered to rank 0, which writes every file."""

@@ -31,7 +31,8 @@ from collections import defaultdict
 import torch
 from mbridge.core.util import unwrap_model
 from safetensors.torch import save_file
-from torch.distributed import P2POp
+
+from verl.utils.rank_comm import RankComm, Transfer
 
 INDEX_FILENAME = "model.safetensors.index.json"
 MAX_FILE_BYTES = 5 * 1024**3  # transformers' default max_shard_size when there is no source plan
@@ -129,11 +130,10 @@ class _Holdings:
         return next(iter(self.my_tensors.values())).device if self.my_tensors else torch.device("cpu")
 
 
-def _gather_holdings(bridge, models: list) -> _Holdings:
+def _gather_holdings(bridge, models: list, comm: RankComm) -> _Holdings:
     """Step 1, one ``all_gather_object``: every rank learns what every rank holds."""
     my_shards, my_tensors = _local_shards(bridge, models)
-    everyone: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, my_shards)
+    everyone = comm.all_gather_object(my_shards)
     holders: dict[tuple[str, int], list[int]] = defaultdict(list)
     meta: dict[str, _Shard] = {}
     for holder, shards in enumerate(everyone):
@@ -153,10 +153,12 @@ def gather_hf_weights(bridge, models: list, receivers: list[int]) -> dict[str, t
     parameter separately on every rank). Every rank must call it. A returned tensor may share storage
     with a parameter this rank holds: use it before that storage is offloaded or changed.
     """
-    rank = torch.distributed.get_rank()
-    held = _gather_holdings(bridge, models)
+    comm = RankComm()
+    rank = comm.rank
+    held = _gather_holdings(bridge, models, comm)
     received: dict[tuple[str, int], torch.Tensor] = {}
-    ops = []
+    sends: list[Transfer] = []
+    recvs: list[Transfer] = []
     tag = 0
     for order, receiver in enumerate(receivers):
         for te in held.te_names:
@@ -167,13 +169,12 @@ def gather_hf_weights(bridge, models: list, receivers: list[int]) -> dict[str, t
                     continue
                 source = holders[order % len(holders)]  # spread the sending over the replicas
                 if rank == source:
-                    ops.append(P2POp(torch.distributed.isend, held.my_tensors[key].detach().contiguous(), receiver, tag=tag))
+                    sends.append((held.my_tensors[key].detach().contiguous(), receiver, tag))
                 elif rank == receiver:
                     shard = held.meta[te]
                     received[key] = torch.empty(shard.shape, dtype=_dtype(shard.dtype), device=held.device)
-                    ops.append(P2POp(torch.distributed.irecv, received[key], source, tag=tag))
-    for work in torch.distributed.batch_isend_irecv(ops) if ops else []:
-        work.wait()
+                    recvs.append((received[key], source, tag))
+    comm.exchange(sends, recvs)
     if rank not in receivers:
         return {}
     weights: dict[str, torch.Tensor] = {}
@@ -197,13 +198,14 @@ def _to_hf(bridge, te: str, shard: _Shard, pieces: list[torch.Tensor]) -> dict[s
     return dict(zip(*bridge._weight_to_hf_format(te, merged), strict=True))
 
 
-def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
-    """Write the HF folder ``weights_path``; every rank calls this (collectives inside)."""
-    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: RankComm | None = None) -> None:
+    """Write the HF folder ``weights_path``; every rank of ``comm`` (default: the default group) calls this."""
+    comm = comm or RankComm()
+    rank, world_size = comm.rank, comm.world_size
     os.makedirs(weights_path, exist_ok=True)
 
     # 1. who holds what
-    held = _gather_holdings(bridge, models)
+    held = _gather_holdings(bridge, models, comm)
     my_tensors, holders, meta, te_names = held.my_tensors, held.holders, held.meta, held.te_names
     hf_names = {te: bridge._weight_name_mapping_mcore_to_hf(te) for te in te_names}
 
@@ -237,7 +239,8 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
     for round_index in range(max(len(f) for f in writer_files)):
         jobs = [(w, fs[round_index]) for w, fs in enumerate(writer_files) if round_index < len(fs)]
         received: dict[tuple[str, int], torch.Tensor] = {}
-        ops = []
+        sends: list[Transfer] = []
+        recvs: list[Transfer] = []
         for writer, file in jobs:
             for te in te_for_file[file]:
                 for key in pieces(te):
@@ -246,21 +249,18 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
                     if source == writer:
                         continue
                     if rank == source:
-                        ops.append(P2POp(torch.distributed.isend, my_tensors[key].detach().contiguous(), writer, tag=tag))
+                        sends.append((my_tensors[key].detach().contiguous(), writer, tag))
                     elif rank == writer:
                         received[key] = torch.empty(meta[te].shape, dtype=_dtype(meta[te].dtype), device=device)
-                        ops.append(P2POp(torch.distributed.irecv, received[key], source, tag=tag))
-        # One batch per round: NCCL needs the sends and receives of a round grouped; gloo takes them as they come.
-        for work in torch.distributed.batch_isend_irecv(ops) if ops else []:
-            work.wait()
+                        recvs.append((received[key], source, tag))
+        comm.exchange(sends, recvs)  # one batch per round
         for writer, file in jobs:
             if writer == rank:
                 written.update(_write_file(bridge, weights_path, file, files[file], te_for_file[file], meta, my_tensors, received))
         del received
 
     # 5. index and config
-    reports: list = [None] * world_size
-    torch.distributed.all_gather_object(reports, written)
+    reports = comm.all_gather_object(written)
     if rank == 0:
         sizes = {name: nbytes for report in reports for name, nbytes in report.items()}
         missing = sorted(set(plan) - set(sizes), key=_natural_key)
@@ -277,7 +277,7 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str) -> None:
                 json.dump(index, handle, indent=2)
         if not os.path.exists(os.path.join(weights_path, "config.json")):
             bridge.hf_config.save_pretrained(weights_path)
-    torch.distributed.barrier()
+    comm.barrier()
 
 
 def _write_file(bridge, weights_path, file, names, te_list, meta, my_tensors, received) -> dict[str, int]:

@@ -1,0 +1,103 @@
+"""The few collectives the parallel HF export needs, over one of two groups of ranks.
+
+``RankComm`` is torch.distributed's default group: what a rank uses while it trains. ``ForkedRankComm``
+joins processes forked from every rank (the background save writes from such a snapshot): a child
+must never touch its parent's process groups, whose sockets and threads belong to the parent, so it
+opens a gloo group of its own, meeting the other children through a new client of the default
+group's TCP store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# (tensor, peer rank, tag): a tensor to send to the peer or to fill from it.
+Transfer = tuple[torch.Tensor, int, int]
+
+
+class RankComm:
+    """torch.distributed's default group."""
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
+        """Post every send and receive as one batch (NCCL needs them grouped), then wait for all."""
+        ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t, peer, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for t, peer, tag in recvs]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+class ForkedRankComm(RankComm):
+    """A gloo group of the processes that every rank forked for the same purpose (CPU tensors only).
+
+    Every rank's child calls ``ForkedRankComm(name)`` with the same ``name`` (unique per use, e.g. per
+    save); they meet under that prefix in the default group's store, which the parent of rank 0 keeps
+    serving while it trains. Once they have met, a child that dies fails its peers' next collective
+    at once (its sockets close); one that never arrives holds the others until ``timeout``.
+    """
+
+    def __init__(self, name: str, timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        self._store = dist.PrefixStore(f"forked/{name}/", _new_store_client(timeout))
+        self._group = dist.ProcessGroupGloo(self._store, self._rank, self._world_size, timeout)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        # Through gloo, not the store: a peer that died then fails this at once instead of at the timeout.
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
+        self._group.allgather([sizes], [torch.tensor([payload.numel()])]).wait()
+        padded = torch.zeros(int(max(sizes).item()), dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        gathered = [torch.empty_like(padded) for _ in range(self._world_size)]
+        self._group.allgather([gathered], [padded]).wait()
+        return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)]
+
+    def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
+        works = [self._group.send([t], peer, tag) for t, peer, tag in sends]
+        works += [self._group.recv([t], peer, tag) for t, peer, tag in recvs]
+        for work in works:
+            work.wait()
+
+    def barrier(self) -> None:
+        self._group.barrier().wait()
+
+
+def _new_store_client(timeout: datetime.timedelta) -> dist.TCPStore:
+    """A connection of our own to the TCP store behind the default group (the parent's is not ours)."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        raise RuntimeError(
+            f"a forked process group needs the default group to rendezvous through a TCPStore (env:// or tcp://), "
+            f"not {type(store).__name__}"
+        )
+    return dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout, wait_for_workers=False)
