@@ -193,6 +193,8 @@ def _async_and_sync_saves_of_one_state(src: str, root: str) -> dict:
     step_1_visible_while_pending = os.path.exists(_step_path(async_root, 1))
     before_step_3 = _params_and_optimizer(actor)
     actor.save_checkpoint(_step_path(async_root, 3), global_step=3)  # finalizes step 1 first
+    # The third save of this structure: megatron's plan is reusable, so the fork plans, writes and exports.
+    step_3_from_snapshot = manager._pending.from_snapshot
     step_1_committed_by_next_save = os.path.exists(_step_path(async_root, 1))
     actor.train_step(_batches(3))
     finalized = actor.finalize_checkpoint()
@@ -202,8 +204,11 @@ def _async_and_sync_saves_of_one_state(src: str, root: str) -> dict:
     for name, path in (("sync", os.path.join(root, "sync", "global_step_1", "actor")), ("async", _step_path(async_root, 1)), ("async3", _step_path(async_root, 3))):
         actor.load_checkpoint(path)
         loaded[name] = _params_and_optimizer(actor)
+    manager.async_save = False  # the state of step 3, loaded last, saved again in the foreground
+    actor.save_checkpoint(os.path.join(root, "sync", "global_step_3", "actor"), global_step=3)
     return {
         "pending": pending,
+        "step_3_from_snapshot": step_3_from_snapshot,
         "visible_while_pending": step_1_visible_while_pending,
         "committed_by_next_save": step_1_committed_by_next_save,
         "finalized": finalized,
@@ -222,15 +227,18 @@ def test_async_save_equals_a_sync_save_while_training_goes_on(tiny_moe_path, tmp
         assert result["finalized"] == _step_path(os.path.join(root, "async"), 3)
         assert result["sync_vs_trained_on"] > 0, "training after the save must have changed the state"
         assert result["async_vs_sync"] == []
-        assert result["async3_vs_state_at_save"] == []
+        assert result["async3_vs_state_at_save"] == [], result["async3_vs_state_at_save"][:5] + result["async3_vs_state_at_save"][-5:]
+        assert result["step_3_from_snapshot"], "the third save of one structure must run whole in the fork"
     for step in (1, 3):
         verify_checkpoint(_step_path(os.path.join(root, "async"), step))
-    hf = ("model", "huggingface")
-    sync_hf, async_hf = os.path.join(root, "sync", "global_step_1", "actor", *hf), os.path.join(_step_path(os.path.join(root, "async"), 1), *hf)
-    assert sorted(os.listdir(sync_hf)) == sorted(os.listdir(async_hf))
-    for name in os.listdir(sync_hf):
-        with open(os.path.join(sync_hf, name), "rb") as a, open(os.path.join(async_hf, name), "rb") as b:
-            assert a.read() == b.read(), name
+        # The HF export (in the parent for step 1, in the forks for step 3) equals a foreground one.
+        hf = ("model", "huggingface")
+        sync_hf = os.path.join(root, "sync", f"global_step_{step}", "actor", *hf)
+        async_hf = os.path.join(_step_path(os.path.join(root, "async"), step), *hf)
+        assert sorted(os.listdir(sync_hf)) == sorted(os.listdir(async_hf))
+        for name in os.listdir(sync_hf):
+            with open(os.path.join(sync_hf, name), "rb") as a, open(os.path.join(async_hf, name), "rb") as b:
+                assert a.read() == b.read(), (step, name)
 
 
 def _saves_before_and_after_training(src: str, root: str) -> list[str]:
@@ -486,3 +494,46 @@ def test_verify_cli_reports_whole_and_damaged_checkpoints(base_root, tmp_path):
     _delete_metadata(_step_path(root, 1))
     bad = subprocess.run([sys.executable, "-m", "verl.model_merger", "verify", "--local_dir", _step_path(root, 1)], capture_output=True, text=True)
     assert bad.returncode == 1 and ".metadata is missing" in bad.stderr
+
+
+class _ForkDiesManager(MegatronCheckpointManager):
+    """Rank 1's process forked for a save from the snapshot dies mid dist checkpoint (after the forks met)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._parent_pid = os.getpid()
+
+    def _enter_phase(self, phase: str) -> None:
+        if phase == "dist_checkpoint_optimizer" and self.rank == 1 and os.getpid() != self._parent_pid:
+            os._exit(3)
+        super()._enter_phase(phase)
+
+
+def _snapshot_save_whose_fork_dies(src: str, root: str) -> dict:
+    path, _ = find_resume_checkpoint(root)
+    actor = _actor(src, manager_cls=_ForkDiesManager, async_save=True)
+    actor.load_checkpoint(path)
+    actor.train_step(_batches(1))
+    for step in (2, 3):  # planned here: the first plan of this process, then its validation
+        actor.save_checkpoint(_step_path(root, step), global_step=step)
+        actor.finalize_checkpoint()
+        _write_tracker(root, step)
+    actor.save_checkpoint(_step_path(root, 4), global_step=4)
+    from_snapshot = actor.checkpoint_manager._pending.from_snapshot
+    actor.train_step(_batches(2))
+    try:
+        actor.finalize_checkpoint()
+    except CheckpointError as exc:
+        return {"from_snapshot": from_snapshot, "error": str(exc)}
+    return {"from_snapshot": from_snapshot, "error": None}
+
+
+def test_a_save_whose_fork_dies_fails_cleanly_and_keeps_the_previous_step(tiny_moe_path, base_root, tmp_path):
+    root = _copy_run(base_root, tmp_path)
+    for result in run_on_ranks(_snapshot_save_whose_fork_dies, WORLD, LAYOUT, args=(tiny_moe_path, root), timeout_s=300):
+        assert result["from_snapshot"]
+        assert result["error"] and "saving step 4" in result["error"] and "previous checkpoint" in result["error"]
+        assert "failed on 2 rank(s): rank 1: the background writer of rank 1 exited without a result" in result["error"]
+    assert _tracked(root) == "3"
+    assert not os.path.exists(_step_path(root, 4)) and not os.path.exists(_step_path(root, 4) + ".incomplete")
+    verify_checkpoint(_step_path(root, 3))

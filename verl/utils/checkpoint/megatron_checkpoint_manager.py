@@ -11,13 +11,16 @@ One save walks these phases (DESIGN.md, "The path of one save"):
 
 With ``async_save`` the tensors of phase 1 are written by a process forked from each rank (megatron's
 ``AsyncCallsQueue``) while training goes on; phases 6 and the commit wait for
-``finalize_async_save``.
+``finalize_async_save``. From the third save of the same structure on (megatron's save plan then
+needs no collective), on the CPU runtime, the fork does phase 1 whole and phases 4-5 too
+(``snapshot_save``): training waits only for phases 2-3 and the fork itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -36,6 +39,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
+from verl.utils.checkpoint import snapshot_save
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, _config_get, read_tracker
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
 from verl.utils.checkpoint.integrity import (
@@ -58,6 +62,7 @@ from verl.utils.megatron_utils import (
     get_optimizer_dist_checkpoint_path,
     get_transformer_config_checkpoint_path,
 )
+from verl.utils.rank_comm import ForkedRankComm
 
 
 def current_parallel_layout() -> dict[str, int]:
@@ -89,6 +94,19 @@ class _PendingSave(NamedTuple):
     global_step: int
     max_ckpt_to_keep: int | None
     started: float
+    from_snapshot: bool = False  # planned and written (HF export too) by the forked process
+
+
+def _optimizer_layout(optimizer) -> tuple:
+    """What the optimizer's sharded structure depends on, cheap to read: each state entry's keys and shapes."""
+    layout = []
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", chained)
+        for group in getattr(inner, "param_groups", []):
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                layout.append(tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__) for k, v in sorted(state.items())))
+    return tuple(layout)
 
 
 def _sharded_structure(state: dict) -> tuple:
@@ -183,6 +201,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self._async_queue = AsyncCallsQueue(persistent=False)
         self._pending: _PendingSave | None = None
         self._save_strategies: dict[str, tuple[tuple, TorchDistSaveShardedStrategy]] = {}
+        self._planned_optimizer_layout: tuple | None = None  # at the optimizer checkpoint's last planning here
+        self._snapshot_saves = 0
         if self.should_save_hf_model and (bridge is None or hf_config is None):
             raise ValueError("save_contents includes 'hf_model', which needs both a bridge and the hf_config")
 
@@ -198,14 +218,16 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if hdfs_path is not None:
             raise ValueError("hdfs_path is not supported by this manager; copy the local checkpoint yourself")
         self.finalize_async_save(blocking=True)
-        save = _PendingSave(local_path.rstrip("/") + STAGING_SUFFIX, local_path, global_step, max_ckpt_to_keep, time.monotonic())
+        from_snapshot = self._plans_are_reusable()
+        save = _PendingSave(local_path.rstrip("/") + STAGING_SUFFIX, local_path, global_step, max_ckpt_to_keep, time.monotonic(), from_snapshot)
         self.previous_global_step = global_step
         with self._failure_reported(save):
-            request = self._save_parts(save.staging)
+            request = self._save_from_snapshot(save) if from_snapshot else self._save_parts(save.staging)
             if request is not None:
-                self._async_queue.schedule_async_request(request)
+                self._timed("fork of the background save", self._async_queue.schedule_async_request, request)
                 self._pending = save
-                self._log(f"step {global_step}: returned after {time.monotonic() - save.started:.2f}s; dist checkpoints are being written in the background")
+                what = "the whole save runs" if from_snapshot else "dist checkpoints are being written"
+                self._log(f"step {global_step}: returned after {time.monotonic() - save.started:.2f}s; {what} in the background")
                 return
         self._complete(save)
 
@@ -256,6 +278,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         """Every part is on disk: metadata and manifest, commit, then retention."""
         with self._failure_reported(save):
             if self.rank == 0:
+                shutil.rmtree(os.path.join(save.staging, snapshot_save.OUTCOME_DIRNAME), ignore_errors=True)
                 self._write_metadata(save.staging, save.global_step)
             torch.distributed.barrier()
         self._enter_phase("commit")
@@ -273,17 +296,87 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         label = "dist checkpoints (planned; written in the background)" if self.async_save else "dist checkpoints"
         request = self._timed(label, self._save_dist_checkpoints, staging)
         self._enter_phase("after_dist_checkpoint")
+        self._save_hf_config_first(staging)
+        if self.should_save_hf_model:
+            self._save_hf_weights(staging)
+        return request
+
+    def _save_hf_config_first(self, staging: str) -> None:
         if self.should_save_model or self.should_save_hf_model:
             if self.rank == 0:
                 self._enter_phase("hf_config")
                 self._timed("HF config + tokenizer", self._save_hf_config_and_tokenizer, staging)
             self._hf_config_barrier()
-        if self.should_save_hf_model:
-            self._enter_phase("hf_weights")
-            self._timed("HF weights", self._save_model_as_hf_via_bridge, staging)
-            self._enter_phase("hf_verify")
-            self._timed("HF verification", self._verify_hf_model, staging)
-        return request
+
+    def _save_hf_weights(self, staging: str) -> None:
+        self._enter_phase("hf_weights")
+        self._timed("HF weights", self._save_model_as_hf_via_bridge, staging)
+        self._enter_phase("hf_verify")
+        self._timed("HF verification", self._verify_hf_model, staging)
+
+    # ---------------------------------------------------- async save from a snapshot
+
+    def _plans_are_reusable(self) -> bool:
+        """Whether the fork can do the whole save: every plan reusable without a collective, same structure."""
+        if not self.async_save or not snapshot_save.on_host(self.model):
+            return False
+        contents = [c for c, wanted in (("model", self.should_save_model), ("optimizer", self.should_save_optimizer), ("extra", self.should_save_extra)) if wanted]
+        if not all(snapshot_save.plan_is_reusable(self._save_strategies.get(c, (None, None))[1]) for c in contents):
+            return False
+        return not self.should_save_optimizer or _optimizer_layout(self.optimizer) == self._planned_optimizer_layout
+
+    def _save_from_snapshot(self, save: _PendingSave) -> AsyncRequest:
+        """Training waits for the staging directory, the HF config (fix 2) and the fork; the fork does the rest."""
+        self._prepare_directory(save.staging)
+        self._save_hf_config_first(save.staging)
+        hf_in_fork = self.should_save_hf_model and getattr(self.bridge, "saves_in_parallel", False)
+        if self.should_save_hf_model and not hf_in_fork:
+            self._save_hf_weights(save.staging)  # mbridge's own path needs the default group
+        self._snapshot_saves += 1
+        group_name = f"{self.role}/step{save.global_step}/save{self._snapshot_saves}"
+        job = functools.partial(self._write_in_fork, save.staging, self._rng_sharded_object(), group_name if hf_in_fork else None)
+        return AsyncRequest(
+            functools.partial(snapshot_save.run_and_record, save.staging, self.rank, job),
+            (),
+            [functools.partial(self._finish_snapshot_save, save.staging, hf_in_fork)],
+        )
+
+    def _write_in_fork(self, staging: str, rng_state: ShardedObject, hf_group: str | None) -> dict:
+        """The forked process: plan and write this rank's dist checkpoints, then (with hf_group) the HF export.
+
+        The forks' group is formed first: a fork that fails later makes the others fail fast, not wait."""
+        comm = ForkedRankComm(hf_group) if hf_group is not None else None
+        outcome: dict[str, Any] = {"writes": {}}
+        for content, state, path in self._dist_checkpoint_parts(staging, rng_state):
+            structure, strategy = self._save_strategies[content]
+            if _sharded_structure(state) != structure:
+                raise CheckpointError(f"the {content} checkpoint's sharded structure changed after its save plan was validated")
+            outcome["writes"][content] = snapshot_save.write_dist_checkpoint(strategy, state, path)
+        if comm is not None:
+            hf_path = get_hf_model_checkpoint_path(staging)
+            self.bridge.save_weights(self.model, hf_path, comm=comm)
+            if self.rank == 0:
+                report = verify_hf_checkpoint(hf_path, self.hf_config)
+                outcome["hf_verdict"] = (report.ok, report.describe())
+        return outcome
+
+    def _finish_snapshot_save(self, staging: str, hf_in_fork: bool) -> None:
+        """Every rank: agree on the forks' outcomes, then rank 0 writes each dist checkpoint's metadata."""
+        outcome = snapshot_save.read_outcome(staging, self.rank)
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, outcome)
+        failed = [(rank, o["error"].strip().splitlines()[-1]) for rank, o in enumerate(everyone) if not o["ok"]]
+        if failed:
+            failed.sort(key=lambda f: "without a result" not in f[1])  # a fork that died first is the cause
+            raise CheckpointError(f"the background save failed on {len(failed)} rank(s): " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+        if self.rank == 0:
+            for content, (_, strategy) in self._save_strategies.items():
+                if content in outcome["writes"]:
+                    path = self._dist_checkpoint_path(content, staging)
+                    snapshot_save.finish_dist_checkpoint(strategy, path, [o["writes"][content] for o in everyone])
+        if hf_in_fork:
+            ok, description = everyone[0]["hf_verdict"]
+            self._act_on_hf_verdict(ok, description)
 
     def _enter_phase(self, phase: str) -> None:
         """Called as each save phase starts; the crash-injection tests hook in here."""
@@ -334,8 +427,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     def _save_dist_checkpoints(self, local_path: str) -> AsyncRequest | None:
         """Write (or, with async_save, plan) the dist checkpoints; return the write still to run."""
         requests = []
-
-        def save(content: str, state: dict, path: str) -> None:
+        for content, state, path in self._dist_checkpoint_parts(local_path):
             # One strategy per content and structure, kept across saves: from the third save of the same
             # structure on, megatron reuses the plan it validated twice instead of gathering and checking
             # every rank's plan again, and the access-integrity check (each shard written exactly once)
@@ -345,25 +437,35 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             known = self._save_strategies.get(content)
             fresh = known is None or known[0] != structure
             strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True) if fresh else known[1]
+            if content == "optimizer":
+                self._planned_optimizer_layout = _optimizer_layout(self.optimizer)
             request = dist_checkpointing.save(
                 state, path, sharded_strategy=strategy, validate_access_integrity=fresh, async_sharded_save=self.async_save
             )
             self._save_strategies[content] = (structure, strategy)
             if request is not None:
                 requests.append(request)
+        return _merge_async_requests(requests) if self.async_save else None
 
-        # dist_checkpointing.save consumes the sharded state dict it is given: build one per save.
+    def _dist_checkpoint_parts(self, local_path: str, rng_state: ShardedObject | None = None) -> Iterator[tuple[str, dict, str]]:
+        """(content, sharded state dict, directory) of each dist checkpoint to save, built when reached:
+        dist_checkpointing.save consumes the state dict it is given. ``rng_state``: taken before a fork
+        (a forked process reseeds Python's ``random``)."""
         if self.should_save_model:
-            save("model", self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path))
+            yield "model", self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path)
         self._enter_phase("dist_checkpoint_optimizer")
         if self.should_save_optimizer:
             state = optimizer_state_for_save(self.optimizer, self._model_sharded_state_dict(), self.use_distributed_optimizer)
             if self.lr_scheduler is not None:
                 state["lr_scheduler"] = self.lr_scheduler.state_dict()
-            save("optimizer", state, get_optimizer_dist_checkpoint_path(local_path))
+            yield "optimizer", state, get_optimizer_dist_checkpoint_path(local_path)
         if self.should_save_extra:
-            save("extra", {"rng_state": self._rng_sharded_object()}, get_extra_dist_checkpoint_path(local_path))
-        return _merge_async_requests(requests) if self.async_save else None
+            yield "extra", {"rng_state": rng_state or self._rng_sharded_object()}, get_extra_dist_checkpoint_path(local_path)
+
+    @staticmethod
+    def _dist_checkpoint_path(content: str, local_path: str) -> str:
+        paths = {"model": get_model_dist_checkpoint_path, "optimizer": get_optimizer_dist_checkpoint_path, "extra": get_extra_dist_checkpoint_path}
+        return paths[content](local_path)
 
     def _save_hf_config_and_tokenizer(self, local_path: str) -> None:
         """Rank 0 only: everything the HF folder needs besides the weights, written before them."""
@@ -390,7 +492,10 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             report = verify_hf_checkpoint(get_hf_model_checkpoint_path(local_path), self.hf_config)
             verdict = [(report.ok, report.describe())]
         torch.distributed.broadcast_object_list(verdict, src=0)
-        ok, description = verdict[0]
+        self._act_on_hf_verdict(*verdict[0])
+
+    def _act_on_hf_verdict(self, ok: bool, description: str) -> None:
+        """Every rank: an incomplete HF folder fails the save (strict) or is a warning."""
         if ok:
             return
         if self.strict_hf_verify:

@@ -1,0 +1,92 @@
+"""A whole save written by a process forked from each rank: the fork is the snapshot.
+
+megatron's async save plans the dist checkpoint on the training path (sharded state dicts, torch's
+sharded tensors, the write plan, clones of every tensor that is a view) and forks only the file
+writes. Once a strategy's plan has been validated on two saves, its planning needs no collective any
+more (``TorchDistSaveShardedStrategy`` reuses the central plan), so all of it can run in the fork,
+together with the HF export over a gloo group of the forked processes (``ForkedRankComm``). What
+stays in the parent is what needs the parent's process groups: the ``.metadata`` of each dist
+checkpoint, made from every rank's write results when the save is finalized.
+
+On an accelerator the fork sees no device memory: this path is for tensors in host memory (the CPU
+runtime); elsewhere the manager keeps megatron's own async save.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from collections.abc import Callable
+from itertools import chain
+from typing import Any
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+from verl.utils.device import get_device_name
+
+OUTCOME_DIRNAME = ".background"  # inside the staging directory; removed before the manifest is built
+
+
+def plan_is_reusable(strategy: TorchDistSaveShardedStrategy | None) -> bool:
+    """Whether ``strategy`` plans its next save without any collective (a central plan validated twice)."""
+    return strategy is not None and bool(strategy.validated_cache_reuse) and strategy.cached_central_plan is not None
+
+
+def write_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, state: dict, path: str) -> list:
+    """In the fork: plan ``state`` with the reusable ``strategy`` and write this rank's files; its write results.
+
+    megatron's async request is run here to its end; its finalize (a gather of every rank's results)
+    is the parent's part: ``finish_dist_checkpoint``.
+    """
+    request = dist_checkpointing.save(state, path, sharded_strategy=strategy, validate_access_integrity=False, async_sharded_save=True)
+    if request.async_fn is None:
+        return []  # nothing of this checkpoint is written by this rank
+    request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+    write_buckets, results_queue = request.async_fn_args[1], request.async_fn_args[2]  # megatron's argument order
+    results = results_queue.get()
+    if isinstance(results, BaseException):
+        raise RuntimeError(f"writing {path} failed: {results}") from results
+    if len(results) != len(write_buckets):
+        raise RuntimeError(f"writing {path}: {len(results)} of {len(write_buckets)} writer processes reported")
+    return list(chain.from_iterable(results.values()))
+
+
+def finish_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, path: str, all_results: list[list]) -> None:
+    """On the coordinator (rank 0): the ``.metadata`` and ``metadata.json`` that make ``path`` loadable."""
+    FileSystemWriterAsync(path).finish(strategy.cached_global_metadata, all_results)
+    save_config(CheckpointingConfig(strategy.backend, strategy.version), path)
+
+
+def outcome_path(staging: str, rank: int) -> str:
+    return os.path.join(staging, OUTCOME_DIRNAME, f"rank{rank}.pkl")
+
+
+def run_and_record(staging: str, rank: int, job: Callable[[], dict[str, Any]]) -> None:
+    """The fork's entry: run ``job`` and leave what it returned, or its traceback, for the parent."""
+    try:
+        outcome: dict[str, Any] = {"ok": True, **job()}
+    except BaseException:  # noqa: BLE001 - the parent reports it; a fork must not raise into multiprocessing
+        outcome = {"ok": False, "error": traceback.format_exc()}
+    path = outcome_path(staging, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "wb") as handle:
+        pickle.dump(outcome, handle)
+    os.replace(path + ".tmp", path)
+
+
+def read_outcome(staging: str, rank: int) -> dict[str, Any]:
+    """What this rank's fork recorded; a fork that died first (killed, segfault) recorded nothing."""
+    try:
+        with open(outcome_path(staging, rank), "rb") as handle:
+            return pickle.load(handle)
+    except FileNotFoundError:
+        return {"ok": False, "error": f"the background writer of rank {rank} exited without a result (killed?)"}
+
+
+def on_host(models: list) -> bool:
+    """Whether this is the CPU runtime with every parameter in host memory, where a fork sees it."""
+    return get_device_name() == "cpu" and all(p.device.type == "cpu" for model in models for p in model.parameters())
