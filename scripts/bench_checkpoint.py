@@ -8,14 +8,16 @@ each layout -- (TP,PP,EP,ETP) = (2,2,2,2) on 8 ranks and (1,1,1,1) on 1 rank -- 
 2. saves a full checkpoint (model, optimizer, extra, hf_model) through MegatronCheckpointManager
    three times (cold, plan validated, warm: the plan reused); the manager's own phase times are read
    through its ``_timed`` / ``_enter_phase`` hooks;
-3. saves it once more with ``async_save``: how long the call blocks training, and how long the
-   background write takes until ``finalize_async_save`` has committed the step;
+3. saves it once more with ``async_save`` (the fourth save of one structure: the whole save runs in
+   a process forked from each rank): how long the call blocks training, and how long the background
+   part takes until ``finalize_async_save`` has committed the step;
 4. loads it back (model, optimizer, extra), timed;
 5. exports HF weights standalone with the bridge's parallel ``save_weights`` and with mbridge's own
    ``save_weights`` (everything gathered to rank 0: the baseline), timed, and compares the files.
 
 Peak RSS per rank is the kernel's high-water mark (VmHWM, reset through /proc/self/clear_refs) of
-the rank; a 50 ms sampler adds the RSS of its child processes (dist-checkpoint writers) on top.
+the rank; a sampler records the RSS (every 50 ms) and the unique memory (USS, every 250 ms) of its
+child processes (dist-checkpoint writers, the async save's forks), which share most pages with it.
 The disk's sequential write bandwidth is measured in the same run: 512 MiB written and fsynced.
 
 Usage (from the repository root)::
@@ -112,7 +114,7 @@ class PeakRSS:
         import psutil
 
         self._me = psutil.Process()
-        self._children_peak = 0
+        self._children_peak = self._children_uss_peak = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.hwm_reset = True
@@ -123,7 +125,7 @@ class PeakRSS:
                 handle.write("5")
         except OSError:
             self.hwm_reset = False
-        self._children_peak = 0
+        self._children_peak = self._children_uss_peak = 0
         self._stop.clear()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -131,19 +133,24 @@ class PeakRSS:
     def _sample(self) -> None:
         import psutil
 
+        ticks = 0
         while not self._stop.wait(0.05):
-            total = 0
+            ticks += 1
+            total = unique = 0
             for child in self._me.children(recursive=True):
                 try:
                     total += child.memory_info().rss
+                    if ticks % 5 == 0:  # reading smaps is slow: every 0.25 s
+                        unique += child.memory_full_info().uss
                 except psutil.Error:
                     pass
             self._children_peak = max(self._children_peak, total)
+            self._children_uss_peak = max(self._children_uss_peak, unique)
 
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join()
-        return {"self": _status_kib("VmHWM") * 1024, "children": self._children_peak}
+        return {"self": _status_kib("VmHWM") * 1024, "children": self._children_peak, "children_uss": self._children_uss_peak}
 
 
 def rss_now() -> int:
@@ -249,6 +256,7 @@ def _save(actor, manager_cls, step_dir: str, step: int, peak: PeakRSS) -> dict:
     import torch
 
     gc.collect()
+    manager_cls.phase_times.clear()
     torch.distributed.barrier()
     out = {"rss_before": rss_now()}
     ended: list[float] = []
@@ -276,9 +284,12 @@ def _save_async(actor, manager_cls, step_dir: str, step: int, peak: PeakRSS) -> 
     manager = actor.checkpoint_manager
     manager.async_save = True
     gc.collect()
+    manager_cls.phase_times.clear()
     torch.distributed.barrier()
+    rss_before = rss_now()
     peak.start()
-    out = {"blocked_s": _timed_collective(actor.save_checkpoint, step_dir, step)}
+    out = {"blocked_s": _timed_collective(actor.save_checkpoint, step_dir, step), "rss_before": rss_before}
+    out["from_snapshot"] = manager._pending.from_snapshot if manager._pending else False
     if torch.distributed.get_rank() == 0:
         out["phases"] = dict(manager_cls.phase_times)
     out["finalize_s"] = _timed_collective(actor.finalize_checkpoint)
@@ -379,6 +390,10 @@ def summarize(world: int, ranks: list[dict], wall: float) -> dict:
                 "peak_save_cold_MiB": r["cold"]["peak"]["self"] / MiB,
                 "peak_save_async_MiB": r["async"]["peak"]["self"] / MiB,
                 "peak_save_async_children_MiB": r["async"]["peak"]["children"] / MiB,
+                # memory of the forked writers not shared with the rank (their clones, buffers, COW copies)
+                "peak_save_async_children_uss_MiB": r["async"]["peak"]["children_uss"] / MiB,
+                "peak_save_children_uss_MiB": r["warm"]["peak"]["children_uss"] / MiB,
+                "save_async_increase_vs_state": (r["async"]["peak"]["self"] - r["async"]["rss_before"]) / state,
                 "peak_save_children_MiB": max(r["warm"]["peak"]["children"], r["cold"]["peak"]["children"]) / MiB,
                 "peak_load_MiB": r["peak_load"]["self"] / MiB,
                 "peak_hf_parallel_MiB": r["peak_hf_parallel"]["self"] / MiB,
@@ -398,6 +413,7 @@ def summarize(world: int, ranks: list[dict], wall: float) -> dict:
         "cold": _save_summary(r0["cold"]),
         "warm": _save_summary(r0["warm"]),
         "async": {
+            "from_snapshot": r0["async"]["from_snapshot"],
             "blocked_s": r0["async"]["blocked_s"],
             "finalize_s": r0["async"]["finalize_s"],
             "phases_s": r0["async"]["phases"],
@@ -506,8 +522,10 @@ def print_report(results: dict) -> None:
             row(f"&nbsp;&nbsp;{phase}", lambda x, s=save, p=phase: f"{x[s]['phases_s'].get(p, 0.0):.2f}")
         row(f"&nbsp;&nbsp;dist-ckpt MiB/s ({save})", lambda x, s=save: f"{x[s]['dist_ckpt_Bps'] / MiB:.0f}")
     row("async save: training blocked, s", lambda x: f"{x['async']['blocked_s']:.2f}")
+    row("&nbsp;&nbsp;planned and HF-exported in the fork", lambda x: str(x["async"]["from_snapshot"]))
     row("&nbsp;&nbsp;of it: dist-ckpt planning", lambda x: f"{x['async']['phases_s'].get('dist checkpoints (planned; written in the background)', 0.0):.2f}")
     row("&nbsp;&nbsp;of it: HF weights + verification", lambda x: f"{x['async']['phases_s'].get('HF weights', 0.0) + x['async']['phases_s'].get('HF verification', 0.0):.2f}")
+    row("&nbsp;&nbsp;of it: the fork", lambda x: f"{x['async']['phases_s'].get('fork of the background save', 0.0):.2f}")
     row("async save: background write until committed (finalize called at once), s", lambda x: f"{x['async']['finalize_s']:.2f}")
     row("load (model + optimizer + extra), s", lambda x: f"{x['load_s']:.2f}")
     row("HF export, parallel save_weights, s", lambda x: f"{x['hf_parallel_s']:.2f}")
@@ -537,6 +555,15 @@ def print_report(results: dict) -> None:
     row(
         "writer child processes, peak RSS, MiB",
         lambda x: f"{max(r['peak_save_children_MiB'] for r in x['per_rank']):.0f}",
+    )
+    row(
+        "forked processes' own memory (USS), sync / async save, worst rank, MiB",
+        lambda x: f"{max(r['peak_save_children_uss_MiB'] for r in x['per_rank']):.0f} / "
+        f"{max(r['peak_save_async_children_uss_MiB'] for r in x['per_rank']):.0f}",
+    )
+    row(
+        "async save: peak RSS - RSS before, / state, worst rank",
+        lambda x: f"{max(r['save_async_increase_vs_state'] for r in x['per_rank']):.2f}",
     )
     print("\n| target | value | met |\n|---|---|---|")
     for name, check in results["targets"].items():

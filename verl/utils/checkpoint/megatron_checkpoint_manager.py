@@ -251,7 +251,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
                 start = time.monotonic()
                 if not self._async_queue.maybe_finalize_async_calls(blocking=blocking):
                     return None
-                self._log(f"  background dist-checkpoint write finished (waited {time.monotonic() - start:.2f}s)")
+                self._log(f"  background write finished (waited {time.monotonic() - start:.2f}s)")
             finally:
                 if not self._async_queue.get_num_unfinalized_calls():
                     self._pending = None
