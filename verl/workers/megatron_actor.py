@@ -14,6 +14,7 @@ from verl.models.mcore import load_hf_config, make_bridge
 from verl.models.mcore.forward import forward_logits, train_step
 from verl.models.mcore.model import build_megatron_model
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+from verl.utils.host_memory import release_free_heap
 from verl.utils.megatron.optimizer import get_megatron_optimizer_and_scheduler
 
 
@@ -43,6 +44,7 @@ class MegatronActor:
         self.bridge = make_bridge(self.hf_config, dtype=settings.dtype)
         self.model = build_megatron_model(self.bridge, use_distributed_optimizer=settings.use_distributed_optimizer)
         self.bridge.load_weights(self.model, settings.model_path)
+        release_free_heap()  # the load's temporary tensors, ~the model's size, would stay resident
         self.optimizer, self.scheduler = get_megatron_optimizer_and_scheduler(
             self.model,
             lr=settings.lr,
