@@ -173,6 +173,25 @@ def disk_write_bandwidth(directory: str, size: int = 512 * MiB) -> dict:
     return {"bytes": size, "fsync_s": total, "fsync_Bps": size / total, "buffered_Bps": size / buffered}
 
 
+def serialization_bandwidth(directory: str, size: int = 512 * MiB, item: int = 720 * 1024) -> dict:
+    """The ceiling of the torch_dist format on this CPU: one process ``torch.save``-ing ``size`` bytes of
+    fp32 tensors of ``item`` bytes each (the size of this model's typical expert slice) into one file,
+    then fsync -- what a dist-ckpt writer does per item, without any planning."""
+    import torch
+
+    tensors = [torch.rand(item // 4) for _ in range(size // item)]
+    path = os.path.join(directory, "serialization_bench.bin")
+    start = time.monotonic()
+    with open(path, "wb") as handle:
+        for tensor in tensors:
+            torch.save(tensor, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    total = time.monotonic() - start
+    os.remove(path)
+    return {"bytes": size // item * item, "torch_save_fsync_Bps": size // item * item / total}
+
+
 def tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
@@ -438,6 +457,12 @@ def evaluate(results: dict, disk: dict) -> dict:
             ">=",
             TARGETS["dist_ckpt_vs_disk"],
         )
+        if "serialization" in results:
+            checks[f"{key}: dist-ckpt save throughput / one process's torch.save + fsync (not a target)"] = (
+                warm["dist_ckpt_Bps"] / results["serialization"]["torch_save_fsync_Bps"],
+                ">=",
+                None,
+            )
         checks[f"{key}: HF export time, mbridge save_weights / parallel"] = (
             layout["hf_mbridge_s"] / layout["hf_parallel_s"],
             ">=",
@@ -508,7 +533,8 @@ def print_report(results: dict) -> None:
     layouts = [results["layouts"][k] for k in keys]
     print(
         f"\nmodel: {results['params'] / 1e6:.1f}M params (fp32); disk write+fsync {disk['fsync_Bps'] / MiB:.0f} MiB/s "
-        f"(buffered {disk['buffered_Bps'] / MiB:.0f} MiB/s); load average {results['machine']['loadavg']}\n"
+        f"(buffered {disk['buffered_Bps'] / MiB:.0f} MiB/s); one process torch.save + fsync "
+        f"{results['serialization']['torch_save_fsync_Bps'] / MiB:.0f} MiB/s; load average {results['machine']['loadavg']}\n"
     )
 
     def row(label: str, fn) -> None:
@@ -603,6 +629,7 @@ def main() -> int:
             key = f"{world}rank" + ("s TP2 PP2 EP2 ETP2" if world == 8 else "")
             results["layouts"][key] = run_layout(world, model_path, os.path.join(base, f"work{world}"), args.timeout)
         results["disk_after"] = disk_write_bandwidth(base)
+        results["serialization"] = serialization_bandwidth(base)
         results["machine_after"] = machine()
         # the better of the two measurements: the stricter reference for the dist-ckpt target
         best = max(disk, results["disk_after"], key=lambda d: d["fsync_Bps"])

@@ -62,7 +62,7 @@ from verl.utils.megatron_utils import (
     get_optimizer_dist_checkpoint_path,
     get_transformer_config_checkpoint_path,
 )
-from verl.utils.rank_comm import ForkedRankComm
+from verl.utils.rank_comm import ForkedRankComm, forked_groups_possible
 
 
 def current_parallel_layout() -> dict[str, int]:
@@ -352,7 +352,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         """Training waits for the staging directory, the HF config (fix 2) and the fork; the fork does the rest."""
         self._prepare_directory(save.staging)
         self._save_hf_config_first(save.staging)
-        hf_in_fork = self.should_save_hf_model and getattr(self.bridge, "saves_in_parallel", False)
+        hf_in_fork = self.should_save_hf_model and getattr(self.bridge, "saves_in_parallel", False) and forked_groups_possible()
         if self.should_save_hf_model and not hf_in_fork:
             self._save_hf_weights(save.staging)  # mbridge's own path needs the default group
         self._snapshot_saves += 1
