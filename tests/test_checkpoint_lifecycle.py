@@ -5,6 +5,7 @@ import os
 import resource
 import shutil
 import signal
+import time
 
 import pytest
 import torch
@@ -537,3 +538,51 @@ def test_a_save_whose_fork_dies_fails_cleanly_and_keeps_the_previous_step(tiny_m
     assert _tracked(root) == "3"
     assert not os.path.exists(_step_path(root, 4)) and not os.path.exists(_step_path(root, 4) + ".incomplete")
     verify_checkpoint(_step_path(root, 3))
+
+
+def _writer_that_outlives_nothing(pid_file: str) -> None:
+    from verl.utils.checkpoint.snapshot_save import die_with_parent
+
+    die_with_parent(os.getppid())
+    with open(pid_file, "w") as handle:
+        handle.write(str(os.getpid()))
+    time.sleep(120)
+
+
+def _rank_that_forks_a_writer(pid_file: str) -> None:
+    import multiprocessing
+
+    multiprocessing.get_context("fork").Process(target=_writer_that_outlives_nothing, args=(pid_file,)).start()
+    time.sleep(120)
+
+
+def test_a_background_writer_dies_with_its_rank(tmp_path):
+    """A rank killed mid-save must not leave its forked writer writing into the staging directory."""
+    import multiprocessing
+
+    import psutil
+
+    pid_file = str(tmp_path / "writer.pid")
+    rank = multiprocessing.get_context("fork").Process(target=_rank_that_forks_a_writer, args=(pid_file,))
+    rank.start()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(pid_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(pid_file) as handle:
+        writer = psutil.Process(int(handle.read()))
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.join(10)
+
+    def gone() -> bool:
+        try:
+            return writer.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survived = not gone()
+    if survived:
+        writer.kill()
+    assert not survived, "the forked writer outlived its killed rank"

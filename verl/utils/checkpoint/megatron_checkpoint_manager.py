@@ -160,8 +160,11 @@ def _merge_async_requests(requests: list[AsyncRequest]) -> AsyncRequest:
         if request.preload_fn is not None:
             args[1] = request.preload_fn()  # megatron's convention: argument 1 holds the write buckets
         calls.append((request.async_fn, tuple(args), dict(request.async_fn_kwargs)))
+    parent_pid = snapshot_save.forking_pid()
 
     def write_all() -> None:
+        if parent_pid is not None:
+            snapshot_save.die_with_parent(parent_pid)
         for fn, args, kwargs in calls:
             fn(*args, **kwargs)
 
@@ -359,7 +362,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         group_name = f"{self.role}/step{save.global_step}/save{self._snapshot_saves}"
         job = functools.partial(self._write_in_fork, save.staging, self._rng_sharded_object(), group_name if hf_in_fork else None)
         return AsyncRequest(
-            functools.partial(snapshot_save.run_and_record, save.staging, self.rank, job),
+            functools.partial(snapshot_save.run_and_record, save.staging, self.rank, job, snapshot_save.forking_pid()),
             (),
             [functools.partial(self._finish_snapshot_save, save.staging, hf_in_fork)],
         )

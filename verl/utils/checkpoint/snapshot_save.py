@@ -14,8 +14,11 @@ runtime); elsewhere the manager keeps megatron's own async save.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
+import signal
+import threading
 import traceback
 from collections.abc import Callable
 from itertools import chain
@@ -29,6 +32,12 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from verl.utils.device import get_device_name
 
 OUTCOME_DIRNAME = ".background"  # inside the staging directory; removed before the manifest is built
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def forking_pid() -> int | None:
+    """This process's pid when called from its main thread (a fork made now may die with it), else None."""
+    return os.getpid() if threading.current_thread() is threading.main_thread() else None
 
 
 def plan_is_reusable(strategy: TorchDistSaveShardedStrategy | None) -> bool:
@@ -65,8 +74,29 @@ def outcome_path(staging: str, rank: int) -> str:
     return os.path.join(staging, OUTCOME_DIRNAME, f"rank{rank}.pkl")
 
 
-def run_and_record(staging: str, rank: int, job: Callable[[], dict[str, Any]]) -> None:
-    """The fork's entry: run ``job`` and leave what it returned, or its traceback, for the parent."""
+def die_with_parent(parent_pid: int) -> None:
+    """In a process forked from the training thread of ``parent_pid``: end when the rank ends.
+
+    A rank killed mid-save (SIGKILL, OOM, a scheduler's stop) must not leave its writer writing into
+    the staging directory that the next run cleans up or reuses. Linux only (``PR_SET_PDEATHSIG``);
+    elsewhere a no-op. The signal follows the thread that forked, so only a fork made from the main
+    thread may ask for it (the caller decides).
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the rank died before the prctl took effect
+        os._exit(1)
+
+
+def run_and_record(staging: str, rank: int, job: Callable[[], dict[str, Any]], parent_pid: int | None = None) -> None:
+    """The fork's entry: run ``job`` and leave what it returned, or its traceback, for the parent.
+
+    ``parent_pid``: given when the fork was made from the rank's main thread (``die_with_parent``)."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     try:
         outcome: dict[str, Any] = {"ok": True, **job()}
     except BaseException:  # noqa: BLE001 - the parent reports it; a fork must not raise into multiprocessing
