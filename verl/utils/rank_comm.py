@@ -53,12 +53,25 @@ class ForkedRankComm(RankComm):
     Every rank's child calls ``ForkedRankComm(name)`` with the same ``name`` (unique per use, e.g. per
     save); they meet under that prefix in the default group's store, which the parent of rank 0 keeps
     serving while it trains. Once they have met, a child that dies fails its peers' next collective
-    at once (its sockets close); one that never arrives holds the others until ``timeout``.
+    at once (its sockets close); one that never arrives fails the others after ``meet_within`` (the
+    children start within moments of each other: their parents fork at the same point of a save).
+    ``timeout`` bounds each collective after that.
     """
 
-    def __init__(self, name: str, timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
+    def __init__(
+        self,
+        name: str,
+        timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+        meet_within: datetime.timedelta = datetime.timedelta(minutes=2),
+    ) -> None:
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         self._store = dist.PrefixStore(f"forked/{name}/", _new_store_client(timeout))
+        # gloo's own rendezvous would wait for a missing peer as long as ``timeout``: meet first.
+        self._store.set(f"arrived/{self._rank}", b"")
+        try:
+            self._store.wait([f"arrived/{rank}" for rank in range(self._world_size)], meet_within)
+        except RuntimeError as exc:  # a timeout, as torch raises it
+            raise RuntimeError(f"not every rank's forked process arrived within {meet_within} (one died?): {exc}") from exc
         self._group = dist.ProcessGroupGloo(self._store, self._rank, self._world_size, timeout)
 
     @property
