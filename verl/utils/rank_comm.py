@@ -55,13 +55,14 @@ class ForkedRankComm(RankComm):
     serving while it trains. Once they have met, a child that dies fails its peers' next collective
     at once (its sockets close); one that never arrives fails the others after ``meet_within`` (the
     children start within moments of each other: their parents fork at the same point of a save).
-    ``timeout`` bounds each collective after that.
+    ``timeout`` bounds each collective after that; it is long because a dead peer fails them at once
+    anyway, and the first one waits for the slowest fork's dist-checkpoint write.
     """
 
     def __init__(
         self,
         name: str,
-        timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+        timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         meet_within: datetime.timedelta = datetime.timedelta(minutes=2),
     ) -> None:
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
