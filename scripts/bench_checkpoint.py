@@ -598,6 +598,40 @@ def print_report(results: dict) -> None:
         print(f"| {name}{target} | {check['value']:.3f} | {verdict} |")
 
 
+def plot_save_times(results: dict, png_path: str) -> str:
+    """Where the time of a warm save goes, per layout: the sync save by phase, and what an async save
+    blocks training for next to what it leaves to the background; horizontal stacked bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = ("dist checkpoints", "HF weights", "HF verification", "commit", "other")
+    colors = ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#999999")
+    layouts = list(results["layouts"].items())
+    fig, axes = plt.subplots(len(layouts), 1, figsize=(8, 1.9 * len(layouts) + 0.6), dpi=100, squeeze=False)
+    for ax, (name, layout) in zip(axes[:, 0], layouts, strict=True):
+        left = 0.0
+        for phase, color in zip(phases, colors, strict=True):
+            width = layout["warm"]["phases_s"].get(phase, 0.0)
+            ax.barh("sync save", width, left=left, color=color, label=phase)
+            left += width
+        blocked, background = layout["async"]["blocked_s"], layout["async"]["finalize_s"]
+        ax.barh("async save", blocked, color="#c44e52", label="async: training blocked")
+        ax.barh("async save", background, left=blocked, color="#c44e52", alpha=0.25, label="async: in the background")
+        ax.text(blocked + background, 1, f"  blocked {blocked:.2f} s ({blocked / layout['warm']['save_s']:.1%} of sync)", va="center")
+        ax.set_title(name, loc="left", fontsize=10)
+        ax.set_xlim(0, max(left, blocked + background) * 1.6)
+        ax.invert_yaxis()
+    axes[-1, 0].set_xlabel("seconds (warm save, %.0fM params)" % (results["params"] / 1e6))
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(png_path)
+    plt.close(fig)
+    return png_path
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=float, default=150e6, help="model size in parameters (default 150e6)")
@@ -605,7 +639,13 @@ def main() -> int:
     parser.add_argument("--out", default="outputs/bench_checkpoint.json")
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir under outputs/)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="per layout, seconds")
+    parser.add_argument("--plot", default=None, help="also write a PNG of where a save's time goes")
+    parser.add_argument("--replot", default=None, metavar="JSON", help="only draw --plot from an earlier run's JSON")
     args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as handle:
+            print(f"wrote {plot_save_times(json.load(handle), args.plot or 'save_times.png')}")
+        return 0
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     base = args.workdir or tempfile.mkdtemp(prefix="bench_ckpt_", dir=os.path.dirname(os.path.abspath(args.out)))
@@ -641,6 +681,8 @@ def main() -> int:
     with open(args.out, "w") as handle:
         json.dump(results, handle, indent=2)
     print_report(results)
+    if args.plot:
+        print(f"wrote {plot_save_times(results, args.plot)}")
     print(f"\nwrote {args.out} ({results['wall_s']:.0f}s)")
     return 0
 
