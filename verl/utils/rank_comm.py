@@ -23,13 +23,8 @@ Transfer = tuple[torch.Tensor, int, int]
 class RankComm:
     """torch.distributed's default group."""
 
-    @property
-    def rank(self) -> int:
-        return dist.get_rank()
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size()
+    def __init__(self) -> None:
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
@@ -65,32 +60,24 @@ class ForkedRankComm(RankComm):
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         meet_within: datetime.timedelta = datetime.timedelta(minutes=2),
     ) -> None:
-        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        super().__init__()
         self._store = dist.PrefixStore(f"forked/{name}/", _new_store_client(timeout))
         # gloo's own rendezvous would wait for a missing peer as long as ``timeout``: meet first.
-        self._store.set(f"arrived/{self._rank}", b"")
+        self._store.set(f"arrived/{self.rank}", b"")
         try:
-            self._store.wait([f"arrived/{rank}" for rank in range(self._world_size)], meet_within)
+            self._store.wait([f"arrived/{rank}" for rank in range(self.world_size)], meet_within)
         except RuntimeError as exc:  # a timeout, as torch raises it
             raise RuntimeError(f"not every rank's forked process arrived within {meet_within} (one died?): {exc}") from exc
-        self._group = dist.ProcessGroupGloo(self._store, self._rank, self._world_size, timeout)
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
+        self._group = dist.ProcessGroupGloo(self._store, self.rank, self.world_size, timeout)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         # Through gloo, not the store: a peer that died then fails this at once instead of at the timeout.
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world_size)]
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         self._group.allgather([sizes], [torch.tensor([payload.numel()])]).wait()
         padded = torch.zeros(int(max(sizes).item()), dtype=torch.uint8)
         padded[: payload.numel()] = payload
-        gathered = [torch.empty_like(padded) for _ in range(self._world_size)]
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
         self._group.allgather([gathered], [padded]).wait()
         return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)]
 
