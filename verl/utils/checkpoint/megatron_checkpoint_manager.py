@@ -86,6 +86,13 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+_DIST_CHECKPOINT_PATHS = {  # content -> where its dist checkpoint goes
+    "model": get_model_dist_checkpoint_path,
+    "optimizer": get_optimizer_dist_checkpoint_path,
+    "extra": get_extra_dist_checkpoint_path,
+}
+
+
 class _PendingSave(NamedTuple):
     """A save whose dist-checkpoint write runs in the background; committed by finalize_async_save."""
 
@@ -346,8 +353,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         """Whether the fork can do the whole save: every plan reusable without a collective, same structure."""
         if not self.async_save or not snapshot_save.on_host(self.model):
             return False
-        contents = [c for c, wanted in (("model", self.should_save_model), ("optimizer", self.should_save_optimizer), ("extra", self.should_save_extra)) if wanted]
-        if not all(snapshot_save.plan_is_reusable(self._save_strategies.get(c, (None, None))[1]) for c in contents):
+        if not all(snapshot_save.plan_is_reusable(self._save_strategies.get(c, (None, None))[1]) for c in self._dist_contents()):
             return False
         return not self.should_save_optimizer or _optimizer_layout(self.optimizer) == self._planned_optimizer_layout
 
@@ -396,10 +402,9 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             failed.sort(key=lambda f: "without a result" not in f[1])  # a fork that died first is the cause
             raise CheckpointError(f"the background save failed on {len(failed)} rank(s): " + "; ".join(f"rank {r}: {e}" for r, e in failed))
         if self.rank == 0:
-            for content, (_, strategy) in self._save_strategies.items():
-                if content in outcome["writes"]:
-                    path = self._dist_checkpoint_path(content, staging)
-                    snapshot_save.finish_dist_checkpoint(strategy, path, [o["writes"][content] for o in everyone])
+            for content in outcome["writes"]:
+                path = _DIST_CHECKPOINT_PATHS[content](staging)
+                snapshot_save.finish_dist_checkpoint(self._save_strategies[content][1], path, [o["writes"][content] for o in everyone])
         if hf_in_fork:
             ok, description = everyone[0]["hf_verdict"]
             self._act_on_hf_verdict(ok, description)
@@ -488,10 +493,10 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if self.should_save_extra:
             yield "extra", {"rng_state": rng_state or self._rng_sharded_object()}, get_extra_dist_checkpoint_path(local_path)
 
-    @staticmethod
-    def _dist_checkpoint_path(content: str, local_path: str) -> str:
-        paths = {"model": get_model_dist_checkpoint_path, "optimizer": get_optimizer_dist_checkpoint_path, "extra": get_extra_dist_checkpoint_path}
-        return paths[content](local_path)
+    def _dist_contents(self) -> list[str]:
+        """The dist checkpoints this manager saves."""
+        wanted = {"model": self.should_save_model, "optimizer": self.should_save_optimizer, "extra": self.should_save_extra}
+        return [content for content in _DIST_CHECKPOINT_PATHS if wanted[content]]
 
     def _save_hf_config_and_tokenizer(self, local_path: str) -> None:
         """Rank 0 only: everything the HF folder needs besides the weights, written before them."""
