@@ -225,7 +225,7 @@ BAD_CONFIGS = {
     "no_cuda": (["trainer.device=cuda"], "trainer.device=cuda but this host has no cuda device; set trainer.device=cpu"),
     "model_path": (["actor_rollout_ref.model.path=/nonexistent/model"], "actor_rollout_ref.model.path=/nonexistent/model does not exist"),
     "resume_path": (["trainer.resume_mode=resume_path"], "trainer.resume_mode=resume_path needs trainer.resume_from_path"),
-    "async_save": (["actor_rollout_ref.actor.checkpoint.async_save=later"], "async_save='later' is not a boolean; set actor_rollout_ref.actor.checkpoint.async_save=True or False"),
+    "async_save": (["actor_rollout_ref.actor.checkpoint.async_save=later"], "actor_rollout_ref.actor.checkpoint.async_save must be true or false, got 'later'"),
     "grad_offload": ([f"{MEGATRON}grad_offload=True"], f"set {MEGATRON}param_offload=True or grad_offload=False"),
     "batch_vs_mini": (["data.train_batch_size=6"], "is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size=8"),
     "micro_vs_dp": (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], "ppo_micro_batch_size_per_gpu=5; set it to a divisor of 32"),

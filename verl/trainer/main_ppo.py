@@ -32,6 +32,7 @@ from verl.trainer.validation import (
     world_size,
 )
 from verl.utils.logging_utils import silence_library_notices
+from verl.workers.config import MegatronActorConfigs, build_megatron_actor_configs
 
 EXIT_CONFIG_ERROR = 2
 EMBEDDED_MODEL_NAME = "tiny_qwen3_moe_l4_e8_v1"
@@ -48,6 +49,8 @@ class RunPlan:
     device: str | None  # None: decided from the Ray cluster's resources
     cluster: bool
     resume: tuple[int, str] | None
+    # The actor's typed checkpoint / optim configs, built once here and handed to the trainer and workers.
+    actor_configs: MegatronActorConfigs | None = None
 
 
 def prepare(config) -> RunPlan:
@@ -71,7 +74,10 @@ def prepare(config) -> RunPlan:
     if problems:
         raise ConfigError(problems)
     resume = find_resume_step(config)
-    return RunPlan(model_path=model_path, device=device, cluster=cluster, resume=resume)
+    actor_configs = build_megatron_actor_configs(
+        config.actor_rollout_ref.actor, total_training_steps=int(config.trainer.total_training_steps)
+    )
+    return RunPlan(model_path=model_path, device=device, cluster=cluster, resume=resume, actor_configs=actor_configs)
 
 
 def embedded_model_path() -> str:
@@ -156,7 +162,7 @@ def run_ppo(config) -> None:
             if problems:
                 _exit_config_error(ConfigError(problems))
         _print_plan(config, plan, device)
-        trainer = RayPPOTrainer(config, plan.model_path, device, plan.resume)
+        trainer = RayPPOTrainer(config, plan.model_path, device, plan.resume, actor_configs=plan.actor_configs)
         try:
             trainer.init_workers()
             trainer.fit()

@@ -12,12 +12,13 @@ import os
 import re
 from typing import Any
 
+from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes
+from verl.workers.config import build_megatron_actor_configs
 
-_MEGATRON = "actor_rollout_ref.actor.megatron."
-_CHECKPOINT = "actor_rollout_ref.actor.checkpoint."
-# verl.utils.checkpoint.checkpoint_manager.ALL_CONTENTS (not imported: it pulls in torch).
-CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+_ACTOR = "actor_rollout_ref.actor"
+_MEGATRON = f"{_ACTOR}.megatron."
+_CHECKPOINT = f"{_ACTOR}.checkpoint."
 RESUME_MODES = ("auto", "disable", "resume_path")
 LOGGERS = ("console", "file")
 DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -138,11 +139,6 @@ def _check_actor(config: Any) -> list[str]:
         problems.append(f"actor_rollout_ref.actor.strategy={actor.strategy}: only megatron is implemented; set actor_rollout_ref.actor.strategy=megatron")
     if not _positive_int(actor.ppo_micro_batch_size_per_gpu):
         problems.append(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} must be an integer >= 1")
-    try:
-        if float(actor.optim.lr) <= 0:
-            problems.append(f"actor_rollout_ref.actor.optim.lr={actor.optim.lr} must be > 0")
-    except (TypeError, ValueError):
-        problems.append(f"actor_rollout_ref.actor.optim.lr={actor.optim.lr} is not a number")
     if not megatron.use_mbridge:
         problems.append(f"{_MEGATRON}use_mbridge=False: models are built only through mbridge here; set {_MEGATRON}use_mbridge=True")
     if not megatron.vanilla_mbridge:
@@ -153,13 +149,12 @@ def _check_actor(config: Any) -> list[str]:
         problems.append(f"{_MEGATRON}context_parallel_size={megatron.context_parallel_size}: the update step does not split sequences over context-parallel ranks yet; set {_MEGATRON}context_parallel_size=1")
     if int(megatron.tensor_model_parallel_size) > 1 and not megatron.sequence_parallel:
         problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: mbridge always uses sequence parallelism with TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
-    if not isinstance(checkpoint.async_save, bool):
-        problems.append(f"{_CHECKPOINT}async_save={checkpoint.async_save!r} is not a boolean; set {_CHECKPOINT}async_save=True or False")
-    for key in ("save_contents", "load_contents"):
-        contents = list(checkpoint[key])
-        unknown = [c for c in contents if c not in CHECKPOINT_CONTENTS]
-        if unknown:
-            problems.append(f"{_CHECKPOINT}{key} has unknown entries {unknown}; choose from {list(CHECKPOINT_CONTENTS)}")
+    # checkpoint.* and optim.*: the typed configs check themselves (one problem each, naming the key).
+    for node in ("checkpoint", "optim"):
+        try:
+            build_megatron_actor_configs({node: actor.get(node)}, path=_ACTOR)
+        except ValueError as exc:
+            problems.append(str(exc))
     if config.trainer.save_freq > 0 and not list(checkpoint.save_contents):
         problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={config.trainer.save_freq}; list what to save or set trainer.save_freq=-1")
     return problems
@@ -358,7 +353,7 @@ def find_resume_step(config: Any) -> tuple[int, str] | None:
     except (CheckpointError, FileNotFoundError) as exc:
         raise ConfigError([f"trainer.resume_mode={trainer.resume_mode}: {exc}"]) from exc
     step = int(_STEP_DIR.match(os.path.basename(step_dir)).group(1))
-    load = list(config.actor_rollout_ref.actor.checkpoint.load_contents)
+    load = build_megatron_actor_configs(config.actor_rollout_ref.actor).checkpoint.load_contents
     problems = []
     missing = [c for c in load if c != "hf_model" and c not in contents.get("save_contents", [])]
     if missing:

@@ -38,6 +38,7 @@ from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_file
 from verl.utils.dataset.arithmetic import PromptSampler, make_arithmetic_dataset
 from verl.utils.fs import atomic_write_text, local_mkdir_safe
 from verl.utils.reward_score import default_compute_score
+from verl.workers.config import MegatronActorConfigs, build_megatron_actor_configs
 from verl.workers.megatron_workers import ActorRolloutRefWorker
 
 METRICS_FILENAME = "metrics.jsonl"
@@ -51,7 +52,16 @@ def sampling_seed(data_seed: int, step: int, dp_rank: int) -> int:
 
 
 class RayPPOTrainer:
-    def __init__(self, config: Any, model_path: str, device: str, resume: tuple[int, str] | None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        model_path: str,
+        device: str,
+        resume: tuple[int, str] | None,
+        actor_configs: MegatronActorConfigs | None = None,
+    ) -> None:
+        """``actor_configs``: the actor's typed checkpoint / optim configs (main_ppo builds them once while
+        validating); built here from ``config`` when not given."""
         from transformers import AutoTokenizer
 
         self.config = config
@@ -60,6 +70,9 @@ class RayPPOTrainer:
         self.resume = resume
         self.default_local_dir = os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))
         self.total_training_steps = int(config.trainer.total_training_steps)
+        self.actor_configs = actor_configs or build_megatron_actor_configs(
+            config.actor_rollout_ref.actor, total_training_steps=self.total_training_steps
+        )
         self.save_freq = int(config.trainer.save_freq)
         self.global_steps = 0
         self.actor_rollout_wg: MegatronRayWorkerGroup | None = None
@@ -82,6 +95,9 @@ class RayPPOTrainer:
         trainer = self.config.trainer
         worker_config = OmegaConf.to_container(self.config.actor_rollout_ref, resolve=True)
         worker_config["model"]["path"] = self.model_path
+        # The typed configs travel in place of their dict nodes; being Mappings, dict-style reads still work.
+        worker_config["actor"]["checkpoint"] = self.actor_configs.checkpoint
+        worker_config["actor"]["optim"] = self.actor_configs.optim
         pool = RayResourcePool(
             [int(trainer.n_gpus_per_node)] * int(trainer.nnodes), use_gpu=self.device == "cuda", name_prefix="actor_rollout"
         )

@@ -1,0 +1,128 @@
+"""The typed configs: upstream's names, fields, defaults and dict-like access; validation where they are
+defined; one builder from the Hydra node that the trainer's checks and the workers share. No torch needed."""
+
+import dataclasses
+import pickle
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from verl.trainer.config import CheckpointConfig
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import (
+    McoreCheckpointConfig,
+    McoreOptimizerConfig,
+    OptimizerConfig,
+    build_megatron_actor_configs,
+)
+
+ACTOR = "actor_rollout_ref.actor"
+
+
+def _hydra(*overrides: str):
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        return compose("ppo_megatron_trainer", overrides=list(overrides))
+
+
+def test_checkpoint_config_is_upstreams_and_reads_both_ways():
+    cfg = CheckpointConfig(save_contents=["model", "optimizer"], load_contents=["model"], async_save=False)
+    assert cfg.get("save_contents") == ["model", "optimizer"] and cfg["load_contents"] == ["model"]
+    assert getattr(cfg, "async_save") is False and cfg.get("no_such_key", 7) == 7
+    assert "strict_hf_verify" in cfg and dict(cfg)["strict"] is True
+    default = CheckpointConfig()
+    assert default.save_contents == ["model", "optimizer", "extra"] == default.load_contents
+    assert (default.async_save, default.strict, default.save_lora_only, default.strict_hf_verify) == (False, True, False, True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.async_save = True
+    assert issubclass(McoreCheckpointConfig, CheckpointConfig) and McoreCheckpointConfig().mbridge_config == {}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"save_contents": ["model", "weights"]}, r"save_contents has unknown entry 'weights'; allowed: \['model', 'optimizer', 'extra', 'hf_model'\]"),
+        ({"load_contents": "model"}, r"load_contents must be a list"),
+        ({"async_save": "false"}, r"async_save must be true or false, got 'false'"),
+        ({"strict_hf_verify": 0}, r"strict_hf_verify must be true or false"),
+        ({"mbridge_config": ["memory_efficient"]}, r"mbridge_config must be a mapping"),
+    ],
+)
+def test_checkpoint_config_refuses_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        McoreCheckpointConfig(**kwargs)
+
+
+def test_optimizer_config_defaults_are_upstreams_and_lr_zero_is_allowed():
+    base, mcore = OptimizerConfig(), McoreOptimizerConfig(lr=0)
+    assert (base.lr, base.weight_decay, base.clip_grad, base.betas, base.total_training_steps) == (1e-3, 0.01, 1.0, (0.9, 0.999), -1)
+    assert (mcore.lr, mcore.optimizer, mcore.lr_decay_style, mcore.use_checkpoint_opt_param_scheduler) == (0.0, "adam", "linear", False)
+    assert McoreOptimizerConfig(lr="3e-3").lr == 0.003  # a YAML 1.1 float that arrives as a string
+    mcore.total_training_steps = 50  # the trainer fills this in after construction, as upstream's does
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        mcore.lr = 1.0
+    with pytest.warns(DeprecationWarning):
+        assert McoreOptimizerConfig(grad_clip=0.5).clip_grad == 0.5
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"lr": -1e-3}, r"McoreOptimizerConfig.lr must be >= 0.0"),
+        ({"lr": "fast"}, r"lr must be a number, got 'fast'"),
+        ({"clip_grad": -1}, r"clip_grad must be >= 0.0"),
+        ({"weight_decay": -0.1}, r"weight_decay must be >= 0.0"),
+        ({"betas": [0.9]}, r"betas must be two numbers"),
+        ({"betas": [0.9, 1.0]}, r"betas must each be in \[0, 1\)"),
+        ({"lr_warmup_steps_ratio": 1.5}, r"lr_warmup_steps_ratio must be in \[0, 1\]"),
+        ({"lr": 1e-3, "min_lr": 1e-2}, r"min_lr=0.01 exceeds lr=0.001"),
+        ({"lr_decay_style": "inverse_square_root"}, r"lr_decay_style='inverse_square_root' is not one of"),
+        ({"lr_decay_style": "WSD"}, r"'WSD' needs lr_wsd_decay_steps"),
+        ({"lr_decay_steps": 0}, r"lr_decay_steps must be a positive integer or null"),
+        ({"optimizer": "adagrad"}, r"optimizer='adagrad' is not one of"),
+        ({"exp_avg_dtype": "fp8"}, r"exp_avg_dtype='fp8' is not one of"),
+        ({"total_training_steps": 1.5}, r"total_training_steps must be an integer"),
+    ],
+)
+def test_optimizer_config_refuses_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        McoreOptimizerConfig(**kwargs)
+
+
+def test_omega_conf_to_dataclass_follows_target_and_names_unknown_keys():
+    built = omega_conf_to_dataclass({"_target_": "verl.workers.config.McoreOptimizerConfig", "lr": 0.5})
+    assert type(built) is McoreOptimizerConfig and built.lr == 0.5
+    assert omega_conf_to_dataclass(built) is built  # already built: passed through, not re-parsed
+    assert omega_conf_to_dataclass({}, CheckpointConfig) == CheckpointConfig()
+    with pytest.raises(ValueError, match=r"McoreOptimizerConfig has no field\(s\) \['lrr'\]"):
+        omega_conf_to_dataclass({"lrr": 1.0}, McoreOptimizerConfig)
+
+
+def test_hydra_node_builds_the_typed_configs_once():
+    config = _hydra(f"{ACTOR}.checkpoint.strict_hf_verify=false", f"{ACTOR}.optim.lr=0")
+    built = build_megatron_actor_configs(config.actor_rollout_ref.actor, total_training_steps=120)
+    assert type(built.checkpoint) is McoreCheckpointConfig and built.checkpoint.strict_hf_verify is False
+    assert built.checkpoint.load_contents == built.checkpoint.save_contents == ["model", "optimizer", "extra", "hf_model"]
+    assert built.optim.lr == 0.0 and built.optim.total_training_steps == 120 and built.optim.lr_decay_style == "constant"
+    # What the workers receive (a plain dict with the typed configs in place) builds the same objects.
+    again = build_megatron_actor_configs({"checkpoint": built.checkpoint, "optim": built.optim})
+    assert again.checkpoint is built.checkpoint and again.optim is built.optim
+    assert pickle.loads(pickle.dumps(built)) == built  # they travel to the Ray workers
+
+
+def test_pre_start_validation_reports_typed_config_errors_by_hydra_key():
+    from verl.trainer.validation import check_config
+
+    assert check_config(_hydra(f"{ACTOR}.optim.lr=0"), None) == []
+    problems = check_config(_hydra(f"{ACTOR}.checkpoint.async_save=later", f"{ACTOR}.optim.lr=-1"), None)
+    assert f"{ACTOR}.checkpoint.async_save must be true or false, got 'later'" in problems  # what the CLI test expects
+    assert f"{ACTOR}.optim.lr must be >= 0.0, got -1" in problems
+    problems = check_config(_hydra(f"{ACTOR}.checkpoint.save_contents=[model,weights]"), None)
+    assert any(f"{ACTOR}.checkpoint.save_contents has unknown entry 'weights'" in p for p in problems), problems
+
+
+def test_typed_configs_import_without_torch():
+    """The pre-start checks run before torch is imported (a bad command line fails in about a second)."""
+    code = "import sys, verl.workers.config, verl.trainer.config; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
