@@ -29,7 +29,7 @@ def _hydra(*overrides: str):
 def test_checkpoint_config_is_upstreams_and_reads_both_ways():
     cfg = CheckpointConfig(save_contents=["model", "optimizer"], load_contents=["model"], async_save=False)
     assert cfg.get("save_contents") == ["model", "optimizer"] and cfg["load_contents"] == ["model"]
-    assert getattr(cfg, "async_save") is False and cfg.get("no_such_key", 7) == 7
+    assert cfg.async_save is False and cfg.get("no_such_key", 7) == 7
     assert "strict_hf_verify" in cfg and dict(cfg)["strict"] is True
     default = CheckpointConfig()
     assert default.save_contents == ["model", "optimizer", "extra"] == default.load_contents
