@@ -19,8 +19,6 @@ class Worker:
         self._world_size = int(os.environ["WORLD_SIZE"])
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        self._master_addr = os.environ["MASTER_ADDR"]
-        self._master_port = int(os.environ["MASTER_PORT"])
 
     @property
     def rank(self) -> int:
@@ -33,9 +31,6 @@ class Worker:
     @property
     def local_rank(self) -> int:
         return self._local_rank
-
-    def get_master_addr_port(self) -> tuple[str, int]:
-        return self._master_addr, self._master_port
 
     def get_node_and_pid(self) -> tuple[str, int]:
         """(IP of this worker's node, its process id): the group uses them to clean up after a failure."""

@@ -23,12 +23,6 @@ class ParallelSizes:
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
 
-    def min_world_size(self) -> int:
-        """Smallest world size that fits both the dense and the expert layout."""
-        dense = self.tp * self.pp * self.cp
-        expert = self.expert_tp * self.ep * self.pp
-        return dense * expert // _gcd(dense, expert)
-
     def validate(
         self,
         world_size: int,
@@ -106,9 +100,3 @@ class ParallelSizes:
             expert_tensor_parallel_size=self.expert_tp,
         )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
