@@ -15,7 +15,7 @@ setup(
     description="verl overlay: trustworthy Megatron checkpointing for RL training",
     packages=find_packages(include=["verl", "verl.*"]),
     package_data={"verl": ["trainer/config/*.yaml"]},
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # the only version tested (README)
     install_requires=requirements,
     extras_require={"test": ["pytest>=8", "ruff"]},
 )

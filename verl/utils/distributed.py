@@ -1,8 +1,8 @@
 """Run one function on N local ranks (processes) joined by torch.distributed.
 
-Used by the tests and by the single-machine main job. A rank that raises, dies or exceeds the
-timeout fails the whole run with that rank's traceback; every other rank is then killed, so a
-collective left waiting never hangs the caller.
+Used by the tests and the benchmarks in scripts/ (the main job starts its ranks as Ray actors). A rank
+that raises, dies or exceeds the timeout fails the whole run with that rank's traceback; every other
+rank is then killed, so a collective left waiting never hangs the caller.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ One step (``RayPPOTrainer.fit``):
 1. the next ``data.train_batch_size`` prompts of the synthetic task (``verl.utils.dataset.arithmetic``),
    each repeated ``rollout.n`` times;
 2. ``generate_sequences`` on the ranks: the actor's current weights go to an HF model in memory
-   (mbridge ``export_weights``), which samples the responses; the sampling seed is a function of
+   (``verl.models.mcore.parallel_hf_save.gather_hf_weights``), which samples the responses; the sampling seed is a function of
    ``data.seed``, the step and the data-parallel rank, so a resumed run samples what an uninterrupted one would;
 3. rule-based rewards on the driver, GRPO advantages (group-normalised per prompt);
 4. ``compute_log_prob``: Megatron recomputes the responses' log-probabilities (the PPO "old" policy;
