@@ -79,6 +79,31 @@ def _opt_tensors(optimizer) -> list[torch.Tensor]:
     return tensors
 
 
+def _main_params(optimizer) -> list[torch.Tensor]:
+    return [
+        t
+        for opt in optimizer.chained_optimizers
+        for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups")
+        for group in getattr(opt, attr, None) or []
+        for t in group
+    ]
+
+
+def _optimizer_offloaded_as_upstream(optimizer, working: list[torch.Tensor], bits: dict) -> dict:
+    """After offload_megatron_optimizer: every state tensor and main parameter is a CPU tensor holding its
+    values (upstream's observable result; on a CPU host the device reads "cpu" either way, so the values and
+    the storages are what tells), and the working tensors it stood in for hold no bytes."""
+    states, mains = _opt_tensors(optimizer), _main_params(optimizer)
+    return {
+        "on_cpu": all(t.device.type == "cpu" for t in states + mains),
+        "values_held": _mismatches(bits, _opt_bits(optimizer)) == [],
+        "stand_ins_have_storage": all(t.untyped_storage().nbytes() > 0 for t in states + mains if t.numel()),
+        "not_the_working_tensors": all(s is not w for s, w in zip(states, working, strict=True)),
+        "working_freed": _all_freed(working)
+        and _all_freed(getattr(p, megatron_utils._DEVICE_TENSOR_ATTR) for p in mains),
+    }
+
+
 def _residence(model: list) -> tuple[str, bool]:
     return megatron_utils.get_megatron_module_device(model), megatron_utils.is_megatron_module_offloaded(model)
 
@@ -123,6 +148,7 @@ def _offload_roundtrip(use_distributed_optimizer: bool) -> dict:
     report["grads_nonzero"] = any(g.any().item() for g in grads.values())
     report["on_device"] = _residence(model)
 
+    working_states = _opt_tensors(optimizer)
     megatron_utils.offload_megatron_model_to_cpu(model)
     megatron_utils.offload_megatron_optimizer(optimizer)
     report["offloaded"] = _residence(model)
@@ -131,10 +157,15 @@ def _offload_roundtrip(use_distributed_optimizer: bool) -> dict:
         "params": _all_freed(all_params),
         "main_grads": _all_freed(p.main_grad for p in all_params),
         "grad_data": _all_freed(b.grad_data for b in buffers),
-        "optimizer_states": _all_freed(_opt_tensors(optimizer)),
     }
+    report["optimizer_offloaded"] = _optimizer_offloaded_as_upstream(optimizer, working_states, states)
     roots = [t for chunk in model for _, t in megatron_utils._param_roots(chunk)] + [b.grad_data for b in buffers]
-    host_ptrs = _host_copy_ptrs(roots + _opt_tensors(optimizer))
+
+    def host_ptrs_now() -> list:
+        states_host = [getattr(t, megatron_utils._STATE_HOST_ATTR).data_ptr() for t in working_states]
+        return _host_copy_ptrs(roots) + states_host
+
+    host_ptrs = host_ptrs_now()
 
     # A second offload is a no-op; reloading twice likewise.
     megatron_utils.offload_megatron_model_to_cpu(model)
@@ -145,6 +176,7 @@ def _offload_roundtrip(use_distributed_optimizer: bool) -> dict:
     megatron_utils.load_megatron_model_to_gpu(model)
     megatron_utils.load_megatron_optimizer(optimizer)
     report["reloaded"] = _residence(model)
+    report["same_state_objects"] = all(a is b for a, b in zip(_opt_tensors(optimizer), working_states, strict=True))
     report["param_mismatches"] = _mismatches(params, _param_bits(model))
     report["grad_mismatches"] = _mismatches(grads, _grad_bits(model))
     report["state_mismatches"] = _mismatches(states, _opt_bits(optimizer))
@@ -152,7 +184,7 @@ def _offload_roundtrip(use_distributed_optimizer: bool) -> dict:
     # The second cycle reuses the host copies of the first: no second host copy is ever allocated.
     megatron_utils.offload_megatron_model_to_cpu(model)
     megatron_utils.offload_megatron_optimizer(optimizer)
-    report["host_copies_reused"] = _host_copy_ptrs(roots + _opt_tensors(optimizer)) == host_ptrs
+    report["host_copies_reused"] = host_ptrs_now() == host_ptrs
     megatron_utils.load_megatron_model_to_gpu(model)
     megatron_utils.load_megatron_optimizer(optimizer)
     report["second_cycle_mismatches"] = _mismatches(params, _param_bits(model)) + _mismatches(
@@ -252,25 +284,23 @@ def _bf16_main_params_roundtrip(use_distributed_optimizer: bool) -> dict:
     optimizer = get_megatron_optimizer(config, model)
     train_step(model, optimizer, _ConstantLR(), _microbatches())
     params, grads, states = _param_bits(model), _grad_bits(model), _opt_bits(optimizer)
-    main_params = [
-        t
-        for opt in optimizer.chained_optimizers
-        for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups")
-        for group in getattr(opt, attr, None) or []
-        for t in group
-    ]
+    main_params, working_states = _main_params(optimizer), _opt_tensors(optimizer)
+    main_storages = [p.untyped_storage()._cdata for p in main_params]
     megatron_utils.offload_megatron_model_to_cpu(model)
     megatron_utils.offload_megatron_optimizer(optimizer)
     report = {
         "optimizer": type(optimizer.chained_optimizers[0]).__name__,
         "main_params": len(main_params),
-        "main_params_freed": _all_freed(main_params),
-        "states_freed": _all_freed(_opt_tensors(optimizer)),
+        "offloaded_as_upstream": _optimizer_offloaded_as_upstream(optimizer, working_states, states),
         "offloaded": _residence(model),
     }
     megatron_utils.load_megatron_model_to_gpu(model)
     megatron_utils.load_megatron_optimizer(optimizer)
     report["reloaded"] = _residence(model)
+    # The main parameters are the same objects on their own storages again, the states the same tensors.
+    report["same_objects"] = [p.untyped_storage()._cdata for p in _main_params(optimizer)] == main_storages and all(
+        a is b for a, b in zip(_opt_tensors(optimizer), working_states, strict=True)
+    )
     report["mismatches"] = (
         _mismatches(params, _param_bits(model))
         + _mismatches(grads, _grad_bits(model))
@@ -385,7 +415,9 @@ def test_offload_reload_is_bit_exact_and_training_continues(layout, use_distribu
         assert report["fresh"] == report["on_device"] == (device, False), where
         assert report["offloaded"] == report["offloaded_twice"] == ("cpu", True), where
         assert report["reloaded"] == (device, False), where
-        assert report["freed"] == {"params": True, "main_grads": True, "grad_data": True, "optimizer_states": True}
+        assert report["freed"] == {"params": True, "main_grads": True, "grad_data": True}
+        assert all(report["optimizer_offloaded"].values()), (where, report["optimizer_offloaded"])
+        assert report["same_state_objects"], where
         # Bit for bit, twice, with the host copies of the first cycle reused.
         assert report["param_mismatches"] == [], where
         assert report["grad_mismatches"] == [], where
@@ -414,7 +446,8 @@ def test_bf16_fp32_main_params_offload_bit_exact(use_distributed_optimizer):
     report = run_on_ranks(_bf16_main_params_roundtrip, 1, ParallelSizes(), args=(use_distributed_optimizer,))[0]
     expected = "DistributedOptimizer" if use_distributed_optimizer else "Float16OptimizerWithFloat16Params"
     assert report["optimizer"] == expected
-    assert report["main_params"] > 0 and report["main_params_freed"] and report["states_freed"]
+    assert report["main_params"] > 0 and all(report["offloaded_as_upstream"].values()), report["offloaded_as_upstream"]
+    assert report["same_objects"]
     assert report["offloaded"] == ("cpu", True)
     assert report["reloaded"] == (get_device_name(), False)
     assert report["mismatches"] == []

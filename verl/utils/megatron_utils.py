@@ -35,7 +35,7 @@ import functools
 import gc
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -384,7 +384,36 @@ def load_megatron_model_to_gpu(models: Iterable, load_grad: bool = True, load_fr
 
 # ---------------------------------------------------------------------------
 # Optimizer offload / reload
+#
+# Upstream's observable result: after an offload every tensor the optimizer owns (its Adam moments, any
+# master_param, the fp32 main parameter copies) *is* a CPU tensor holding its values. Each place that
+# holds one (a state-dict entry, a main parameter's ``.data``) is therefore pointed at a CPU view of a
+# host copy, and the working tensor's storage is freed. The working tensor object itself is kept and put
+# back on reload, so it stays the same object (views, state-dict keys and anything else holding it stay
+# valid), and its host copy is reused by every later offload, as for the model.
 # ---------------------------------------------------------------------------
+
+_DEVICE_TENSOR_ATTR = "_verl_device_tensor"  # while offloaded: the working tensor a CPU stand-in replaces
+_STATE_HOST_ATTR = "_verl_state_host_copy"  # a uint8 CPU tensor holding the bytes of the working storage
+
+
+class _Slot:
+    """One place the optimizer keeps a tensor: a state-dict entry, or a main parameter's ``.data``."""
+
+    def __init__(self, name: str, current: torch.Tensor, put, param: torch.Tensor | None = None) -> None:
+        self.name, self.current, self.put, self.param = name, current, put, param
+
+    def marked(self, stand_in: torch.Tensor) -> Any:
+        """Where the offloaded working tensor is recorded: the parameter (whose ``.data`` is a fresh
+        alias at every read), else the stand-in the state dict now holds."""
+        return self.param if self.param is not None else stand_in
+
+    def offloaded(self) -> torch.Tensor | None:
+        return getattr(self.param if self.param is not None else self.current, _DEVICE_TENSOR_ATTR, None)
+
+    def keeper(self, working: torch.Tensor) -> Any:
+        """The object that keeps the host copy between cycles (the parameter, or the state tensor)."""
+        return self.param if self.param is not None else working
 
 
 def _iter_opts(optimizers: Any) -> list:
@@ -396,63 +425,124 @@ def _iter_opts(optimizers: Any) -> list:
     return [optimizers]
 
 
-def _main_params(opt: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _main_param_slots(opt: Any) -> list[_Slot]:
     """fp32 main copies the optimizer owns: ``shard_fp32_from_float16_groups`` (distributed optimizer)
     and ``fp32_from_float16_groups`` (Float16OptimizerWithFloat16Params). ``shard_fp32_groups`` and
     ``fp32_from_fp32_groups`` are the model's own parameters (or views of them) and belong to the model."""
+    slots = []
     for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
         for group_index, group in enumerate(getattr(opt, attr, None) or []):
-            for index, tensor in enumerate(group or []):
-                if isinstance(tensor, torch.Tensor):
-                    yield f"{attr}[{group_index}][{index}]", tensor
+            for index, param in enumerate(group or []):
+                if isinstance(param, torch.Tensor):
+                    slots.append(
+                        _Slot(f"{attr}[{group_index}][{index}]", param.data, functools.partial(setattr, param, "data"), param)
+                    )
+    return slots
 
 
-def _state_tensors(opt: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _state_slots(opt: Any) -> list[_Slot]:
     inner = getattr(opt, "optimizer", None)
     if inner is None:  # a rank that holds no parameters (custom pipeline layouts)
-        return
+        return []
+    slots = []
     for index, state in enumerate(inner.state.values()):
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                yield f"optimizer state {index} {key!r}", value
+                slots.append(_Slot(f"optimizer state {index} {key!r}", value, functools.partial(state.__setitem__, key)))
+    return slots
 
 
-def _unique_storages(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    seen: set[int] = set()
-    for name, tensor in named:
-        key = _storage_key(tensor)
-        if key not in seen:
-            seen.add(key)
-            yield name, tensor
+def _pin_state_copy(nbytes: int) -> bool:
+    """Pin a state's host copy on an accelerator host unless torch's caching host allocator, which rounds
+    pinned requests up to a power of two, would waste more than an eighth of it; a pageable copy is
+    exact (its transfers are synchronous)."""
+    if get_device_name() == "cpu" or nbytes == 0:
+        return False
+    return (1 << (nbytes - 1).bit_length()) - nbytes <= nbytes // 8
+
+
+def _state_host_copy(slots: list[_Slot], workings: list[torch.Tensor], nbytes: int) -> torch.Tensor:
+    """The host copy of one working storage: the one made at the first offload, else a new one."""
+    keepers = [slot.keeper(working) for slot, working in zip(slots, workings, strict=True)]
+    host = next((getattr(k, _STATE_HOST_ATTR) for k in keepers if getattr(k, _STATE_HOST_ATTR, None) is not None), None)
+    if host is None:
+        host = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=_pin_state_copy(nbytes))
+    elif host.numel() != nbytes:
+        raise RuntimeError(
+            f"offload of {slots[0].name}: its storage is {nbytes} bytes, its host copy {host.numel()}; whatever "
+            f"replaced this tensor must keep its size or delete its {_STATE_HOST_ATTR!r} attribute"
+        )
+    for keeper in keepers:
+        setattr(keeper, _STATE_HOST_ATTR, host)
+    return host
+
+
+def _offload_slots(slots: list[_Slot]) -> int:
+    """Point every slot at a CPU view of its host copy; free the working storages. Returns bytes moved."""
+    groups: dict[int, list[_Slot]] = {}
+    for slot in slots:
+        tensor = slot.current
+        if slot.offloaded() is not None or not _on_compute_device(tensor) or _storage_nbytes(tensor) == 0:
+            continue  # offloaded already, host-resident (Adam's step on a GPU host), or empty
+        groups.setdefault(_storage_key(tensor), []).append(slot)
+    moved = 0
+    for group in groups.values():
+        workings = [slot.current for slot in group]
+        nbytes = _storage_nbytes(workings[0])
+        host = _state_host_copy(group, workings, nbytes)
+        host.copy_(_storage_bytes(workings[0]), non_blocking=False)  # on the host before the storage is freed
+        for slot, working in zip(group, workings, strict=True):
+            stand_in = torch.empty(0, dtype=working.dtype).set_(
+                host.untyped_storage(), working.storage_offset(), working.size(), working.stride()
+            )
+            slot.put(stand_in)
+            setattr(slot.marked(stand_in), _DEVICE_TENSOR_ATTR, working)
+        workings[0].untyped_storage().resize_(0)
+        moved += nbytes
+    return moved
+
+
+def _reload_slots(slots: list[_Slot]) -> int:
+    """Give each offloaded working tensor its bytes back and put it back in its slot. Returns bytes moved."""
+    moved = 0
+    for slot in slots:
+        working = slot.offloaded()
+        if working is None:
+            continue
+        if _is_released(working):  # the first slot of a shared storage brings it back for all
+            host = getattr(slot.keeper(working), _STATE_HOST_ATTR)
+            working.untyped_storage().resize_(host.numel())
+            _storage_bytes(working).copy_(host, non_blocking=True)  # the host copy stays alive for the next offload
+            moved += host.numel()
+        setattr(slot.param if slot.param is not None else slot.current, _DEVICE_TENSOR_ATTR, None)
+        slot.put(working)
+    return moved
 
 
 @torch.no_grad()
 def offload_megatron_copy_params(optimizers: Any) -> None:
-    """Offload the optimizer's fp32 main parameter copies (ChainedOptimizer or a single optimizer)."""
+    """Offload the optimizer's fp32 main parameter copies (ChainedOptimizer or a single optimizer):
+    afterwards each is a CPU tensor holding its values."""
     for opt in _iter_opts(optimizers):
-        for name, tensor in _unique_storages(_main_params(opt)):
-            if _on_compute_device(tensor):
-                _offload_storage(tensor, name)
+        _offload_slots(_main_param_slots(opt))
 
 
 @torch.no_grad()
 def load_megatron_copy_params(optimizers: Any) -> None:
-    """Reload the optimizer's fp32 main parameter copies."""
+    """Reload the optimizer's fp32 main parameter copies onto the device, bit for bit."""
     for opt in _iter_opts(optimizers):
-        for name, tensor in _unique_storages(_main_params(opt)):
-            _reload_storage(tensor, name)
+        _reload_slots(_main_param_slots(opt))
 
 
 @torch.no_grad()
 def offload_megatron_optimizer(optimizers: Any) -> None:
-    """Offload the optimizer's main parameter copies and every tensor in its state (exp_avg,
-    exp_avg_sq, step, master_param, ...) that lives on the device. Model parameters and grads the
-    optimizer references are left to :func:`offload_megatron_model_to_cpu`. Idempotent."""
+    """Offload the optimizer's main parameter copies and every tensor in its state (exp_avg, exp_avg_sq,
+    master_param, ...) that lives on the device: afterwards each is a CPU tensor holding its values, as
+    upstream's. Model parameters and grads the optimizer references are left to
+    :func:`offload_megatron_model_to_cpu`. Idempotent."""
+    moved = 0
     for opt in _iter_opts(optimizers):
-        offload_megatron_copy_params(opt)
-        for name, tensor in _unique_storages(_state_tensors(opt)):
-            if _on_compute_device(tensor):
-                _offload_storage(tensor, name)
+        moved += _offload_slots(_main_param_slots(opt) + _state_slots(opt))
     try:
         from megatron.core.parallel_state import get_global_memory_buffer
 
@@ -462,15 +552,15 @@ def offload_megatron_optimizer(optimizers: Any) -> None:
         pass
     gc.collect()
     _empty_cache()
+    logger.debug("offloaded %.1f MiB of optimizer state", moved / 2**20)
 
 
 @torch.no_grad()
 def load_megatron_optimizer(optimizers: Any) -> None:
-    """Reload what :func:`offload_megatron_optimizer` offloaded, bit for bit. Idempotent."""
+    """Reload what :func:`offload_megatron_optimizer` offloaded, bit for bit, into the same tensor objects.
+    Idempotent."""
     for opt in _iter_opts(optimizers):
-        load_megatron_copy_params(opt)
-        for name, tensor in _unique_storages(_state_tensors(opt)):
-            _reload_storage(tensor, name)
+        _reload_slots(_main_param_slots(opt) + _state_slots(opt))
     _synchronize()
     gc.collect()
     _empty_cache()
