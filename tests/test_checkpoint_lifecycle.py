@@ -1,7 +1,9 @@
 """Crash-safe lifecycle: atomic commit, resume from the last complete step, retention, bad checkpoints."""
 
 import json
+import math
 import os
+import re
 import resource
 import shutil
 import signal
@@ -142,7 +144,7 @@ def test_sigkill_in_any_phase_keeps_the_previous_step(tiny_moe_path, base_root, 
     assert path == _step_path(root, 1)
     if phase == "tracker":
         assert any("never tracked" in note for note in notes)
-    assert loss == loss  # finite: training continued
+    assert math.isfinite(loss)  # training continued
     assert _tracked(root) == "2"
     verify_checkpoint(_step_path(root, 2))
     assert not os.path.exists(_step_path(root, 2) + ".incomplete")
@@ -282,7 +284,7 @@ def test_sigkill_before_async_finalize_keeps_the_previous_step(tiny_moe_path, ba
     path, notes, loss = run_on_ranks(_resume_and_continue, WORLD, LAYOUT, args=(tiny_moe_path, root, True))[0]
     assert path == _step_path(root, 1)
     assert any("interrupted save of step 2" in note for note in notes)
-    assert loss == loss
+    assert math.isfinite(loss)
     assert _tracked(root) == "2"
     verify_checkpoint(_step_path(root, 2))
     assert not os.path.exists(staging)
@@ -427,9 +429,8 @@ def test_bad_checkpoint_gets_a_clear_error_and_nothing_is_deleted(base_root, tmp
     step = _step_path(root, 1)
     expected = corrupt(step)
     before = _files(root)
-    with pytest.raises(CheckpointError, match="") as err:
+    with pytest.raises(CheckpointError, match=re.escape(expected)):
         verify_checkpoint(step)
-    assert expected in str(err.value)
     with pytest.raises(CheckpointError):
         find_resume_checkpoint(root)  # a resume refuses the damaged tracked step too
     assert _files(root) == before
