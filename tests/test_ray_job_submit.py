@@ -67,6 +67,9 @@ def test_ray_job_submit_to_loopback_head(tmp_path, tiny_moe_path):
     assert contents["parallel"]["world_size"] == 2 and contents["parallel"]["ep"] == 2
     metrics = json.loads((ckpt / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["checkpoint"]["hf"] == "all 135 tensors present with the expected shapes"
-    # A GRPO step ran: responses were sampled, scored, and Megatron's logprobs matched the rollout's.
-    assert 0.0 <= metrics["critic/score/mean"] <= 1.0 and metrics["response_length/mean"] > 0
+    # A GRPO step ran: responses of 1 to max_response_length (2) tokens were sampled and scored 0 or 1 (so
+    # the mean score is the share of right answers), the update stepped, and Megatron's logprobs matched.
+    assert {metrics["critic/score/min"], metrics["critic/score/max"]} <= {0.0, 1.0}
+    assert metrics["critic/score/mean"] == metrics["critic/accuracy"]
+    assert 1.0 <= metrics["response_length/mean"] <= 2.0 and metrics["actor/update_ok"] is True
     assert metrics["rollout/log_prob_diff_max"] <= 1e-4
