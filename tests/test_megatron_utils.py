@@ -315,8 +315,8 @@ class _ConstantLR:
         pass
 
 
-def _seed_scenario() -> dict:
-    """The seed's layout (PP4 EP2 TP2 ETP2 on 16 ranks, use_distributed_optimizer=False)."""
+def _pp4_ep2_tp2_etp2_scenario() -> dict:
+    """PP4 EP2 TP2 ETP2 on 16 ranks with use_distributed_optimizer=False: fix 1's case at a 16-rank MoE layout."""
     model = _build(use_distributed_optimizer=False)
     params = _param_bits(model)
     report = {"param_data_is_none": [b.param_data is None for b in _buffers(model)], "on_device": _residence(model)}
@@ -433,8 +433,8 @@ def test_bf16_fp32_main_params_offload_bit_exact(use_distributed_optimizer):
     assert report["next_step"]["update_ok"]
 
 
-def test_seed_layout_pp4_ep2_tp2_etp2_without_distributed_optimizer():
-    reports = run_on_ranks(_seed_scenario, 16, ParallelSizes(tp=2, pp=4, ep=2, etp=2), timeout_s=600)
+def test_pp4_ep2_tp2_etp2_without_distributed_optimizer():
+    reports = run_on_ranks(_pp4_ep2_tp2_etp2_scenario, 16, ParallelSizes(tp=2, pp=4, ep=2, etp=2), timeout_s=600)
     for rank, report in enumerate(reports):
         assert report["param_data_is_none"] and all(report["param_data_is_none"]), rank
         assert report["on_device"] == report["reloaded"] == (get_device_name(), False), rank
