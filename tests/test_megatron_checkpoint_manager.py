@@ -13,7 +13,7 @@ from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpoint
 from verl.utils.distributed import RankFailure, run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
-SEED_LAYOUT = ParallelSizes(tp=2, pp=4, ep=2, etp=2)
+PP4_EP2_TP2_ETP2 = ParallelSizes(tp=2, pp=4, ep=2, etp=2)
 
 
 def _batches(seed: int) -> list[torch.Tensor]:
@@ -138,7 +138,7 @@ def _save_hf(src: str, root: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "sizes,world", [(ParallelSizes(), 1), (ParallelSizes(2, 2, 2, 2), 8), (SEED_LAYOUT, 16)], ids=["1rank", "tp2pp2ep2etp2", "seed"]
+    "sizes,world", [(ParallelSizes(), 1), (ParallelSizes(2, 2, 2, 2), 8), (PP4_EP2_TP2_ETP2, 16)], ids=["1rank", "tp2pp2ep2etp2", "pp4ep2tp2etp2"]
 )
 def test_real_bridge_export_is_complete(tiny_moe_path, tmp_path, sizes, world):
     run_on_ranks(_save_hf, world, sizes, args=(tiny_moe_path, str(tmp_path)))
@@ -150,21 +150,21 @@ def test_real_bridge_export_is_complete(tiny_moe_path, tmp_path, sizes, world):
         assert (hf / name).exists(), name
 
 
-# --------------------------------------------------------------------------- seed scenario end to end
+# --------------------------------------------------------------------------- PP4 EP2 TP2 ETP2 end to end
 
 
-def _seed_save_and_logits(src: str, root: str, tokens: torch.Tensor) -> torch.Tensor:
+def _pp4_ep2_tp2_etp2_save_and_logits(src: str, root: str, tokens: torch.Tensor) -> torch.Tensor:
     actor = _actor(src, use_distributed_optimizer=False)
     actor.train_step(_batches(0))
     actor.save_checkpoint(os.path.join(root, "global_step_1", "actor"), global_step=1)
     return actor.logits(tokens)
 
 
-def test_seed_layout_saves_everything_and_transformers_loads_it(tiny_moe_path, tmp_path):
+def test_pp4_ep2_tp2_etp2_saves_everything_and_transformers_loads_it(tiny_moe_path, tmp_path):
     from transformers import AutoModelForCausalLM
 
     tokens = torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(3))
-    logits = run_on_ranks(_seed_save_and_logits, 16, SEED_LAYOUT, args=(tiny_moe_path, str(tmp_path), tokens))[0]
+    logits = run_on_ranks(_pp4_ep2_tp2_etp2_save_and_logits, 16, PP4_EP2_TP2_ETP2, args=(tiny_moe_path, str(tmp_path), tokens))[0]
     step = tmp_path / "global_step_1" / "actor"
     contents = json.loads((step / "ckpt_contents.json").read_text())
     assert contents["save_contents"] == ["model", "optimizer", "extra", "hf_model"]
