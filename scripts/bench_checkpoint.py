@@ -250,9 +250,9 @@ def timed_manager_class() -> type:
             self.phase_times[label] = time.monotonic() - start
             return result
 
-        def _enter_phase(self, phase: str) -> None:
+        def on_save_phase(self, phase: str) -> None:
             self.phase_starts[phase] = time.monotonic()
-            super()._enter_phase(phase)
+            super().on_save_phase(phase)
 
     return TimedManager
 

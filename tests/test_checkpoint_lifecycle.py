@@ -91,7 +91,7 @@ def _crashing_manager(phase: str, mode: str) -> type:
     class CrashingManager(MegatronCheckpointManager):
         """SIGKILLs rank 1 (mode 'one'; rank 0 for rank-0-only phases) or every rank ('all') at ``phase``."""
 
-        def _enter_phase(self, name):
+        def on_save_phase(self, name):
             if name != phase:
                 return
             victims = {0, 1} if mode == "all" else ({0} if phase == "hf_config" else {1})
@@ -100,7 +100,7 @@ def _crashing_manager(phase: str, mode: str) -> type:
 
         def _hf_config_barrier(self):
             if self.rank != 0:  # in 'all' mode the ranks waiting for rank 0's config die there
-                self._enter_phase("hf_config")
+                self.on_save_phase("hf_config")
             super()._hf_config_barrier()
 
     return CrashingManager
@@ -168,7 +168,7 @@ def _params_and_optimizer(actor) -> dict[str, object]:
             out[prefix] = value.detach().clone() if isinstance(value, torch.Tensor) else value
 
     walk("optimizer", actor.optimizer.state_dict())
-    walk("rng", actor.checkpoint_manager.get_rng_state())
+    walk("rng", actor.checkpoint_manager.get_rng_state(use_dist_ckpt=False))
     return out
 
 
@@ -351,6 +351,25 @@ def _save_steps_with_retention_from_one(src: str, root: str) -> list[list[str]]:
     return seen
 
 
+def _resume_then_save_with_retention_of_one(src: str, root: str) -> list[list[str]]:
+    actor = _actor(src)
+    actor.load_checkpoint(_step_path(root, 1))  # the steps on disk become the run's previous saves
+    seen = []
+    for step in (2, 3):
+        actor.train_step(_batches(step))
+        actor.save_checkpoint(_step_path(root, step), global_step=step, max_ckpt_to_keep=1)
+        seen.append(sorted(d for d in os.listdir(root) if d.startswith("global_step_")))
+        _write_tracker(root, step)
+    return seen
+
+
+def test_a_resumed_run_prunes_the_steps_before_it(tiny_moe_path, base_root, tmp_path):
+    root = _copy_run(base_root, tmp_path)
+    history = run_on_ranks(_resume_then_save_with_retention_of_one, WORLD, LAYOUT, args=(tiny_moe_path, root))[0]
+    assert history[0] == ["global_step_1", "global_step_2"]  # step 1 is still the tracked one
+    assert history[1] == ["global_step_2", "global_step_3"]  # known from disk, pruned once no longer tracked
+
+
 # --------------------------------------------------------------------------- bad checkpoints
 
 
@@ -360,7 +379,7 @@ def _rewrite_manifest(step: str) -> None:
 
 
 def _truncate_shard(step):
-    shard = next(os.path.join(step, "model", "dist_ckpt", f) for f in os.listdir(os.path.join(step, "model", "dist_ckpt")) if f.endswith(".distcp"))
+    shard = next(os.path.join(step, "optimizer", "dist_ckpt", f) for f in os.listdir(os.path.join(step, "optimizer", "dist_ckpt")) if f.endswith(".distcp"))
     with open(shard, "r+b") as handle:
         handle.truncate(os.path.getsize(shard) // 2)
     return "truncated"
@@ -505,10 +524,10 @@ class _ForkDiesManager(MegatronCheckpointManager):
         super().__init__(*args, **kwargs)
         self._parent_pid = os.getpid()
 
-    def _enter_phase(self, phase: str) -> None:
+    def on_save_phase(self, phase: str) -> None:
         if phase == "dist_checkpoint_optimizer" and self.rank == 1 and os.getpid() != self._parent_pid:
             os._exit(3)
-        super()._enter_phase(phase)
+        super().on_save_phase(phase)
 
 
 def _snapshot_save_whose_fork_dies(src: str, root: str) -> dict:

@@ -168,9 +168,12 @@ def test_pp4_ep2_tp2_etp2_saves_everything_and_transformers_loads_it(tiny_moe_pa
     step = tmp_path / "global_step_1" / "actor"
     contents = json.loads((step / "ckpt_contents.json").read_text())
     assert contents["save_contents"] == ["model", "optimizer", "extra", "hf_model"]
-    assert contents["parallel"] == {"world_size": 16, "tp": 2, "pp": 4, "ep": 2, "etp": 2, "cp": 1}
-    for part in ("model/dist_ckpt", "optimizer/dist_ckpt", "extra/dist_ckpt", "model/huggingface"):
+    assert contents["schema_version"] == 2 and contents["contents"]["model"]["format"] == "huggingface"
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["parallel"] == {"world_size": 16, "tp": 2, "pp": 4, "ep": 2, "etp": 2, "cp": 1}
+    for part in ("optimizer/dist_ckpt", "extra/dist_ckpt", "model/huggingface"):
         assert any((step / part).iterdir()), part
+    assert not any((step / "model" / "dist_ckpt").iterdir()), "upstream's default keeps the model as HF only"
     model, info = AutoModelForCausalLM.from_pretrained(str(step / "model" / "huggingface"), dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with torch.no_grad():

@@ -10,7 +10,12 @@ import argparse
 import os
 import sys
 
-from verl.utils.checkpoint.integrity import CheckpointError, find_resume_checkpoint, verify_checkpoint
+from verl.utils.checkpoint.integrity import (
+    CheckpointError,
+    find_resume_checkpoint,
+    read_saved_layout,
+    verify_checkpoint,
+)
 
 
 def _verify(local_dir: str) -> int:
@@ -21,9 +26,10 @@ def _verify(local_dir: str) -> int:
         print(f"tracked step: {path}")
         local_dir = path
     contents = verify_checkpoint(local_dir)
+    layout = read_saved_layout(local_dir)
     print(
         f"OK: {local_dir} is complete (step {contents['global_step']}, contents {contents['save_contents']}, "
-        f"saved at {contents['parallel']})"
+        f"saved at {layout if layout is not None else 'a layout it does not record (saved by upstream verl)'})"
     )
     return 0
 

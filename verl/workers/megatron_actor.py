@@ -6,13 +6,17 @@ initialised on the rank (``ParallelSizes.initialize_megatron``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 
 from verl.models.mcore import load_hf_config, make_bridge
 from verl.models.mcore.forward import forward_logits, train_step
 from verl.models.mcore.model import build_megatron_model
+from verl.utils.checkpoint import commit
+from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 from verl.utils.host_memory import release_free_heap
 from verl.utils.megatron.optimizer import get_megatron_optimizer_and_scheduler
@@ -30,6 +34,7 @@ class ActorSettings:
     load_contents: tuple[str, ...] | None = None
     strict_hf_verify: bool = True
     async_save: bool = False
+    use_dist_checkpointing: bool = False
 
 
 class MegatronActor:
@@ -61,15 +66,23 @@ class MegatronActor:
         self.checkpoint_manager = manager_cls(
             config={"model": {"path": settings.model_path}},
             checkpoint_config=checkpoint_config,
+            model_config=self.hf_config,
             transformer_config=self.bridge.config,
+            role="actor",
             model=self.model,
+            arch=self.hf_config.architectures[0] if getattr(self.hf_config, "architectures", None) else None,
             hf_config=self.hf_config,
+            param_dtype=settings.dtype,
+            share_embeddings_and_output_weights=bool(getattr(self.hf_config, "tie_word_embeddings", False)),
             processing_class=self.tokenizer,
             optimizer=self.optimizer,
             optimizer_scheduler=self.scheduler,
             use_distributed_optimizer=settings.use_distributed_optimizer,
+            use_checkpoint_opt_param_scheduler=True,
+            use_dist_checkpointing=settings.use_dist_checkpointing,
             bridge=wrap_bridge(self.bridge) if wrap_bridge is not None else self.bridge,
         )
+        self._uncommitted: tuple[str, int, int | None] | None = None  # (step path, step, max_ckpt_to_keep)
 
     def train_step(self, microbatches: list[torch.Tensor]) -> dict:
         return train_step(self.model, self.optimizer, self.scheduler, microbatches)
@@ -78,15 +91,52 @@ class MegatronActor:
         return forward_logits(self.model, tokens)
 
     def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> bool:
-        """Save (or, with async_save, start saving) the step; True while its write is still pending."""
-        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep)
-        return self.checkpoint_manager.async_save_pending
+        """Save the step: the manager writes its parts into a staging directory, the commit step makes it
+        ``local_path``. With async_save the write goes on in the background and this returns True: the step is
+        committed by ``finalize_checkpoint``. A failed save raises and leaves every committed step as it was."""
+        self.finalize_checkpoint(blocking=True)  # one save in flight at a time
+        staging = commit.prepare_staging(local_path)
+        with self._discarding_on_failure(local_path):
+            self.checkpoint_manager.save_checkpoint(staging, global_step=global_step)
+        self._uncommitted = (local_path, global_step, max_ckpt_to_keep)
+        if self.checkpoint_manager.async_save_pending:
+            return True
+        self._commit()
+        return False
 
     def finalize_checkpoint(self, blocking: bool = True) -> str | None:
-        """Commit a pending async save (see ``MegatronCheckpointManager.finalize_async_save``)."""
-        return self.checkpoint_manager.finalize_async_save(blocking=blocking)
+        """Commit a pending async save once its background write is durable; the committed path, or None when
+        nothing was pending (or, with ``blocking=False``, the write is still running)."""
+        if self._uncommitted is None:
+            return None
+        with self._discarding_on_failure(self._uncommitted[0]):
+            if self.checkpoint_manager.async_save_pending and self.checkpoint_manager.finalize_async_save(blocking=blocking) is None:
+                return None
+        return self._commit()
+
+    def _commit(self) -> str:
+        local_path, global_step, max_ckpt_to_keep = self._uncommitted
+        self._uncommitted = None
+        with self._discarding_on_failure(local_path):
+            return commit.commit_checkpoint(self.checkpoint_manager, local_path, global_step, max_ckpt_to_keep)
+
+    @contextlib.contextmanager
+    def _discarding_on_failure(self, local_path: str) -> Iterator[None]:
+        try:
+            yield
+        except CheckpointError as exc:
+            self._uncommitted = None
+            commit.discard_staging(local_path)
+            raise CheckpointError(f"{exc}. Nothing was committed; the previous checkpoint and the tracker are unchanged.") from exc
+        except BaseException:
+            self._uncommitted = None
+            commit.discard_staging(local_path)
+            raise
 
     def load_checkpoint(self, local_path: str) -> None:
+        """Check the step (every rank fails together, before anything loads), then load it."""
+        self.finalize_checkpoint(blocking=True)
+        commit.check_before_load(self.checkpoint_manager, local_path)
         self.checkpoint_manager.load_checkpoint(local_path)
 
     def export_hf(self, path: str) -> None:

@@ -1,4 +1,4 @@
-"""The checkpoint manager base, with upstream verl's names: contents, tracker file, retention, RNG."""
+"""The checkpoint manager base with upstream verl's names and semantics: contents, tracker file, retention, RNG."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -20,16 +19,22 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
-def _config_get(config: Any, key: str, default: Any) -> Any:
+def config_get(config: Any, key: str, default: Any) -> Any:
+    """``key`` of a dict, a DictConfig or a config object (attribute), or ``default``."""
     if config is None:
         return default
     if isinstance(config, dict):
         return config.get(key, default)
+    getter = getattr(config, "get", None)
+    if callable(getter) and not hasattr(type(config), key):
+        return getter(key, default)
     return getattr(config, key, default)
 
 
-def _check_contents(contents: Iterable[str], key: str) -> list[str]:
-    contents = list(contents)
+def _contents(checkpoint_config: Any, key: str) -> list[str]:
+    """``save_contents`` / ``load_contents``: upstream's default when unset (an empty list saves nothing)."""
+    contents = config_get(checkpoint_config, key, None)
+    contents = list(DEFAULT_CONTENTS if contents is None else contents)
     unknown = sorted(set(contents) - set(ALL_CONTENTS))
     if unknown:
         raise ValueError(f"checkpoint.{key} has unknown entries {unknown}; allowed: {list(ALL_CONTENTS)}")
@@ -37,24 +42,25 @@ def _check_contents(contents: Iterable[str], key: str) -> list[str]:
 
 
 class BaseCheckpointManager:
-    """What every checkpoint manager shares: which contents to save/load, retention, RNG state.
+    """What every checkpoint manager shares, as upstream verl's base: which contents to save and load,
+    retention over ``previous_saved_paths``, RNG state.
 
-    ``checkpoint_config`` holds ``save_contents`` / ``load_contents`` (subsets of "model",
-    "optimizer", "extra", "hf_model") as upstream's ``actor_rollout_ref.actor.checkpoint``.
+    ``checkpoint_config`` (a dict, DictConfig or ``CheckpointConfig``) holds ``save_contents`` /
+    ``load_contents``: subsets of "model", "optimizer", "extra", "hf_model"; each defaults to the first three.
     """
 
-    def __init__(self, model, optimizer=None, lr_scheduler=None, processing_class=None, checkpoint_config=None):
+    def __init__(self, model, optimizer, lr_scheduler=None, processing_class=None, checkpoint_config=None):
+        self.checkpoint_config = checkpoint_config
+        self.checkpoint_save_contents = _contents(checkpoint_config, "save_contents")
+        self.checkpoint_load_contents = _contents(checkpoint_config, "load_contents")
+        self.previous_global_step = None
+        self.previous_saved_paths: list[str] = []
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.processing_class = processing_class
-        self.checkpoint_config = checkpoint_config
-        self.checkpoint_save_contents = _check_contents(_config_get(checkpoint_config, "save_contents", DEFAULT_CONTENTS), "save_contents")
-        self.checkpoint_load_contents = _check_contents(_config_get(checkpoint_config, "load_contents", self.checkpoint_save_contents), "load_contents")
-        self.previous_global_step = None
-        self.previous_saved_paths: list[str] = []
-        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
 
     @property
     def should_save_model(self) -> bool:
@@ -84,36 +90,85 @@ class BaseCheckpointManager:
     def should_load_extra(self) -> bool:
         return "extra" in self.checkpoint_load_contents
 
+    @property
+    def should_load_hf_model(self) -> bool:
+        return "hf_model" in self.checkpoint_load_contents
+
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None):
         raise NotImplementedError
 
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False):
         raise NotImplementedError
 
+    def on_save_phase(self, phase: str) -> None:
+        """Called as each save phase starts (by the manager and by the commit step): a hook for subclasses
+        that observe saves (the crash-injection tests, the benchmark). Does nothing here."""
+
+    @staticmethod
+    def checkpath(local_path: str | None, hdfs_path: str | None) -> tuple[bool, str]:
+        if local_path is None and hdfs_path is None:
+            raise ValueError("local_path and hdfs_path cannot both be None")
+        return local_path is not None, local_path if local_path is not None else hdfs_path
+
     def remove_previous_save_local_path(self, path: str | list[str]) -> None:
+        """Remove earlier saves, and a ``global_step_N`` directory that removing its role's save emptied."""
         for one in [path] if isinstance(path, str) else path:
             if os.path.exists(one):
                 shutil.rmtree(one, ignore_errors=True)
+            parent = os.path.dirname(os.path.abspath(one.rstrip("/")))
+            if _STEP_DIR.match(os.path.basename(parent)) and os.path.isdir(parent) and not os.listdir(parent):
+                os.rmdir(parent)
+
+    def ensure_checkpoint_capacity(self, max_ckpt_to_keep: int | None) -> None:
+        """Before a save: keep at most ``max_ckpt_to_keep - 1`` earlier saves (none removed when it is 1 or unset),
+        so that with the new one there are ``max_ckpt_to_keep``. The tracked step is never removed."""
+        if not (isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 1):
+            return
+        self._keep_newest(max_ckpt_to_keep - 1)
+
+    def register_checkpoint(self, new_path: str, max_ckpt_to_keep: int | None) -> None:
+        """After a save succeeded: remember it, then remove the oldest saves beyond ``max_ckpt_to_keep``
+        (0 or None: keep all). The step the tracker names is never removed (it stays listed for later)."""
+        self.previous_saved_paths.append(new_path)
+        if isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0:
+            self._keep_newest(max_ckpt_to_keep)
+
+    def _keep_newest(self, count: int) -> None:
+        if len(self.previous_saved_paths) <= count:
+            return
+        stale = self.previous_saved_paths[: len(self.previous_saved_paths) - count]
+        tracked = {os.path.abspath(p) for p in stale if _is_tracked_step(p)}
+        self.remove_previous_save_local_path([p for p in stale if os.path.abspath(p) not in tracked])
+        self.previous_saved_paths = [p for p in stale if os.path.abspath(p) in tracked] + self.previous_saved_paths[-count:]
 
     @staticmethod
     def get_rng_state() -> dict:
-        """Python, numpy, torch CPU and (where one exists) accelerator RNG states of this process."""
-        state = {
-            "random_rng_state": random.getstate(),
-            "np_rng_state": np.random.get_state(),
-            "torch_rng_state": torch.get_rng_state(),
-        }
+        """Python, numpy, torch CPU and (where one is usable) accelerator RNG states of this process."""
+        state = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
         if get_device_name() != "cpu":
-            state[f"{get_device_name()}_rng_state"] = get_torch_device().get_rng_state()
+            state[get_device_name()] = get_torch_device().get_rng_state()
         return state
 
     @staticmethod
-    def load_rng_state(state: dict) -> None:
-        random.setstate(state["random_rng_state"])
-        np.random.set_state(state["np_rng_state"])
-        torch.set_rng_state(state["torch_rng_state"])
-        if get_device_name() != "cpu":
-            get_torch_device().set_rng_state(state[f"{get_device_name()}_rng_state"])
+    def load_rng_state(rng_state: dict) -> None:
+        torch.set_rng_state(rng_state["cpu"])
+        np.random.set_state(rng_state["numpy"])
+        random.setstate(rng_state["random"])
+        if get_device_name() != "cpu" and get_device_name() in rng_state:
+            get_torch_device().set_rng_state(rng_state[get_device_name()])
+
+
+def _is_tracked_step(step_path: str) -> bool:
+    """Whether the tracker above ``step_path`` (``.../global_step_N`` or ``.../global_step_N/<role>``) names it."""
+    path = os.path.abspath(step_path.rstrip("/"))
+    step_dir = path if _STEP_DIR.match(os.path.basename(path)) else os.path.dirname(path)
+    match = _STEP_DIR.match(os.path.basename(step_dir))
+    if not match:
+        return False
+    try:
+        return read_tracker(os.path.dirname(step_dir)) == int(match.group(1))
+    except ValueError:
+        return False
 
 
 def get_checkpoint_tracker_filename(root_path: str) -> str:

@@ -1,19 +1,23 @@
 """Is a checkpoint step whole, and which one does a resume take?
 
 A step is committed by renaming its staging directory (``<actor>.incomplete``) into place after
-every rank finished every part; its ``manifest.json`` (written last, inside the staging directory)
-lists every file with its size. A load checks the manifest first, so a truncated shard, a deleted
-metadata file or a foreign model fails with the file and the cause named, before anything loads.
+every rank finished every part; its ``manifest.json`` (ours, written last inside the staging directory;
+upstream verl ignores it) lists every file with its size and the parallel layout it was saved at. A load
+checks the manifest first, so a truncated shard, a deleted metadata file or a foreign model fails with the
+file and the cause named, before anything loads. A step without a manifest was saved by upstream verl:
+it loads with a warning, checked only as far as its own files allow.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs, read_tracker
 
 MANIFEST_FILENAME = "manifest.json"
+COMMIT_MARK_FILENAME = "committed.json"  # our commit step's mark: a step with it must have a whole manifest
 CONTENTS_FILENAME = "ckpt_contents.json"
 TRANSFORMER_CONFIG_FILENAME = "transformer_config.json"
 STAGING_SUFFIX = ".incomplete"
@@ -38,8 +42,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message names the file and the cause."""
 
 
-def build_manifest(step_path: str) -> dict:
-    """Every file of the step (relative path -> size)."""
+def build_manifest(step_path: str, parallel: dict | None = None, use_distributed_optimizer: bool | None = None) -> dict:
+    """Every file of the step (relative path -> size), and the layout it was saved at."""
     files = {}
     for root, _, names in os.walk(step_path):
         for name in names:
@@ -47,7 +51,23 @@ def build_manifest(step_path: str) -> dict:
                 continue
             full = os.path.join(root, name)
             files[os.path.relpath(full, step_path)] = os.path.getsize(full)
-    return {"format_version": FORMAT_VERSION, "files": dict(sorted(files.items()))}
+    manifest = {"format_version": FORMAT_VERSION, "files": dict(sorted(files.items()))}
+    if parallel is not None:
+        manifest["parallel"] = parallel
+        manifest["use_distributed_optimizer"] = use_distributed_optimizer
+    return manifest
+
+
+def read_manifest(step_path: str) -> dict | None:
+    """The step's manifest.json; None when the step has none (saved by upstream verl)."""
+    path = os.path.join(step_path, MANIFEST_FILENAME)
+    return _read_json(path, "manifest") if os.path.exists(path) else None
+
+
+def read_saved_layout(step_path: str) -> dict | None:
+    """The parallel layout (tp, pp, ep, etp, cp, world_size) the step was saved at, when its manifest says."""
+    manifest = read_manifest(step_path)
+    return manifest.get("parallel") if manifest else None
 
 
 def fsync_tree(path: str) -> None:
@@ -86,8 +106,12 @@ def read_ckpt_contents(step_path: str) -> dict:
     return _read_json(os.path.join(step_path, CONTENTS_FILENAME), "checkpoint contents")
 
 
-def verify_manifest(step_path: str) -> None:
-    """Every file the manifest lists exists with its recorded size."""
+def verify_manifest(step_path: str, required: bool = True) -> bool:
+    """Every file the manifest lists exists with its recorded size; False when the step has neither our
+    commit mark nor a manifest and ``required`` is False (an upstream step)."""
+    unmarked = not os.path.exists(os.path.join(step_path, COMMIT_MARK_FILENAME))
+    if not required and unmarked and not os.path.exists(os.path.join(step_path, MANIFEST_FILENAME)):
+        return False
     manifest = _read_json(os.path.join(step_path, MANIFEST_FILENAME), "manifest")
     problems = []
     for relative, size in manifest.get("files", {}).items():
@@ -98,11 +122,16 @@ def verify_manifest(step_path: str) -> None:
             problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest says {size} (truncated or overwritten)")
     if problems:
         raise CheckpointError(f"checkpoint {step_path} is damaged:\n  - " + "\n  - ".join(problems))
+    return True
 
 
 def check_model_identity(step_path: str, transformer_config) -> None:
-    """The step was saved from the same model architecture as ``transformer_config``."""
-    saved = _read_json(os.path.join(step_path, TRANSFORMER_CONFIG_FILENAME), "transformer config")
+    """The step was saved from the same model architecture as ``transformer_config`` (as far as it says:
+    a step saved without 'extra' has no transformer_config.json)."""
+    path = os.path.join(step_path, TRANSFORMER_CONFIG_FILENAME)
+    if not os.path.exists(path):
+        return
+    saved = _read_json(path, "transformer config")
     differences = [
         f"{field}: checkpoint {saved.get(field)!r}, this model {getattr(transformer_config, field, None)!r}"
         for field in MODEL_IDENTITY_FIELDS
@@ -118,7 +147,7 @@ def check_model_identity(step_path: str, transformer_config) -> None:
 def is_complete(step_path: str) -> bool:
     try:
         read_ckpt_contents(step_path)
-        verify_manifest(step_path)
+        verify_manifest(step_path, required=False)
     except (CheckpointError, FileNotFoundError):
         return False
     return True
@@ -156,18 +185,25 @@ def find_resume_checkpoint(root: str, role: str = "actor") -> tuple[str | None, 
     return path, notes
 
 
+def holds_hf_weights(contents: dict) -> bool:
+    """Whether a step's ckpt_contents.json says its model or HF export lies in model/huggingface."""
+    return any(contents.get("contents", {}).get(name, {}).get("format") == "huggingface" for name in ("model", "hf_model"))
+
+
 def verify_checkpoint(step_path: str, transformer_config=None, hf_config=None) -> dict:
     """Everything a load checks before touching a tensor; returns the step's contents.
 
-    Raises CheckpointError (or FileNotFoundError) naming the file and the cause.
+    Raises CheckpointError (or FileNotFoundError) naming the file and the cause. A step without our
+    manifest (saved by upstream verl) gets a warning and the checks its own files allow.
     """
     from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
 
     contents = read_ckpt_contents(step_path)
-    verify_manifest(step_path)
+    if not verify_manifest(step_path, required=False):
+        warnings.warn(f"{step_path} has no {MANIFEST_FILENAME}: a checkpoint saved by upstream verl; its file sizes cannot be checked", stacklevel=2)
     if transformer_config is not None:
         check_model_identity(step_path, transformer_config)
-    if "hf_model" in contents.get("save_contents", []):
+    if holds_hf_weights(contents):
         report = verify_hf_checkpoint(os.path.join(step_path, "model", "huggingface"), hf_config)
         if not report.ok:
             raise CheckpointError(report.describe())

@@ -1,19 +1,20 @@
-"""MegatronCheckpointManager: dist checkpoints plus a complete, verified HF export, in a safe order.
+"""MegatronCheckpointManager with upstream verl's constructor, flags, builders, layout and ``ckpt_contents.json``.
 
-One save walks these phases (DESIGN.md, "The path of one save"):
+``save_checkpoint(path)`` writes upstream's parts into the directory it is given, in this order:
 
-1. dist checkpoints of model / optimizer + LR scheduler / extra (RNG), all ranks;
-2. rank 0 writes the HF config.json, tokenizer and generation config into model/huggingface;
+1. dist checkpoints (``save_dist_checkpointing``): the optimizer + LR scheduler, the RNG state (extra), and
+   the model only with ``use_dist_checkpointing=True``; upstream's default keeps the model as HF only;
+2. rank 0 writes the HF config, tokenizer and generation config into ``model/huggingface``;
 3. a barrier, so no rank starts the HF weight save before the config is on disk (fix 2, verl #6821);
 4. every rank takes part in the bridge's HF weight save;
-5. rank 0 verifies the HF folder against what the config implies;
-6. rank 0 writes transformer_config.json, ckpt_contents.json and the manifest, last.
+5. rank 0 writes ``transformer_config.json`` (with 'extra') and ``ckpt_contents.json``; retention.
 
-With ``async_save`` the tensors of phase 1 are written by a process forked from each rank (megatron's
-``AsyncCallsQueue``) while training goes on; phases 6 and the commit wait for
-``finalize_async_save``. From the third save of the same structure on (megatron's save plan then
-needs no collective), on the CPU runtime, the fork does phase 1 whole and phases 4-5 too
-(``snapshot_save``): training waits only for phases 2-3 and the fork itself.
+What makes those files a checkpoint (HF completeness check, manifest, fsync, atomic rename, tracker) is the
+commit step of ``verl.utils.checkpoint.commit``, which the worker runs around this manager on a staging
+directory. With ``async_save`` the dist-checkpoint tensors are written by a process forked from each rank
+while training goes on; ``finalize_async_save`` completes the save. From the third save of one sharded
+structure on (megatron's save plan then needs no collective), on the CPU runtime, the fork plans and writes
+the dist checkpoints and does the HF export too (``snapshot_save``).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import dataclasses
 import functools
 import json
 import os
+import random
 import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
@@ -36,44 +39,34 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor, apply_factories
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
 from verl.utils.checkpoint import snapshot_save
-from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, _config_get, read_tracker
-from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
-from verl.utils.checkpoint.integrity import (
-    FORMAT_VERSION,
-    MANIFEST_FILENAME,
-    STAGING_SUFFIX,
-    CheckpointError,
-    build_manifest,
-    fsync_tree,
-    read_ckpt_contents,
-    verify_checkpoint,
+from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get
+from verl.utils.checkpoint.commit import current_parallel_layout
+from verl.utils.checkpoint.integrity import CheckpointError, read_saved_layout
+from verl.utils.checkpoint.megatron_optimizer_state import (
+    initialize_distributed_optimizer_state,
+    optimizer_state_from_loaded,
+    restore_adam_steps,
 )
-from verl.utils.checkpoint.megatron_optimizer_state import load_optimizer_state, optimizer_state_for_save
-from verl.utils.fs import atomic_write_text, fsync_dir
+from verl.utils.device import get_device_name, get_torch_device
+from verl.utils.fs import atomic_write_text, local_mkdir_safe
+from verl.utils.megatron.dist_checkpointing import load_dist_checkpointing, save_dist_checkpointing
 from verl.utils.megatron_utils import (
     get_checkpoint_contents_manifest_path,
     get_extra_dist_checkpoint_path,
     get_hf_model_checkpoint_path,
+    get_legacy_dist_checkpoint_path,
+    get_legacy_hf_model_checkpoint_path,
     get_model_dist_checkpoint_path,
     get_optimizer_dist_checkpoint_path,
     get_transformer_config_checkpoint_path,
 )
 from verl.utils.rank_comm import ForkedRankComm, forked_groups_possible
 
-
-def current_parallel_layout() -> dict[str, int]:
-    return {
-        "world_size": torch.distributed.get_world_size(),
-        "tp": mpu.get_tensor_model_parallel_world_size(),
-        "pp": mpu.get_pipeline_model_parallel_world_size(),
-        "ep": mpu.get_expert_model_parallel_world_size(),
-        "etp": mpu.get_expert_tensor_parallel_world_size(),
-        "cp": mpu.get_context_parallel_world_size(),
-    }
+CKPT_CONTENTS_SCHEMA_VERSION = 2  # upstream's ckpt_contents.json schema
+RANK_RNG_STATE_KEY = "rank_rng_state"  # ours, beside upstream's rng_state in extra/dist_ckpt
 
 
 def _json_safe(value: Any) -> Any:
@@ -94,14 +87,23 @@ _DIST_CHECKPOINT_PATHS = {  # content -> where its dist checkpoint goes
 
 
 class _PendingSave(NamedTuple):
-    """A save whose dist-checkpoint write runs in the background; committed by finalize_async_save."""
+    """A save whose dist-checkpoint write runs in the background; completed by finalize_async_save."""
 
-    staging: str
     local_path: str
     global_step: int
     max_ckpt_to_keep: int | None
     started: float
     from_snapshot: bool = False  # planned and written (HF export too) by the forked process
+
+
+def _not_implemented_unless_default(**given: Any) -> None:
+    """Upstream options this overlay does not implement: refuse anything but their default, by name."""
+    for name, value in given.items():
+        if value is not None and value is not False:
+            raise NotImplementedError(
+                f"MegatronCheckpointManager: {name}={value!r} is not supported by this overlay (PEFT, Megatron-FSDP, "
+                f"Megatron-Bridge providers and HDFS copies are upstream-only); leave {name} at its default"
+            )
 
 
 def _optimizer_layout(optimizer) -> tuple:
@@ -180,38 +182,39 @@ def _merge_async_requests(requests: list[AsyncRequest]) -> AsyncRequest:
 
 
 class MegatronCheckpointManager(BaseCheckpointManager):
-    """Saves and loads a Megatron model, its optimizer, LR scheduler and RNG, plus an HF export.
+    """Saves and loads a Megatron model, its optimizer, LR scheduler and RNG state, with upstream verl's interface.
 
-    Constructor arguments keep upstream verl's names so worker code moves between the two;
-    the ones this manager does not need (``config``, ``model_config``, ``role``, ``arch``,
-    ``param_dtype``, ``share_embeddings_and_output_weights``, ``use_dist_checkpointing``) are accepted.
-    ``bridge`` is any object with mbridge's ``save_weights(models, path)``.
-    ``checkpoint_config`` keys: ``save_contents``, ``load_contents``, ``strict_hf_verify`` (default
-    True: an incomplete HF export fails the save; False: a warning), ``async_save`` (default False:
-    see ``finalize_async_save``).
+    ``use_dist_checkpointing`` picks the format of the ``model`` content: False (upstream's default) keeps it
+    as HF weights through ``bridge`` (any object with mbridge's ``save_weights`` / ``load_weights``), True as
+    Megatron shards under ``model/dist_ckpt``; ``hf_model`` adds the HF export to the latter. Optimizer, LR
+    scheduler and RNG always go through dist checkpoints. ``checkpoint_config`` keys: ``save_contents``,
+    ``load_contents``, ``async_save`` (see ``finalize_async_save``).
     """
 
     def __init__(
         self,
-        config=None,
-        checkpoint_config=None,
-        model_config=None,
-        transformer_config=None,
-        role: str = "actor",
-        model: list | None = None,
-        arch: str | None = None,
-        hf_config=None,
-        param_dtype: torch.dtype = torch.float32,
-        share_embeddings_and_output_weights: bool = False,
-        processing_class=None,
-        optimizer=None,
-        optimizer_scheduler=None,
-        use_distributed_optimizer: bool = False,
-        use_checkpoint_opt_param_scheduler: bool = True,
-        use_dist_checkpointing: bool = True,
+        config,
+        checkpoint_config,
+        model_config,
+        transformer_config,
+        role: str,
+        model: list,
+        arch: str,
+        hf_config,
+        param_dtype: torch.dtype,
+        share_embeddings_and_output_weights: bool,
+        processing_class,
+        optimizer,
+        optimizer_scheduler,
+        use_distributed_optimizer: bool,
+        use_checkpoint_opt_param_scheduler: bool = False,
+        use_dist_checkpointing: bool = False,
+        use_megatron_fsdp: bool = False,
         bridge=None,
-        **kwargs,
+        provider=None,
+        peft_cls=None,
     ):
+        _not_implemented_unless_default(use_megatron_fsdp=use_megatron_fsdp, provider=provider, peft_cls=peft_cls)
         super().__init__(
             model,
             optimizer=optimizer,
@@ -219,16 +222,26 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             processing_class=processing_class,
             checkpoint_config=checkpoint_config,
         )
+        self.arch = arch
         self.config = config
-        self.role = role
-        self.hf_config = hf_config
         self.transformer_config = transformer_config
-        self.bridge = bridge
+        self.role = role
+        self.is_value_model = role in ("reward", "critic")
+        self.model_config = model_config
+        self.hf_config = hf_config
+        self.param_dtype = param_dtype
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.model_path = config_get(config_get(config, "model", None), "path", None)
         self.use_distributed_optimizer = use_distributed_optimizer
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
-        self.strict_hf_verify = bool(_config_get(checkpoint_config, "strict_hf_verify", True))
-        self.model_path = _config_get(_config_get(config, "model", None), "path", None)
-        self.async_save = bool(_config_get(checkpoint_config, "async_save", False))
+        self.use_dist_checkpointing = use_dist_checkpointing
+        self.use_megatron_fsdp = use_megatron_fsdp
+        self.bridge = bridge
+        self.provider = provider
+        self.vanilla_bridge = provider is None
+        self.peft_cls = peft_cls
+        self.async_save = bool(config_get(checkpoint_config, "async_save", False))
+        self._check_bridge_for_hf_contents()
         # Not persistent: each save forks its writer, whose copy-on-write image of this process is the
         # snapshot of the tensors (on CPU megatron's "copy to host" returns the live tensors themselves).
         self._async_queue = AsyncCallsQueue(persistent=False)
@@ -236,33 +249,145 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self._save_strategies: dict[str, tuple[tuple, TorchDistSaveShardedStrategy]] = {}
         self._planned_optimizer_layout: tuple | None = None  # at the optimizer checkpoint's last planning here
         self._snapshot_saves = 0
-        if self.should_save_hf_model and (bridge is None or hf_config is None):
-            raise ValueError("save_contents includes 'hf_model', which needs both a bridge and the hf_config")
+
+    def _check_bridge_for_hf_contents(self) -> None:
+        for contents, verb in ((self.checkpoint_save_contents, "save"), (self.checkpoint_load_contents, "load")):
+            if "hf_model" in contents and self.bridge is None:
+                raise ValueError(f"{verb}_contents lists 'hf_model' but bridge is None: pass bridge=... or drop 'hf_model'")
+        if (self.should_save_hf_model or self.should_load_hf_model) and self.bridge is None:
+            raise ValueError(
+                "MegatronCheckpointManager: HF-format model weights require a bridge (use_dist_checkpointing=False keeps "
+                "the 'model' content as HF weights): pass bridge=... or set use_dist_checkpointing=True"
+            )
+
+    # ------------------------------------------------------------------ which contents, in which format
+
+    @property
+    def should_save_hf_model(self) -> bool:
+        """HF weights through the bridge: 'hf_model', or 'model' kept as HF (use_dist_checkpointing=False)."""
+        contents = self.checkpoint_save_contents
+        return "hf_model" in contents or ("model" in contents and not self.use_dist_checkpointing)
+
+    @property
+    def should_save_dist_ckpt_model(self) -> bool:
+        return "model" in self.checkpoint_save_contents and self.use_dist_checkpointing
+
+    @property
+    def should_load_hf_model(self) -> bool:
+        contents = self.checkpoint_load_contents
+        return "hf_model" in contents or ("model" in contents and not self.use_dist_checkpointing)
+
+    @property
+    def should_load_dist_ckpt_model(self) -> bool:
+        return "model" in self.checkpoint_load_contents and self.use_dist_checkpointing
+
+    # ------------------------------------------------------------------ state dict builders
+
+    def _build_sharded_state_dict_metadata(self) -> dict:
+        """The content metadata megatron's ``sharded_state_dict`` methods take, stored with each checkpoint."""
+        metadata: dict[str, Any] = {}
+        if self.use_distributed_optimizer:
+            megatron = config_get(config_get(self.config, self.role, self.config), "megatron", None)
+            if config_get(megatron, "dist_ckpt_optim_fully_reshardable", False):
+                metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+                metadata["distrib_optim_fully_reshardable_mem_efficient"] = bool(
+                    config_get(megatron, "distrib_optim_fully_reshardable_mem_efficient", False)
+                )
+            else:
+                metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+        metadata["singleton_local_shards"] = False
+        metadata["chained_optim_avoid_prefix"] = True
+        return metadata
+
+    def _build_model_sharded_state_dict(self, metadata: dict) -> dict:
+        """Every model chunk's sharded state dict ("model", or "model0".. with virtual pipeline stages)."""
+        state = {}
+        model_metadata = {**metadata, "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+        for index, chunk in enumerate(self.model):
+            if len(self.model) > 1:
+                mpu.set_virtual_pipeline_model_parallel_rank(index)
+            module = chunk.module if hasattr(chunk, "module") else chunk
+            state["model" if len(self.model) == 1 else f"model{index}"] = module.sharded_state_dict(metadata=model_metadata)
+        return state
+
+    def _build_optimizer_state_dict(self, model_sharded_state_dict: dict, metadata: dict, is_loading: bool = False) -> dict:
+        """The optimizer's sharded state (mapped onto the model's shards, which it reads only) and the scheduler's."""
+        state = {"optimizer": self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)}
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        return state
+
+    def _build_extra_state_dict(self, per_rank: bool = True) -> dict:
+        """Upstream's ``rng_state`` (one per PP/TP rank, from data-parallel rank 0) and, ours, every rank's own
+        (``RANK_RNG_STATE_KEY``), so a resume at the same layout restores each rank's streams exactly.
+        Upstream's loader reads only the first."""
+        state = {"rng_state": self.get_rng_state()}
+        if per_rank:
+            own = self.get_rng_state(use_dist_ckpt=False)[0]
+            state[RANK_RNG_STATE_KEY] = ShardedObject(RANK_RNG_STATE_KEY, own, (self.world_size,), (self.rank,), replica_id=0)
+        return state
+
+    def get_rng_state(self, use_dist_ckpt: bool = True, data_parallel_random_init: bool = False):
+        """This rank's RNG states; as a ShardedObject over (PP, TP) with one replica per data-parallel group."""
+        state = {
+            "random_rng_state": random.getstate(),
+            "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        }
+        if get_device_name() != "cpu":
+            state[f"{get_device_name()}_rng_state"] = get_torch_device().get_rng_state()
+        states = [state]
+        if data_parallel_random_init and mpu.get_data_parallel_world_size() > 1:
+            states = [None] * mpu.get_data_parallel_world_size()
+            torch.distributed.all_gather_object(states, state, group=mpu.get_data_parallel_group())
+        if not use_dist_ckpt:
+            return states
+        return ShardedObject(
+            "rng_state",
+            states,
+            (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()),
+            (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()),
+            replica_id=mpu.get_data_parallel_rank(with_context_parallel=True),
+        )
+
+    def load_rng_states(self, rng_states: list, data_parallel_random_init: bool = False, use_dist_ckpt: bool = True) -> None:
+        state = rng_states[mpu.get_data_parallel_rank()] if data_parallel_random_init else rng_states[0]
+        random.setstate(state["random_rng_state"])
+        np.random.set_state(state["np_rng_state"])
+        torch.set_rng_state(state["torch_rng_state"])
+        device_key = f"{get_device_name()}_rng_state"
+        if get_device_name() != "cpu" and device_key in state:
+            get_torch_device().set_rng_state(state[device_key])
+        if not state["rng_tracker_states"]:
+            raise CheckpointError("the checkpoint's RNG state holds no model-parallel RNG tracker states")
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
     # ------------------------------------------------------------------ save
 
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None):
-        """Save into ``<local_path>.incomplete``; rename it to ``local_path`` only once every part is done.
+        """Write this step's parts into ``local_path`` (created if needed), then its ``ckpt_contents.json``.
 
-        With ``async_save`` this returns as soon as the HF export is verified and the dist-checkpoint
-        write has started in the background; the step is committed by ``finalize_async_save`` (which a
-        later save or load calls first). Until then a crash leaves only the staging directory.
+        With ``async_save`` this returns once the dist-checkpoint write runs in the background; the save is
+        completed by ``finalize_async_save`` (which a later save or load calls first).
         """
-        if hdfs_path is not None:
-            raise ValueError("hdfs_path is not supported by this manager; copy the local checkpoint yourself")
+        _not_implemented_unless_default(hdfs_path=hdfs_path)
         self.finalize_async_save(blocking=True)
-        from_snapshot = self._plans_are_reusable()
-        save = _PendingSave(local_path.rstrip("/") + STAGING_SUFFIX, local_path, global_step, max_ckpt_to_keep, time.monotonic(), from_snapshot)
         self.previous_global_step = global_step
+        if not self.async_save:
+            self.ensure_checkpoint_capacity(max_ckpt_to_keep)
+        local_path = local_mkdir_safe(local_path)
+        from_snapshot = self._plans_are_reusable()
+        save = _PendingSave(local_path, global_step, max_ckpt_to_keep, time.monotonic(), from_snapshot)
         with self._failure_reported(save):
-            request = self._save_from_snapshot(save) if from_snapshot else self._save_parts(save.staging)
+            request = self._save_from_snapshot(save) if from_snapshot else self._save_parts(local_path)
             if request is not None:
                 self._timed("fork of the background save", self._async_queue.schedule_async_request, request)
                 self._pending = save
                 what = "the whole save runs" if from_snapshot else "dist checkpoints are being written"
                 self._log(f"step {global_step}: returned after {time.monotonic() - save.started:.2f}s; {what} in the background")
                 return
-        self._complete(save)
+        self._finish_save(save)
 
     @property
     def async_save_pending(self) -> bool:
@@ -270,11 +395,10 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         return self._pending is not None
 
     def finalize_async_save(self, blocking: bool = True) -> str | None:
-        """Commit the pending async save once its background write is durable; all ranks call this.
+        """Complete the pending async save once its background write is durable; all ranks call this.
 
-        Returns the committed step path; None when nothing was pending or, with ``blocking=False``,
-        when the write is still running. A failed write raises ``CheckpointError`` and leaves the
-        previous checkpoint as it was. The trainer writes the tracker only after this returned.
+        Returns the saved path; None when nothing was pending or, with ``blocking=False``, when the write is
+        still running. A failed write raises ``CheckpointError``.
         """
         save = self._pending
         if save is None:
@@ -288,64 +412,179 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             finally:
                 if not self._async_queue.get_num_unfinalized_calls():
                     self._pending = None
-        self._complete(save)
+        self._finish_save(save)
         return save.local_path
 
     @contextlib.contextmanager
     def _failure_reported(self, save: _PendingSave) -> Iterator[None]:
-        """Turn any failure of ``save`` into one CheckpointError, after removing its staging directory."""
+        """Turn any failure of ``save`` into one CheckpointError that names the step and the cause."""
         try:
             yield
         except (Exception, DistributedCheckpointException) as exc:  # the latter derives from BaseException
-            if self.rank == 0:
-                shutil.rmtree(save.staging, ignore_errors=True)
-            if isinstance(exc, HFCheckpointIncompleteError):
-                raise
             cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
-            raise CheckpointError(
-                f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause}). Nothing "
-                "was committed; the previous checkpoint and the tracker are unchanged."
-            ) from exc
+            raise CheckpointError(f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause})") from exc
 
-    def _complete(self, save: _PendingSave) -> None:
-        """Every part is on disk: metadata and manifest, commit, then retention."""
-        with self._failure_reported(save):
-            if self.rank == 0:
-                shutil.rmtree(os.path.join(save.staging, snapshot_save.OUTCOME_DIRNAME), ignore_errors=True)
-                self._write_metadata(save.staging, save.global_step)
-            torch.distributed.barrier()
-        self._enter_phase("commit")
+    def _finish_save(self, save: _PendingSave) -> None:
+        """Every part is on disk: the contents description, then upstream's retention."""
         if self.rank == 0:
-            self._commit(save.staging, save.local_path)
-        torch.distributed.barrier()
-        self._log(f"saved step {save.global_step} to {save.local_path} in {time.monotonic() - save.started:.1f}s")
-        self.previous_saved_paths.append(save.local_path)
-        self._apply_retention(save.max_ckpt_to_keep)
+            shutil.rmtree(os.path.join(save.local_path, snapshot_save.OUTCOME_DIRNAME), ignore_errors=True)
+            self._write_checkpoint_manifest(save.local_path, save.global_step)
+        self._log(f"wrote step {save.global_step} to {save.local_path} in {time.monotonic() - save.started:.1f}s")
+        self.register_checkpoint(save.local_path, save.max_ckpt_to_keep)
 
-    def _save_parts(self, staging: str) -> AsyncRequest | None:
-        """Every part but the metadata; with async_save, the dist-checkpoint write still to schedule."""
-        self._prepare_directory(staging)
-        self._enter_phase("dist_checkpoint")
+    def _save_parts(self, local_path: str) -> AsyncRequest | None:
+        """Every part but the contents description; with async_save, the dist-checkpoint write still to schedule."""
+        self.on_save_phase("dist_checkpoint")
         label = "dist checkpoints (planned; written in the background)" if self.async_save else "dist checkpoints"
-        request = self._timed(label, self._save_dist_checkpoints, staging)
-        self._enter_phase("after_dist_checkpoint")
-        self._save_hf_config_first(staging)
+        request = self._timed(label, self._save_dist_checkpoints, local_path)
+        self.on_save_phase("after_dist_checkpoint")
+        self._save_hf_config_first(local_path)
         if self.should_save_hf_model:
-            self._save_hf_weights(staging)
+            self.on_save_phase("hf_weights")
+            self._timed("HF weights", self._save_model_as_hf_via_bridge, get_hf_model_checkpoint_path(local_path))
+        if self.should_save_extra:
+            self._save_transformer_config(local_path)
         return request
 
-    def _save_hf_config_first(self, staging: str) -> None:
-        if self.should_save_model or self.should_save_hf_model:
+    def _save_hf_config_first(self, local_path: str) -> None:
+        if self.should_save_hf_model:
             if self.rank == 0:
-                self._enter_phase("hf_config")
-                self._timed("HF config + tokenizer", self._save_hf_config_and_tokenizer, staging)
+                self.on_save_phase("hf_config")
+                self._timed("HF config + tokenizer", self._save_hf_config_and_tokenizer, local_path)
             self._hf_config_barrier()
 
-    def _save_hf_weights(self, staging: str) -> None:
-        self._enter_phase("hf_weights")
-        self._timed("HF weights", self._save_model_as_hf_via_bridge, staging)
-        self._enter_phase("hf_verify")
-        self._timed("HF verification", self._verify_hf_model, staging)
+    def _save_dist_checkpoints(self, local_path: str) -> AsyncRequest | None:
+        """Write (or, with async_save, plan) the dist checkpoints; return the write still to run."""
+        metadata = self._build_sharded_state_dict_metadata()
+        requests = []
+        for content, state, path in self._dist_checkpoint_parts(local_path, metadata):
+            # One strategy per content and structure, kept across saves: from the third save of the same
+            # structure on, megatron reuses the plan it validated twice instead of gathering and checking
+            # every rank's plan again, and the access-integrity check (each shard written exactly once)
+            # is needed only on its first save. The reused plan lists the items to write, so a changed
+            # structure (an optimizer that gained state) must start afresh.
+            structure = _sharded_structure(state)
+            known = self._save_strategies.get(content)
+            fresh = known is None or known[0] != structure
+            strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True) if fresh else known[1]
+            if content == "optimizer":
+                self._planned_optimizer_layout = _optimizer_layout(self.optimizer)
+            request = save_dist_checkpointing(
+                sharded_state_dict=state,
+                ckpt_path=path,
+                async_save=self.async_save,
+                content_metadata=metadata,
+                sharded_strategy=strategy,
+                validate_access_integrity=fresh,
+            )
+            self._save_strategies[content] = (structure, strategy)
+            if request is not None:
+                requests.append(request)
+        if not self.async_save:
+            torch.distributed.barrier()
+            return None
+        return _merge_async_requests(requests)
+
+    def _dist_checkpoint_parts(
+        self, local_path: str, metadata: dict, extra_state: dict | None = None
+    ) -> Iterator[tuple[str, dict, str]]:
+        """(content, sharded state dict, directory) of each dist checkpoint to save, built when reached:
+        a save consumes the state dict it is given. ``extra_state``: taken before a fork (a forked process
+        reseeds Python's ``random``)."""
+        if self.should_save_dist_ckpt_model:
+            yield "model", _without_view_copies(self._build_model_sharded_state_dict(metadata)), get_model_dist_checkpoint_path(local_path)
+        self.on_save_phase("dist_checkpoint_optimizer")
+        if self.should_save_optimizer:
+            state = self._build_optimizer_state_dict(self._build_model_sharded_state_dict(metadata), metadata)
+            yield "optimizer", _without_view_copies(state), get_optimizer_dist_checkpoint_path(local_path)
+        if self.should_save_extra:
+            yield "extra", extra_state or self._build_extra_state_dict(), get_extra_dist_checkpoint_path(local_path)
+
+    def _dist_contents(self) -> list[str]:
+        """The dist checkpoints this manager saves."""
+        wanted = {"model": self.should_save_dist_ckpt_model, "optimizer": self.should_save_optimizer, "extra": self.should_save_extra}
+        return [content for content in _DIST_CHECKPOINT_PATHS if wanted[content]]
+
+    def _save_hf_config_and_tokenizer(self, local_path: str) -> None:
+        """Rank 0 only: everything the HF folder needs besides the weights, written before them."""
+        if self.rank != 0:
+            return
+        hf_path = get_hf_model_checkpoint_path(local_path)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(hf_path)
+        self.hf_config.save_pretrained(hf_path)
+        generation_config = os.path.join(self.model_path or "", "generation_config.json")
+        if self.model_path and os.path.isfile(generation_config):
+            shutil.copyfile(generation_config, os.path.join(hf_path, "generation_config.json"))
+
+    def _hf_config_barrier(self) -> None:
+        """Fix 2: no rank may start the bridge's HF weight save until rank 0's config is on disk."""
+        torch.distributed.barrier()
+
+    def _save_model_as_hf_via_bridge(self, hf_ckpt_path: str) -> None:
+        """Every rank: the bridge writes the HF weights (safetensors + index) into ``hf_ckpt_path``."""
+        self.bridge.save_weights(self.model, hf_ckpt_path)
+        torch.distributed.barrier()
+
+    def _save_transformer_config(self, local_path: str) -> None:
+        """Rank 0: the Megatron TransformerConfig as JSON (what the model-identity check reads at resume)."""
+        if self.rank != 0:
+            return
+        config = self.transformer_config
+        names = [f.name for f in dataclasses.fields(config)] if dataclasses.is_dataclass(config) else list(vars(config))
+        fields = {name: _json_safe(getattr(config, name)) for name in names if not callable(getattr(config, name))}
+        atomic_write_text(get_transformer_config_checkpoint_path(local_path), json.dumps(fields, indent=2))
+
+    def _build_checkpoint_manifest(self, local_path: str, global_step: int) -> dict:
+        """``ckpt_contents.json``: what each content is, where it lies (relative paths) and in which format."""
+        hf = os.path.relpath(get_hf_model_checkpoint_path(local_path), local_path)
+        dist = {name: os.path.relpath(where(local_path), local_path) for name, where in _DIST_CHECKPOINT_PATHS.items()}
+        transformer_config = os.path.relpath(get_transformer_config_checkpoint_path(local_path), local_path)
+        contents: dict[str, dict] = {}
+        directories: dict[str, str] = {}
+        if self.should_save_hf_model:
+            if not self.should_save_dist_ckpt_model:
+                contents["model"] = {"path": hf, "format": "huggingface", "backend": "mbridge"}
+            if "hf_model" in self.checkpoint_save_contents:
+                note = "HF export next to the Megatron model shards" if self.should_save_dist_ckpt_model else "the same files as 'model'"
+                contents["hf_model"] = {"path": hf, "format": "huggingface", "note": note}
+            directories[hf] = "HF weights, config, tokenizer and generation config, written through the bridge"
+        if self.should_save_dist_ckpt_model:
+            contents["model"] = {"path": dist["model"], "format": "megatron_dist_checkpoint", "backend": "dist_checkpointing"}
+            directories[dist["model"]] = "Megatron dist-checkpoint shards of the model"
+        if self.should_save_optimizer:
+            contents["optimizer"] = {"path": dist["optimizer"], "format": "megatron_dist_checkpoint"}
+            if self.lr_scheduler is not None:
+                contents["lr_scheduler"] = {"path": dist["optimizer"], "format": "megatron_dist_checkpoint", "key": "lr_scheduler"}
+            directories[dist["optimizer"]] = "Megatron dist-checkpoint shards of the optimizer state and the LR scheduler"
+        if self.should_save_extra:
+            contents["rng_state"] = {"path": dist["extra"], "format": "megatron_dist_checkpoint", "key": "rng_state"}
+            contents["transformer_config"] = {"path": transformer_config, "format": "json"}
+            directories[dist["extra"]] = "Megatron dist-checkpoint shards of the RNG state"
+        if self.should_save_hf_model:
+            contents["hf_config"] = {"path": hf, "format": "huggingface", "note": "config.json, tokenizer, generation_config.json"}
+            if self.processing_class is not None:
+                contents["tokenizer"] = {"path": hf, "format": "huggingface"}
+        return {
+            "schema_version": CKPT_CONTENTS_SCHEMA_VERSION,
+            "framework": "megatron",
+            "role": self.role,
+            "arch": self.arch,
+            "global_step": int(global_step),
+            "world_size": self.world_size,
+            "backend": {"has_bridge": self.bridge is not None, "use_dist_checkpointing": self.use_dist_checkpointing, "peft": False},
+            "save_contents": list(self.checkpoint_save_contents),
+            "contents": contents,
+            "directories": directories,
+            "saved_any_dist_ckpt": bool(self._dist_contents()),
+        }
+
+    def _write_checkpoint_manifest(self, local_path: str, global_step: int) -> None:
+        """Rank 0, last: ``ckpt_contents.json``."""
+        if self.rank != 0:
+            return
+        manifest = self._build_checkpoint_manifest(local_path, global_step)
+        atomic_write_text(get_checkpoint_contents_manifest_path(local_path), json.dumps(manifest, indent=2, sort_keys=True))
 
     # ---------------------------------------------------- async save from a snapshot
 
@@ -358,43 +597,42 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         return not self.should_save_optimizer or _optimizer_layout(self.optimizer) == self._planned_optimizer_layout
 
     def _save_from_snapshot(self, save: _PendingSave) -> AsyncRequest:
-        """Training waits for the staging directory, the HF config (fix 2) and the fork; the fork does the rest."""
-        self._prepare_directory(save.staging)
-        self._save_hf_config_first(save.staging)
+        """Training waits for the HF config (fix 2) and the fork; the fork does the rest."""
+        self._save_hf_config_first(save.local_path)
         hf_in_fork = self.should_save_hf_model and getattr(self.bridge, "saves_in_parallel", False) and forked_groups_possible()
         if self.should_save_hf_model and not hf_in_fork:
-            self._save_hf_weights(save.staging)  # mbridge's own path needs the default group
+            self.on_save_phase("hf_weights")
+            self._save_model_as_hf_via_bridge(get_hf_model_checkpoint_path(save.local_path))  # mbridge's own path needs the default group
+        if self.should_save_extra:
+            self._save_transformer_config(save.local_path)
         self._snapshot_saves += 1
         group_name = f"{self.role}/step{save.global_step}/save{self._snapshot_saves}"
-        job = functools.partial(self._write_in_fork, save.staging, self._rng_sharded_object(), group_name if hf_in_fork else None)
+        job = functools.partial(self._write_in_fork, save.local_path, self._build_extra_state_dict(), group_name if hf_in_fork else None)
         return AsyncRequest(
-            functools.partial(snapshot_save.run_and_record, save.staging, self.rank, job, snapshot_save.forking_pid()),
+            functools.partial(snapshot_save.run_and_record, save.local_path, self.rank, job, snapshot_save.forking_pid()),
             (),
-            [functools.partial(self._finish_snapshot_save, save.staging, hf_in_fork)],
+            [functools.partial(self._finish_snapshot_save, save.local_path)],
         )
 
-    def _write_in_fork(self, staging: str, rng_state: ShardedObject, hf_group: str | None) -> dict:
+    def _write_in_fork(self, local_path: str, extra_state: dict, hf_group: str | None) -> dict:
         """The forked process: plan and write this rank's dist checkpoints, then (with hf_group) the HF export.
 
         The forks' group is formed first: a fork that fails later makes the others fail fast, not wait."""
         comm = ForkedRankComm(hf_group) if hf_group is not None else None
         outcome: dict[str, Any] = {"writes": {}}
-        for content, state, path in self._dist_checkpoint_parts(staging, rng_state):
+        metadata = self._build_sharded_state_dict_metadata()
+        for content, state, path in self._dist_checkpoint_parts(local_path, metadata, extra_state):
             structure, strategy = self._save_strategies[content]
             if _sharded_structure(state) != structure:
                 raise CheckpointError(f"the {content} checkpoint's sharded structure changed after its save plan was validated")
-            outcome["writes"][content] = snapshot_save.write_dist_checkpoint(strategy, state, path)
+            outcome["writes"][content] = snapshot_save.write_dist_checkpoint(strategy, state, path, metadata)
         if comm is not None:
-            hf_path = get_hf_model_checkpoint_path(staging)
-            self.bridge.save_weights(self.model, hf_path, comm=comm)
-            if self.rank == 0:
-                report = verify_hf_checkpoint(hf_path, self.hf_config)
-                outcome["hf_verdict"] = (report.ok, report.describe())
+            self.bridge.save_weights(self.model, get_hf_model_checkpoint_path(local_path), comm=comm)
         return outcome
 
-    def _finish_snapshot_save(self, staging: str, hf_in_fork: bool) -> None:
+    def _finish_snapshot_save(self, local_path: str) -> None:
         """Every rank: agree on the forks' outcomes, then rank 0 writes each dist checkpoint's metadata."""
-        outcome = snapshot_save.read_outcome(staging, self.rank)
+        outcome = snapshot_save.read_outcome(local_path, self.rank)
         everyone = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, outcome)
         failed = [(rank, o["error"].strip().splitlines()[-1]) for rank, o in enumerate(everyone) if not o["ok"]]
@@ -403,256 +641,112 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             raise CheckpointError(f"the background save failed on {len(failed)} rank(s): " + "; ".join(f"rank {r}: {e}" for r, e in failed))
         if self.rank == 0:
             for content in outcome["writes"]:
-                path = _DIST_CHECKPOINT_PATHS[content](staging)
+                path = _DIST_CHECKPOINT_PATHS[content](local_path)
                 snapshot_save.finish_dist_checkpoint(self._save_strategies[content][1], path, [o["writes"][content] for o in everyone])
-        if hf_in_fork:
-            ok, description = everyone[0]["hf_verdict"]
-            self._act_on_hf_verdict(ok, description)
-
-    def _enter_phase(self, phase: str) -> None:
-        """Called as each save phase starts; the crash-injection tests hook in here."""
-
-    def _prepare_directory(self, staging: str) -> None:
-        """A leftover staging directory is an interrupted attempt: start it afresh."""
-        if self.rank == 0:
-            if os.path.exists(staging):
-                shutil.rmtree(staging)
-            # The path helpers create the directories (upstream behaviour).
-            for make_path in (
-                get_model_dist_checkpoint_path,
-                get_optimizer_dist_checkpoint_path,
-                get_extra_dist_checkpoint_path,
-                get_hf_model_checkpoint_path,
-            ):
-                make_path(staging)
-        torch.distributed.barrier()
-
-    @staticmethod
-    def _commit(staging: str, local_path: str) -> None:
-        """Make the staged step durable, then visible in one rename (an older copy goes only after)."""
-        fsync_tree(staging)
-        superseded = None
-        if os.path.exists(local_path):
-            superseded = local_path.rstrip("/") + ".superseded"
-            shutil.rmtree(superseded, ignore_errors=True)
-            os.replace(local_path, superseded)
-        os.replace(staging, local_path)
-        fsync_dir(os.path.dirname(os.path.abspath(local_path)))
-        if superseded:
-            shutil.rmtree(superseded, ignore_errors=True)
-
-    def _model_sharded_state_dict(self) -> dict:
-        state = {}
-        for index, chunk in enumerate(self.model):
-            if len(self.model) > 1:
-                mpu.set_virtual_pipeline_model_parallel_rank(index)
-            state["model" if len(self.model) == 1 else f"model{index}"] = unwrap_model(chunk).sharded_state_dict()
-        return state
-
-    def _rng_sharded_object(self) -> ShardedObject:
-        state = self.get_rng_state()
-        state["rng_tracker_states"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
-
-    def _save_dist_checkpoints(self, local_path: str) -> AsyncRequest | None:
-        """Write (or, with async_save, plan) the dist checkpoints; return the write still to run."""
-        requests = []
-        for content, state, path in self._dist_checkpoint_parts(local_path):
-            # One strategy per content and structure, kept across saves: from the third save of the same
-            # structure on, megatron reuses the plan it validated twice instead of gathering and checking
-            # every rank's plan again, and the access-integrity check (each shard written exactly once)
-            # is needed only on its first save. The reused plan lists the items to write, so a changed
-            # structure (an optimizer that gained state) must start afresh.
-            structure = _sharded_structure(state)
-            known = self._save_strategies.get(content)
-            fresh = known is None or known[0] != structure
-            strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True) if fresh else known[1]
-            if content == "optimizer":
-                self._planned_optimizer_layout = _optimizer_layout(self.optimizer)
-            request = dist_checkpointing.save(
-                state, path, sharded_strategy=strategy, validate_access_integrity=fresh, async_sharded_save=self.async_save
-            )
-            self._save_strategies[content] = (structure, strategy)
-            if request is not None:
-                requests.append(request)
-        return _merge_async_requests(requests) if self.async_save else None
-
-    def _dist_checkpoint_parts(self, local_path: str, rng_state: ShardedObject | None = None) -> Iterator[tuple[str, dict, str]]:
-        """(content, sharded state dict, directory) of each dist checkpoint to save, built when reached:
-        dist_checkpointing.save consumes the state dict it is given. ``rng_state``: taken before a fork
-        (a forked process reseeds Python's ``random``)."""
-        if self.should_save_model:
-            yield "model", _without_view_copies(self._model_sharded_state_dict()), get_model_dist_checkpoint_path(local_path)
-        self._enter_phase("dist_checkpoint_optimizer")
-        if self.should_save_optimizer:
-            state = optimizer_state_for_save(self.optimizer, self._model_sharded_state_dict(), self.use_distributed_optimizer)
-            if self.lr_scheduler is not None:
-                state["lr_scheduler"] = self.lr_scheduler.state_dict()
-            yield "optimizer", _without_view_copies(state), get_optimizer_dist_checkpoint_path(local_path)
-        if self.should_save_extra:
-            yield "extra", {"rng_state": rng_state or self._rng_sharded_object()}, get_extra_dist_checkpoint_path(local_path)
-
-    def _dist_contents(self) -> list[str]:
-        """The dist checkpoints this manager saves."""
-        wanted = {"model": self.should_save_model, "optimizer": self.should_save_optimizer, "extra": self.should_save_extra}
-        return [content for content in _DIST_CHECKPOINT_PATHS if wanted[content]]
-
-    def _save_hf_config_and_tokenizer(self, local_path: str) -> None:
-        """Rank 0 only: everything the HF folder needs besides the weights, written before them."""
-        hf_path = get_hf_model_checkpoint_path(local_path)
-        if self.hf_config is not None:
-            self.hf_config.save_pretrained(hf_path)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(hf_path)
-        if self.model_path and os.path.exists(os.path.join(self.model_path, "generation_config.json")):
-            shutil.copyfile(os.path.join(self.model_path, "generation_config.json"), os.path.join(hf_path, "generation_config.json"))
-
-    def _hf_config_barrier(self) -> None:
-        """Fix 2: no rank may start the bridge's HF weight save until rank 0's config is on disk."""
-        torch.distributed.barrier()
-
-    def _save_model_as_hf_via_bridge(self, local_path: str) -> None:
-        self.bridge.save_weights(self.model, get_hf_model_checkpoint_path(local_path))
-        torch.distributed.barrier()
-
-    def _verify_hf_model(self, local_path: str) -> None:
-        """Rank 0 checks the folder; every rank learns the verdict, so all fail (or warn) together."""
-        verdict = [None]
-        if self.rank == 0:
-            report = verify_hf_checkpoint(get_hf_model_checkpoint_path(local_path), self.hf_config)
-            verdict = [(report.ok, report.describe())]
-        torch.distributed.broadcast_object_list(verdict, src=0)
-        self._act_on_hf_verdict(*verdict[0])
-
-    def _act_on_hf_verdict(self, ok: bool, description: str) -> None:
-        """Every rank: an incomplete HF folder fails the save (strict) or is a warning."""
-        if ok:
-            return
-        if self.strict_hf_verify:
-            raise HFCheckpointIncompleteError(description)
-        if self.rank == 0:
-            warnings.warn(description, stacklevel=2)
-
-    def _write_metadata(self, local_path: str, global_step: int) -> None:
-        if self.transformer_config is not None:
-            fields = {f.name: _json_safe(getattr(self.transformer_config, f.name)) for f in dataclasses.fields(self.transformer_config)}
-            atomic_write_text(get_transformer_config_checkpoint_path(local_path), json.dumps(fields, indent=2))
-        contents = {
-            "format_version": FORMAT_VERSION,
-            "global_step": global_step,
-            "save_contents": self.checkpoint_save_contents,
-            "parallel": current_parallel_layout(),
-            "use_distributed_optimizer": self.use_distributed_optimizer,
-        }
-        atomic_write_text(get_checkpoint_contents_manifest_path(local_path), json.dumps(contents, indent=2))
-        # Last: the manifest covers every other file of the step.
-        atomic_write_text(os.path.join(local_path, MANIFEST_FILENAME), json.dumps(build_manifest(local_path), indent=2))
-
-    def _apply_retention(self, max_ckpt_to_keep: int | None) -> None:
-        """Delete the oldest saves beyond ``max_ckpt_to_keep``, now that the new one is committed.
-
-        The step the tracker names is never deleted, even when it is among the oldest.
-        """
-        if not max_ckpt_to_keep or max_ckpt_to_keep <= 0 or len(self.previous_saved_paths) <= max_ckpt_to_keep:
-            return
-        stale = self.previous_saved_paths[:-max_ckpt_to_keep]
-        protected = {os.path.abspath(p) for p in (_tracked_step_path(p) for p in stale) if p}
-        self.previous_saved_paths = [p for p in stale if os.path.abspath(p) in protected] + self.previous_saved_paths[-max_ckpt_to_keep:]
-        if self.rank == 0:
-            for path in stale:
-                if os.path.abspath(path) in protected:
-                    continue
-                self.remove_previous_save_local_path(path)
-                parent = os.path.dirname(path.rstrip("/"))
-                if os.path.isdir(parent) and not os.listdir(parent):
-                    os.rmdir(parent)
-        torch.distributed.barrier()
 
     # ------------------------------------------------------------------ load
 
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False):
-        if hdfs_path is not None:
-            raise ValueError("hdfs_path is not supported by this manager; copy the checkpoint to a local path")
+        """Load the contents ``load_contents`` names from the step at ``local_path`` (upstream's v2 layout).
+
+        The model comes from the HF folder through the bridge (use_dist_checkpointing=False) or from
+        ``model/dist_ckpt``; the optimizer, LR scheduler and RNG from their dist checkpoints. Integrity checks
+        of our own (manifest, HF completeness, model identity) belong before this call:
+        ``verl.utils.checkpoint.commit.check_before_load``.
+        """
+        _not_implemented_unless_default(hdfs_path=hdfs_path, del_local_after_load=del_local_after_load)
         self.finalize_async_save(blocking=True)  # a pending save is of the state about to be replaced
-        verdict = [None]
-        if self.rank == 0:
-            try:
-                self._validate_for_load(local_path)
-            except (CheckpointError, FileNotFoundError, HFCheckpointIncompleteError) as exc:
-                verdict = [f"{type(exc).__name__}: {exc}"]
-        torch.distributed.broadcast_object_list(verdict, src=0)
-        if verdict[0] is not None:
-            raise CheckpointError(f"cannot load {local_path}; nothing was loaded. {verdict[0]}")
-        contents = read_ckpt_contents(local_path)
-        missing = [c for c in self.checkpoint_load_contents if c != "hf_model" and c not in contents["save_contents"]]
-        if missing:
-            raise CheckpointError(
-                f"{local_path} holds {contents['save_contents']} but load_contents asks for {missing}; "
-                "drop them from actor_rollout_ref.actor.checkpoint.load_contents"
-            )
+        if not os.path.isdir(local_path):
+            raise FileNotFoundError(f"checkpoint {local_path} does not exist (or is not a directory)")
+        self._raise_for_old_layout(local_path)
         start = time.monotonic()
-        if self.should_load_model:
-            self._load_model(local_path)
-        if self.should_load_optimizer:
-            self._load_optimizer(local_path, contents)
+        metadata = self._load_content_metadata(local_path)
+        if self.should_load_dist_ckpt_model:
+            self._load_model_from_dist_checkpoint(local_path, self._build_model_sharded_state_dict(metadata))
+        elif self.should_load_hf_model:
+            self._load_model_as_hf_via_bridge(get_hf_model_checkpoint_path(local_path))
+        if self.should_load_optimizer:  # mapped onto the model's shards as they are now, after its load
+            self._load_optimizer(local_path, self._build_model_sharded_state_dict(metadata), metadata)
         if self.should_load_extra:
-            self._load_extra(local_path, contents)
+            self._load_extra(local_path)
         torch.distributed.barrier()
         self._log(f"loaded {local_path} ({', '.join(self.checkpoint_load_contents)}) in {time.monotonic() - start:.1f}s")
 
-    def _validate_for_load(self, local_path: str) -> None:
-        """Rank 0, before anything loads: the step is whole, of this model, and its HF folder complete."""
-        verify_checkpoint(local_path, self.transformer_config, self.hf_config)
+    @staticmethod
+    def _has_checkpoint_files(path: str) -> bool:
+        return os.path.isdir(path) and any(os.scandir(path))
 
-    def _load_model(self, local_path: str) -> None:
-        state = dist_checkpointing.load(self._model_sharded_state_dict(), get_model_dist_checkpoint_path(local_path))
+    @classmethod
+    def _raise_for_old_layout(cls, local_path: str) -> None:
+        """A step of the layout before model/, optimizer/ and extra/ were split cannot load here: say how to migrate."""
+        if any(os.path.isdir(os.path.join(local_path, sub)) for sub in ("model", "optimizer", "extra")):
+            return
+        for legacy in (get_legacy_dist_checkpoint_path(local_path), get_legacy_hf_model_checkpoint_path(local_path)):
+            if cls._has_checkpoint_files(legacy):
+                raise RuntimeError(
+                    f"{local_path} has the deprecated Megatron checkpoint layout ({os.path.basename(legacy)}/ at its top "
+                    "level); this loader reads model/, optimizer/ and extra/ subdirectories. Convert it with upstream "
+                    "verl's scripts/migrate_megatron_checkpoint_layout.py, or load a checkpoint saved since."
+                )
+
+    def _load_content_metadata(self, local_path: str) -> dict:
+        """The content metadata the step was saved with (what its optimizer state's layout depends on)."""
+        for make_path in _DIST_CHECKPOINT_PATHS.values():
+            path = make_path(local_path)
+            if self._has_checkpoint_files(path):
+                saved = dist_checkpointing.load_content_metadata(checkpoint_dir=path)
+                if saved is not None:
+                    return saved
+                break
+        return self._build_sharded_state_dict_metadata()
+
+    def _load_model_from_dist_checkpoint(self, local_path: str, model_state: dict) -> None:
+        path = get_model_dist_checkpoint_path(local_path)
+        loaded = load_dist_checkpointing(sharded_state_dict=dict(model_state), ckpt_dir=path)
         for index, chunk in enumerate(self.model):
+            key = "model" if len(self.model) == 1 else f"model{index}"
+            if key not in loaded:
+                raise CheckpointError(f"{path} holds no '{key}' state (saved with use_dist_checkpointing=False?)")
             if len(self.model) > 1:
                 mpu.set_virtual_pipeline_model_parallel_rank(index)
-            unwrap_model(chunk).load_state_dict(state["model" if len(self.model) == 1 else f"model{index}"])
+            chunk.load_state_dict(loaded[key])
 
-    def _load_optimizer(self, local_path: str, contents: dict) -> None:
-        saved_do = contents.get("use_distributed_optimizer")
-        if saved_do != self.use_distributed_optimizer:
-            raise CheckpointError(
-                f"{local_path} optimizer state was saved with use_distributed_optimizer={saved_do}, this run uses "
-                f"{self.use_distributed_optimizer}; set actor_rollout_ref.actor.megatron.use_distributed_optimizer="
-                f"{saved_do} or drop 'optimizer' from actor_rollout_ref.actor.checkpoint.load_contents"
-            )
+    def _load_model_as_hf_via_bridge(self, hf_model_path: str) -> None:
+        self.bridge.load_weights(self.model, hf_model_path)
+
+    def _load_optimizer(self, local_path: str, model_state: dict, metadata: dict) -> None:
+        path = get_optimizer_dist_checkpoint_path(local_path)
         if self.use_distributed_optimizer:
-            saved = {k: v for k, v in contents["parallel"].items() if k != "world_size"}
-            now = {k: v for k, v in current_parallel_layout().items() if k != "world_size"}
-            if saved != now:
-                raise CheckpointError(
-                    f"{local_path} holds distributed-optimizer state saved at {saved}; it loads only at the same "
-                    f"TP/PP/EP/ETP/CP, this run is {now}. Load the model alone (drop 'optimizer' from "
-                    "actor_rollout_ref.actor.checkpoint.load_contents), or save with "
-                    "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False, whose optimizer state "
-                    "loads at any layout."
-                )
-        loaded = load_optimizer_state(
-            self.optimizer,
-            self._model_sharded_state_dict,
-            get_optimizer_dist_checkpoint_path(local_path),
-            self.use_distributed_optimizer,
-        )
-        if self.lr_scheduler is not None and self.use_checkpoint_opt_param_scheduler:
+            initialize_distributed_optimizer_state(self.optimizer)
+        request = self._build_optimizer_state_dict(model_state, metadata, is_loading=True)
+        loaded = load_dist_checkpointing(sharded_state_dict=request, ckpt_dir=path)
+        if "optimizer" not in loaded:
+            raise CheckpointError(f"{path} holds no optimizer state")
+        if self.use_distributed_optimizer:
+            with torch.no_grad():  # the DP-reshardable loader copies into leaf main params in place
+                self.optimizer.load_state_dict(loaded["optimizer"])
+            restore_adam_steps(self.optimizer, loaded["optimizer"])
+        else:
+            self.optimizer.load_state_dict(optimizer_state_from_loaded(request["optimizer"], loaded["optimizer"]))
+        if self.use_checkpoint_opt_param_scheduler and self.lr_scheduler is not None:
             if "lr_scheduler" not in loaded:
-                raise CheckpointError(f"{get_optimizer_dist_checkpoint_path(local_path)} holds no lr_scheduler state")
+                raise CheckpointError(f"{path} holds no lr_scheduler state")
             self.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
 
-    def _load_extra(self, local_path: str, contents: dict) -> None:
-        saved, now = contents["parallel"], current_parallel_layout()
-        if saved != now:
-            # Per-rank RNG streams have no meaning on another layout: start fresh ones, say so.
+    def _load_extra(self, local_path: str) -> None:
+        """Each rank's own RNG streams when the step is ours and of this exact layout; upstream's per-(PP, TP)
+        ones for an upstream step of this PP/TP; none (a warning) at another PP/TP, where they have no meaning."""
+        saved, now = read_saved_layout(local_path), current_parallel_layout()
+        if saved is not None and any(saved.get(k) != now[k] for k in ("pp", "tp")):
             if self.rank == 0:
                 warnings.warn(f"{local_path} was saved at {saved}, this run is {now}: RNG states are not restored", stacklevel=2)
             return
-        loaded = dist_checkpointing.load({"rng_state": self._rng_sharded_object()}, get_extra_dist_checkpoint_path(local_path))
-        state = loaded["rng_state"]
-        self.load_rng_state(state)
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+        path = get_extra_dist_checkpoint_path(local_path)
+        per_rank = saved == now
+        loaded = load_dist_checkpointing(sharded_state_dict=self._build_extra_state_dict(per_rank), ckpt_dir=path)
+        if "rng_state" not in loaded:
+            raise CheckpointError(f"{path} holds no rng_state")
+        self.load_rng_states([loaded[RANK_RNG_STATE_KEY]] if per_rank else loaded["rng_state"])
 
     def _timed(self, label: str, fn: Callable[..., Any], *args: Any) -> Any:
         start = time.monotonic()
@@ -663,14 +757,3 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     def _log(self, message: str) -> None:
         if self.rank == 0:
             print(f"[checkpoint] {message}", flush=True)
-
-
-def _tracked_step_path(step_path: str) -> str | None:
-    """The ``global_step_N/<role>`` path the tracker above ``step_path`` names, if there is one."""
-    role = os.path.basename(step_path.rstrip("/"))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(step_path)))
-    try:
-        step = read_tracker(root)
-    except ValueError:
-        return None
-    return os.path.join(root, f"global_step_{step}", role) if step is not None else None

@@ -1,29 +1,24 @@
-"""Megatron optimizer state <-> dist checkpoint, in forms that survive a change of layout.
+"""Megatron optimizer state from upstream's dist-checkpoint form, at any layout.
 
-Non-distributed optimizer (use_distributed_optimizer=False): the state is saved as a flat list of
-per-parameter ShardedTensors (exp_avg, exp_avg_sq keyed by their model tensor) plus one common Adam
-step. Nothing in it depends on how megatron chains its optimizers (one for dense and one for
-expert parameters at EP > 1, a single one at EP = 1), so it loads at any TP/PP/EP/ETP layout.
+Saved as upstream verl saves it: ``{"optimizer": optimizer.sharded_state_dict(...)}`` with
+``chained_optim_avoid_prefix``, so each parameter's Adam moments are ShardedTensors keyed by their model
+tensor, whatever the TP/PP/EP/ETP layout. The non-sharded part (param groups, Adam step) follows how
+megatron chains its optimizers (one for dense and one for expert parameters at EP > 1, one at EP = 1), so
+the non-distributed optimizer's state is rebuilt here for *this* optimizer: loaded tensors at the
+request's places, the saved Adam step, this optimizer's own param groups. That loads at any layout.
 
-Distributed optimizer: megatron's own "dp_reshardable" form, which loads at the same TP/PP/EP/ETP
-(any DP). megatron's "fully_reshardable" form cannot load into torch's Adam (no apex/TE: a
-per-parameter "step" it does not save). Two megatron-core 0.16 defects of the no-apex path are
-worked around here: a DistributedOptimizer that never stepped cannot be loaded into, and the
-loaded Adam step is a stale tensor shared by every parameter.
+Distributed optimizer: megatron's "dp_reshardable" form, which loads at the same TP/PP/EP/ETP (any DP).
+Two megatron-core 0.16 defects of the no-apex path are worked around here: a DistributedOptimizer that
+never stepped cannot be loaded into, and the loaded Adam step is a stale tensor shared by every parameter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-_PER_PARAMETER = {"chained_optim_avoid_prefix": True}
-_DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
 
 
 class OptimizerStateError(RuntimeError):
@@ -44,62 +39,53 @@ def _sharded_leaves(tree: Any) -> list[ShardedBase]:
     return []
 
 
-def _replace_sharded_leaves(tree: Any, loaded: list) -> Any:
-    """``tree`` with its ShardedTensors replaced, in order, by the loaded tensors (as load would)."""
-    if isinstance(tree, ShardedBase):
-        return loaded.pop(0)
-    if isinstance(tree, LocalNonpersistentObject):
-        return tree.unwrap()
-    if isinstance(tree, dict):
-        return {key: _replace_sharded_leaves(value, loaded) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [_replace_sharded_leaves(value, loaded) for value in tree]
-    return tree
-
-
 def _per_optimizer_states(state: dict) -> list[dict]:
     """The per-inner-optimizer state dicts of a (possibly chained) optimizer state dict."""
     return [state] if "state" in state else [state[index] for index in sorted(state)]
 
 
-def optimizer_state_for_save(optimizer, model_sharded_state_dict: dict, distributed: bool) -> dict:
-    """What to hand to ``dist_checkpointing.save`` for the optimizer."""
-    if distributed:
-        return {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict, metadata=_DP_RESHARDABLE)}
-    state = optimizer.sharded_state_dict(model_sharded_state_dict, metadata=_PER_PARAMETER)
-    steps = {float(step) for inner in _per_optimizer_states(state) if (step := inner["state"].get("common_step")) is not None}
+def _saved_adam_steps(tree: Any) -> set[float]:
+    """Every ``common_step`` (the non-distributed optimizer's Adam step) in a loaded state tree."""
+    if isinstance(tree, dict):
+        own = {float(tree["common_step"])} if tree.get("common_step") is not None else set()
+        return own.union(*(_saved_adam_steps(value) for value in tree.values()))
+    if isinstance(tree, list):
+        return set().union(*(_saved_adam_steps(value) for value in tree))
+    return set()
+
+
+def _at_request_places(request: Any, loaded: Any) -> Any:
+    """``request`` with each sharded item replaced by what the load put at its place; the rest as requested."""
+    if isinstance(request, ShardedBase):
+        return loaded
+    if isinstance(request, LocalNonpersistentObject):
+        return request.unwrap()
+    if isinstance(request, dict):
+        return {key: _at_request_places(value, loaded[key] if _holds_sharded(value) else None) for key, value in request.items()}
+    if isinstance(request, list):
+        return [_at_request_places(value, loaded[index] if _holds_sharded(value) else None) for index, value in enumerate(request)]
+    return request
+
+
+def _holds_sharded(tree: Any) -> bool:
+    return bool(_sharded_leaves(tree))
+
+
+def optimizer_state_from_loaded(request: dict, loaded: dict) -> dict:
+    """The non-distributed optimizer's state dict to load: ``request`` (this optimizer's ``sharded_state_dict``
+    with ``is_loading=True``) filled with the loaded tensors and the saved Adam step."""
+    state = _at_request_places(request, loaded)
+    steps = _saved_adam_steps(loaded)
     if len(steps) > 1:
-        raise OptimizerStateError(f"chained optimizers disagree on the Adam step: {sorted(steps)}")
-    return {"optimizer_tensors": _sharded_leaves(state), "optimizer_step": steps.pop() if steps else None}
-
-
-def load_optimizer_state(optimizer, model_sharded_state_dict: Callable[[], dict], path: str, distributed: bool) -> dict:
-    """Load the optimizer state at ``path`` into ``optimizer``; return the loaded common state."""
-    if distributed:
-        return _load_distributed(optimizer, model_sharded_state_dict, path)
-    request = optimizer.sharded_state_dict(model_sharded_state_dict(), is_loading=True, metadata=_PER_PARAMETER)
-    loaded = dist_checkpointing.load({"optimizer_tensors": _sharded_leaves(request)}, path)
-    if "optimizer_tensors" not in loaded:
-        raise OptimizerStateError(f"{path} holds no per-parameter optimizer state (saved with the distributed optimizer?)")
-    state = _replace_sharded_leaves(request, list(loaded["optimizer_tensors"]))
-    if loaded.get("optimizer_step") is not None:
+        raise OptimizerStateError(f"the saved optimizer state holds inconsistent Adam steps {sorted(steps)}")
+    if steps:
+        step = steps.pop()
         for inner in _per_optimizer_states(state):
-            inner["state"]["common_step"] = torch.tensor(loaded["optimizer_step"], dtype=torch.float32)
-    optimizer.load_state_dict(state)
-    return loaded
+            inner["state"]["common_step"] = torch.tensor(step, dtype=torch.float32)
+    return state
 
 
-def _load_distributed(optimizer, model_sharded_state_dict: Callable[[], dict], path: str) -> dict:
-    _initialize_distributed_optimizer_state(optimizer)
-    request = {"optimizer": optimizer.sharded_state_dict(model_sharded_state_dict(), is_loading=True, metadata=_DP_RESHARDABLE)}
-    loaded = dist_checkpointing.load(request, path)
-    with torch.no_grad():  # the DP-reshardable loader copies into leaf main params in place
-        optimizer.load_state_dict(loaded["optimizer"])
-    _restore_adam_steps(optimizer, loaded["optimizer"])
-    return loaded
-
-
-def _initialize_distributed_optimizer_state(optimizer) -> None:
+def initialize_distributed_optimizer_state(optimizer) -> None:
     """Give a DistributedOptimizer that never stepped the Adam state its load path reads.
 
     A step with lr=0 and weight_decay=0 creates the state and leaves every parameter bit-identical;
@@ -116,7 +102,7 @@ def _initialize_distributed_optimizer_state(optimizer) -> None:
             group["lr"], group["weight_decay"] = lr, weight_decay
 
 
-def _restore_adam_steps(optimizer, loaded: dict) -> None:
+def restore_adam_steps(optimizer, loaded: dict) -> None:
     """Set every parameter's Adam ``step`` from the param groups' saved step, one tensor each."""
     inners = _inner_optimizers(optimizer)
     states = [loaded[index] for index in range(len(inners))] if len(inners) > 1 else [loaded]

@@ -45,13 +45,15 @@ def plan_is_reusable(strategy: TorchDistSaveShardedStrategy | None) -> bool:
     return strategy is not None and bool(strategy.validated_cache_reuse) and strategy.cached_central_plan is not None
 
 
-def write_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, state: dict, path: str) -> list:
+def write_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, state: dict, path: str, content_metadata: dict) -> list:
     """In the fork: plan ``state`` with the reusable ``strategy`` and write this rank's files; its write results.
 
     megatron's async request is run here to its end; its finalize (a gather of every rank's results)
     is the parent's part: ``finish_dist_checkpoint``.
     """
-    request = dist_checkpointing.save(state, path, sharded_strategy=strategy, validate_access_integrity=False, async_sharded_save=True)
+    request = dist_checkpointing.save(
+        state, path, sharded_strategy=strategy, validate_access_integrity=False, async_sharded_save=True, content_metadata=content_metadata
+    )
     if request.async_fn is None:
         return []  # nothing of this checkpoint is written by this rank
     request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)

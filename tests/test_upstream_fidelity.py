@@ -1,0 +1,76 @@
+"""The checkpoint manager as upstream verl's callers use it: constructor, refusals, formats, both model formats."""
+
+import inspect
+import json
+import os
+
+import pytest
+import torch
+
+from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+from verl.utils.distributed import run_on_ranks
+from verl.utils.megatron.parallel import ParallelSizes
+
+# Upstream verl's constructor (verl/utils/checkpoint/megatron_checkpoint_manager.py at 1dda039): name -> default.
+REQUIRED = object()
+UPSTREAM_SIGNATURE = {
+    "config": REQUIRED, "checkpoint_config": REQUIRED, "model_config": REQUIRED, "transformer_config": REQUIRED,
+    "role": REQUIRED, "model": REQUIRED, "arch": REQUIRED, "hf_config": REQUIRED, "param_dtype": REQUIRED,
+    "share_embeddings_and_output_weights": REQUIRED, "processing_class": REQUIRED, "optimizer": REQUIRED,
+    "optimizer_scheduler": REQUIRED, "use_distributed_optimizer": REQUIRED, "use_checkpoint_opt_param_scheduler": False,
+    "use_dist_checkpointing": False, "use_megatron_fsdp": False, "bridge": None, "provider": None, "peft_cls": None,
+}  # fmt: skip
+
+
+def test_constructor_has_upstreams_arguments_order_and_defaults():
+    params = list(inspect.signature(MegatronCheckpointManager.__init__).parameters.values())[1:]
+    assert [p.name for p in params] == list(UPSTREAM_SIGNATURE)
+    for p in params:
+        expected = UPSTREAM_SIGNATURE[p.name]
+        assert (p.default is inspect.Parameter.empty) if expected is REQUIRED else (p.default == expected), p.name
+
+
+def _arguments(**overrides) -> dict:
+    args = {name: None for name in UPSTREAM_SIGNATURE}
+    args.update(role="actor", model=[], use_distributed_optimizer=False, **overrides)
+    return args
+
+
+def test_an_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="use_dist_ckpt"):
+        MegatronCheckpointManager(**_arguments(use_dist_ckpt=True))
+
+
+@pytest.mark.parametrize("name", ["peft_cls", "provider", "use_megatron_fsdp"])
+def test_upstream_only_options_are_refused_by_name(name):
+    with pytest.raises(NotImplementedError, match=f"{name}="):
+        MegatronCheckpointManager(**_arguments(**{name: True}))
+
+
+def _save_and_reload(src: str, root: str, use_dist_checkpointing: bool) -> dict:
+    from verl.workers.megatron_actor import ActorSettings, MegatronActor
+
+    settings = ActorSettings(model_path=src, save_contents=("model", "optimizer", "extra"), use_dist_checkpointing=use_dist_checkpointing)
+    actor = MegatronActor(settings)
+    batch = torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))
+    actor.train_step([batch])
+    path = os.path.join(root, "global_step_1", "actor")
+    actor.save_checkpoint(path, global_step=1)
+    fresh = MegatronActor(settings)
+    fresh.load_checkpoint(path)
+    saved, loaded = actor.parameters_snapshot(), fresh.parameters_snapshot()
+    return {"equal": all(torch.equal(saved[k], loaded[k]) for k in saved), "path": path}
+
+
+@pytest.mark.parametrize("use_dist_checkpointing", [False, True])
+def test_the_model_is_saved_in_the_format_asked_and_loads_back_exactly(tiny_moe_path, tmp_path, use_dist_checkpointing):
+    result = run_on_ranks(_save_and_reload, 1, ParallelSizes(), args=(tiny_moe_path, str(tmp_path), use_dist_checkpointing))[0]
+    assert result["equal"]
+    step = result["path"]
+    contents = json.load(open(os.path.join(step, "ckpt_contents.json")))
+    assert contents["schema_version"] == 2 and contents["backend"]["use_dist_checkpointing"] is use_dist_checkpointing
+    assert contents["contents"]["model"]["format"] == ("megatron_dist_checkpoint" if use_dist_checkpointing else "huggingface")
+    assert {"optimizer", "lr_scheduler", "rng_state", "transformer_config"} <= set(contents["contents"])
+    has_shards = bool(os.listdir(os.path.join(step, "model", "dist_ckpt")))
+    has_hf_weights = any(f.endswith(".safetensors") for f in os.listdir(os.path.join(step, "model", "huggingface")))
+    assert (has_shards, has_hf_weights) == (use_dist_checkpointing, not use_dist_checkpointing)

@@ -1,0 +1,41 @@
+"""Megatron dist-checkpoint save and load, as upstream verl's module of the same name exposes them.
+
+The checkpoint manager calls these two functions (and tests may patch them): one place decides
+the strategies. Beyond upstream's arguments the save takes a ``sharded_strategy`` the caller keeps
+across saves (megatron then reuses its validated save plan) and whether to validate access integrity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+
+def save_dist_checkpointing(
+    sharded_state_dict: dict,
+    ckpt_path: str,
+    async_save: bool = False,
+    content_metadata: dict | None = None,
+    sharded_strategy: TorchDistSaveShardedStrategy | None = None,
+    validate_access_integrity: bool = True,
+) -> Any:
+    """Write ``sharded_state_dict`` as a torch_dist checkpoint at ``ckpt_path``.
+
+    Returns megatron's ``AsyncRequest`` when ``async_save`` (the write is still to run), else None.
+    """
+    strategy = sharded_strategy or TorchDistSaveShardedStrategy("torch_dist", 1)
+    return dist_checkpointing.save(
+        sharded_state_dict,
+        ckpt_path,
+        sharded_strategy=strategy,
+        async_sharded_save=async_save,
+        validate_access_integrity=validate_access_integrity,
+        content_metadata=content_metadata,
+    )
+
+
+def load_dist_checkpointing(sharded_state_dict: dict, ckpt_dir: str) -> dict:
+    """Load the entries of ``sharded_state_dict`` from the torch_dist checkpoint at ``ckpt_dir``."""
+    return dist_checkpointing.load(sharded_state_dict, ckpt_dir)
