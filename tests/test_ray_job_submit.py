@@ -63,8 +63,8 @@ def test_ray_job_submit_to_loopback_head(tmp_path, tiny_moe_path):
     assert "SUCCEEDED" in out
     assert "[main_ppo] joined the Ray cluster at" in out and "Started a local Ray instance" not in out
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
-    contents = json.loads((ckpt / "global_step_1" / "actor" / "ckpt_contents.json").read_text())
-    assert contents["parallel"]["world_size"] == 2 and contents["parallel"]["ep"] == 2
+    manifest = json.loads((ckpt / "global_step_1" / "actor" / "manifest.json").read_text())
+    assert manifest["parallel"]["world_size"] == 2 and manifest["parallel"]["ep"] == 2
     metrics = json.loads((ckpt / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["checkpoint"]["hf"] == "all 135 tensors present with the expected shapes"
     # A GRPO step ran: responses of 1 to max_response_length (2) tokens were sampled and scored 0 or 1 (so

@@ -118,7 +118,8 @@ def test_actor_worker_async_save_is_pending_until_finalized(local_ray, tiny_moe_
     overrides = [f"{megatron}tensor_model_parallel_size=1", f"{megatron}pipeline_model_parallel_size=1",
                  f"{megatron}expert_model_parallel_size=2", f"{megatron}expert_tensor_parallel_size=1",
                  "actor_rollout_ref.actor.checkpoint.async_save=True", "actor_rollout_ref.rollout.n=2",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]  # fmt: skip
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                 "actor_rollout_ref.actor.optim.total_training_steps=10"]  # fmt: skip
     with initialize_config_dir(config_dir=os.path.join(REPO, "verl", "trainer", "config"), version_base=None):
         config = OmegaConf.to_container(compose(config_name="ppo_megatron_trainer", overrides=overrides).actor_rollout_ref, resolve=True)
     config["model"]["path"] = tiny_moe_path

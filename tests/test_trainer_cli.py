@@ -108,9 +108,9 @@ def test_kill_and_resume_auto_continues_from_last_save(tmp_path, env):
             assert resumed[key] == pytest.approx(original[key], rel=1e-5, abs=1e-7), key
         assert resumed["rollout/log_prob_diff_max"] <= 1e-4
     assert (ckpt / TRACKER).read_text() == "5"
-    contents = json.loads((ckpt / "global_step_5/actor/ckpt_contents.json").read_text())
-    assert contents["parallel"] == {"world_size": 8, "tp": 2, "pp": 2, "ep": 2, "etp": 2, "cp": 1}
-    assert contents["use_distributed_optimizer"] is False
+    manifest = json.loads((ckpt / "global_step_5/actor/manifest.json").read_text())
+    assert manifest["parallel"] == {"world_size": 8, "tp": 2, "pp": 2, "ep": 2, "etp": 2, "cp": 1}
+    assert manifest["use_distributed_optimizer"] is False
     assert "HF export: all 135 tensors present with the expected shapes" in out
     assert (ckpt / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -141,8 +141,8 @@ def test_pp4_ep2_tp2_etp2_16_ranks_one_verified_save(tmp_path, env, tiny_moe_pat
     assert code == 0, out[-6000:]
     assert "16 ranks on cpu" in out and "TP2 PP4 EP2 ETP2 CP1" in out
     assert (ckpt / TRACKER).read_text() == "1"
-    contents = json.loads((ckpt / "global_step_1/actor/ckpt_contents.json").read_text())
-    assert contents["parallel"] == {"world_size": 16, "tp": 2, "pp": 4, "ep": 2, "etp": 2, "cp": 1}
+    manifest = json.loads((ckpt / "global_step_1/actor/manifest.json").read_text())
+    assert manifest["parallel"] == {"world_size": 16, "tp": 2, "pp": 4, "ep": 2, "etp": 2, "cp": 1}
     record = _metrics(ckpt)[0]["checkpoint"]
     assert record["hf"] == "all 135 tensors present with the expected shapes" and record["files"] > 0
 

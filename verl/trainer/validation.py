@@ -12,8 +12,9 @@ import os
 import re
 from typing import Any
 
+from verl.models.support import hf_config_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
-from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes
+from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
 from verl.workers.config import build_megatron_actor_configs
 
 _ACTOR = "actor_rollout_ref.actor"
@@ -61,17 +62,78 @@ def read_model_config(model_path: str) -> dict:
 def check_config(config: Any, model_path: str | None) -> list[str]:
     """Problems found in the config alone, plus the model's layout from its config.json when ``model_path``
     is given (None: the embedded model, which is checked once it is made)."""
-    problems: list[str] = []
-    problems += _check_trainer(config)
-    problems += _check_actor(config)
+    problems = _check_types(config)
+    typed = not problems
+    problems += _guarded(typed, _check_trainer, config)
+    problems += _guarded(typed, _check_actor, config)
     model = None
     if model_path is not None:
         model, model_problems = _read_model(model_path)
         problems += model_problems
-    problems += _check_layout(config, model)
-    problems += _check_grpo(config)
-    problems += _check_data(config, model)
+        if model is not None:
+            problems += [f"actor_rollout_ref.model.path={model_path}: {p}" for p in hf_config_problems(model)]
+    problems += _guarded(typed, _check_layout, config, model)
+    problems += _guarded(typed, _check_grpo, config)
+    problems += _guarded(typed, _check_data, config, model)
     return problems
+
+
+# Scalar keys every later check relies on: a mistyped value is reported here, by key, instead of crashing a
+# comparison further down (``trainer.save_freq=abc`` was a TypeError traceback).
+_INT_KEYS = (
+    "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_training_steps", "trainer.save_freq",
+    "trainer.ray_wait_register_center_timeout", "data.seed", "actor_rollout_ref.nccl_timeout",
+    f"{_MEGATRON}tensor_model_parallel_size", f"{_MEGATRON}pipeline_model_parallel_size",
+    f"{_MEGATRON}expert_model_parallel_size", f"{_MEGATRON}context_parallel_size", f"{_MEGATRON}seed",
+)  # fmt: skip
+_OPTIONAL_INT_KEYS = (f"{_MEGATRON}expert_tensor_parallel_size", "ray_init.num_cpus", "trainer.max_actor_ckpt_to_keep")
+_FLOAT_KEYS = (
+    "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p", f"{_ACTOR}.clip_ratio",
+    f"{_ACTOR}.clip_ratio_c", f"{_ACTOR}.entropy_coeff",
+)  # fmt: skip
+_OPTIONAL_FLOAT_KEYS = (f"{_ACTOR}.clip_ratio_low", f"{_ACTOR}.clip_ratio_high")
+_BOOL_KEYS = (
+    "algorithm.norm_adv_by_std_in_grpo", "algorithm.use_kl_in_reward", f"{_ACTOR}.use_kl_loss",
+    "actor_rollout_ref.rollout.do_sample", *(f"{_MEGATRON}{k}" for k in (
+        "sequence_parallel", "use_distributed_optimizer", "use_dist_checkpointing", "param_offload",
+        "grad_offload", "optimizer_offload", "use_mbridge", "vanilla_mbridge")),
+)  # fmt: skip
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_types(config: Any) -> list[str]:
+    problems = []
+    for keys, accepts, kind, example in (
+        (_INT_KEYS, _is_int, "an integer", "<n>"),
+        (_OPTIONAL_INT_KEYS, lambda v: v is None or _is_int(v), "an integer or null", "<n>"),
+        (_FLOAT_KEYS, _is_number, "a number", "<x>"),
+        (_OPTIONAL_FLOAT_KEYS, lambda v: v is None or _is_number(v), "a number or null", "<x>"),
+        (_BOOL_KEYS, lambda v: isinstance(v, bool), "true or false", "<true|false>"),
+    ):
+        for key in keys:
+            node = config
+            for part in key.split("."):
+                node = node[part]
+            if not accepts(node):
+                problems.append(f"{key}={node} must be {kind}; set {key}={example}")
+    return problems
+
+
+def _guarded(typed: bool, check: Any, *args: Any) -> list[str]:
+    """Run one group of checks; once a mistyped key is reported, a check that trips over it adds nothing."""
+    try:
+        return check(*args)
+    except (TypeError, ValueError):
+        if typed:
+            raise
+        return []
 
 
 def _positive_int(value: Any) -> bool:
@@ -84,8 +146,6 @@ def _check_trainer(config: Any) -> list[str]:
     for key in ("nnodes", "n_gpus_per_node", "total_training_steps"):
         if not _positive_int(trainer[key]):
             problems.append(f"trainer.{key}={trainer[key]} must be an integer >= 1; set trainer.{key}=<n>")
-    if not isinstance(trainer.save_freq, int) or isinstance(trainer.save_freq, bool):
-        problems.append(f"trainer.save_freq={trainer.save_freq} must be an integer (<= 0: never save)")
     if trainer.device not in DEVICES:
         problems.append(f"trainer.device={trainer.device} is not one of {list(DEVICES)}; set trainer.device=auto")
     keep = trainer.max_actor_ckpt_to_keep
@@ -155,7 +215,7 @@ def _check_actor(config: Any) -> list[str]:
             build_megatron_actor_configs({node: actor.get(node)}, path=_ACTOR)
         except ValueError as exc:
             problems.append(str(exc))
-    if config.trainer.save_freq > 0 and not list(checkpoint.save_contents):
+    if _positive_int(config.trainer.save_freq) and not list(checkpoint.save_contents):
         problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={config.trainer.save_freq}; list what to save or set trainer.save_freq=-1")
     return problems
 
@@ -182,16 +242,14 @@ def _check_layout(config: Any, model: dict | None) -> list[str]:
     if model is not None:
         numbers = {
             "num_layers": model.get("num_hidden_layers"),
-            "num_experts": model.get("num_experts") or 0,
+            "num_experts": num_routed_experts(model),
             "num_attention_heads": model.get("num_attention_heads"),
             "num_key_value_heads": model.get("num_key_value_heads"),
         }
     try:
         sizes.validate(world_size(config), **numbers)
     except ParallelConfigError as exc:
-        text = str(exc)
-        bullets = [line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- ")]
-        return bullets or [text]
+        return exc.problems
     return []
 
 
@@ -281,7 +339,7 @@ def check_device(config: Any, cluster: bool) -> tuple[str | None, list[str]]:
     requested = config.trainer.device
     if cluster:
         return (None if requested == "auto" else requested), []
-    if int(config.trainer.nnodes) > 1:
+    if _is_int(config.trainer.nnodes) and config.trainer.nnodes > 1:
         return None, [f"trainer.nnodes={config.trainer.nnodes} needs a Ray cluster: set RAY_ADDRESS (or submit with `ray job submit`), or set trainer.nnodes=1"]
     if requested == "cpu":
         return "cpu", []
@@ -297,7 +355,7 @@ def check_device(config: Any, cluster: bool) -> tuple[str | None, list[str]]:
         return None, [f"trainer.device={requested} but this host has no {requested} device; set trainer.device=cpu (or auto)"]
     if device != "cpu":
         count = get_torch_device().device_count()
-        if int(config.trainer.n_gpus_per_node) > count:
+        if _is_int(config.trainer.n_gpus_per_node) and config.trainer.n_gpus_per_node > count:
             return None, [f"trainer.n_gpus_per_node={config.trainer.n_gpus_per_node} but this host has {count} {device} device(s); set trainer.n_gpus_per_node={count}"]
     return device, []
 
@@ -315,42 +373,53 @@ def check_cluster(config: Any, requested: str | None, resources: dict, alive_nod
 
 
 def check_model_build(model_path: str, config: Any) -> list[str]:
-    """The full pre-start check of the model (mbridge support, exact representability, layout)."""
+    """The full pre-start check of the model (mbridge support, exact representability, layout), all problems at once."""
     from verl.models.mcore import UnsupportedHFConfigError, validate_model_build
 
     try:
         validate_model_build(model_path, parallel_sizes(config), world_size(config))
     except UnsupportedHFConfigError as exc:
-        return [f"actor_rollout_ref.model.path={model_path}: {exc}"]
-    except (FileNotFoundError, ParallelConfigError) as exc:
+        return [f"actor_rollout_ref.model.path={model_path}: {p}" for p in exc.problems]
+    except ParallelConfigError as exc:
+        return exc.problems
+    except FileNotFoundError as exc:
         return [str(exc)]
     return []
 
 
-def find_resume_step(config: Any) -> tuple[int, str] | None:
+def find_resume_step(config: Any, model_path: str | None = None) -> tuple[int, str] | None:
     """(step, global_step_N directory) the run resumes from, or None to start fresh. Raises ConfigError.
 
-    The step is verified as a load would (manifest sizes, contents, HF completeness) before any rank starts.
+    The step is verified as a load would (manifest sizes, contents, HF completeness) before any rank starts;
+    with ``model_path`` also that it was saved from this model, the check the ranks would otherwise make
+    only after Ray and every rank started.
     """
-    from verl.utils.checkpoint.integrity import CheckpointError, find_resume_checkpoint, verify_checkpoint
+    from verl.utils.checkpoint.integrity import (
+        CheckpointError,
+        find_resume_checkpoint,
+        read_manifest,
+        verify_checkpoint,
+    )
 
     trainer = config.trainer
     if trainer.resume_mode == "disable":
         return None
     try:
+        identity = model_identity(model_path) if model_path else (None, None)
         if trainer.resume_mode == "resume_path":
             step_dir = os.path.abspath(os.path.expanduser(str(trainer.resume_from_path))).rstrip("/")
-            contents = verify_checkpoint(os.path.join(step_dir, "actor"))
+            contents = verify_checkpoint(os.path.join(step_dir, "actor"), *identity)
         else:
             root = os.path.abspath(os.path.expanduser(str(trainer.default_local_dir)))
+            _check_tracker_is_text(root)
             actor_path, notes = find_resume_checkpoint(root, role="actor")
             for note in notes:
                 print(f"[main_ppo] note: {note}", flush=True)
             if actor_path is None:
                 return None
             step_dir = os.path.dirname(actor_path)
-            contents = verify_checkpoint(actor_path)
-    except (CheckpointError, FileNotFoundError) as exc:
+            contents = verify_checkpoint(actor_path, *identity)
+    except (CheckpointError, OSError) as exc:
         raise ConfigError([f"trainer.resume_mode={trainer.resume_mode}: {exc}"]) from exc
     step = int(_STEP_DIR.match(os.path.basename(step_dir)).group(1))
     load = build_megatron_actor_configs(config.actor_rollout_ref.actor).checkpoint.load_contents
@@ -358,7 +427,8 @@ def find_resume_step(config: Any) -> tuple[int, str] | None:
     missing = [c for c in load if c != "hf_model" and c not in contents.get("save_contents", [])]
     if missing:
         problems.append(f"{step_dir}/actor holds {contents.get('save_contents')} but {_CHECKPOINT}load_contents asks for {missing}; drop them from {_CHECKPOINT}load_contents")
-    saved_do = contents.get("use_distributed_optimizer")
+    manifest = read_manifest(os.path.join(step_dir, "actor"))  # ours; an upstream step has none
+    saved_do = manifest.get("use_distributed_optimizer") if manifest else None
     now_do = bool(config.actor_rollout_ref.actor.megatron.use_distributed_optimizer)
     if "optimizer" in load and saved_do is not None and saved_do != now_do:
         problems.append(f"{step_dir}/actor optimizer state was saved with use_distributed_optimizer={saved_do}; set {_MEGATRON}use_distributed_optimizer={saved_do} or drop 'optimizer' from {_CHECKPOINT}load_contents")
@@ -367,3 +437,37 @@ def find_resume_step(config: Any) -> tuple[int, str] | None:
     if problems:
         raise ConfigError(problems)
     return step, step_dir
+
+
+def model_identity(model_path: str) -> tuple[Any, Any]:
+    """(TransformerConfig, HF config) of ``model_path`` as the ranks build them, for the pre-start identity
+    check of a resumed step: mbridge's own HF -> Megatron mapping, given explicit single-rank parallel
+    states so that no process group is needed (the compared fields do not depend on the layout)."""
+    import torch
+    from mbridge import AutoBridge
+    from mbridge.core.parallel_states import ParallelStates
+
+    from verl.models.mcore import load_hf_config
+
+    hf_config = load_hf_config(model_path)
+    return AutoBridge.from_config(hf_config, dtype=torch.float32, parallel_states=ParallelStates()).config, hf_config
+
+
+def _check_tracker_is_text(root: str) -> None:
+    """A tracker that is not text names its file (``read_tracker`` would only say 'utf-8 codec can't decode')."""
+    from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
+
+    tracker = get_checkpoint_tracker_filename(root)
+    try:
+        with open(tracker, "rb") as handle:
+            raw = handle.read(64)  # a step number is a few digits; anything else is corrupt either way
+    except FileNotFoundError:
+        return
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([
+            f"trainer.resume_mode=auto: checkpoint tracker {tracker} is corrupt: expected a step number, found "
+            f"non-text bytes {raw[:16]!r}; write the last committed step's N (of global_step_N) into it, or set "
+            "trainer.resume_mode=disable"
+        ]) from exc

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -19,11 +20,20 @@ from verl.utils.checkpoint import commit
 from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 from verl.utils.host_memory import release_free_heap
-from verl.utils.megatron.optimizer import get_megatron_optimizer_and_scheduler
+from verl.utils.megatron.optimizer import (
+    get_megatron_optimizer,
+    get_megatron_optimizer_and_scheduler,
+    get_megatron_optimizer_param_scheduler,
+    init_megatron_optim_config,
+)
 
 
 @dataclasses.dataclass
 class ActorSettings:
+    """One rank's actor. ``optim`` / ``checkpoint``: the typed configs the worker builds from the Hydra node
+    (``verl.workers.config.build_megatron_actor_configs``); when given they are used whole and the plain
+    fields they cover (lr .. weight_decay, save_contents .. async_save) are ignored."""
+
     model_path: str
     use_distributed_optimizer: bool = False
     lr: float = 3e-3
@@ -35,6 +45,23 @@ class ActorSettings:
     strict_hf_verify: bool = True
     async_save: bool = False
     use_dist_checkpointing: bool = False
+    optim: Any = None
+    checkpoint: Any = None
+
+    def checkpoint_config(self) -> Any:
+        if self.checkpoint is not None:
+            return self.checkpoint
+        return {
+            "save_contents": list(self.save_contents),
+            "load_contents": list(self.load_contents or self.save_contents),
+            "strict_hf_verify": self.strict_hf_verify,
+            "async_save": self.async_save,
+        }
+
+    def restores_lr_scheduler(self) -> bool:
+        """Upstream's ``optim.use_checkpoint_opt_param_scheduler`` (default False) when the typed config is
+        given; the plain settings always restore it."""
+        return bool(self.optim.use_checkpoint_opt_param_scheduler) if self.optim is not None else True
 
 
 class MegatronActor:
@@ -50,22 +77,10 @@ class MegatronActor:
         self.model = build_megatron_model(self.bridge, use_distributed_optimizer=settings.use_distributed_optimizer)
         self.bridge.load_weights(self.model, settings.model_path)
         release_free_heap()  # the load's temporary tensors, ~the model's size, would stay resident
-        self.optimizer, self.scheduler = get_megatron_optimizer_and_scheduler(
-            self.model,
-            lr=settings.lr,
-            clip_grad=settings.clip_grad,
-            weight_decay=settings.weight_decay,
-            use_distributed_optimizer=settings.use_distributed_optimizer,
-        )
-        checkpoint_config = {
-            "save_contents": list(settings.save_contents),
-            "load_contents": list(settings.load_contents or settings.save_contents),
-            "strict_hf_verify": settings.strict_hf_verify,
-            "async_save": settings.async_save,
-        }
+        self.optimizer, self.scheduler = self._build_optimizer(settings)
         self.checkpoint_manager = manager_cls(
             config={"model": {"path": settings.model_path}},
-            checkpoint_config=checkpoint_config,
+            checkpoint_config=settings.checkpoint_config(),
             model_config=self.hf_config,
             transformer_config=self.bridge.config,
             role="actor",
@@ -78,11 +93,30 @@ class MegatronActor:
             optimizer=self.optimizer,
             optimizer_scheduler=self.scheduler,
             use_distributed_optimizer=settings.use_distributed_optimizer,
-            use_checkpoint_opt_param_scheduler=True,
+            use_checkpoint_opt_param_scheduler=settings.restores_lr_scheduler(),
             use_dist_checkpointing=settings.use_dist_checkpointing,
             bridge=wrap_bridge(self.bridge) if wrap_bridge is not None else self.bridge,
         )
         self._uncommitted: tuple[str, int, int | None] | None = None  # (step path, step, max_ckpt_to_keep)
+
+    def _build_optimizer(self, settings: ActorSettings) -> tuple:
+        """Through upstream's three helpers from the typed optim config, or from the plain settings."""
+        if settings.optim is None:
+            return get_megatron_optimizer_and_scheduler(
+                self.model,
+                lr=settings.lr,
+                clip_grad=settings.clip_grad,
+                weight_decay=settings.weight_decay,
+                use_distributed_optimizer=settings.use_distributed_optimizer,
+            )
+        megatron_config = init_megatron_optim_config(
+            settings.optim,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+            fp16=settings.dtype is torch.float16,
+            bf16=settings.dtype is torch.bfloat16,
+        )
+        optimizer = get_megatron_optimizer(self.model, megatron_config)
+        return optimizer, get_megatron_optimizer_param_scheduler(optimizer, settings.optim)
 
     def train_step(self, microbatches: list[torch.Tensor]) -> dict:
         return train_step(self.model, self.optimizer, self.scheduler, microbatches)

@@ -56,19 +56,17 @@ class ActorRolloutRefWorker(MegatronWorker):
     def init_model(self) -> dict:
         from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
         from verl.workers.actor.megatron_actor import MegatronPPOActor
+        from verl.workers.config import build_megatron_actor_configs
         from verl.workers.megatron_actor import ActorSettings, MegatronActor
 
         actor = self.config["actor"]
-        optim, checkpoint = actor["optim"], actor["checkpoint"]
+        configs = build_megatron_actor_configs(actor)  # the trainer's typed configs, passed through as they are
         settings = ActorSettings(
             model_path=self.config["model"]["path"],
             use_distributed_optimizer=bool(actor["megatron"]["use_distributed_optimizer"]),
-            lr=float(optim["lr"]),
-            clip_grad=float(optim["clip_grad"]),
-            weight_decay=float(optim["weight_decay"]),
-            save_contents=tuple(checkpoint["save_contents"]),
-            load_contents=tuple(checkpoint["load_contents"]),
-            async_save=bool(checkpoint.get("async_save", False)),
+            use_dist_checkpointing=bool(actor["megatron"].get("use_dist_checkpointing", False)),
+            optim=configs.optim,
+            checkpoint=configs.checkpoint,
         )
         start = time.monotonic()
         self.actor = MegatronActor(settings)
