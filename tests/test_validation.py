@@ -43,7 +43,54 @@ def test_missing_hf_path(tmp_path):
         validate_model_build(str(tmp_path), ParallelSizes(), 1)
 
 
-def test_norm_topk_prob_false_is_refused(tmp_path):
+def test_norm_topk_prob_false_is_built_not_refused(tmp_path):
+    # The bridge adapter sets megatron's router to match (tests/test_model_families.py proves the logits).
     path = make_tiny_hf_model(str(tmp_path / "m"), kind="moe", norm_topk_prob=False)
-    with pytest.raises(UnsupportedHFConfigError, match="norm_topk_prob=False"):
+    assert validate_model_build(path, ParallelSizes(), 1).norm_topk_prob is False
+
+
+def test_mlp_only_layers_is_refused(tmp_path):
+    path = make_tiny_hf_model(str(tmp_path / "m"), kind="moe", mlp_only_layers=[1])
+    with pytest.raises(UnsupportedHFConfigError, match=re.escape("qwen3_moe config: mlp_only_layers=[1]")):
         validate_model_build(path, ParallelSizes(), 1)
+
+
+def _trainer_config(tmp_path, model_config: dict, model_dir: str = "model"):
+    import json
+
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.load("verl/trainer/config/ppo_megatron_trainer.yaml")
+    config.trainer.default_local_dir = str(tmp_path / "ckpt")
+    path = tmp_path / model_dir
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(model_config))
+    return config, str(path)
+
+
+def test_pre_start_check_reports_model_and_layout_problems_together(tmp_path):
+    from verl.trainer.validation import check_config
+
+    # The default layout has EP 2: a dense, unsupported model gets both lines in one report.
+    config, path = _trainer_config(tmp_path, {"model_type": "gpt2", "num_hidden_layers": 4, "num_attention_heads": 4})
+    problems = check_config(config, path)
+    assert any("model_type='gpt2' is not supported" in p for p in problems), problems
+    assert any("expert_model_parallel_size=2 but the model has no experts" in p for p in problems), problems
+
+
+def test_pre_start_check_counts_mixtral_experts(tmp_path):
+    from verl.trainer.validation import check_config
+
+    mixtral = tiny_hf_config_dict("mixtral")
+    assert "num_experts" not in mixtral and mixtral["num_local_experts"] == 8
+    config, path = _trainer_config(tmp_path, mixtral)
+    assert check_config(config, path) == []
+    config.actor_rollout_ref.actor.megatron.expert_model_parallel_size = 4
+    config.actor_rollout_ref.actor.megatron.pipeline_model_parallel_size = 1
+    assert check_config(config, path) == [], "8 experts over EP 4 x ETP 2 on 8 ranks"
+
+
+def tiny_hf_config_dict(kind: str) -> dict:
+    from verl.models.tiny import tiny_hf_config
+
+    return tiny_hf_config(kind).to_dict()

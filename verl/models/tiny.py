@@ -1,7 +1,8 @@
 """Tiny HF models and a tokenizer the project makes itself, offline (no hub).
 
 The embedded default of the main job and the tests' fixtures: a Qwen3-MoE (4 layers, 8 experts)
-and a dense Qwen3, saved as sharded safetensors with an index, plus a character-level tokenizer.
+and a dense Qwen3, and one tiny model per other supported family (Llama, Qwen2, Mixtral, Qwen2-MoE),
+saved as sharded safetensors with an index, plus a character-level tokenizer.
 Norm weights are randomised so a mis-mapped norm cannot hide behind the all-ones default.
 """
 
@@ -30,9 +31,16 @@ def build_tokenizer():
     )
 
 
+# The tiny model kinds: the embedded Qwen3 pair plus one per other supported family (tests/test_model_families.py).
+KINDS = ("moe", "dense", "llama", "qwen2", "mixtral", "qwen2_moe")
+
+
 def tiny_hf_config(kind: str = "moe", num_layers: int = 4, num_experts: int = 8, **overrides):
-    """The tiny config; ``overrides`` replace any HF config field (e.g. norm_topk_prob=False)."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    """The tiny config of ``kind`` (one of ``KINDS``); ``overrides`` replace any HF config field.
+
+    Mixtral is made as transformers makes it, with ``head_dim`` unset (None), as real Mixtral configs are.
+    """
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=VOCAB_SIZE,
@@ -50,21 +58,31 @@ def tiny_hf_config(kind: str = "moe", num_layers: int = 4, num_experts: int = 8,
         eos_token_id=2,
         dtype="float32",
     )
+    routing = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
+    qwen_moe = dict(
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=num_experts,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        **routing,
+    )
     if kind == "moe":
-        moe = dict(
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_experts=num_experts,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            router_aux_loss_coef=0.0,
-        )
-        return Qwen3MoeConfig(**{**common, **moe, **overrides})
+        return Qwen3MoeConfig(**{**common, **qwen_moe, **overrides})
     if kind == "dense":
         return Qwen3Config(**{**common, "intermediate_size": 128, **overrides})
-    raise ValueError(f"unknown tiny model kind {kind!r}; use 'moe' or 'dense'")
+    if kind == "llama":
+        return LlamaConfig(**{**common, "intermediate_size": 128, **overrides})
+    without_head_dim = {k: v for k, v in common.items() if k != "head_dim"}
+    if kind == "qwen2":
+        return Qwen2Config(**{**without_head_dim, "intermediate_size": 128, **overrides})
+    if kind == "qwen2_moe":
+        return Qwen2MoeConfig(**{**without_head_dim, **qwen_moe, "shared_expert_intermediate_size": 48, **overrides})
+    if kind == "mixtral":
+        mixtral = dict(intermediate_size=32, num_local_experts=num_experts, **routing)
+        return MixtralConfig(**{**without_head_dim, **mixtral, **overrides})
+    raise ValueError(f"unknown tiny model kind {kind!r}; use one of {list(KINDS)}")
 
 
 def make_tiny_hf_model(path: str, kind: str = "moe", seed: int = 0, max_shard_size: str = "300KB", **config_kwargs) -> str:

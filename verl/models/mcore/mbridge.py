@@ -7,10 +7,10 @@ through ``local_spec.local_name_to_te_name``, so the same load/save/export code 
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
-from mbridge import AutoBridge
 from mbridge.core.bridge import _MODEL_REGISTRY, Bridge
 from mbridge.core.safetensor_io import SafeTensorIO
 from mbridge.core.util import unwrap_model
@@ -22,11 +22,16 @@ from verl.models.mcore.local_spec import (
     transformer_engine_available,
 )
 from verl.models.mcore.parallel_hf_save import save_weights_in_parallel
+from verl.models.support import MOE_MODEL_TYPES, hf_config_problems, renormalises_topk
 from verl.utils.rank_comm import RankComm
 
 
 class UnsupportedHFConfigError(ValueError):
-    """The HF config describes a model the bridge would silently build differently."""
+    """The HF config describes a model the bridge would silently build differently; ``problems``: one line each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
 
 
 def load_hf_config(hf_path: str) -> PretrainedConfig:
@@ -43,30 +48,46 @@ def load_hf_config(hf_path: str) -> PretrainedConfig:
 
 
 def check_hf_config_supported(hf_config: PretrainedConfig) -> None:
-    """Refuse HF configs whose model the bridge cannot represent exactly."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in _MODEL_REGISTRY:
-        raise UnsupportedHFConfigError(
-            f"model_type={model_type!r} has no mbridge mapping; supported: {sorted(AutoBridge.list_supported_models())}"
-        )
-    if getattr(hf_config, "num_experts", None):
-        if getattr(hf_config, "norm_topk_prob", True) is not True:
-            raise UnsupportedHFConfigError(
-                "norm_topk_prob=False: mbridge's MoE mapping always renormalises the top-k router weights, so the "
-                "Megatron model would differ from the HF one. Use a checkpoint with norm_topk_prob=True."
-            )
-        if getattr(hf_config, "mlp_only_layers", None):
-            raise UnsupportedHFConfigError(
-                f"mlp_only_layers={hf_config.mlp_only_layers}: mbridge builds every layer as MoE; dense layers "
-                "inside a MoE model are not supported."
-            )
-        if getattr(hf_config, "decoder_sparse_step", 1) != 1:
-            raise UnsupportedHFConfigError(
-                f"decoder_sparse_step={hf_config.decoder_sparse_step}: mbridge builds every layer as MoE; "
-                "only decoder_sparse_step=1 is supported."
-            )
-    if getattr(hf_config, "use_sliding_window", False):
-        raise UnsupportedHFConfigError("use_sliding_window=True is not represented by the Megatron model; set it to false.")
+    """Refuse HF configs whose model the bridge cannot represent exactly, naming every problem at once."""
+    problems = hf_config_problems(hf_config)
+    if not problems and hf_config.model_type not in _MODEL_REGISTRY:
+        problems = [f"model_type={hf_config.model_type!r} has no mbridge mapping in this mbridge install"]
+    if problems:
+        raise UnsupportedHFConfigError(problems)
+
+
+def _bridge_view_of(hf_config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of ``hf_config`` with what mbridge reads but transformers may leave unset filled in.
+
+    transformers' MixtralConfig (like real Mixtral checkpoints) leaves ``head_dim=None``; mbridge then
+    multiplies None in its QKV conversion. transformers itself uses hidden_size / num_attention_heads.
+    The caller's config stays as given, so the exported config.json is the user's.
+    """
+    view = copy.deepcopy(hf_config)
+    if getattr(view, "head_dim", None) is None:
+        view.head_dim = view.hidden_size // view.num_attention_heads
+    return view
+
+
+class _FaithfulConfigMixin:
+    """Corrects, exactly, what mbridge 0.15.1 maps differently from transformers (on every host).
+
+    - Router normalisation: mbridge fixes ``moe_router_pre_softmax`` per family (Mixtral and Qwen2-MoE:
+      softmax over all experts then top-k, not renormalised; Qwen3-MoE: top-k then softmax, i.e.
+      renormalised), while transformers renormalises for Mixtral always and for the Qwen families when
+      ``norm_topk_prob``. Softmax is monotone, so top-k of the logits then softmax over the k equals
+      softmax, top-k, renormalise; pre-softmax equals no renormalisation.
+    - Qwen2-MoE's shared expert is scaled by ``sigmoid(shared_expert_gate(x))`` in transformers; mbridge
+      maps the gate's weight but never asks megatron to build it (``moe_shared_expert_gate``).
+    """
+
+    def _build_base_config(self, text_config_key=None, **kwargs):
+        hf_config = self.hf_config
+        if hf_config.model_type in MOE_MODEL_TYPES:
+            kwargs["moe_router_pre_softmax"] = not renormalises_topk(hf_config)
+        if hf_config.model_type == "qwen2_moe" and getattr(hf_config, "shared_expert_intermediate_size", 0):
+            kwargs["moe_shared_expert_gate"] = True
+        return super()._build_base_config(text_config_key, **kwargs)
 
 
 class _LocalSpecBridgeMixin:
@@ -160,13 +181,16 @@ class _LocalSpecBridgeMixin:
         super().save_weights(models, weights_path, memory_efficient=memory_efficient)
 
 
-_LOCAL_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, bool], type] = {}
 
 
-def _local_spec_class(bridge_cls: type) -> type:
-    if bridge_cls not in _LOCAL_CLASSES:
-        _LOCAL_CLASSES[bridge_cls] = type(f"LocalSpec{bridge_cls.__name__}", (_LocalSpecBridgeMixin, bridge_cls), {})
-    return _LOCAL_CLASSES[bridge_cls]
+def _bridge_class(bridge_cls: type, use_local_spec: bool) -> type:
+    key = (bridge_cls, use_local_spec)
+    if key not in _CLASSES:
+        bases = (_LocalSpecBridgeMixin, _FaithfulConfigMixin, bridge_cls) if use_local_spec else (_FaithfulConfigMixin, bridge_cls)
+        prefix = "LocalSpec" if use_local_spec else "Faithful"
+        _CLASSES[key] = type(f"{prefix}{bridge_cls.__name__}", bases, {})
+    return _CLASSES[key]
 
 
 def make_bridge(
@@ -176,12 +200,11 @@ def make_bridge(
 ) -> Bridge:
     """The mbridge bridge for ``hf_config``; needs megatron parallel state to be initialised.
 
-    ``use_local_spec`` defaults to True exactly when TransformerEngine is not importable.
+    ``use_local_spec`` defaults to True exactly when TransformerEngine is not importable. The bridge
+    gets a copy of the config with a missing ``head_dim`` filled in; ``hf_config`` is not changed.
     """
     check_hf_config_supported(hf_config)
-    bridge_cls = _MODEL_REGISTRY[hf_config.model_type]
     if use_local_spec is None:
         use_local_spec = not transformer_engine_available()
-    if use_local_spec:
-        bridge_cls = _local_spec_class(bridge_cls)
-    return bridge_cls(hf_config, dtype=dtype)
+    bridge_cls = _bridge_class(_MODEL_REGISTRY[hf_config.model_type], use_local_spec)
+    return bridge_cls(_bridge_view_of(hf_config), dtype=dtype)

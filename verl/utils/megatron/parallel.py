@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 _KEY = "actor_rollout_ref.actor.megatron."
+# Each MoE family names its routed-expert count differently: Qwen MoE, Mixtral, DeepSeek.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def num_routed_experts(hf_config: Any) -> int:
+    """The routed-expert count of an HF config (object or config.json dict); 0 for a dense model.
+
+    One reader for every family, so the EP checks cannot miss experts a family names differently.
+    """
+    for key in EXPERT_COUNT_KEYS:
+        value = hf_config.get(key) if isinstance(hf_config, Mapping) else getattr(hf_config, key, None)
+        if value:
+            return int(value)
+    return 0
 
 
 class ParallelConfigError(ValueError):
-    """Parallel sizes that cannot work with this world size or model; raised before any work starts."""
+    """Parallel sizes that cannot work with this world size or model; raised before any work starts.
+
+    ``problems`` holds one line per problem, so callers can report them with others of the same config.
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        self.problems = list(problems) if problems is not None else [message]
+        super().__init__(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +65,7 @@ class ParallelSizes:
         if self.expert_tp < 1:
             problems.append(f"expert_tensor_parallel_size={self.expert_tp} must be >= 1")
         if problems:
-            raise ParallelConfigError("; ".join(problems))
+            raise ParallelConfigError("; ".join(problems), problems)
         if world_size % (self.tp * self.pp * self.cp):
             problems.append(
                 f"world size {world_size} is not divisible by TP x PP x CP = {self.tp}x{self.pp}x{self.cp}; "
@@ -77,13 +100,14 @@ class ParallelSizes:
                 f"set {_KEY}tensor_model_parallel_size to a divisor of {num_key_value_heads}"
             )
         if problems:
-            raise ParallelConfigError("invalid parallel configuration:\n  - " + "\n  - ".join(problems))
+            raise ParallelConfigError("invalid parallel configuration:\n  - " + "\n  - ".join(problems), problems)
 
-    def validate_for_hf_config(self, world_size: int, hf_config) -> None:
+    def validate_for_hf_config(self, world_size: int, hf_config: Any) -> None:
+        """``validate`` with the model's sizes read from its HF config."""
         self.validate(
             world_size,
             num_layers=hf_config.num_hidden_layers,
-            num_experts=getattr(hf_config, "num_experts", None) or 0,
+            num_experts=num_routed_experts(hf_config),
             num_attention_heads=hf_config.num_attention_heads,
             num_key_value_heads=getattr(hf_config, "num_key_value_heads", None),
         )
