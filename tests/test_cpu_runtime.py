@@ -103,6 +103,33 @@ def test_uneven_gather_and_reduce_scatter_on_gloo():
     assert results[1] == [0.0, 1.0, 1.0, 2, 8.0]
 
 
+def _scatter_views() -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    full = torch.arange(32.0).reshape(4, 8)
+    received = {}
+    # A column chunk (what a row-parallel TP split sends) and a transposed view: both non-contiguous.
+    for name, chunks in (("column_chunk", list(full.chunk(2, dim=1))), ("transposed", [c.t() for c in full.chunk(2, dim=0)])):
+        assert not chunks[0].is_contiguous()
+        out = torch.empty_like(chunks[rank].contiguous())
+        dist.scatter(out, chunks if rank == 0 else None, src=0)
+        received[name] = (out, chunks[rank].clone())
+    # A non-contiguous output (a column of a bigger buffer) receives the right elements too.
+    buffer = torch.zeros(4, 4)
+    dist.scatter(buffer[:, :2], list(full[:, :4].chunk(2, dim=1)) if rank == 0 else None, src=0)
+    received["strided_output"] = (buffer[:, :2].clone(), full[:, :4].chunk(2, dim=1)[rank].clone())
+    received["untouched"] = (buffer[:, 2:].clone(), torch.zeros(4, 2))
+    return received
+
+
+def test_gloo_scatter_of_non_contiguous_views_sends_the_right_elements():
+    # torch 2.13's gloo scatter without the runtime: rank 0 gets [0..7] for the column chunk [0,1,2,3,8,...].
+    for rank, received in enumerate(run_on_ranks(_scatter_views, 2)):
+        for name, (got, expected) in received.items():
+            assert torch.equal(got, expected), (rank, name, got.flatten().tolist())
+
+
 def _moe_dispatch_helpers() -> tuple:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 

@@ -43,6 +43,7 @@ def enable() -> bool:
     _patch_rng()
     _patch_tensor_types()
     _patch_megatron()
+    _patch_gloo_scatter()
     # megatron's jit_fuser is torch.compile; on a CPU host inductor spends minutes compiling C++
     # for kernels that run in microseconds eagerly.
     torch._dynamo.config.disable = True
@@ -236,3 +237,34 @@ def _patch_uneven_collectives() -> None:
 
     mappings._gather_along_first_dim = gather_along_first_dim
     mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+
+
+def _patch_gloo_scatter() -> None:
+    """Make ``torch.distributed.scatter`` send the right elements for non-contiguous tensors on gloo.
+
+    torch 2.13's gloo scatter reads a non-contiguous input (e.g. ``weight.chunk(2, dim=1)[0]``) as if it
+    were contiguous from its first element, and writes a non-contiguous output the same way, with no
+    error: a TP split along columns would load the wrong weights. Every input is made contiguous (a
+    copy only where it is not) and a non-contiguous output receives into a contiguous buffer first.
+    """
+    import torch.distributed as dist
+
+    original = dist.scatter
+    if getattr(original, "_contiguous_on_gloo", False):
+        return
+
+    @functools.wraps(original)
+    def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, *args: Any, **kwargs: Any):
+        if scatter_list is not None:
+            scatter_list = [t if t.is_contiguous() else t.contiguous() for t in scatter_list]
+        if tensor.is_contiguous():
+            return original(tensor, scatter_list, *args, **kwargs)
+        received = tensor.contiguous()
+        work = original(received, scatter_list, *args, **kwargs)
+        if work is not None:  # async_op=True: the copy must wait for the data
+            work.wait()
+        tensor.copy_(received)
+        return work
+
+    scatter._contiguous_on_gloo = True
+    dist.scatter = scatter
