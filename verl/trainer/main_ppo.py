@@ -9,18 +9,24 @@ What happens, in order:
    the parallel layout;
 3. Ray starts locally, or the run joins the cluster in ``RAY_ADDRESS`` (what ``ray job submit`` sets);
 4. one Ray actor per rank, then the GRPO trainer: rollout, reward, update, periodic saves, resume.
+
+A run that writes into ``trainer.default_local_dir`` holds its writer lock from the end of the cheap checks
+until it exits (a second run on it exits with status 2). SIGINT / SIGTERM stop the ranks and Ray, then print
+one line naming the committed step and the command to resume; the exit status is 130 / 143.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass
 
 import hydra
 
+from verl.trainer.run_control import StopSignals, stop_message, take_writer_lock
 from verl.trainer.validation import (
     ConfigError,
     check_cluster,
@@ -31,6 +37,7 @@ from verl.trainer.validation import (
     parallel_sizes,
     world_size,
 )
+from verl.utils.checkpoint.dir_lock import CheckpointDirBusyError, DirLock
 from verl.utils.logging_utils import silence_library_notices
 from verl.workers.config import MegatronActorConfigs, build_megatron_actor_configs
 
@@ -51,6 +58,8 @@ class RunPlan:
     resume: tuple[int, str] | None
     # The actor's typed checkpoint / optim configs, built once here and handed to the trainer and workers.
     actor_configs: MegatronActorConfigs | None = None
+    # trainer.default_local_dir's writer lock, held until the process exits (None: the run writes nothing there).
+    dir_lock: DirLock | None = None
 
 
 def prepare(config) -> RunPlan:
@@ -70,14 +79,21 @@ def prepare(config) -> RunPlan:
         problems = check_config(config, model_path)
         if problems:
             raise ConfigError(problems)
-    problems = check_model_build(model_path, config)
-    if problems:
-        raise ConfigError(problems)
-    resume = find_resume_step(config)
-    actor_configs = build_megatron_actor_configs(
-        config.actor_rollout_ref.actor, total_training_steps=int(config.trainer.total_training_steps)
-    )
-    return RunPlan(model_path=model_path, device=device, cluster=cluster, resume=resume, actor_configs=actor_configs)
+    # Before the slow checks and before the resume step is read: one writer per checkpoint directory.
+    dir_lock = take_writer_lock(config)
+    try:
+        problems = check_model_build(model_path, config)
+        if problems:
+            raise ConfigError(problems)
+        resume = find_resume_step(config, model_path)
+        actor_configs = build_megatron_actor_configs(
+            config.actor_rollout_ref.actor, total_training_steps=int(config.trainer.total_training_steps)
+        )
+    except ConfigError:
+        if dir_lock is not None:
+            dir_lock.discard()
+        raise
+    return RunPlan(model_path=model_path, device=device, cluster=cluster, resume=resume, actor_configs=actor_configs, dir_lock=dir_lock)
 
 
 def embedded_model_path() -> str:
@@ -135,10 +151,29 @@ def _init_ray(config) -> bool:
 
 def run_ppo(config) -> None:
     silence_library_notices()
+    stops = StopSignals()
+    stops.install()
+    progress: dict = {}
+    try:
+        _run(config, stops, progress)
+    except KeyboardInterrupt:
+        # _run's finally blocks have stopped the ranks and Ray by now.
+        trainer = progress.get("trainer")
+        step = trainer.global_steps if trainer is not None else None
+        pending = trainer.pending_step() if trainer is not None else None
+        signum = stops.signum or signal.SIGINT
+        print(stop_message(config, signum, step, pending, sys.argv[1:]), file=sys.stderr, flush=True)
+        raise SystemExit(stops.exit_code()) from None
+
+
+def _run(config, stops: StopSignals, progress: dict) -> None:
     try:
         plan = prepare(config)
     except ConfigError as err:
         _exit_config_error(err)
+    except CheckpointDirBusyError as err:
+        print(f"[main_ppo] {err}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CONFIG_ERROR) from None
     total = int(config.trainer.total_training_steps)
     if plan.resume and plan.resume[0] >= total:
         print(
@@ -154,6 +189,7 @@ def run_ppo(config) -> None:
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     started = _init_ray(config)
+    stops.install()  # ray.init replaced the SIGTERM handler with one that tears Ray down under this process
     try:
         device = plan.device
         if plan.cluster:
@@ -163,6 +199,7 @@ def run_ppo(config) -> None:
                 _exit_config_error(ConfigError(problems))
         _print_plan(config, plan, device)
         trainer = RayPPOTrainer(config, plan.model_path, device, plan.resume, actor_configs=plan.actor_configs)
+        progress["trainer"] = trainer
         try:
             trainer.init_workers()
             trainer.fit()

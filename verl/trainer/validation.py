@@ -440,9 +440,15 @@ def find_resume_step(config: Any, model_path: str | None = None) -> tuple[int, s
 
 
 def model_identity(model_path: str) -> tuple[Any, Any]:
-    """(TransformerConfig, HF config) of ``model_path`` as the ranks build them, for the pre-start identity
-    check of a resumed step: mbridge's own HF -> Megatron mapping, given explicit single-rank parallel
-    states so that no process group is needed (the compared fields do not depend on the layout)."""
+    """(TransformerConfig, HF config) of ``model_path`` for the pre-start identity check of a resumed step, or
+    (None, None) when it cannot be built here (the ranks then make the check after they start, as before).
+
+    mbridge's own HF -> Megatron mapping, given explicit single-rank parallel states so that no process group
+    is needed (the compared fields do not depend on the layout). ``head_dim`` left unset (Mixtral) is filled
+    with transformers' own default, hidden_size / num_attention_heads, as the ranks' bridge does.
+    """
+    import copy
+
     import torch
     from mbridge import AutoBridge
     from mbridge.core.parallel_states import ParallelStates
@@ -450,7 +456,14 @@ def model_identity(model_path: str) -> tuple[Any, Any]:
     from verl.models.mcore import load_hf_config
 
     hf_config = load_hf_config(model_path)
-    return AutoBridge.from_config(hf_config, dtype=torch.float32, parallel_states=ParallelStates()).config, hf_config
+    view = copy.deepcopy(hf_config)
+    if getattr(view, "head_dim", None) is None and getattr(view, "num_attention_heads", None):
+        view.head_dim = view.hidden_size // view.num_attention_heads
+    try:
+        bridge = AutoBridge.from_config(view, dtype=torch.float32, parallel_states=ParallelStates())
+    except Exception:  # noqa: BLE001 - a family mbridge maps only on ranks: leave the check to them
+        return None, None
+    return bridge.config, hf_config
 
 
 def _check_tracker_is_text(root: str) -> None:

@@ -9,12 +9,15 @@
 
 A failing rank never leaves the driver waiting: the first failure (an exception in a rank, a rank that
 died, a call past its timeout) stops every actor of the group, and the driver gets a ``WorkerGroupError``
-that carries the failing ranks' tracebacks, the root cause first.
+that carries the failing ranks' tracebacks, the root cause first: a rank whose process died, then a rank's
+own error, then the collectives that broke because of them (gloo's "Connection closed by peer" on rank 0 is
+the echo of a peer that died, and often the first failure Ray reports).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from typing import Any
@@ -265,6 +268,7 @@ class RayWorkerGroup:
         pending = list(refs)
         values: dict[int, Any] = {}
         failures: dict[int, str] = {}  # in the order they were seen
+        blame: dict[int, int] = {}  # _DIED / _OWN_ERROR / _ECHO per failed rank
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         grace_until = None
         while pending:
@@ -274,6 +278,7 @@ class RayWorkerGroup:
                     values[rank_of[ref]] = ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - every failure is reported
                     failures[rank_of[ref]] = _describe_failure(exc)
+                    blame[rank_of[ref]] = _blame(exc, failures[rank_of[ref]])
             now = time.monotonic()
             if failures and grace_until is None:
                 grace_until = now + self.failure_grace_s
@@ -285,9 +290,27 @@ class RayWorkerGroup:
                 break
         if failures:
             unfinished = sorted(rank_of[ref] for ref in pending if rank_of[ref] not in failures)
+            # A rank killed by a signal may not be reported by Ray within the grace period; its process is gone.
+            for rank, text in self._dead_processes(unfinished).items():
+                failures[rank], blame[rank] = text, _DIED
+                unfinished.remove(rank)
+            ordered = {rank: failures[rank] for rank in sorted(failures, key=lambda r: blame[r])}  # stable: seen order within a kind
             self.shutdown()
-            raise WorkerGroupError(_failure_report(failures, unfinished, len(refs)))
+            raise WorkerGroupError(_failure_report(ordered, unfinished, len(refs), died=blame[next(iter(ordered))] == _DIED))
         return [values[rank] for rank in range(len(refs))]
+
+    def _dead_processes(self, ranks: list[int]) -> dict[int, str]:
+        """Of ``ranks``, those on this node whose process no longer runs, with a line saying so."""
+        here, dead = get_node_ip(), {}
+        for rank in ranks:
+            if rank < len(self._node_pids):
+                node_ip, pid = self._node_pids[rank]
+                if node_ip == here and not _process_alive(pid):
+                    dead[rank] = (
+                        f"the rank's process (pid {pid}) is gone: it was killed (SIGKILL, the OOM killer) or crashed "
+                        "before Ray reported it"
+                    )
+        return dead
 
     def _check_alive(self) -> None:
         if not self._alive:
@@ -333,9 +356,41 @@ def _describe_failure(exc: BaseException) -> str:
     return "\n".join(lines)
 
 
-def _failure_report(failures: dict[int, str], unfinished: list[int], world_size: int) -> str:
+# How much a failure says about the root cause (lower first in the report).
+_DIED, _OWN_ERROR, _ECHO = 0, 1, 2
+# A collective that broke because a peer went away: the symptom on the surviving ranks, not the cause.
+_BROKEN_COLLECTIVE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Socket closed|remote process exited|"
+    r"NCCL communicator was aborted|Timed out waiting \d+ms for (recv|send)",
+    re.IGNORECASE,
+)
+
+
+def _blame(exc: BaseException, text: str) -> int:
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return _DIED
+    return _ECHO if _BROKEN_COLLECTIVE.search(text) else _OWN_ERROR
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        import psutil
+
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except ImportError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    except Exception:  # noqa: BLE001 - psutil.NoSuchProcess and friends: gone
+        return False
+
+
+def _failure_report(failures: dict[int, str], unfinished: list[int], world_size: int, died: bool = False) -> str:
     first = next(iter(failures))
-    lines = [f"{len(failures)} of {world_size} rank(s) failed; rank {first} failed first:"]
+    cause = " (its process died; the other ranks' errors follow from it)" if died and len(failures) > 1 else ""
+    lines = [f"{len(failures)} of {world_size} rank(s) failed; rank {first} failed first{cause}:"]
     for rank, text in failures.items():
         lines.append(f"--- rank {rank} ---\n{text}")
     if unfinished:

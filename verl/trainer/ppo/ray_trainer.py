@@ -116,6 +116,10 @@ class RayPPOTrainer:
         built = wg.init_model()
         self._print(f"[trainer] model built on every rank in {time.monotonic() - start:.1f}s ({built[0]['num_params']:,} parameters on rank 0)")
 
+    def pending_step(self) -> int | None:
+        """The step of an async save not committed yet: a stop now discards it (the tracker keeps the previous one)."""
+        return self._pending["step"] if self._pending else None
+
     def shutdown(self) -> None:
         if self.actor_rollout_wg is not None:
             self.actor_rollout_wg.shutdown()

@@ -1,0 +1,205 @@
+"""One writer per checkpoint directory, clean stops on SIGTERM / SIGINT, and the errors a user meets around them
+(issue 15): a second run is refused while the first's steps stay loadable; a SIGKILLed holder leaves no lock;
+a mistyped key or a binary tracker is one line; a killed rank is blamed, not rank 0's echo of it; a resume of
+another model is refused before Ray starts."""
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from hydra import compose, initialize_config_dir
+
+from tests.test_ray_worker_group import REPO as WORKER_PYTHONPATH
+from tests.test_ray_worker_group import ProbeWorker
+from tests.test_trainer_cli import MEGATRON, TRACKER, _kill_session, _metrics, _run, _start, _two_ranks_ep2
+from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool, WorkerGroupError
+from verl.trainer.run_control import resume_command
+from verl.trainer.validation import ConfigError, check_config, find_resume_step
+from verl.utils.checkpoint.dir_lock import LOCK_FILENAME, CheckpointDirBusyError, lock_checkpoint_dir, read_lock_holder
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = str(REPO / "verl" / "trainer" / "config")
+
+
+def _config(*overrides: str):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name="ppo_megatron_trainer", overrides=list(overrides))
+
+
+def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path):
+    directory = tmp_path / "ckpt"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from verl.utils.checkpoint.dir_lock import lock_checkpoint_dir as lock\n"
+         f"held = lock({str(directory)!r}); print('locked', flush=True); time.sleep(600)"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointDirBusyError) as busy:
+            lock_checkpoint_dir(str(directory))
+        assert f"pid {holder.pid} on host {os.uname().nodename}" in str(busy.value)
+        assert str(directory / LOCK_FILENAME) in str(busy.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    start = time.monotonic()
+    lock = lock_checkpoint_dir(str(directory))  # the OS dropped the dead holder's lock: no waiting, no cleanup
+    try:
+        assert lock.held and time.monotonic() - start < 1
+        assert read_lock_holder(str(directory))["pid"] == os.getpid()
+    finally:
+        lock.release()
+
+
+def test_a_filesystem_without_locks_is_reported_not_fatal(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):  # what flock gives on NFS without lockd
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock = lock_checkpoint_dir(str(tmp_path / "ckpt"))
+    assert not lock.held
+    assert "does not support file locks" in lock.warning and "No locks available" in lock.warning
+
+
+def test_mistyped_keys_are_one_line_each_not_a_traceback(tmp_path):
+    config = _config(f"trainer.default_local_dir={tmp_path}", "trainer.save_freq=abc", "actor_rollout_ref.rollout.temperature=hot")
+    assert check_config(config, None) == [
+        "trainer.save_freq=abc must be an integer; set trainer.save_freq=<n>",
+        "actor_rollout_ref.rollout.temperature=hot must be a number; set actor_rollout_ref.rollout.temperature=<x>",
+    ]
+
+
+def test_a_binary_tracker_is_named(tmp_path):
+    (tmp_path / TRACKER).write_bytes(b"\xff\xfe3\n")
+    with pytest.raises(ConfigError) as err:
+        find_resume_step(_config(f"trainer.default_local_dir={tmp_path}"))
+    assert f"checkpoint tracker {tmp_path / TRACKER} is corrupt" in str(err.value)
+
+
+def test_the_resume_command_keeps_the_overrides_and_resumes():
+    argv = ["trainer.n_gpus_per_node=2", "trainer.resume_mode=disable", "trainer.default_local_dir=/a b"]
+    assert resume_command(argv) == (
+        "python -m verl.trainer.main_ppo trainer.n_gpus_per_node=2 'trainer.default_local_dir=/a b' trainer.resume_mode=auto"
+    )
+
+
+def test_a_killed_rank_is_blamed_not_the_echo_on_rank_0():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
+    try:
+        group = MegatronRayWorkerGroup(RayResourcePool([2], name_prefix="die"), RayClassWithInitArgs(DyingWorker), init_timeout_s=180)
+        with pytest.raises(WorkerGroupError) as err:
+            group.die_on([1, 1])
+    finally:
+        ray.shutdown()
+    message = str(err.value)
+    assert "rank 1 failed first (its process died" in message, message
+    # rank 0's gloo error is reported too, after the cause
+    assert message.index("--- rank 1 ---") < message.index("--- rank 0 ---")
+    assert "Connection closed by peer" in message.split("--- rank 0 ---")[1]
+
+
+class DyingWorker(ProbeWorker):
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def die_on(self, bad_rank: int) -> int:
+        import torch
+
+        if self.rank == bad_rank:
+            time.sleep(1.0)  # the others are inside the barrier by now
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.distributed.barrier()
+        return self.rank
+
+
+def _wait_for(pattern: str, log: Path, proc: subprocess.Popen, timeout_s: float = 480) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = re.search(pattern, log.read_text())
+        if found:
+            return found
+        assert proc.poll() is None, f"exited early ({proc.returncode}):\n{log.read_text()[-5000:]}"
+        assert time.monotonic() < deadline, f"no {pattern!r} in time:\n{log.read_text()[-5000:]}"
+        time.sleep(0.2)
+
+
+def _stop_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if line.startswith("[main_ppo] stopped by ")]
+    assert len(lines) == 1, out[-5000:]
+    return lines[0]
+
+
+def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> float:
+    start = time.monotonic()
+    proc.wait(timeout=timeout_s)
+    return time.monotonic() - start
+
+
+def test_one_writer_and_clean_stops_through_the_cli(tmp_path, env, tiny_moe_path):  # noqa: F811
+    """A run that trained a step holds the directory: a second run is refused at once; SIGTERM stops the first
+    with one line naming the committed step and the resume command; resuming another model is refused before
+    Ray; that resume command continues from the committed step; Ctrl-C (SIGINT to the process group) stops it."""
+    ckpt = tmp_path / "ckpt"
+    common = [*_two_ranks_ep2(tiny_moe_path, ckpt), f"{MEGATRON}use_distributed_optimizer=False"]
+    first_log = tmp_path / "first.log"
+    first = _start([*common, "trainer.total_training_steps=50"], tmp_path, env, first_log)
+    try:
+        _wait_for(r"\[trainer\] step 1/50", first_log, first)
+
+        code, out = _run([*common, "trainer.total_training_steps=50"], tmp_path, env, timeout_s=120)
+        assert code == 2, out[-3000:]
+        assert f"is being written by another run (pid {first.pid} on host {os.uname().nodename}" in out
+        assert "Ray instance" not in out and "ranks up" not in out
+
+        os.kill(first.pid, signal.SIGTERM)  # the driver only, as `kill <pid>` or a scheduler does
+        seconds = _wait_exit(first, 60)
+    finally:
+        _kill_session(first)
+    out = first_log.read_text()
+    assert first.returncode == 143, out[-5000:]
+    assert seconds < 30, f"took {seconds:.0f}s to stop"
+    last = _stop_line(out)
+    committed = int((ckpt / TRACKER).read_text())
+    assert last.startswith("[main_ppo] stopped by SIGTERM at step ") and f"step {committed} is committed" in last, last
+    assert "Traceback" not in out and "SIGABRT" not in out and "*** " not in out, out[-5000:]
+    resume = last.split("; resume with: ")[1]
+    assert resume == resume_command(common + ["trainer.total_training_steps=50"])
+
+    code, out = _run([*common, "trainer.save_freq=abc"], tmp_path, env, timeout_s=120)
+    assert code == 2 and "trainer.save_freq=abc must be an integer; set trainer.save_freq=<n>" in out and "Traceback" not in out, out[-3000:]
+
+    from verl.models.tiny import make_tiny_hf_model
+
+    other = make_tiny_hf_model(str(tmp_path / "four_experts"), kind="moe", num_experts=4)
+    start = time.monotonic()
+    code, out = _run([*common, f"actor_rollout_ref.model.path={other}", "trainer.total_training_steps=50"], tmp_path, env, timeout_s=120)
+    assert code == 2 and "is of a different model" in out and "num_moe_experts: checkpoint 8, this model 4" in out, out[-3000:]
+    assert "Ray instance" not in out and "ranks up" not in out and time.monotonic() - start < 90
+
+    # The printed command, as a user would paste it, resumes from the committed step; then Ctrl-C.
+    second_log = tmp_path / "second.log"
+    second = _start(shlex.split(resume)[3:], tmp_path, env, second_log)
+    try:
+        _wait_for(rf"resumed from {ckpt}/global_step_{committed} \(step {committed}\)", second_log, second)
+        _wait_for(rf"\[trainer\] step {committed + 1}/50", second_log, second)
+        os.killpg(second.pid, signal.SIGINT)  # what a terminal sends to the foreground process group
+        seconds = _wait_exit(second, 60)
+    finally:
+        _kill_session(second)
+    out = second_log.read_text()
+    assert second.returncode == 130, out[-5000:]
+    assert seconds < 30, f"took {seconds:.0f}s to stop"
+    last = _stop_line(out)
+    assert last.startswith("[main_ppo] stopped by SIGINT at step ") and "resume with: python -m verl.trainer.main_ppo" in last, last
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-5000:]
+    assert [m["step"] for m in _metrics(ckpt)][-1] > committed

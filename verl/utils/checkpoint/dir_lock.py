@@ -1,0 +1,129 @@
+"""One writer per checkpoint directory: an OS lock held by a training run for its whole life.
+
+Two runs writing one ``trainer.default_local_dir`` commit steps neither can load (their dist-checkpoint
+writes interleave), so a run that may write there takes ``fcntl.flock`` on ``<dir>/.verl_writer.lock``
+before anything else starts. The lock belongs to the open file, so the OS drops it when the process dies,
+however it dies (SIGKILL, OOM killer): there is never a stale lock to clean up. The file records the
+holder's pid, host and command so that a refused run can say who is writing. Readers
+(``python -m verl.model_merger verify``) take no lock.
+
+The descriptor is close-on-exec, so processes the run execs (Ray's raylet, GCS, workers) do not hold the
+lock; a child forked without exec would keep it until it exits.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+LOCK_FILENAME = ".verl_writer.lock"
+
+
+class CheckpointDirBusyError(RuntimeError):
+    """Another live process holds the directory's writer lock; ``holder`` is what it wrote into the lock file."""
+
+    def __init__(self, directory: str, lock_path: str, holder: dict) -> None:
+        self.directory, self.lock_path, self.holder = directory, lock_path, holder
+        super().__init__(
+            f"trainer.default_local_dir={directory} is being written by another run ({describe_holder(holder)}; "
+            f"lock {lock_path}); two writers would corrupt its checkpoints. Wait for that run or stop it, or set "
+            "trainer.default_local_dir to another directory."
+        )
+
+
+@dataclass
+class DirLock:
+    """A held (``fd`` set) or unavailable (``warning`` set: the filesystem refuses locks) writer lock."""
+
+    path: str
+    fd: int | None
+    warning: str | None = None
+    created_dir: bool = False  # the directory did not exist before the lock
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
+    def release(self) -> None:
+        """Drop the lock (the file stays: unlinking it would let two runs lock two different files)."""
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor of the open file releases the flock
+            self.fd = None
+
+    def discard(self) -> None:
+        """Release, and remove what taking the lock created when the run stops before writing anything
+        (a bad config found after the lock leaves no empty directory behind)."""
+        self.release()
+        if self.created_dir:
+            for remove, target in ((os.remove, self.path), (os.rmdir, os.path.dirname(self.path))):
+                try:
+                    remove(target)
+                except OSError:
+                    return  # another run is already using it
+
+
+def lock_checkpoint_dir(directory: str) -> DirLock:
+    """Take the writer lock of ``directory`` (created if missing) without waiting.
+
+    Raises ``CheckpointDirBusyError`` when another process holds it. On a filesystem without working
+    locks (e.g. NFS without lockd: ENOLCK) the returned lock is not held and carries a warning to print.
+    """
+    directory = os.path.abspath(os.path.expanduser(directory))
+    created = not os.path.isdir(directory)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, LOCK_FILENAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise CheckpointDirBusyError(directory, path, holder) from None
+        os.close(fd)
+        return DirLock(
+            path,
+            None,
+            created_dir=created,
+            warning=f"cannot lock {path} ({exc.strerror or exc}): this filesystem does not support file locks, so nothing "
+            "stops a second run from writing the same trainer.default_local_dir; make sure only one run uses it",
+        )
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "command": " ".join(sys.argv)}  # fmt: skip
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    return DirLock(path, fd, created_dir=created)
+
+
+def read_lock_holder(directory: str) -> dict:
+    """What the current or last holder of ``directory``'s lock wrote (empty when there is no lock file)."""
+    path = os.path.join(os.path.abspath(os.path.expanduser(directory)), LOCK_FILENAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        return _read_holder(fd)
+    finally:
+        os.close(fd)
+
+
+def describe_holder(holder: dict) -> str:
+    if "pid" not in holder:
+        return "holder unknown: its lock file is empty, it may be starting"
+    return f"pid {holder['pid']} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        data = os.pread(fd, 4096, 0)
+        holder = json.loads(data.decode("utf-8", errors="replace"))
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
