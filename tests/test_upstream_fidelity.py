@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -28,6 +29,21 @@ def test_constructor_has_upstreams_arguments_order_and_defaults():
     for p in params:
         expected = UPSTREAM_SIGNATURE[p.name]
         assert (p.default is inspect.Parameter.empty) if expected is REQUIRED else (p.default == expected), p.name
+
+
+def test_find_latest_ckpt_path_behaves_as_upstreams(tmp_path):
+    """Upstream's callers (its trainers' resume) rely on: the tracked step directory, else None; no caller here."""
+    assert [p.name for p in inspect.signature(find_latest_ckpt_path).parameters.values()] == ["path", "directory_format"]
+    assert inspect.signature(find_latest_ckpt_path).parameters["directory_format"].default == "global_step_{}"
+    assert find_latest_ckpt_path(None) is None
+    assert find_latest_ckpt_path(str(tmp_path)) is None  # no tracker
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    with pytest.warns(UserWarning, match="global_step_3, which does not exist"):
+        assert find_latest_ckpt_path(str(tmp_path)) is None
+    (tmp_path / "global_step_3").mkdir()
+    (tmp_path / "step-3").mkdir()
+    assert find_latest_ckpt_path(str(tmp_path)) == str(tmp_path / "global_step_3")
+    assert find_latest_ckpt_path(str(tmp_path), "step-{}") == str(tmp_path / "step-3")
 
 
 def _arguments(**overrides) -> dict:

@@ -16,10 +16,11 @@ from verl.utils.checkpoint.integrity import (
     read_saved_layout,
     verify_checkpoint,
 )
+from verl.utils.checkpoint.names import TRACKER_FILENAME
 
 
 def _verify(local_dir: str) -> int:
-    if os.path.exists(os.path.join(local_dir, "latest_checkpointed_iteration.txt")):
+    if os.path.exists(os.path.join(local_dir, TRACKER_FILENAME)):
         path, notes = find_resume_checkpoint(local_dir)
         for note in notes:
             print(f"note: {note}")

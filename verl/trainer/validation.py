@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Any
 
 from verl.models.support import hf_config_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
+from verl.utils.checkpoint.names import STEP_DIR_RE
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
 from verl.workers.config import build_megatron_actor_configs
 
@@ -27,7 +27,6 @@ DEVICES = ("auto", "cpu", "cuda", "npu")
 TASK_PROMPT_TOKENS = 4
 TASKS = ("add", "first")  # verl.utils.dataset.arithmetic.TASKS
 DATA_STATE_FILENAME = "data.pt"  # verl.trainer.ppo.ray_trainer.DATA_STATE_FILENAME
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
 class ConfigError(ValueError):
@@ -182,7 +181,7 @@ def _check_resume(trainer: Any) -> list[str]:
     if not path:
         return ["trainer.resume_mode=resume_path needs trainer.resume_from_path=<default_local_dir>/global_step_N"]
     path = os.path.abspath(os.path.expanduser(str(path)))
-    if not _STEP_DIR.match(os.path.basename(path.rstrip("/"))):
+    if not STEP_DIR_RE.match(os.path.basename(path.rstrip("/"))):
         return [f"trainer.resume_from_path={path} is not a global_step_N directory; point it at one"]
     if not os.path.isdir(path):
         return [f"trainer.resume_from_path={path} does not exist; set trainer.resume_from_path to a saved global_step_N directory"]
@@ -421,7 +420,7 @@ def find_resume_step(config: Any, model_path: str | None = None) -> tuple[int, s
             contents = verify_checkpoint(actor_path, *identity)
     except (CheckpointError, OSError) as exc:
         raise ConfigError([f"trainer.resume_mode={trainer.resume_mode}: {exc}"]) from exc
-    step = int(_STEP_DIR.match(os.path.basename(step_dir)).group(1))
+    step = int(STEP_DIR_RE.match(os.path.basename(step_dir)).group(1))
     load = build_megatron_actor_configs(config.actor_rollout_ref.actor).checkpoint.load_contents
     problems = []
     missing = [c for c in load if c != "hf_model" and c not in contents.get("save_contents", [])]

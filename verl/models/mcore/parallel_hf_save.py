@@ -32,9 +32,9 @@ import torch
 from mbridge.core.util import unwrap_model
 from safetensors.torch import save_file
 
+from verl.utils.checkpoint.names import INDEX_FILENAME
 from verl.utils.rank_comm import RankComm, Transfer
 
-INDEX_FILENAME = "model.safetensors.index.json"
 MAX_FILE_BYTES = 5 * 1024**3  # transformers' default max_shard_size when there is no source plan
 
 

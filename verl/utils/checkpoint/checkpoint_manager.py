@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import shutil
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
+from verl.utils.checkpoint.names import STEP_DIR_FORMAT, STEP_DIR_RE, TRACKER_FILENAME
 from verl.utils.device import get_device_name, get_torch_device
 
 ALL_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
 def config_get(config: Any, key: str, default: Any) -> Any:
@@ -116,7 +115,7 @@ class BaseCheckpointManager:
             if os.path.exists(one):
                 shutil.rmtree(one, ignore_errors=True)
             parent = os.path.dirname(os.path.abspath(one.rstrip("/")))
-            if _STEP_DIR.match(os.path.basename(parent)) and os.path.isdir(parent) and not os.listdir(parent):
+            if STEP_DIR_RE.match(os.path.basename(parent)) and os.path.isdir(parent) and not os.listdir(parent):
                 os.rmdir(parent)
 
     def ensure_checkpoint_capacity(self, max_ckpt_to_keep: int | None) -> None:
@@ -161,8 +160,8 @@ class BaseCheckpointManager:
 def _is_tracked_step(step_path: str) -> bool:
     """Whether the tracker above ``step_path`` (``.../global_step_N`` or ``.../global_step_N/<role>``) names it."""
     path = os.path.abspath(step_path.rstrip("/"))
-    step_dir = path if _STEP_DIR.match(os.path.basename(path)) else os.path.dirname(path)
-    match = _STEP_DIR.match(os.path.basename(step_dir))
+    step_dir = path if STEP_DIR_RE.match(os.path.basename(path)) else os.path.dirname(path)
+    match = STEP_DIR_RE.match(os.path.basename(step_dir))
     if not match:
         return False
     try:
@@ -188,17 +187,18 @@ def read_tracker(root_path: str) -> int | None:
     return int(text)
 
 
-def find_latest_ckpt_path(path: str | None, directory_format: str = "global_step_{}") -> str | None:
-    """The step directory the tracker under ``path`` names, or None when there is no tracker."""
+def find_latest_ckpt_path(path: str | None, directory_format: str = STEP_DIR_FORMAT) -> str | None:
+    """The step directory the tracker under ``path`` names; None without a tracker or when that directory is
+    gone. Upstream verl's function, kept for its callers; this package resumes through
+    ``integrity.find_resume_checkpoint``, which also verifies the step and reports interrupted saves."""
     step = read_tracker(path) if path is not None else None
     if step is None:
         return None
     step_dir = os.path.join(path, directory_format.format(step))
     if not os.path.isdir(step_dir):
-        raise FileNotFoundError(
-            f"checkpoint tracker {get_checkpoint_tracker_filename(path)} names step {step}, but {step_dir} does not "
-            "exist; restore that directory or set trainer.resume_mode=disable / trainer.resume_from_path"
-        )
+        tracker = get_checkpoint_tracker_filename(path)
+        warnings.warn(f"checkpoint tracker {tracker} names {step_dir}, which does not exist", stacklevel=2)
+        return None
     return step_dir
 
 
@@ -208,7 +208,7 @@ def list_step_dirs(root_path: str) -> list[tuple[int, str]]:
         return []
     steps = []
     for name in os.listdir(root_path):
-        match = _STEP_DIR.match(name)
+        match = STEP_DIR_RE.match(name)
         if match and os.path.isdir(os.path.join(root_path, name)):
             steps.append((int(match.group(1)), os.path.join(root_path, name)))
     return sorted(steps)

@@ -14,7 +14,7 @@ from glob import glob
 
 import torch
 
-INDEX_FILENAME = "model.safetensors.index.json"
+from verl.utils.checkpoint.names import INDEX_FILENAME
 
 
 class HFCheckpointIncompleteError(RuntimeError):
