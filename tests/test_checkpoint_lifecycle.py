@@ -430,7 +430,42 @@ def _step_is_a_file(step):
     return "is not a directory"
 
 
+def _flip_bytes(step: str, directory: str, suffix: str) -> str:
+    """64 bytes XOR 0xFF in the middle of the first ``suffix`` file of ``directory``: same size, other content."""
+    folder = os.path.join(step, directory)
+    victim = os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(suffix))[0])
+    with open(victim, "r+b") as handle:
+        handle.seek(os.path.getsize(victim) // 2)
+        data = handle.read(64)
+        handle.seek(-len(data), os.SEEK_CUR)
+        handle.write(bytes(b ^ 0xFF for b in data))
+    return f"{victim}: its content checksum differs"
+
+
+def _flip_optimizer_shard(step):
+    return _flip_bytes(step, "optimizer/dist_ckpt", ".distcp")
+
+
+def _flip_rng_shard(step):
+    return _flip_bytes(step, "extra/dist_ckpt", ".distcp")
+
+
+def _flip_hf_weights(step):
+    return _flip_bytes(step, "model/huggingface", ".safetensors")
+
+
+def _manifest_lists_no_files(step):
+    manifest = json.loads(open(os.path.join(step, "manifest.json")).read())
+    manifest["files"] = {}
+    open(os.path.join(step, "manifest.json"), "w").write(json.dumps(manifest))
+    return "optimizer/dist_ckpt/.metadata is missing from the manifest"
+
+
 CORRUPTIONS = [
+    _flip_optimizer_shard,
+    _flip_rng_shard,
+    _flip_hf_weights,
+    _manifest_lists_no_files,
     _truncate_shard,
     _delete_metadata,
     _manifest_names_absent_file,
@@ -453,6 +488,33 @@ def test_bad_checkpoint_gets_a_clear_error_and_nothing_is_deleted(base_root, tmp
     with pytest.raises(CheckpointError):
         find_resume_checkpoint(root)  # a resume refuses the damaged tracked step too
     assert _files(root) == before
+
+
+def _save_with_a_non_finite_state(src: str, root: str, where: str) -> dict:
+    actor = _actor(src)
+    actor.train_step(_batches(0))
+    if actor.checkpoint_manager.rank == 1:
+        if where == "model":
+            next(actor.model[0].parameters()).data.view(-1)[0] = float("nan")
+        else:
+            inner = actor.optimizer.chained_optimizers[0].optimizer
+            next(iter(inner.state.values()))["exp_avg"].view(-1)[0] = float("inf")
+    try:
+        actor.save_checkpoint(_step_path(root, 2), global_step=2)
+    except CheckpointError as exc:
+        return {"error": str(exc), "step_dir": os.path.exists(os.path.join(root, "global_step_2"))}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("where", ["model", "optimizer"])
+def test_a_non_finite_state_is_never_saved(tiny_moe_path, base_root, tmp_path, where):
+    root = _copy_run(base_root, tmp_path)
+    for result in run_on_ranks(_save_with_a_non_finite_state, WORLD, LAYOUT, args=(tiny_moe_path, root, where)):
+        assert result["error"] is not None and "rank 1's" in result["error"] and "NaN or Inf" in result["error"]
+        assert ("exp_avg" in result["error"]) == (where == "optimizer")
+        assert not result["step_dir"], "nothing of the refused step may be written"
+    verify_checkpoint(_step_path(root, 1))  # the previous step is whole
+    assert _tracked(root) == "1"
 
 
 def test_checkpoint_of_another_model_is_refused(base_root, tmp_path):

@@ -129,6 +129,7 @@ class MegatronActor:
         ``local_path``. With async_save the write goes on in the background and this returns True: the step is
         committed by ``finalize_checkpoint``. A failed save raises and leaves every committed step as it was."""
         self.finalize_checkpoint(blocking=True)  # one save in flight at a time
+        commit.check_finite(self.checkpoint_manager, f"refusing to save step {global_step}: nothing was written")
         staging = commit.prepare_staging(local_path)
         with self._discarding_on_failure(local_path):
             self.checkpoint_manager.save_checkpoint(staging, global_step=global_step)
@@ -172,6 +173,7 @@ class MegatronActor:
         self.finalize_checkpoint(blocking=True)
         commit.check_before_load(self.checkpoint_manager, local_path)
         self.checkpoint_manager.load_checkpoint(local_path)
+        commit.check_finite(self.checkpoint_manager, f"{local_path} loaded a corrupt state; do not train on it")
 
     def export_hf(self, path: str) -> None:
         """Write the current weights as an HF folder through the bridge (all ranks take part)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs, read_tracker
 
@@ -21,7 +23,8 @@ COMMIT_MARK_FILENAME = "committed.json"  # our commit step's mark: a step with i
 CONTENTS_FILENAME = "ckpt_contents.json"
 TRANSFORMER_CONFIG_FILENAME = "transformer_config.json"
 STAGING_SUFFIX = ".incomplete"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each file's size and content checksum; 1: sizes only
+_CHECKSUM_CHUNK = 8 << 20
 # TransformerConfig fields that make two models incompatible (a checkpoint of one cannot load into the other).
 MODEL_IDENTITY_FIELDS = (
     "num_layers",
@@ -42,16 +45,37 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message names the file and the cause."""
 
 
+def file_checksum(path: str) -> str:
+    """CRC-32 of the file's bytes (zlib's, ~2 GB/s: a byte flip anywhere changes it; docs/perf.md has its cost)."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHECKSUM_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"
+
+
+def _step_files(step_path: str) -> list[str]:
+    """Every file of the step but the manifest itself, relative to it."""
+    return sorted(
+        os.path.relpath(os.path.join(root, name), step_path)
+        for root, _, names in os.walk(step_path)
+        for name in names
+        if name != MANIFEST_FILENAME
+    )
+
+
+def _checksums(paths: list[str]) -> list[str]:
+    """CRC-32 of each file, several at once (zlib hashes without the GIL, so threads use every core)."""
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(file_checksum, paths))
+
+
 def build_manifest(step_path: str, parallel: dict | None = None, use_distributed_optimizer: bool | None = None) -> dict:
-    """Every file of the step (relative path -> size), and the layout it was saved at."""
-    files = {}
-    for root, _, names in os.walk(step_path):
-        for name in names:
-            if name == MANIFEST_FILENAME:
-                continue
-            full = os.path.join(root, name)
-            files[os.path.relpath(full, step_path)] = os.path.getsize(full)
-    manifest = {"format_version": FORMAT_VERSION, "files": dict(sorted(files.items()))}
+    """Every file of the step (relative path -> size and content checksum), and the layout it was saved at."""
+    relative = _step_files(step_path)
+    full = [os.path.join(step_path, r) for r in relative]
+    files = {r: {"size": os.path.getsize(f), "checksum": c} for r, f, c in zip(relative, full, _checksums(full), strict=True)}
+    manifest = {"format_version": FORMAT_VERSION, "files": files}
     if parallel is not None:
         manifest["parallel"] = parallel
         manifest["use_distributed_optimizer"] = use_distributed_optimizer
@@ -113,16 +137,39 @@ def verify_manifest(step_path: str, required: bool = True) -> bool:
     if not required and unmarked and not os.path.exists(os.path.join(step_path, MANIFEST_FILENAME)):
         return False
     manifest = _read_json(os.path.join(step_path, MANIFEST_FILENAME), "manifest")
-    problems = []
-    for relative, size in manifest.get("files", {}).items():
+    files = manifest.get("files", {})
+    problems = [f"{os.path.join(step_path, f)} is missing from the manifest" for f in _required_files(step_path, files)]
+    to_hash = []
+    for relative, entry in files.items():
         full = os.path.join(step_path, relative)
+        size, checksum = (entry.get("size"), entry.get("checksum")) if isinstance(entry, dict) else (entry, None)
         if not os.path.isfile(full):
             problems.append(f"{full} is missing")
         elif os.path.getsize(full) != size:
             problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest says {size} (truncated or overwritten)")
+        elif checksum is not None:
+            to_hash.append((full, checksum))
+    for (full, want), got in zip(to_hash, _checksums([f for f, _ in to_hash]), strict=True):
+        if got != want:
+            problems.append(f"{full}: its content checksum differs from the manifest's {want} (changed or corrupted since the save)")
     if problems:
         raise CheckpointError(f"checkpoint {step_path} is damaged:\n  - " + "\n  - ".join(problems))
     return True
+
+
+def _required_files(step_path: str, files: dict) -> list[str]:
+    """What a step of its contents must hold (per ckpt_contents.json) and the manifest does not list."""
+    contents_path = os.path.join(step_path, CONTENTS_FILENAME)
+    if not os.path.isfile(contents_path):
+        return []
+    contents = _read_json(contents_path, "checkpoint contents").get("contents", {})
+    required = [CONTENTS_FILENAME]
+    for name, entry in contents.items():
+        if entry.get("format") == "megatron_dist_checkpoint" and name in ("model", "optimizer", "rng_state"):
+            required.append(os.path.join(entry["path"], ".metadata"))
+        elif entry.get("format") == "huggingface" and name in ("model", "hf_model"):
+            required.append(os.path.join(entry["path"], "config.json"))
+    return sorted({r for r in required if os.path.normpath(r) not in {os.path.normpath(f) for f in files}})
 
 
 def check_model_identity(step_path: str, transformer_config) -> None:
