@@ -180,8 +180,11 @@ def read_tracker(root_path: str) -> int | None:
     tracker = get_checkpoint_tracker_filename(root_path)
     if not os.path.exists(tracker):
         return None
-    with open(tracker) as handle:
-        text = handle.read().strip()
+    try:
+        with open(tracker, encoding="utf-8") as handle:
+            text = handle.read().strip()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"checkpoint tracker {tracker} is corrupt: expected a step number, found non-text bytes ({exc.reason} at byte {exc.start})") from exc
     if not text.isdigit():
         raise ValueError(f"checkpoint tracker {tracker} is corrupt: expected a step number, found {text[:50]!r}")
     return int(text)
