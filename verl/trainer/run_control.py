@@ -19,8 +19,8 @@ import sys
 from typing import Any
 
 from verl.utils.checkpoint.dir_lock import DirLock, lock_checkpoint_dir
+from verl.utils.checkpoint.names import TRACKER_FILENAME
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # verl.utils.checkpoint.checkpoint_manager (imports torch)
 _RESUME_OVERRIDES = ("trainer.resume_mode=", "trainer.resume_from_path=", "+trainer.resume_mode=", "++trainer.resume_mode=")
 
 

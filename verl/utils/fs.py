@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from typing import IO
 
 
 def local_mkdir_safe(path: str) -> str:
@@ -20,17 +23,30 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` via temp file + fsync + rename: readers see the old or the new file, never half."""
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = "w", durable: bool = True) -> Iterator[IO]:
+    """A file handle whose content replaces ``path`` only when the block ends without error: readers see the
+    old or the new file, never half of one; on error ``path`` is untouched and the temp file removed.
+
+    ``durable``: fsync the file and its directory, so that the new file also survives a power loss.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
     try:
-        with open(tmp, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+        with open(tmp, mode) as handle:
+            yield handle
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    fsync_dir(directory)
+    if durable:
+        fsync_dir(directory)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` durably, all or nothing (``atomic_open``)."""
+    with atomic_open(path, "w") as handle:
+        handle.write(text)

@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 
 
-def release_free_heap() -> None:
-    """Return the heap that freed objects left behind to the OS.
+@functools.cache
+def _libc_malloc_trim():
+    """glibc's ``malloc_trim``, looked up once; None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def malloc_trim() -> None:
+    """Give the free pages of the C heap back to the OS; no-op where the C library has no ``malloc_trim``.
 
     glibc keeps freed small and mid-sized blocks in its arenas, so after a phase that allocates and frees
-    a lot (loading HF weights: every tensor is read, converted and copied into the model) the resident
-    size stays high although the memory is free. No-op where the C library has no ``malloc_trim``.
+    a lot (loading HF weights, offloading many small tensors) the resident size stays high although the
+    memory is free.
     """
+    trim = _libc_malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def release_free_heap() -> None:
+    """Collect garbage first, so that what it frees is trimmed too, then ``malloc_trim``."""
     gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    malloc_trim()

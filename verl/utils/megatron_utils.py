@@ -30,7 +30,6 @@ refused loudly instead of silently allocating a second copy.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import gc
 import logging
@@ -40,7 +39,9 @@ from typing import Any
 
 import torch
 
+from verl.utils.checkpoint.names import CONTENTS_FILENAME, TRANSFORMER_CONFIG_FILENAME
 from verl.utils.device import get_device_id, get_device_name, get_torch_device
+from verl.utils.host_memory import malloc_trim
 
 logger = logging.getLogger(__name__)
 
@@ -178,21 +179,7 @@ def _empty_cache() -> None:
     if empty_cache is not None:
         empty_cache()
     if get_device_name() == "cpu":
-        _malloc_trim()
-
-
-@functools.cache
-def _libc_malloc_trim():
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc
-    except (OSError, AttributeError):
-        return None
-
-
-def _malloc_trim() -> None:
-    malloc_trim = _libc_malloc_trim()
-    if malloc_trim is not None:
-        malloc_trim(0)
+        malloc_trim()
 
 
 def _synchronize() -> None:
@@ -337,7 +324,7 @@ def offload_megatron_model_to_cpu(models: Iterable, offload_grad: bool = True) -
             if _on_compute_device(tensor):
                 moved += _offload_storage(tensor, name)
         if get_device_name() == "cpu":
-            _malloc_trim()
+            malloc_trim()
     gc.collect()
     _empty_cache()
     logger.debug("offloaded %.1f MiB of model parameters and grads", moved / 2**20)
@@ -571,7 +558,7 @@ def load_megatron_optimizer(optimizers: Any) -> None:
 # ---------------------------------------------------------------------------
 #
 #     <checkpoint_path>/
-#         ckpt_contents.json          manifest: what was saved and where
+#         ckpt_contents.json          the contents file: what was saved and where
 #         transformer_config.json     written by rank 0
 #         model/
 #             huggingface/            HF config, tokenizer and weights (mbridge)
@@ -586,8 +573,6 @@ _OPTIMIZER_SUBDIR = "optimizer"
 _EXTRA_SUBDIR = "extra"
 _DIST_CKPT_SUBDIR = "dist_ckpt"
 _HUGGINGFACE_SUBDIR = "huggingface"
-_TRANSFORMER_CONFIG_FILE = "transformer_config.json"
-_CONTENTS_MANIFEST_FILE = "ckpt_contents.json"
 
 
 def _subdir(*parts: str) -> str:
@@ -633,12 +618,12 @@ def get_hf_model_checkpoint_path(checkpoint_path: str) -> str:
 
 def get_transformer_config_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/transformer_config.json`` (the checkpoint directory is created)."""
-    return os.path.join(_subdir(checkpoint_path), _TRANSFORMER_CONFIG_FILE)
+    return os.path.join(_subdir(checkpoint_path), TRANSFORMER_CONFIG_FILENAME)
 
 
 def get_checkpoint_contents_manifest_path(checkpoint_path: str) -> str:
-    """``<checkpoint_path>/ckpt_contents.json`` (the checkpoint directory is created)."""
-    return os.path.join(_subdir(checkpoint_path), _CONTENTS_MANIFEST_FILE)
+    """``<checkpoint_path>/ckpt_contents.json``, the contents file (the checkpoint directory is created)."""
+    return os.path.join(_subdir(checkpoint_path), CONTENTS_FILENAME)
 
 
 def get_legacy_dist_checkpoint_path(checkpoint_path: str) -> str:

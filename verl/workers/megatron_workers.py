@@ -152,16 +152,6 @@ class ActorRolloutRefWorker(MegatronWorker):
             clip_ratio_c=float(actor["clip_ratio_c"]),
         )
 
-    def _is_output_rank(self) -> bool:
-        """The rank whose results the worker group returns for its data-parallel group."""
-        from megatron.core import parallel_state as mpu
-
-        return (
-            mpu.get_tensor_model_parallel_rank() == 0
-            and mpu.get_context_parallel_rank() == 0
-            and mpu.is_pipeline_last_stage(ignore_virtual=True)
-        )
-
     # ------------------------------------------------------------------ rollout and train
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)

@@ -7,6 +7,7 @@ from typing import Any
 import ray
 
 from verl.single_controller.base.decorator import Dispatch
+from verl.single_controller.base.megatron.worker import is_output_rank
 from verl.single_controller.ray.base import RayWorkerGroup
 
 
@@ -20,12 +21,8 @@ class MegatronRayWorkerGroup(RayWorkerGroup):
         self.tp_size = self.rank_info[0]["tp_size"]
         self.pp_size = self.rank_info[0]["pp_size"]
         self.cp_size = self.rank_info[0]["cp_size"]
-        # Per DP rank, the rank whose result stands for its group: TP 0, CP 0, last pipeline stage.
-        self._output_rank = {
-            info["dp_rank"]: info["rank"]
-            for info in self.rank_info
-            if info["tp_rank"] == 0 and info["cp_rank"] == 0 and info["pp_rank"] == info["pp_size"] - 1
-        }
+        # Per DP rank, the rank whose result stands for its group.
+        self._output_rank = {info["dp_rank"]: info["rank"] for info in self.rank_info if is_output_rank(info)}
 
     def dispatch(self, method: str, mode: Dispatch, *args: Any, **kwargs: Any) -> list:
         if mode is not Dispatch.MEGATRON_COMPUTE:

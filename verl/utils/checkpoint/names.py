@@ -13,5 +13,9 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 # One directory per saved step under ``trainer.default_local_dir``: ``global_step_N``.
 STEP_DIR_FORMAT = "global_step_{}"
 STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
+# Upstream verl's files in a role's directory: the contents file (``get_checkpoint_contents_manifest_path``:
+# what was saved, where, in which format) and the model's TransformerConfig.
+CONTENTS_FILENAME = "ckpt_contents.json"
+TRANSFORMER_CONFIG_FILENAME = "transformer_config.json"
 # The HF safetensors index: written by the parallel HF export, read by the HF completeness check.
 INDEX_FILENAME = "model.safetensors.index.json"

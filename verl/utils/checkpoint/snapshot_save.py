@@ -30,6 +30,7 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from verl.utils.device import get_device_name
+from verl.utils.fs import atomic_open
 
 OUTCOME_DIRNAME = ".background"  # inside the staging directory; removed before the manifest is built
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -105,9 +106,8 @@ def run_and_record(staging: str, rank: int, job: Callable[[], dict[str, Any]], p
         outcome = {"ok": False, "error": traceback.format_exc()}
     path = outcome_path(staging, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "wb") as handle:
+    with atomic_open(path, "wb", durable=False) as handle:  # read by the parent in this boot, never after a crash
         pickle.dump(outcome, handle)
-    os.replace(path + ".tmp", path)
 
 
 def read_outcome(staging: str, rank: int) -> dict[str, Any]:

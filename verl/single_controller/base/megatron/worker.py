@@ -8,6 +8,13 @@ from verl.single_controller.base.worker import Worker
 from verl.utils.megatron.parallel import ParallelSizes
 
 
+def is_output_rank(info: dict) -> bool:
+    """Whether the rank described by ``info`` (``get_megatron_rank_info``) answers for its data-parallel group:
+    TP rank 0, CP rank 0, last pipeline stage (where the outputs are). One rule, because the worker group
+    returns that rank's result and the worker runs the rollout there: the two must pick the same rank."""
+    return info["tp_rank"] == 0 and info["cp_rank"] == 0 and info["pp_rank"] == info["pp_size"] - 1
+
+
 class MegatronWorker(Worker):
     def _init_megatron(self, sizes: ParallelSizes, seed: int, timeout_s: float) -> None:
         """Join the process group (gloo on CPU hosts) and initialise megatron-core's parallel state.
@@ -47,3 +54,7 @@ class MegatronWorker(Worker):
             "dp_rank": mpu.get_data_parallel_rank(),
             "dp_size": mpu.get_data_parallel_world_size(),
         }
+
+    def _is_output_rank(self) -> bool:
+        """Whether this rank answers for its data-parallel group (``is_output_rank``)."""
+        return is_output_rank(self.get_megatron_rank_info())
