@@ -389,9 +389,9 @@ def check_model_build(model_path: str, config: Any) -> list[str]:
 def find_resume_step(config: Any, model_path: str | None = None) -> tuple[int, str] | None:
     """(step, global_step_N directory) the run resumes from, or None to start fresh. Raises ConfigError.
 
-    The step is verified as a load would (manifest sizes, contents, HF completeness) before any rank starts;
-    with ``model_path`` also that it was saved from this model, the check the ranks would otherwise make
-    only after Ray and every rank started.
+    The step is verified as a load would (the files the manifest lists, the contents file, HF completeness)
+    before any rank starts; with ``model_path`` also that it was saved from this model, the check the ranks
+    would otherwise make only after Ray and every rank started.
     """
     from verl.utils.checkpoint.integrity import (
         CheckpointError,
