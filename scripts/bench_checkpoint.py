@@ -320,7 +320,7 @@ def _save_async(actor, manager_cls, step_dir: str, step: int, peak: PeakRSS) -> 
 def bench_rank(model_path: str, work: str) -> dict:
     import torch
 
-    from verl.workers.megatron_actor import ActorSettings, MegatronActor
+    from verl.workers.megatron_rank import ActorSettings, MegatronActor
 
     rank = torch.distributed.get_rank()
     out: dict = {"rank": rank, "rss_runtime": rss_now()}

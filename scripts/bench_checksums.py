@@ -21,7 +21,7 @@ import time
 
 def _run(model: str, root: str) -> dict:
     from verl.utils.checkpoint.integrity import build_manifest, verify_manifest
-    from verl.workers.megatron_actor import ActorSettings, MegatronActor
+    from verl.workers.megatron_rank import ActorSettings, MegatronActor
 
     actor = MegatronActor(ActorSettings(model_path=model))
     actor.train_step([actor.tokenizer("1+1=2", return_tensors="pt")["input_ids"].repeat(2, 4)])

@@ -35,7 +35,7 @@ def _batches(seed: int) -> list[torch.Tensor]:
 
 
 def _actor(src: str, manager_cls=MegatronCheckpointManager, **settings):
-    from verl.workers.megatron_actor import ActorSettings, MegatronActor
+    from verl.workers.megatron_rank import ActorSettings, MegatronActor
 
     return MegatronActor(ActorSettings(model_path=src, **settings), manager_cls=manager_cls)
 

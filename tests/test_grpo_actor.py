@@ -14,7 +14,7 @@ def _prompts(rows: int) -> torch.Tensor:
 
 def _build(model_path: str, micro_batch_size: int = 2, temperature: float = 1.0):
     from verl.workers.actor.megatron_actor import MegatronPPOActor, PPOActorSettings
-    from verl.workers.megatron_actor import ActorSettings, MegatronActor
+    from verl.workers.megatron_rank import ActorSettings, MegatronActor
 
     actor = MegatronActor(ActorSettings(model_path=model_path, lr=1e-3))
     settings = PPOActorSettings(response_length=RESPONSE_LEN, temperature=temperature, micro_batch_size=micro_batch_size)

@@ -22,7 +22,7 @@ def _batches(seed: int) -> list[torch.Tensor]:
 
 
 def _actor(src: str, **settings):
-    from verl.workers.megatron_actor import ActorSettings, MegatronActor
+    from verl.workers.megatron_rank import ActorSettings, MegatronActor
 
     wrap_bridge = settings.pop("wrap_bridge", None)
     manager_cls = settings.pop("manager_cls", MegatronCheckpointManager)

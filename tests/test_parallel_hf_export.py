@@ -104,7 +104,7 @@ def test_parallel_export_is_bit_identical_to_mbridge(tiny_moe_path, tmp_path, si
 
 def _gather_vs_export(src: str) -> dict:
     from verl.models.mcore.parallel_hf_save import gather_hf_weights
-    from verl.workers.megatron_actor import ActorSettings, MegatronActor
+    from verl.workers.megatron_rank import ActorSettings, MegatronActor
 
     actor = MegatronActor(ActorSettings(model_path=src, save_contents=("model",)))
     receivers = [0, torch.distributed.get_world_size() - 3]

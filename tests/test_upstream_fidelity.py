@@ -64,7 +64,7 @@ def test_upstream_only_options_are_refused_by_name(name):
 
 
 def _save_and_reload(src: str, root: str, use_dist_checkpointing: bool) -> dict:
-    from verl.workers.megatron_actor import ActorSettings, MegatronActor
+    from verl.workers.megatron_rank import ActorSettings, MegatronActor
 
     settings = ActorSettings(model_path=src, save_contents=("model", "optimizer", "extra"), use_dist_checkpointing=use_dist_checkpointing)
     actor = MegatronActor(settings)

@@ -57,7 +57,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
         from verl.workers.actor.megatron_actor import MegatronPPOActor
         from verl.workers.config import build_megatron_actor_configs
-        from verl.workers.megatron_actor import ActorSettings, MegatronActor
+        from verl.workers.megatron_rank import ActorSettings, MegatronActor
 
         actor = self.config["actor"]
         configs = build_megatron_actor_configs(actor)  # the trainer's typed configs, passed through as they are
