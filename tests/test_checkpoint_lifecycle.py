@@ -622,6 +622,77 @@ def test_a_save_whose_fork_dies_fails_cleanly_and_keeps_the_previous_step(tiny_m
     verify_checkpoint(_step_path(root, 3))
 
 
+def _writers_that_die_or_hang(pid_dir: str):
+    """Fault injection: megatron's per-bucket writer processes record their pid; the first is SIGKILLed (as the
+    OOM killer would), any other hangs, as a writer waiting on a dead peer would."""
+
+    def write(*args, **kwargs):
+        first = not os.listdir(pid_dir)
+        open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+        if first:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(600)
+
+    return write
+
+
+class _WriterDiesManager(MegatronCheckpointManager):
+    """On rank 1, from the save of step ``kill_at`` on, megatron's writer processes die (see above)."""
+
+    kill_at = 4
+    pid_dir = ""
+
+    def on_save_phase(self, phase: str) -> None:
+        if phase == "dist_checkpoint_optimizer" and self.rank == 1 and self.previous_global_step == self.kill_at:
+            from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+            FileSystemWriterAsync.write_preloaded_data = staticmethod(_writers_that_die_or_hang(self.pid_dir))
+        super().on_save_phase(phase)
+
+
+def _async_save_whose_writer_dies(src: str, root: str, kill_at: int, pid_dir: str) -> dict:
+    path, _ = find_resume_checkpoint(root)
+    manager_cls = type("WriterDies", (_WriterDiesManager,), {"kill_at": kill_at, "pid_dir": pid_dir})
+    actor = _actor(src, manager_cls=manager_cls, async_save=True)
+    actor.load_checkpoint(path)
+    for step in range(2, kill_at + 1):
+        actor.train_step(_batches(step))
+        start = time.monotonic()
+        try:
+            actor.save_checkpoint(_step_path(root, step), global_step=step)
+            actor.finalize_checkpoint()
+        except CheckpointError as exc:
+            return {"step": step, "error": str(exc), "seconds": time.monotonic() - start}
+        _write_tracker(root, step)
+    return {"step": None, "error": None}
+
+
+@pytest.mark.parametrize("kill_at", [2, 4], ids=["megatron_background_write", "whole_save_in_the_fork"])
+def test_a_killed_dist_checkpoint_writer_fails_the_save_fast_and_leaves_no_process(tiny_moe_path, base_root, tmp_path, kill_at):
+    root = _copy_run(base_root, tmp_path)
+    pid_dir = tmp_path / "writer_pids"
+    pid_dir.mkdir()
+    results = run_on_ranks(_async_save_whose_writer_dies, WORLD, LAYOUT, args=(tiny_moe_path, root, kill_at, str(pid_dir)), timeout_s=300)
+    for result in results:
+        assert result["step"] == kill_at and f"saving step {kill_at}" in result["error"], result
+        assert result["seconds"] < 30, result
+    assert "died (signal 9)" in results[1]["error"] or kill_at == 2, results[1]["error"]
+    writers = [int(name) for name in os.listdir(pid_dir)]
+    assert writers and not [pid for pid in writers if _alive(pid)], "a writer outlived the failed save"
+    assert _tracked(root) == str(kill_at - 1)
+    assert not os.path.exists(os.path.join(root, f"global_step_{kill_at}")), "a failed save leaves no directory"
+    verify_checkpoint(_step_path(root, kill_at - 1))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as handle:  # a zombie is dead, only not yet reaped
+        return handle.read().split(") ")[-1][0] != "Z"
+
+
 def _writer_that_outlives_nothing(pid_file: str) -> None:
     from verl.utils.checkpoint.snapshot_save import die_with_parent
 

@@ -90,3 +90,64 @@ def test_the_model_is_saved_in_the_format_asked_and_loads_back_exactly(tiny_moe_
     has_shards = bool(os.listdir(os.path.join(step, "model", "dist_ckpt")))
     has_hf_weights = any(f.endswith(".safetensors") for f in os.listdir(os.path.join(step, "model", "huggingface")))
     assert (has_shards, has_hf_weights) == (use_dist_checkpointing, not use_dist_checkpointing)
+
+
+def _upstream_api_three_saves_and_a_load(src: str, root: str) -> dict:
+    """Written as against verl 0.9.1: upstream's optimizer helpers and config classes, the manager built with
+    upstream's keywords, saves straight into step directories (no commit step), upstream's retention."""
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig, AutoTokenizer
+
+    from verl.models.mcore import make_bridge
+    from verl.models.mcore.model import build_megatron_model
+    from verl.utils.megatron.optimizer import (
+        get_megatron_optimizer,
+        get_megatron_optimizer_param_scheduler,
+        init_megatron_optim_config,
+    )
+    from verl.workers.config.checkpoint import McoreCheckpointConfig
+    from verl.workers.config.optimizer import McoreOptimizerConfig
+
+    hf_config, tokenizer = AutoConfig.from_pretrained(src), AutoTokenizer.from_pretrained(src)
+
+    def build():
+        bridge = make_bridge(hf_config, dtype=torch.float32)
+        model = build_megatron_model(bridge, use_distributed_optimizer=False)
+        bridge.load_weights(model, src)
+        optim_config = McoreOptimizerConfig(lr=1e-2, clip_grad=1.0, total_training_steps=10, use_checkpoint_opt_param_scheduler=True)
+        optimizer = get_megatron_optimizer(model=model, config=init_megatron_optim_config(optim_config, use_distributed_optimizer=False, bf16=False))
+        scheduler = get_megatron_optimizer_param_scheduler(optimizer=optimizer, config=optim_config)
+        manager = MegatronCheckpointManager(
+            config=OmegaConf.create({"model": {"path": src}}),
+            checkpoint_config=McoreCheckpointConfig(save_contents=["model", "optimizer", "extra", "hf_model"], load_contents=["model", "optimizer", "extra"]),
+            model_config=hf_config, transformer_config=bridge.config, role="actor", model=model,
+            arch=hf_config.architectures[0], hf_config=hf_config, param_dtype=torch.float32,
+            share_embeddings_and_output_weights=False, processing_class=tokenizer, optimizer=optimizer,
+            optimizer_scheduler=scheduler, use_distributed_optimizer=False,
+            use_checkpoint_opt_param_scheduler=optim_config.use_checkpoint_opt_param_scheduler,
+            use_dist_checkpointing=False, bridge=bridge,
+        )  # fmt: skip
+        return model, optimizer, scheduler, manager
+
+    from verl.models.mcore.forward import train_step
+
+    model, optimizer, scheduler, manager = build()
+    batch = torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))
+    for step in (1, 2, 3):
+        train_step(model, optimizer, scheduler, [batch])
+        manager.save_checkpoint(os.path.join(root, f"global_step_{step}"), global_step=step, max_ckpt_to_keep=2)
+    saved = {n: p.detach().clone() for n, p in model[0].named_parameters()}
+    model2, _, scheduler2, manager2 = build()
+    manager2.load_checkpoint(os.path.join(root, "global_step_3"))
+    return {
+        "equal": all(torch.equal(saved[n], p) for n, p in model2[0].named_parameters()),
+        "scheduler_steps": scheduler2.num_steps,
+        "kept": sorted(d for d in os.listdir(root) if d.startswith("global_step_")),
+        "previous_saved_paths": [os.path.basename(p) for p in manager.previous_saved_paths],
+    }
+
+
+def test_code_written_against_verl091_runs_unchanged(tiny_moe_path, tmp_path):
+    result = run_on_ranks(_upstream_api_three_saves_and_a_load, 1, ParallelSizes(), args=(tiny_moe_path, str(tmp_path)))[0]
+    assert result["equal"] and result["scheduler_steps"] == 3
+    assert result["kept"] == ["global_step_2", "global_step_3"] == result["previous_saved_paths"]

@@ -15,6 +15,7 @@ leaves only the staging directory, which the next save of that step starts afres
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -68,9 +69,12 @@ def prepare_staging(local_path: str) -> str:
 
 
 def discard_staging(local_path: str) -> None:
-    """Rank 0: drop the staging directory of a save that failed (the committed steps stay as they are)."""
+    """Rank 0: drop the staging directory of a save that failed, and its ``global_step_N`` directory when that is
+    left empty (the committed steps stay as they are)."""
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(staging_path(local_path), ignore_errors=True)
+        with contextlib.suppress(OSError):  # not empty (another role's save, the data position) or already gone
+            os.rmdir(os.path.dirname(os.path.abspath(local_path.rstrip("/"))))
 
 
 def _agreed(check) -> str | None:
@@ -196,6 +200,12 @@ def check_before_load(manager: BaseCheckpointManager, local_path: str) -> None:
     problem = _agreed(check)
     if problem is not None:
         raise CheckpointError(f"cannot load {local_path}; nothing was loaded. {problem}")
+    if not manager.should_load_optimizer and torch.distributed.get_rank() == 0:
+        warnings.warn(
+            f"loading {local_path} without its optimizer state (load_contents={manager.checkpoint_load_contents}): "
+            "Adam's moments and step start from zero and the LR schedule from its start",
+            stacklevel=2,
+        )
     manager.previous_saved_paths = saved_steps_up_to(local_path)
 
 

@@ -174,6 +174,7 @@ def _merge_async_requests(requests: list[AsyncRequest]) -> AsyncRequest:
     def write_all() -> None:
         if parent_pid is not None:
             snapshot_save.die_with_parent(parent_pid)
+        snapshot_save.fail_when_a_writer_dies(snapshot_save.report_to_stderr)
         for fn, args, kwargs in calls:
             fn(*args, **kwargs)
 

@@ -14,16 +14,20 @@ runtime); elsewhere the manager keeps megatron's own async save.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pickle
 import signal
+import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
+import psutil
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
@@ -94,20 +98,66 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _died(pid: int) -> str | None:
+    """How child ``pid`` ended, if it ended badly (a signal or a non-zero exit); it stays waitable for its owner."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None or (info.si_code == os.CLD_EXITED and info.si_status == 0):
+        return None
+    return f"exit code {info.si_status}" if info.si_code == os.CLD_EXITED else f"signal {info.si_status}"
+
+
+def fail_when_a_writer_dies(on_death: Callable[[str], None], interval_s: float = 0.2) -> None:
+    """In a process forked for a save: end it (status 1) as soon as one of its child processes dies badly.
+
+    megatron's dist-checkpoint writer runs one process per file bucket and waits on a queue for every one
+    of them: a writer killed by a signal (the OOM killer, an operator) would leave this process, and every
+    rank's save with it, waiting forever. ``on_death(reason)`` records why first; the other writers are
+    killed, so none is left behind.
+    """
+
+    def watch() -> None:
+        me = psutil.Process()
+        while True:
+            for child in me.children():
+                reason = _died(child.pid)
+                if reason is None:
+                    continue
+                on_death(f"a dist-checkpoint writer process (pid {child.pid}) of rank pid {me.pid} died ({reason})")
+                for other in me.children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        other.kill()
+                os._exit(1)
+            time.sleep(interval_s)
+
+    threading.Thread(target=watch, name="save-writer-watch", daemon=True).start()
+
+
+def report_to_stderr(reason: str) -> None:
+    print(f"[checkpoint] background save failed: {reason}", file=sys.stderr, flush=True)
+
+
+def _record(staging: str, rank: int, outcome: dict[str, Any]) -> None:
+    path = outcome_path(staging, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with atomic_open(path, "wb", durable=False) as handle:  # read by the parent in this boot, never after a crash
+        pickle.dump(outcome, handle)
+
+
 def run_and_record(staging: str, rank: int, job: Callable[[], dict[str, Any]], parent_pid: int | None = None) -> None:
     """The fork's entry: run ``job`` and leave what it returned, or its traceback, for the parent.
 
     ``parent_pid``: given when the fork was made from the rank's main thread (``die_with_parent``)."""
     if parent_pid is not None:
         die_with_parent(parent_pid)
+    fail_when_a_writer_dies(lambda reason: _record(staging, rank, {"ok": False, "error": reason}))
     try:
         outcome: dict[str, Any] = {"ok": True, **job()}
     except BaseException:  # noqa: BLE001 - the parent reports it; a fork must not raise into multiprocessing
         outcome = {"ok": False, "error": traceback.format_exc()}
-    path = outcome_path(staging, rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with atomic_open(path, "wb", durable=False) as handle:  # read by the parent in this boot, never after a crash
-        pickle.dump(outcome, handle)
+    _record(staging, rank, outcome)
 
 
 def read_outcome(staging: str, rank: int) -> dict[str, Any]:
