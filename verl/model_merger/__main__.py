@@ -1,7 +1,10 @@
-"""``python -m verl.model_merger verify --local_dir <global_step_N/actor | default_local_dir>``.
+"""``python -m verl.model_merger verify --local_dir <global_step_N/actor | default_local_dir>``
+``python -m verl.model_merger merge --backend megatron --local_dir <global_step_N/actor> --target_dir <dir>``
 
-Checks a checkpoint the way a load would (manifest sizes, contents, HF completeness) without
+verify checks a checkpoint the way a load would (manifest sizes, contents, HF completeness) without
 starting any rank, and prints what it found. Exit status 0: whole; 1: damaged (the reason printed).
+merge writes the step's model as a complete HF folder and verifies it (docs/model_merger.md); upstream
+verl's arguments and defaults. Exit status 0: merged; 1: damaged step or failed verification; 2: usage.
 """
 
 from __future__ import annotations
@@ -35,12 +38,47 @@ def _verify(local_dir: str) -> int:
     return 0
 
 
+def _add_merge_parser(sub: argparse._SubParsersAction) -> None:
+    """Upstream verl's ``merge`` arguments, names and defaults; ``--hf_model_path`` is ours (a step saved
+    with use_dist_checkpointing=True and without 'hf_model' holds no HF config)."""
+    merge = sub.add_parser("merge", help="write a step's model as a complete, verified HF folder")
+    merge.add_argument("--backend", type=str, required=True, choices=["fsdp", "megatron"], help="the backend that saved the step (megatron only here)")
+    merge.add_argument("--local_dir", type=str, default=None, help="a global_step_N/actor directory (or a run's default_local_dir: its tracked step)")
+    merge.add_argument("--target_dir", type=str, default="tmp", help="where the HF folder goes; must not exist or be empty")
+    merge.add_argument("--hf_model_path", type=str, default=None, help="the HF model the run started from, for a step without its own HF config")
+    merge.add_argument("--tie-word-embedding", action="store_true", help="accepted for upstream's CLI; the config's tie_word_embeddings decides")
+    merge.add_argument("--trust-remote-code", action="store_true", help="accepted for upstream's CLI; only bridge-supported models merge")
+    merge.add_argument("--is-value-model", action="store_true", help="upstream's; refused here (actor checkpoints only)")
+    merge.add_argument("--use_cpu_initialization", action="store_true", help="accepted for upstream's CLI; the model is always built on CPU here")
+    merge.add_argument("--hf_upload_path", type=str, default=None, help="upstream's; refused here (no upload)")
+    merge.add_argument("--private", action="store_true", help="upstream's, with --hf_upload_path")
+
+
+def _one_line(text: str) -> str:
+    """A multi-line error (a heading and its list) as one line, so a script's log keeps it whole."""
+    lines = [line.strip().removeprefix("- ") for line in text.splitlines() if line.strip()]
+    return " ".join(lines[:1] + ["; ".join(lines[1:])]).strip() if lines and lines[0].endswith(":") else "; ".join(lines)
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from verl.model_merger.megatron_merge import MergeError, merge
+
+    try:
+        return merge(args)
+    except MergeError as exc:
+        print(f"merge failed: {_one_line(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl.model_merger", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     verify = sub.add_parser("verify", help="check that a checkpoint is complete and loadable")
     verify.add_argument("--local_dir", required=True, help="a global_step_N/actor directory, or a run's default_local_dir")
+    _add_merge_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "merge":
+        return _merge(args)
     try:
         return _verify(args.local_dir)
     except (CheckpointError, FileNotFoundError) as exc:
