@@ -593,7 +593,10 @@ def run_job(rank: int, world: int, port: int, job: dict) -> dict:
         manager.save_checkpoint(local_path=job["ckpt"], global_step=TRAIN_STEPS)
         torch.distributed.barrier()
         if rank == 0:
-            tracker = os.path.join(os.path.dirname(os.path.dirname(job["ckpt"])), "latest_checkpointed_iteration.txt")
+            # upstream's public helper: this code runs against 0.9.1's package as well as this one
+            from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
+
+            tracker = get_checkpoint_tracker_filename(os.path.dirname(os.path.dirname(job["ckpt"])))
             with open(tracker, "w") as f:
                 f.write(str(TRAIN_STEPS))
         if side != "verl091":
