@@ -1,7 +1,7 @@
 """``python -m verl.model_merger verify --local_dir <global_step_N/actor | default_local_dir>``
 ``python -m verl.model_merger merge --backend megatron --local_dir <global_step_N/actor> --target_dir <dir>``
 
-verify checks a checkpoint the way a load would (manifest sizes, contents, HF completeness) without
+verify checks a checkpoint the way a load would (the manifest, the contents file, HF completeness) without
 starting any rank, and prints what it found. Exit status 0: whole; 1: damaged (the reason printed).
 merge writes the step's model as a complete HF folder and verifies it (docs/model_merger.md); upstream
 verl's arguments and defaults. Exit status 0: merged; 1: damaged step or failed verification; 2: usage.
