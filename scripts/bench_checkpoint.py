@@ -7,7 +7,7 @@ each layout -- (TP,PP,EP,ETP) = (2,2,2,2) on 8 ranks and (1,1,1,1) on 1 rank -- 
    holds state, and counts its model + optimizer state bytes (params, grads, Adam moments);
 2. saves a full checkpoint (model, optimizer, extra, hf_model) through MegatronCheckpointManager
    three times (cold, plan validated, warm: the plan reused); the manager's own phase times are read
-   through its ``_timed`` / ``_enter_phase`` hooks;
+   from the save's report (``MegatronCheckpointManager.last_save.phase_seconds``, commit step included);
 3. saves it once more with ``async_save`` (the fourth save of one structure: the whole save runs in
    a process forked from each rank): how long the call blocks training, and how long the background
    part takes until ``finalize_async_save`` has committed the step;
@@ -236,27 +236,6 @@ def state_bytes(actor) -> dict:
     return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
 
-def timed_manager_class() -> type:
-    """The real manager, recording its phase times (through its own ``_timed``) and phase starts."""
-    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
-
-    class TimedManager(MegatronCheckpointManager):
-        phase_times: dict[str, float] = {}
-        phase_starts: dict[str, float] = {}
-
-        def _timed(self, label: str, fn, *args):
-            start = time.monotonic()
-            result = super()._timed(label, fn, *args)
-            self.phase_times[label] = time.monotonic() - start
-            return result
-
-        def on_save_phase(self, phase: str) -> None:
-            self.phase_starts[phase] = time.monotonic()
-            super().on_save_phase(phase)
-
-    return TimedManager
-
-
 # --------------------------------------------------------------------------- one rank
 
 
@@ -270,12 +249,11 @@ def _timed_collective(fn, *args) -> float:
     return time.monotonic() - start
 
 
-def _save(actor, manager_cls, step_dir: str, step: int, peak: PeakRSS) -> dict:
+def _save(actor, step_dir: str, step: int, peak: PeakRSS) -> dict:
     """One timed save; on rank 0 also its phases and the bytes it wrote."""
     import torch
 
     gc.collect()
-    manager_cls.phase_times.clear()
     torch.distributed.barrier()
     out = {"rss_before": rss_now()}
     ended: list[float] = []
@@ -283,9 +261,7 @@ def _save(actor, manager_cls, step_dir: str, step: int, peak: PeakRSS) -> dict:
     out["save_s"] = _timed_collective(lambda: (actor.save_checkpoint(step_dir, step), ended.append(time.monotonic())))
     out["peak"] = peak.stop()
     if torch.distributed.get_rank() == 0:
-        out["phases"] = dict(manager_cls.phase_times)
-        # commit: fsync of the staged tree, the rename and the barrier after it
-        out["phases"]["commit"] = ended[0] - manager_cls.phase_starts["commit"]
+        out["phases"] = dict(actor.checkpoint_manager.last_save.phase_seconds)  # the save's report, commit step included
         out["bytes"] = {
             "model_dist_ckpt": tree_bytes(os.path.join(step_dir, "model", "dist_ckpt")),
             "optimizer_dist_ckpt": tree_bytes(os.path.join(step_dir, "optimizer", "dist_ckpt")),
@@ -296,21 +272,20 @@ def _save(actor, manager_cls, step_dir: str, step: int, peak: PeakRSS) -> dict:
     return out
 
 
-def _save_async(actor, manager_cls, step_dir: str, step: int, peak: PeakRSS) -> dict:
+def _save_async(actor, step_dir: str, step: int, peak: PeakRSS) -> dict:
     """One async save: the time the call blocks, then the background write until finalized."""
     import torch
 
     manager = actor.checkpoint_manager
     manager.async_save = True
     gc.collect()
-    manager_cls.phase_times.clear()
     torch.distributed.barrier()
     rss_before = rss_now()
     peak.start()
     out = {"blocked_s": _timed_collective(actor.save_checkpoint, step_dir, step), "rss_before": rss_before}
-    out["from_snapshot"] = manager._pending.from_snapshot if manager._pending else False
+    out["from_snapshot"] = manager.last_save.mode.value == "snapshot"
     if torch.distributed.get_rank() == 0:
-        out["phases"] = dict(manager_cls.phase_times)
+        out["phases"] = dict(manager.last_save.phase_seconds)
     out["finalize_s"] = _timed_collective(actor.finalize_checkpoint)
     out["peak"] = peak.stop()
     manager.async_save = False
@@ -325,21 +300,20 @@ def bench_rank(model_path: str, work: str) -> dict:
     rank = torch.distributed.get_rank()
     out: dict = {"rank": rank, "rss_runtime": rss_now()}
     peak = PeakRSS()
-    manager_cls = timed_manager_class()
     start = time.monotonic()
-    actor = MegatronActor(ActorSettings(model_path=model_path, dtype=torch.float32), manager_cls=manager_cls)
+    actor = MegatronActor(ActorSettings(model_path=model_path, dtype=torch.float32))
     data = torch.randint(4, 90, (4, 33), generator=torch.Generator().manual_seed(0))
     actor.train_step([data[:2], data[2:]])
     out["build_and_train_s"] = time.monotonic() - start
     out["state"] = state_bytes(actor)
 
     # The first save of a process also starts megatron's writer helper process (spawn).
-    out["cold"] = _save(actor, manager_cls, os.path.join(work, "ckpt", "global_step_1", "actor"), 1, peak)
+    out["cold"] = _save(actor, os.path.join(work, "ckpt", "global_step_1", "actor"), 1, peak)
     # The second save validates megatron's cached save plan; the third and later reuse it.
-    _save(actor, manager_cls, os.path.join(work, "ckpt", "global_step_2", "actor"), 2, peak)
+    _save(actor, os.path.join(work, "ckpt", "global_step_2", "actor"), 2, peak)
     step_dir = os.path.join(work, "ckpt", "global_step_3", "actor")
-    out["warm"] = _save(actor, manager_cls, step_dir, 3, peak)
-    out["async"] = _save_async(actor, manager_cls, os.path.join(work, "ckpt", "global_step_4", "actor"), 4, peak)
+    out["warm"] = _save(actor, step_dir, 3, peak)
+    out["async"] = _save_async(actor, os.path.join(work, "ckpt", "global_step_4", "actor"), 4, peak)
 
     gc.collect()
     peak.start()
@@ -382,14 +356,14 @@ def run_layout(world: int, model_path: str, work: str, timeout_s: float) -> dict
 
 def _save_summary(save: dict) -> dict:
     phases = dict(save["phases"])
-    named = ("dist checkpoints", "HF config + tokenizer", "HF weights", "HF verification", "commit")
+    named = ("dist_checkpoints", "hf_config", "hf_weights", "hf_verify", "commit")
     phases["other"] = max(0.0, save["save_s"] - sum(phases.get(k, 0.0) for k in named))  # metadata, manifest, barriers
     dist_bytes = sum(save["bytes"][k] for k in ("model_dist_ckpt", "optimizer_dist_ckpt", "extra_dist_ckpt"))
     return {
         "save_s": save["save_s"],
         "phases_s": phases,
         "bytes": save["bytes"],
-        "dist_ckpt_Bps": dist_bytes / phases["dist checkpoints"],
+        "dist_ckpt_Bps": dist_bytes / phases["dist_checkpoints"],
     }
 
 
@@ -450,7 +424,7 @@ def evaluate(results: dict, disk: dict) -> dict:
     checks = {}
     for key, layout in results["layouts"].items():
         warm = layout["warm"]
-        verify = warm["phases_s"]["HF verification"]
+        verify = warm["phases_s"]["hf_verify"]
         worst = max(r["peak_save_over_runtime_vs_state"] for r in layout["per_rank"])
         checks[f"{key}: dist-ckpt save throughput / disk write bandwidth"] = (
             warm["dist_ckpt_Bps"] / disk["fsync_Bps"],
@@ -544,7 +518,7 @@ def print_report(results: dict) -> None:
     print("|---|" + "---|" * len(keys))
     for save in ("cold", "warm"):
         row(f"save ({save}), total s", lambda x, s=save: f"{x[s]['save_s']:.2f}")
-        for phase in ("dist checkpoints", "HF config + tokenizer", "HF weights", "HF verification", "commit", "other"):
+        for phase in ("dist_checkpoints", "hf_config", "hf_weights", "hf_verify", "commit", "other"):
             row(f"&nbsp;&nbsp;{phase}", lambda x, s=save, p=phase: f"{x[s]['phases_s'].get(p, 0.0):.2f}")
         row(f"&nbsp;&nbsp;dist-ckpt MiB/s ({save})", lambda x, s=save: f"{x[s]['dist_ckpt_Bps'] / MiB:.0f}")
     row("async save: training blocked, s", lambda x: f"{x['async']['blocked_s']:.2f}")
@@ -606,7 +580,7 @@ def plot_save_times(results: dict, png_path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    phases = ("dist checkpoints", "HF weights", "HF verification", "commit", "other")
+    phases = ("dist_checkpoints", "hf_weights", "hf_verify", "commit", "other")
     colors = ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#999999")
     layouts = list(results["layouts"].items())
     fig, axes = plt.subplots(len(layouts), 1, figsize=(8, 1.9 * len(layouts) + 0.6), dpi=100, squeeze=False)

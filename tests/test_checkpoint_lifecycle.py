@@ -20,7 +20,7 @@ from verl.utils.checkpoint.integrity import (
     find_resume_checkpoint,
     verify_checkpoint,
 )
-from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+from verl.utils.checkpoint.megatron_checkpoint_manager import AsyncMode, MegatronCheckpointManager
 from verl.utils.distributed import RankFailure, run_on_ranks
 from verl.utils.fs import atomic_write_text
 from verl.utils.megatron.parallel import ParallelSizes
@@ -197,7 +197,7 @@ def _async_and_sync_saves_of_one_state(src: str, root: str) -> dict:
     before_step_3 = _params_and_optimizer(actor)
     actor.save_checkpoint(_step_path(async_root, 3), global_step=3)  # finalizes step 1 first
     # The third save of this structure: megatron's plan is reusable, so the fork plans, writes and exports.
-    step_3_from_snapshot = manager._pending.from_snapshot
+    step_3_from_snapshot = manager.last_save.mode is AsyncMode.SNAPSHOT
     step_1_committed_by_next_save = os.path.exists(_step_path(async_root, 1))
     actor.train_step(_batches(3))
     finalized = actor.finalize_checkpoint()
@@ -602,7 +602,7 @@ def _snapshot_save_whose_fork_dies(src: str, root: str) -> dict:
         actor.finalize_checkpoint()
         _write_tracker(root, step)
     actor.save_checkpoint(_step_path(root, 4), global_step=4)
-    from_snapshot = actor.checkpoint_manager._pending.from_snapshot
+    from_snapshot = actor.checkpoint_manager.last_save.mode is AsyncMode.SNAPSHOT
     actor.train_step(_batches(2))
     try:
         actor.finalize_checkpoint()

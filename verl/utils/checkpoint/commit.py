@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -132,13 +133,19 @@ def commit_checkpoint(
     """All ranks, once ``manager`` finished writing into ``staging_path(local_path)``: make it the checkpoint
     ``local_path``, then apply retention. Raises (and keeps every committed step) when the export is incomplete."""
     staging = staging_path(local_path)
+    report = getattr(manager, "last_save", None)
+    timed = report.phase_seconds if report is not None else {}
+    start = time.monotonic()
     manager.on_save_phase("hf_verify")
     _verify_hf_export(manager, staging)
+    timed["hf_verify"] = time.monotonic() - start
+    start = time.monotonic()
     manager.on_save_phase("commit")
     if torch.distributed.get_rank() == 0:
         _write_marks(manager, staging, global_step)
         _rename_into_place(staging, local_path)
     torch.distributed.barrier()
+    timed["commit"] = time.monotonic() - start
     paths = manager.previous_saved_paths
     if paths and paths[-1] == staging:  # the manager registered the directory it wrote into
         paths.pop()

@@ -17,11 +17,10 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs, read_tracker
+from verl.utils.checkpoint.names import CONTENTS_FILENAME, STEP_DIR_FORMAT, TRANSFORMER_CONFIG_FILENAME
 
 MANIFEST_FILENAME = "manifest.json"
 COMMIT_MARK_FILENAME = "committed.json"  # our commit step's mark: a step with it must have a whole manifest
-CONTENTS_FILENAME = "ckpt_contents.json"
-TRANSFORMER_CONFIG_FILENAME = "transformer_config.json"
 STAGING_SUFFIX = ".incomplete"
 FORMAT_VERSION = 2  # 2: each file's size and content checksum; 1: sizes only
 _CHECKSUM_CHUNK = 8 << 20
@@ -219,7 +218,7 @@ def find_resume_checkpoint(root: str, role: str = "actor") -> tuple[str | None, 
         raise CheckpointError(str(exc)) from exc
     if tracked is None:
         return None, notes
-    path = os.path.join(root, f"global_step_{tracked}", role)
+    path = os.path.join(root, STEP_DIR_FORMAT.format(tracked), role)
     if not os.path.isdir(path):
         raise CheckpointError(
             f"checkpoint tracker {tracker} names step {tracked}, but {path} does not exist; restore it, or set "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import json
 import os
@@ -29,7 +30,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,6 +80,12 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+def _dist_dir(local_path: str, content: str) -> str:
+    """``<step>/<content>/dist_ckpt`` without creating it (upstream's path helpers create directories: a load
+    must leave the step as it found it)."""
+    return os.path.join(local_path, content, "dist_ckpt")
+
+
 _DIST_CHECKPOINT_PATHS = {  # content -> where its dist checkpoint goes
     "model": get_model_dist_checkpoint_path,
     "optimizer": get_optimizer_dist_checkpoint_path,
@@ -86,14 +93,28 @@ _DIST_CHECKPOINT_PATHS = {  # content -> where its dist checkpoint goes
 }
 
 
-class _PendingSave(NamedTuple):
-    """A save whose dist-checkpoint write runs in the background; completed by finalize_async_save."""
+class AsyncMode(str, enum.Enum):
+    """Where a save's dist checkpoints and HF export run; chosen per save (``MegatronCheckpointManager.save_mode``)."""
+
+    SYNC = "sync"  # everything in the rank before save_checkpoint returns
+    BACKGROUND_WRITE = "background_write"  # planned in the rank; a forked process writes the dist-checkpoint files
+    SNAPSHOT = "snapshot"  # a forked process plans and writes them and does the HF export (a reusable plan, on host)
+
+
+@dataclasses.dataclass
+class SaveReport:
+    """What one save did: returned by ``save_checkpoint`` and kept as ``last_save``. ``phase_seconds`` holds the
+    rank's time per phase (``dist_checkpoints``, ``hf_config``, ``hf_weights``, ``fork``, ``background_wait``;
+    the commit step adds ``hf_verify`` and ``commit``); ``blocked_seconds`` how long save_checkpoint held training."""
 
     local_path: str
     global_step: int
-    max_ckpt_to_keep: int | None
-    started: float
-    from_snapshot: bool = False  # planned and written (HF export too) by the forked process
+    mode: AsyncMode
+    max_ckpt_to_keep: int | None = None
+    phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    blocked_seconds: float | None = None
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    completed: bool = False
 
 
 def _not_implemented_unless_default(**given: Any) -> None:
@@ -246,7 +267,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         # Not persistent: each save forks its writer, whose copy-on-write image of this process is the
         # snapshot of the tensors (on CPU megatron's "copy to host" returns the live tensors themselves).
         self._async_queue = AsyncCallsQueue(persistent=False)
-        self._pending: _PendingSave | None = None
+        self._pending: SaveReport | None = None
+        self.last_save: SaveReport | None = None  # the latest save's report (public: tests and the benchmark read it)
         self._save_strategies: dict[str, tuple[tuple, TorchDistSaveShardedStrategy]] = {}
         self._planned_optimizer_layout: tuple | None = None  # at the optimizer checkpoint's last planning here
         self._snapshot_saves = 0
@@ -366,29 +388,41 @@ class MegatronCheckpointManager(BaseCheckpointManager):
 
     # ------------------------------------------------------------------ save
 
-    def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None):
+    def save_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None
+    ) -> SaveReport:
         """Write this step's parts into ``local_path`` (created if needed), then its ``ckpt_contents.json``.
 
-        With ``async_save`` this returns once the dist-checkpoint write runs in the background; the save is
-        completed by ``finalize_async_save`` (which a later save or load calls first).
+        The pipeline: dist checkpoints -> HF config (rank 0) -> barrier -> HF weights -> transformer config ->
+        contents file -> retention; ``save_mode`` decides where the dist checkpoints and the HF export run. Off
+        ``AsyncMode.SYNC`` this returns once the background part runs; ``finalize_async_save`` (which a later save
+        or load calls first) completes the save. Returns the save's report (also ``last_save``).
         """
         _not_implemented_unless_default(hdfs_path=hdfs_path)
         self.finalize_async_save(blocking=True)
         self.previous_global_step = global_step
         if not self.async_save:
             self.ensure_checkpoint_capacity(max_ckpt_to_keep)
-        local_path = local_mkdir_safe(local_path)
-        from_snapshot = self._plans_are_reusable()
-        save = _PendingSave(local_path, global_step, max_ckpt_to_keep, time.monotonic(), from_snapshot)
+        save = SaveReport(local_mkdir_safe(local_path), global_step, self.save_mode(), max_ckpt_to_keep)
+        self.last_save = save
         with self._failure_reported(save):
-            request = self._save_from_snapshot(save) if from_snapshot else self._save_parts(local_path)
+            request = self._save_in_fork(save) if save.mode is AsyncMode.SNAPSHOT else self._save_parts(save.local_path)
             if request is not None:
-                self._timed("fork of the background save", self._async_queue.schedule_async_request, request)
+                self._timed("fork", self._async_queue.schedule_async_request, request)
                 self._pending = save
-                what = "the whole save runs" if from_snapshot else "dist checkpoints are being written"
-                self._log(f"step {global_step}: returned after {time.monotonic() - save.started:.2f}s; {what} in the background")
-                return
+                save.blocked_seconds = time.monotonic() - save.started
+                self._log(f"step {global_step}: returned after {save.blocked_seconds:.2f}s; {save.mode.value} runs in the background")
+                return save
         self._finish_save(save)
+        save.blocked_seconds = time.monotonic() - save.started
+        return save
+
+    def save_mode(self) -> AsyncMode:
+        """The mode the next save takes: sync without ``async_save``; the snapshot once every dist checkpoint's
+        plan is reusable without a collective (megatron validated it twice) and the tensors are in host memory."""
+        if not self.async_save:
+            return AsyncMode.SYNC
+        return AsyncMode.SNAPSHOT if self._plans_are_reusable() else AsyncMode.BACKGROUND_WRITE
 
     @property
     def async_save_pending(self) -> bool:
@@ -406,10 +440,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             return None
         with self._failure_reported(save):
             try:
-                start = time.monotonic()
-                if not self._async_queue.maybe_finalize_async_calls(blocking=blocking):
+                if not self._timed("background_wait", self._async_queue.maybe_finalize_async_calls, blocking):
                     return None
-                self._log(f"  background write finished (waited {time.monotonic() - start:.2f}s)")
             finally:
                 if not self._async_queue.get_num_unfinalized_calls():
                     self._pending = None
@@ -417,7 +449,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         return save.local_path
 
     @contextlib.contextmanager
-    def _failure_reported(self, save: _PendingSave) -> Iterator[None]:
+    def _failure_reported(self, save: SaveReport) -> Iterator[None]:
         """Turn any failure of ``save`` into one CheckpointError that names the step and the cause."""
         try:
             yield
@@ -425,24 +457,24 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             raise CheckpointError(f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause})") from exc
 
-    def _finish_save(self, save: _PendingSave) -> None:
-        """Every part is on disk: the contents description, then upstream's retention."""
+    def _finish_save(self, save: SaveReport) -> None:
+        """Every part is on disk: the contents file, then upstream's retention."""
         if self.rank == 0:
             shutil.rmtree(os.path.join(save.local_path, snapshot_save.OUTCOME_DIRNAME), ignore_errors=True)
             self._write_checkpoint_manifest(save.local_path, save.global_step)
-        self._log(f"wrote step {save.global_step} to {save.local_path} in {time.monotonic() - save.started:.1f}s")
+        save.completed = True
+        self._log(f"wrote step {save.global_step} to {save.local_path} in {time.monotonic() - save.started:.1f}s ({save.mode.value})")
         self.register_checkpoint(save.local_path, save.max_ckpt_to_keep)
 
     def _save_parts(self, local_path: str) -> AsyncRequest | None:
         """Every part but the contents description; with async_save, the dist-checkpoint write still to schedule."""
         self.on_save_phase("dist_checkpoint")
-        label = "dist checkpoints (planned; written in the background)" if self.async_save else "dist checkpoints"
-        request = self._timed(label, self._save_dist_checkpoints, local_path)
+        request = self._timed("dist_checkpoints", self._save_dist_checkpoints, local_path)
         self.on_save_phase("after_dist_checkpoint")
         self._save_hf_config_first(local_path)
         if self.should_save_hf_model:
             self.on_save_phase("hf_weights")
-            self._timed("HF weights", self._save_model_as_hf_via_bridge, get_hf_model_checkpoint_path(local_path))
+            self._timed("hf_weights", self._save_model_as_hf_via_bridge, get_hf_model_checkpoint_path(local_path))
         if self.should_save_extra:
             self._save_transformer_config(local_path)
         return request
@@ -451,7 +483,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if self.should_save_hf_model:
             if self.rank == 0:
                 self.on_save_phase("hf_config")
-                self._timed("HF config + tokenizer", self._save_hf_config_and_tokenizer, local_path)
+                self._timed("hf_config", self._save_hf_config_and_tokenizer, local_path)
             self._hf_config_barrier()
 
     def _save_dist_checkpoints(self, local_path: str) -> AsyncRequest | None:
@@ -584,8 +616,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         """Rank 0, last: ``ckpt_contents.json``."""
         if self.rank != 0:
             return
-        manifest = self._build_checkpoint_manifest(local_path, global_step)
-        atomic_write_text(get_checkpoint_contents_manifest_path(local_path), json.dumps(manifest, indent=2, sort_keys=True))
+        contents = self._build_checkpoint_manifest(local_path, global_step)
+        atomic_write_text(get_checkpoint_contents_manifest_path(local_path), json.dumps(contents, indent=2, sort_keys=True))
 
     # ---------------------------------------------------- async save from a snapshot
 
@@ -597,7 +629,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             return False
         return not self.should_save_optimizer or _optimizer_layout(self.optimizer) == self._planned_optimizer_layout
 
-    def _save_from_snapshot(self, save: _PendingSave) -> AsyncRequest:
+    def _save_in_fork(self, save: SaveReport) -> AsyncRequest:
         """Training waits for the HF config (fix 2) and the fork; the fork does the rest."""
         self._save_hf_config_first(save.local_path)
         hf_in_fork = self.should_save_hf_model and getattr(self.bridge, "saves_in_parallel", False) and forked_groups_possible()
@@ -665,7 +697,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if self.should_load_dist_ckpt_model:
             self._load_model_from_dist_checkpoint(local_path, self._build_model_sharded_state_dict(metadata))
         elif self.should_load_hf_model:
-            self._load_model_as_hf_via_bridge(get_hf_model_checkpoint_path(local_path))
+            self._load_model_as_hf_via_bridge(os.path.join(local_path, "model", "huggingface"))
         if self.should_load_optimizer:  # mapped onto the model's shards as they are now, after its load
             self._load_optimizer(local_path, self._build_model_sharded_state_dict(metadata), metadata)
         if self.should_load_extra:
@@ -692,8 +724,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
 
     def _load_content_metadata(self, local_path: str) -> dict:
         """The content metadata the step was saved with (what its optimizer state's layout depends on)."""
-        for make_path in _DIST_CHECKPOINT_PATHS.values():
-            path = make_path(local_path)
+        for content in _DIST_CHECKPOINT_PATHS:
+            path = _dist_dir(local_path, content)
             if self._has_checkpoint_files(path):
                 saved = dist_checkpointing.load_content_metadata(checkpoint_dir=path)
                 if saved is not None:
@@ -702,7 +734,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         return self._build_sharded_state_dict_metadata()
 
     def _load_model_from_dist_checkpoint(self, local_path: str, model_state: dict) -> None:
-        path = get_model_dist_checkpoint_path(local_path)
+        path = _dist_dir(local_path, "model")
         loaded = load_dist_checkpointing(sharded_state_dict=dict(model_state), ckpt_dir=path)
         for index, chunk in enumerate(self.model):
             key = "model" if len(self.model) == 1 else f"model{index}"
@@ -716,7 +748,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self.bridge.load_weights(self.model, hf_model_path)
 
     def _load_optimizer(self, local_path: str, model_state: dict, metadata: dict) -> None:
-        path = get_optimizer_dist_checkpoint_path(local_path)
+        path = _dist_dir(local_path, "optimizer")
         if self.use_distributed_optimizer:
             initialize_distributed_optimizer_state(self.optimizer)
         request = self._build_optimizer_state_dict(model_state, metadata, is_loading=True)
@@ -742,17 +774,21 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             if self.rank == 0:
                 warnings.warn(f"{local_path} was saved at {saved}, this run is {now}: RNG states are not restored", stacklevel=2)
             return
-        path = get_extra_dist_checkpoint_path(local_path)
+        path = _dist_dir(local_path, "extra")
         per_rank = saved == now
         loaded = load_dist_checkpointing(sharded_state_dict=self._build_extra_state_dict(per_rank), ckpt_dir=path)
         if "rng_state" not in loaded:
             raise CheckpointError(f"{path} holds no rng_state")
         self.load_rng_states([loaded[RANK_RNG_STATE_KEY]] if per_rank else loaded["rng_state"])
 
-    def _timed(self, label: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def _timed(self, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one phase of the current save, adding its time to the save's report."""
         start = time.monotonic()
         result = fn(*args)
-        self._log(f"  {label}: {time.monotonic() - start:.2f}s")
+        seconds = time.monotonic() - start
+        if self.last_save is not None:
+            self.last_save.phase_seconds[phase] = self.last_save.phase_seconds.get(phase, 0.0) + seconds
+        self._log(f"  {phase}: {seconds:.2f}s")
         return result
 
     def _log(self, message: str) -> None:
