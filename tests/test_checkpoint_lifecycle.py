@@ -339,21 +339,14 @@ def test_retention_never_deletes_the_tracked_step(tiny_moe_path, base_root, tmp_
     assert _tracked(root) == "3"
 
 
-def _save_steps_with_retention_from_one(src: str, root: str) -> list[list[str]]:
+def _save_steps_with_retention_from_one(src: str, root: str, resumed: bool = False) -> list[list[str]]:
+    """Steps 2 and 3 with max_ckpt_to_keep=1, the run knowing step 1 from a resume (the steps on disk become
+    its previous saves) or, as upstream's cleanup test seeds it, by hand."""
     actor = _actor(src)
-    actor.checkpoint_manager.previous_saved_paths.append(_step_path(root, 1))  # what a resumed run knows
-    seen = []
-    for step in (2, 3):
-        actor.train_step(_batches(step))
-        actor.save_checkpoint(_step_path(root, step), global_step=step, max_ckpt_to_keep=1)
-        seen.append(sorted(d for d in os.listdir(root) if d.startswith("global_step_")))
-        _write_tracker(root, step)
-    return seen
-
-
-def _resume_then_save_with_retention_of_one(src: str, root: str) -> list[list[str]]:
-    actor = _actor(src)
-    actor.load_checkpoint(_step_path(root, 1))  # the steps on disk become the run's previous saves
+    if resumed:
+        actor.load_checkpoint(_step_path(root, 1))
+    else:
+        actor.checkpoint_manager.previous_saved_paths.append(_step_path(root, 1))
     seen = []
     for step in (2, 3):
         actor.train_step(_batches(step))
@@ -365,7 +358,7 @@ def _resume_then_save_with_retention_of_one(src: str, root: str) -> list[list[st
 
 def test_a_resumed_run_prunes_the_steps_before_it(tiny_moe_path, base_root, tmp_path):
     root = _copy_run(base_root, tmp_path)
-    history = run_on_ranks(_resume_then_save_with_retention_of_one, WORLD, LAYOUT, args=(tiny_moe_path, root))[0]
+    history = run_on_ranks(_save_steps_with_retention_from_one, WORLD, LAYOUT, args=(tiny_moe_path, root, True))[0]
     assert history[0] == ["global_step_1", "global_step_2"]  # step 1 is still the tracked one
     assert history[1] == ["global_step_2", "global_step_3"]  # known from disk, pruned once no longer tracked
 
