@@ -92,9 +92,11 @@ def _bench_config(hidden_size: int):
 
 
 def _storage_bytes(tensors) -> int:
+    from verl.utils.internals.torch import storage_id
+
     seen, total = set(), 0
     for tensor in tensors:
-        key = tensor.untyped_storage()._cdata
+        key = storage_id(tensor)
         if key not in seen:
             seen.add(key)
             total += tensor.untyped_storage().nbytes()

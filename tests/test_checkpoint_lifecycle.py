@@ -98,10 +98,10 @@ def _crashing_manager(phase: str, mode: str) -> type:
             if self.rank in victims:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        def _hf_config_barrier(self):
+        def wait_for_hf_config(self):
             if self.rank != 0:  # in 'all' mode the ranks waiting for rank 0's config die there
                 self.on_save_phase("hf_config")
-            super()._hf_config_barrier()
+            super().wait_for_hf_config()
 
     return CrashingManager
 

@@ -87,13 +87,15 @@ def test_grad_clipping_really_clips():
 
 def _uneven_gather() -> list[float]:
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import mappings
+
+    from verl.utils.internals import megatron_core
 
     group = parallel_state.get_tensor_model_parallel_group()
     rank = group.rank()
     mine = torch.full((rank + 1, 2), float(rank))
-    gathered = mappings._gather_along_first_dim(mine, group, output_split_sizes=[1, 2])
-    scattered = mappings._reduce_scatter_along_first_dim(torch.ones(3, 2), group, input_split_sizes=[1, 2])
+    gather, reduce_scatter = megatron_core.first_dim_collectives()
+    gathered = gather(mine, group, output_split_sizes=[1, 2])
+    scattered = reduce_scatter(torch.ones(3, 2), group, input_split_sizes=[1, 2])
     return gathered[:, 0].tolist() + [scattered.shape[0], scattered.sum().item()]
 
 

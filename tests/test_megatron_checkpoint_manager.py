@@ -55,15 +55,16 @@ class ObservingBridge:
 class SlowConfigManager(MegatronCheckpointManager):
     """Rank 0 takes its time writing the HF config: the race of verl #6821, made certain."""
 
-    def _save_hf_config_and_tokenizer(self, local_path):
-        time.sleep(3.0)
-        super()._save_hf_config_and_tokenizer(local_path)
+    def on_save_phase(self, phase):
+        if phase == "hf_config":  # rank 0, just before it writes the config
+            time.sleep(3.0)
+        super().on_save_phase(phase)
 
 
 class SlowConfigNoBarrierManager(SlowConfigManager):
     """Test-only variant without fix 2's barrier; it must be caught by the same check."""
 
-    def _hf_config_barrier(self):
+    def wait_for_hf_config(self):
         pass
 
 

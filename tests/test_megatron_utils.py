@@ -13,6 +13,7 @@ import torch
 from verl.utils import megatron_utils
 from verl.utils.device import get_device_name
 from verl.utils.distributed import run_on_ranks
+from verl.utils.internals.torch import storage_id
 from verl.utils.megatron.parallel import ParallelSizes
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +286,7 @@ def _bf16_main_params_roundtrip(use_distributed_optimizer: bool) -> dict:
     train_step(model, optimizer, _ConstantLR(), _microbatches())
     params, grads, states = _param_bits(model), _grad_bits(model), _opt_bits(optimizer)
     main_params, working_states = _main_params(optimizer), _opt_tensors(optimizer)
-    main_storages = [p.untyped_storage()._cdata for p in main_params]
+    main_storages = [storage_id(p) for p in main_params]
     megatron_utils.offload_megatron_model_to_cpu(model)
     megatron_utils.offload_megatron_optimizer(optimizer)
     report = {
@@ -298,7 +299,7 @@ def _bf16_main_params_roundtrip(use_distributed_optimizer: bool) -> dict:
     megatron_utils.load_megatron_optimizer(optimizer)
     report["reloaded"] = _residence(model)
     # The main parameters are the same objects on their own storages again, the states the same tensors.
-    report["same_objects"] = [p.untyped_storage()._cdata for p in _main_params(optimizer)] == main_storages and all(
+    report["same_objects"] = [storage_id(p) for p in _main_params(optimizer)] == main_storages and all(
         a is b for a, b in zip(_opt_tensors(optimizer), working_states, strict=True)
     )
     report["mismatches"] = (

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from verl.utils.internals import torch as torch_internals
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -102,7 +104,7 @@ def get_device_capability(device_id: int = 0) -> tuple[int | None, int | None]:
 def set_expandable_segments(enable: bool) -> None:
     """Turn the CUDA caching allocator's expandable segments on or off; nothing to do elsewhere."""
     if get_device_name() == "cuda":
-        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enable}")
+        torch_internals.set_allocator_expandable_segments(enable)
 
 
 def auto_set_device(config: Any) -> None:

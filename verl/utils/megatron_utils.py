@@ -42,6 +42,7 @@ import torch
 from verl.utils.checkpoint.names import CONTENTS_FILENAME, TRANSFORMER_CONFIG_FILENAME
 from verl.utils.device import get_device_id, get_device_name, get_torch_device
 from verl.utils.host_memory import malloc_trim
+from verl.utils.internals import torch as torch_internals
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def _storage_nbytes(tensor: torch.Tensor) -> int:
 
 def _storage_key(tensor: torch.Tensor) -> int:
     """Identity of the storage behind ``tensor``; stable across resizes and shared by all its views."""
-    return tensor.untyped_storage()._cdata
+    return torch_internals.storage_id(tensor)
 
 
 def _is_released(tensor: torch.Tensor) -> bool:

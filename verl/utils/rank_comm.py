@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl.utils.internals import torch as torch_internals
+
 # (tensor, peer rank, tag): a tensor to send to the peer or to fill from it.
 Transfer = tuple[torch.Tensor, int, int]
 
@@ -97,7 +99,7 @@ def forked_groups_possible() -> bool:
 
 
 def _default_tcp_store() -> dist.Store:
-    store = dist.distributed_c10d._get_default_store()
+    store = torch_internals.default_store()
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return store

@@ -11,7 +11,7 @@ import copy
 import os
 
 import torch
-from mbridge.core.bridge import _MODEL_REGISTRY, Bridge
+from mbridge.core.bridge import Bridge
 from mbridge.core.safetensor_io import SafeTensorIO
 from mbridge.core.util import unwrap_model
 from transformers import PretrainedConfig
@@ -23,6 +23,7 @@ from verl.models.mcore.local_spec import (
 )
 from verl.models.mcore.parallel_hf_save import save_weights_in_parallel
 from verl.models.support import MOE_MODEL_TYPES, hf_config_problems, renormalises_topk
+from verl.utils.internals import mbridge as mbridge_internals
 from verl.utils.rank_comm import RankComm
 
 
@@ -50,7 +51,7 @@ def load_hf_config(hf_path: str) -> PretrainedConfig:
 def check_hf_config_supported(hf_config: PretrainedConfig) -> None:
     """Refuse HF configs whose model the bridge cannot represent exactly, naming every problem at once."""
     problems = hf_config_problems(hf_config)
-    if not problems and hf_config.model_type not in _MODEL_REGISTRY:
+    if not problems and mbridge_internals.bridge_class(hf_config.model_type) is None:
         problems = [f"model_type={hf_config.model_type!r} has no mbridge mapping in this mbridge install"]
     if problems:
         raise UnsupportedHFConfigError(problems)
@@ -91,7 +92,8 @@ class _FaithfulConfigMixin:
 
 
 class _LocalSpecBridgeMixin:
-    """Mixed in front of an mbridge model class to build and name the local-spec model."""
+    """Mixed in front of an mbridge model class to build and name the local-spec model. Overrides mbridge's
+    private hooks (``verl.utils.internals.mbridge.OVERRIDDEN_HOOKS``, checked when the class is made)."""
 
     def _build_base_config(self, text_config_key=None, **kwargs):
         # Grouped GEMM needs TE or the grouped_gemm kernels; the local spec runs one MLP per expert.
@@ -112,15 +114,15 @@ class _LocalSpecBridgeMixin:
 
     def load_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
         """Load HF weights; rank 0 of each TP (or expert-TP) group reads, then scatters the shards."""
-        self.safetensor_io = self._get_safetensor_io(weights_path)
+        self.safetensor_io = mbridge_internals.open_hf_weights(self, weights_path)
         for model in models:
             state = unwrap_model(model).state_dict()
             names = {
                 local: te_name
-                for local, te_name in self._weight_name_mapping_mcore_local_to_global(model).items()
+                for local, te_name in mbridge_internals.local_to_global_names(self, model).items()
                 if "_extra_state" not in local
             }
-            hf_names = {local: self._weight_name_mapping_mcore_to_hf(te) for local, te in names.items()}
+            hf_names = {local: mbridge_internals.hf_names(self, te) for local, te in names.items()}
             to_read = [n for local, te in names.items() if self._shard_group(te)[1] == 0 for n in hf_names[local]]
             hf_weights = self.safetensor_io.load_some_hf_weight(to_read) if to_read else {}
             for local, te_name in names.items():
@@ -135,8 +137,8 @@ class _LocalSpecBridgeMixin:
         group, group_rank, group_size = self._shard_group(te_name)
         shards = None
         if group_rank == 0:
-            full = self._weight_to_mcore_format(te_name, [hf_weights[n] for n in hf_names])
-            shards = [s.to(param.dtype).contiguous() for s in self._weight_split_across_tp(te_name, full, param, group_size)]
+            full = mbridge_internals.to_mcore_format(self, te_name, [hf_weights[n] for n in hf_names])
+            shards = [s.to(param.dtype).contiguous() for s in mbridge_internals.split_across_tp(self, te_name, full, param, group_size)]
             if shards[0].shape != param.shape:
                 raise ValueError(
                     f"HF tensor(s) {hf_names} give shape {tuple(shards[0].shape)} per rank, but Megatron "
@@ -187,6 +189,7 @@ _CLASSES: dict[tuple[type, bool], type] = {}
 def _bridge_class(bridge_cls: type, use_local_spec: bool) -> type:
     key = (bridge_cls, use_local_spec)
     if key not in _CLASSES:
+        mbridge_internals.check_overridable(bridge_cls)
         bases = (_LocalSpecBridgeMixin, _FaithfulConfigMixin, bridge_cls) if use_local_spec else (_FaithfulConfigMixin, bridge_cls)
         prefix = "LocalSpec" if use_local_spec else "Faithful"
         _CLASSES[key] = type(f"{prefix}{bridge_cls.__name__}", bases, {})
@@ -206,5 +209,5 @@ def make_bridge(
     check_hf_config_supported(hf_config)
     if use_local_spec is None:
         use_local_spec = not transformer_engine_available()
-    bridge_cls = _bridge_class(_MODEL_REGISTRY[hf_config.model_type], use_local_spec)
+    bridge_cls = _bridge_class(mbridge_internals.bridge_class(hf_config.model_type), use_local_spec)
     return bridge_cls(_bridge_view_of(hf_config), dtype=dtype)

@@ -13,8 +13,8 @@ pipeline group, all-gathers over EP and ETP) and then through rank 0, which writ
    holds most of the file's shards;
 4. in rounds (one file per writer per round, so a writer holds at most one file's tensors at a
    time) the holders send the missing shards straight to the writer (point-to-point), which merges
-   them and converts them to HF tensors with the bridge's own ``_weight_merge_across_tp`` and
-   ``_weight_to_hf_format`` -- so the tensors are bit-identical to mbridge's -- and writes the file;
+   them and converts them to HF tensors with the bridge's own merge and conversion
+   (``verl.utils.internals.mbridge``) -- so the tensors are bit-identical to mbridge's -- and writes the file;
 5. rank 0 writes the index (the source index verbatim, as mbridge does, or a new one) and, only if
    it is not there yet, ``config.json``; a barrier ends the save on every rank.
 """
@@ -33,6 +33,7 @@ from mbridge.core.util import unwrap_model
 from safetensors.torch import save_file
 
 from verl.utils.checkpoint.names import INDEX_FILENAME
+from verl.utils.internals import mbridge as mbridge_internals
 from verl.utils.rank_comm import RankComm, Transfer
 
 MAX_FILE_BYTES = 5 * 1024**3  # transformers' default max_shard_size when there is no source plan
@@ -45,7 +46,7 @@ class _Shard:
     te_name: str
     index: int  # TP (or expert-TP) rank of this piece
     count: int  # how many pieces make the parameter (1: replicated)
-    merge: bool  # merged with _weight_merge_across_tp (TP-split or expert weights)
+    merge: bool  # merged across TP by the bridge (TP-split or expert weights)
     shape: tuple[int, ...]
     dtype: str
     partition_dim: int | None
@@ -72,7 +73,7 @@ def _local_shards(bridge, models: list) -> tuple[list[_Shard], dict[tuple[str, i
     shards, tensors = [], {}
     for model in models:
         model = unwrap_model(model)
-        names = bridge._weight_name_mapping_mcore_local_to_global(model)
+        names = mbridge_internals.local_to_global_names(bridge, model)
         params = dict(model.named_parameters())
         state = model.state_dict()
         extra = {k: state[k] for k in state if "_extra_state" not in k and "expert_bias" in k and k not in params}
@@ -187,15 +188,15 @@ def gather_hf_weights(bridge, models: list, receivers: list[int]) -> dict[str, t
 def _to_hf(bridge, te: str, shard: _Shard, pieces: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """One Megatron parameter from its pieces, as HF tensors, with the bridge's own merge and conversion."""
     if shard.merge:
-        # What mbridge hands _weight_merge_across_tp as ``param``: a tensor with the TP attributes.
+        # What mbridge's own save hands its merge as ``param``: a tensor with the TP attributes.
         ref = torch.empty(0, dtype=pieces[0].dtype)
         ref.tensor_model_parallel = True
         if shard.partition_dim is not None:
             ref.partition_dim = shard.partition_dim
-        merged = bridge._weight_merge_across_tp(te, pieces, ref)
+        merged = mbridge_internals.merge_across_tp(bridge, te, pieces, ref)
     else:
         merged = pieces[0]
-    return dict(zip(*bridge._weight_to_hf_format(te, merged), strict=True))
+    return dict(zip(*mbridge_internals.to_hf_format(bridge, te, merged), strict=True))
 
 
 def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: RankComm | None = None) -> None:
@@ -207,7 +208,7 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
     # 1. who holds what
     held = _gather_holdings(bridge, models, comm)
     my_tensors, holders, meta, te_names = held.my_tensors, held.holders, held.meta, held.te_names
-    hf_names = {te: bridge._weight_name_mapping_mcore_to_hf(te) for te in te_names}
+    hf_names = {te: mbridge_internals.hf_names(bridge, te) for te in te_names}
 
     # 2. the shard plan
     source_index = getattr(getattr(bridge, "safetensor_io", None), "origin_index", None) or {}
@@ -264,7 +265,7 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
     if rank == 0:
         sizes = {name: nbytes for report in reports for name, nbytes in report.items()}
         missing = sorted(set(plan) - set(sizes), key=_natural_key)
-        shared = set(bridge._get_hf_shared_weight_keys())
+        shared = set(mbridge_internals.hf_shared_weight_keys(bridge))
         if set(missing) - shared:
             warnings.warn(f"HF export: {len(missing)} planned tensors were not produced: {missing[:20]}", stacklevel=2)
         if source_index:

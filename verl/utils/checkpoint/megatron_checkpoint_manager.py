@@ -53,6 +53,7 @@ from verl.utils.checkpoint.megatron_optimizer_state import (
 )
 from verl.utils.device import get_device_name, get_torch_device
 from verl.utils.fs import atomic_write_text, local_mkdir_safe
+from verl.utils.internals import megatron_core
 from verl.utils.megatron.dist_checkpointing import load_dist_checkpointing, save_dist_checkpointing
 from verl.utils.megatron_utils import (
     get_checkpoint_contents_manifest_path,
@@ -186,10 +187,7 @@ def _merge_async_requests(requests: list[AsyncRequest]) -> AsyncRequest:
     for request in requests:
         if request.async_fn is None:
             continue
-        args = list(request.async_fn_args)
-        if request.preload_fn is not None:
-            args[1] = request.preload_fn()  # megatron's convention: argument 1 holds the write buckets
-        calls.append((request.async_fn, tuple(args), dict(request.async_fn_kwargs)))
+        calls.append((request.async_fn, megatron_core.preloaded_args(request), dict(request.async_fn_kwargs)))
     parent_pid = snapshot_save.forking_pid()
 
     def write_all() -> None:
@@ -484,7 +482,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             if self.rank == 0:
                 self.on_save_phase("hf_config")
                 self._timed("hf_config", self._save_hf_config_and_tokenizer, local_path)
-            self._hf_config_barrier()
+            self.wait_for_hf_config()
 
     def _save_dist_checkpoints(self, local_path: str) -> AsyncRequest | None:
         """Write (or, with async_save, plan) the dist checkpoints; return the write still to run."""
@@ -550,8 +548,9 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if self.model_path and os.path.isfile(generation_config):
             shutil.copyfile(generation_config, os.path.join(hf_path, "generation_config.json"))
 
-    def _hf_config_barrier(self) -> None:
-        """Fix 2: no rank may start the bridge's HF weight save until rank 0's config is on disk."""
+    def wait_for_hf_config(self) -> None:
+        """Fix 2: no rank may start the bridge's HF weight save until rank 0's config is on disk. Public so
+        that tests can show what a save without it gets wrong, and where a rank waits for rank 0."""
         torch.distributed.barrier()
 
     def _save_model_as_hf_via_bridge(self, hf_ckpt_path: str) -> None:
@@ -625,7 +624,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         """Whether the fork can do the whole save: every plan reusable without a collective, same structure."""
         if not self.async_save or not snapshot_save.on_host(self.model):
             return False
-        if not all(snapshot_save.plan_is_reusable(self._save_strategies.get(c, (None, None))[1]) for c in self._dist_contents()):
+        if not all(megatron_core.save_plan_is_reusable(self._save_strategies.get(c, (None, None))[1]) for c in self._dist_contents()):
             return False
         return not self.should_save_optimizer or _optimizer_layout(self.optimizer) == self._planned_optimizer_layout
 

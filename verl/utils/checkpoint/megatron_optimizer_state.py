@@ -20,6 +20,8 @@ import torch
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from verl.utils.internals import megatron_core
+
 
 class OptimizerStateError(RuntimeError):
     """The optimizer state on disk does not fit this optimizer."""
@@ -97,7 +99,7 @@ def initialize_distributed_optimizer_state(optimizer) -> None:
         saved = [(group["lr"], group["weight_decay"]) for group in inner.optimizer.param_groups]
         for group in inner.optimizer.param_groups:
             group["lr"], group["weight_decay"] = 0.0, 0.0
-        inner._init_optimizer_states_with_dummy_values()
+        megatron_core.init_distributed_optimizer_state(inner)
         for group, (lr, weight_decay) in zip(inner.optimizer.param_groups, saved, strict=True):
             group["lr"], group["weight_decay"] = lr, weight_decay
 

@@ -29,12 +29,11 @@ from typing import Any
 
 import psutil
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from verl.utils.device import get_device_name
 from verl.utils.fs import atomic_open
+from verl.utils.internals import megatron_core
 
 OUTCOME_DIRNAME = ".background"  # inside the staging directory; removed before the manifest is built
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -43,11 +42,6 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def forking_pid() -> int | None:
     """This process's pid when called from its main thread (a fork made now may die with it), else None."""
     return os.getpid() if threading.current_thread() is threading.main_thread() else None
-
-
-def plan_is_reusable(strategy: TorchDistSaveShardedStrategy | None) -> bool:
-    """Whether ``strategy`` plans its next save without any collective (a central plan validated twice)."""
-    return strategy is not None and bool(strategy.validated_cache_reuse) and strategy.cached_central_plan is not None
 
 
 def write_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, state: dict, path: str, content_metadata: dict) -> list:
@@ -62,19 +56,18 @@ def write_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, state: dict, p
     if request.async_fn is None:
         return []  # nothing of this checkpoint is written by this rank
     request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
-    write_buckets, results_queue = request.async_fn_args[1], request.async_fn_args[2]  # megatron's argument order
-    results = results_queue.get()
+    results = megatron_core.results_queue(request).get()
+    buckets = megatron_core.write_buckets(request)
     if isinstance(results, BaseException):
         raise RuntimeError(f"writing {path} failed: {results}") from results
-    if len(results) != len(write_buckets):
-        raise RuntimeError(f"writing {path}: {len(results)} of {len(write_buckets)} writer processes reported")
+    if len(results) != len(buckets):
+        raise RuntimeError(f"writing {path}: {len(results)} of {len(buckets)} writer processes reported")
     return list(chain.from_iterable(results.values()))
 
 
 def finish_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, path: str, all_results: list[list]) -> None:
     """On the coordinator (rank 0): the ``.metadata`` and ``metadata.json`` that make ``path`` loadable."""
-    FileSystemWriterAsync(path).finish(strategy.cached_global_metadata, all_results)
-    save_config(CheckpointingConfig(strategy.backend, strategy.version), path)
+    megatron_core.write_checkpoint_metadata(strategy, path, all_results)
 
 
 def outcome_path(staging: str, rank: int) -> str:

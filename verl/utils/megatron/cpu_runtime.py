@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from verl.utils.device import get_device_name
+from verl.utils.internals import torch as torch_internals
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,7 @@ def enable() -> bool:
     _patch_tensor_types()
     _patch_megatron()
     _patch_gloo_scatter()
-    # megatron's jit_fuser is torch.compile; on a CPU host inductor spends minutes compiling C++
-    # for kernels that run in microseconds eagerly.
-    torch._dynamo.config.disable = True
+    torch_internals.disable_dynamo()  # megatron's jit_fuser is torch.compile: minutes of C++ for microsecond kernels
     _enabled = True
     logger.info("megatron-core CPU runtime enabled (no accelerator on this host)")
     return True
@@ -189,11 +188,10 @@ def _patch_tensor_types() -> None:
 
 def _patch_megatron() -> None:
     """Module-level names inside megatron-core that the torch patches above cannot reach."""
-    from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from verl.utils.internals import megatron_core
 
-    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    megatron_core.replace_cuda_rng_state(torch.get_rng_state, torch.set_rng_state)
+
     # The alltoall dispatcher turns its split sizes into host numpy arrays only when they are CUDA
     # tensors; CPU tensors would reach all_to_all_single as tensors, which it rejects.
     def move_splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
@@ -201,20 +199,16 @@ def _patch_megatron() -> None:
             return tensor.numpy()
         return tensor
 
-    moe_utils.maybe_move_tensor_to_cpu = move_splits_to_host
-    token_dispatcher.maybe_move_tensor_to_cpu = move_splits_to_host
+    megatron_core.replace_split_sizes_to_host(move_splits_to_host)
     _patch_uneven_collectives()
-    # megatron-core 0.16 leaves this name undefined when TransformerEngine is absent (NameError in routing).
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    megatron_core.define_missing_te_general_gemm()
 
 
 def _patch_uneven_collectives() -> None:
     """gloo's all_gather/reduce_scatter need equal sizes; the MoE dispatcher (TP > 1) sends uneven ones."""
-    from megatron.core.tensor_parallel import mappings
+    from verl.utils.internals import megatron_core
 
-    equal_gather = mappings._gather_along_first_dim
-    equal_reduce_scatter = mappings._reduce_scatter_along_first_dim
+    equal_gather, equal_reduce_scatter = megatron_core.first_dim_collectives()
 
     def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
         if output_split_sizes is None or group.size() == 1:
@@ -235,8 +229,7 @@ def _patch_uneven_collectives() -> None:
         start = sum(sizes[: group.rank()])
         return total[start : start + sizes[group.rank()]].contiguous()
 
-    mappings._gather_along_first_dim = gather_along_first_dim
-    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+    megatron_core.replace_first_dim_collectives(gather_along_first_dim, reduce_scatter_along_first_dim)
 
 
 def _patch_gloo_scatter() -> None:

@@ -1,0 +1,310 @@
+"""The private megatron-core, mbridge and torch internals verl relies on, as the pinned versions have them.
+
+Each test names the adapter function (``verl/utils/internals``) whose internal it checks, so a version bump
+that moves one fails here, saying what changed, instead of as a wrong checkpoint later.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl.utils.distributed import run_on_ranks
+from verl.utils.internals import SKIP_VERSION_CHECK_ENV, mbridge, megatron_core, require_version
+from verl.utils.internals import torch as torch_internals
+from verl.utils.megatron.parallel import ParallelSizes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _params(fn) -> tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
+
+
+# ------------------------------------------------------------------ the version check
+
+
+@pytest.mark.parametrize(
+    ("package", "adapter"), [("torch", torch_internals), ("megatron-core", megatron_core), ("mbridge", mbridge)]
+)
+def test_each_adapter_is_written_for_the_pinned_version(package, adapter):
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([^\s#]+)", (REPO / "requirements.txt").read_text(), re.MULTILINE))
+    assert adapter.WRITTEN_FOR == pins[package], (
+        f"{adapter.__name__} is written for {package} {adapter.WRITTEN_FOR}, requirements.txt pins {pins[package]}"
+    )
+
+
+def test_another_version_is_refused_at_import_naming_package_found_and_expected(monkeypatch):
+    monkeypatch.delenv(SKIP_VERSION_CHECK_ENV, raising=False)
+    with pytest.raises(ImportError) as refused:
+        require_version("torch", "1.0.0", "verl.utils.internals.torch")
+    message = str(refused.value)
+    assert (
+        "torch" in message
+        and torch.__version__ in message
+        and "torch==1.0.0" in message
+        and SKIP_VERSION_CHECK_ENV in message
+    )
+    monkeypatch.setenv(SKIP_VERSION_CHECK_ENV, "1")
+    with pytest.warns(UserWarning, match="torch==1.0.0"):
+        require_version("torch", "1.0.0", "verl.utils.internals.torch")
+
+
+def test_adapter_import_fails_on_a_changed_version():
+    """A real import of the adapter, with the installed version reported as another one."""
+    code = (
+        "import importlib.metadata as m; real = m.version; "
+        "m.version = lambda name: '0.17.0' if name == 'megatron-core' else real(name); "
+        "import verl.utils.internals.megatron_core"
+    )
+    env = {k: v for k, v in os.environ.items() if k != SKIP_VERSION_CHECK_ENV}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode != 0
+    assert (
+        "ImportError: megatron-core 0.17.0 is installed" in result.stderr and "megatron-core==0.16.1" in result.stderr
+    )
+
+
+# ------------------------------------------------------------------ torch
+
+
+def test_torch_internals():
+    assert isinstance(torch._dynamo.config.disable, bool)  # disable_dynamo
+    assert _params(torch.distributed.distributed_c10d._get_default_store) == ()  # default_store
+    assert _params(torch.cuda.memory._set_allocator_settings) == ("env",)  # set_allocator_expandable_segments
+    # storage_id: one identity for every view of a storage, kept when it is freed and reallocated (offload)
+    tensor = torch.arange(8.0)
+    key = torch_internals.storage_id(tensor)
+    assert isinstance(key, int) and torch_internals.storage_id(tensor[2:4]) == key
+    assert torch_internals.storage_id(torch.arange(8.0)) != key
+    tensor.untyped_storage().resize_(0)
+    tensor.untyped_storage().resize_(8 * tensor.element_size())
+    assert torch_internals.storage_id(tensor) == key
+
+
+def _default_store_kind() -> str:
+    return type(torch_internals.default_store()).__name__
+
+
+def test_default_store_is_the_store_the_default_group_met_through():
+    assert run_on_ranks(_default_store_kind, 1)[0] in ("PrefixStore", "TCPStore")
+
+
+# ------------------------------------------------------------------ megatron-core
+
+
+def test_megatron_core_module_helpers_keep_their_parameters():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    expected = {  # adapter function: (internal, its parameters)
+        "replace_cuda_rng_state/get": (mcore_random._get_cuda_rng_state, ("device", "clone", "graph_safe")),
+        "replace_cuda_rng_state/set": (mcore_random._set_cuda_rng_state, ("new_state", "device", "graph_safe")),
+        "first_dim_collectives/gather": (
+            mappings._gather_along_first_dim,
+            ("input_", "group", "output_split_sizes", "use_global_buffer"),
+        ),
+        "first_dim_collectives/reduce_scatter": (
+            mappings._reduce_scatter_along_first_dim,
+            ("input_", "group", "input_split_sizes", "use_global_buffer"),
+        ),
+        "replace_split_sizes_to_host/moe_utils": (
+            moe_utils.maybe_move_tensor_to_cpu,
+            ("tensor", "as_numpy", "record_stream"),
+        ),
+        "replace_split_sizes_to_host/token_dispatcher": (
+            token_dispatcher.maybe_move_tensor_to_cpu,
+            ("tensor", "as_numpy", "record_stream"),
+        ),
+        "init_distributed_optimizer_state": (DistributedOptimizer._init_optimizer_states_with_dummy_values, ("self",)),
+    }
+    changed = {name: _params(fn) for name, (fn, params) in expected.items() if _params(fn) != params}
+    assert not changed, f"megatron-core changed internals verl replaces or calls: {changed}"
+    assert "te_general_gemm" in inspect.getsource(moe_utils)  # define_missing_te_general_gemm: routing still reads it
+
+
+def test_megatron_core_module_helpers_are_reached_through_their_module_only():
+    """A replacement of a module attribute misses any megatron module that imported the name itself
+    (a module with its own function of that name, e.g. Megatron-FSDP's RNG helpers, is not ours to patch)."""
+    import megatron.core.models.gpt.gpt_model  # noqa: F401 - the model stack, as a rank imports it
+    import megatron.core.transformer.moe.moe_layer  # noqa: F401
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    owners = {  # name: the modules whose attribute verl replaces, the defining one first
+        "_get_cuda_rng_state": (mcore_random,),
+        "_set_cuda_rng_state": (mcore_random,),
+        "_gather_along_first_dim": (mappings,),
+        "_reduce_scatter_along_first_dim": (mappings,),
+        "maybe_move_tensor_to_cpu": (moe_utils, token_dispatcher),
+    }
+    megatron_modules = [
+        m for name, m in list(sys.modules.items()) if name.startswith("megatron.core") and m is not None
+    ]
+    holders = {
+        name: sorted(
+            m.__name__ for m in megatron_modules if m not in allowed and vars(m).get(name) is getattr(allowed[0], name)
+        )
+        for name, allowed in owners.items()
+    }
+    assert not any(holders.values()), (
+        f"megatron-core modules holding their own reference (verl's CPU runtime would miss them): {holders}"
+    )
+
+
+def test_async_request_argument_positions():
+    """write_buckets / results_queue / preloaded_args: torch_dist's async_fn_args are [rank, write_buckets, results_queue],
+    the tail of write_preloaded_data_multiproc's parameters after the two get_save_function_and_args binds."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    params = _params(FileSystemWriterAsync.write_preloaded_data_multiproc)
+    assert params == ("transform_list", "use_msc", "rank", "write_buckets", "global_results_queue")
+    bound = 2  # transform_list, use_msc
+    assert params[bound + megatron_core.WRITE_BUCKETS_ARG] == "write_buckets"
+    assert params[bound + megatron_core.RESULTS_QUEUE_ARG] == "global_results_queue"
+    source = inspect.getsource(FileSystemWriterAsync.get_save_function_and_args)
+    assert "partial(self.write_preloaded_data_multiproc, transform_list, self.use_msc)" in source
+    assert "[torch.distributed.get_rank(), self.write_buckets, self.results_queue]" in source
+    assert _params(FileSystemWriterAsync.finish) == ("self", "metadata", "results")  # write_checkpoint_metadata
+
+
+def test_save_strategy_plan_cache_attributes():
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+    for name in ("validated_cache_reuse", "cached_central_plan", "cached_global_metadata", "backend", "version"):
+        assert hasattr(strategy, name), (
+            f"TorchDistSaveShardedStrategy has no {name} (save_plan_is_reusable / write_checkpoint_metadata)"
+        )
+    assert not megatron_core.save_plan_is_reusable(strategy) and not megatron_core.save_plan_is_reusable(None)
+
+
+def _three_async_saves(root: str) -> dict:
+    """Three async saves with one strategy: two finalized by megatron, the third (its plan then reusable)
+    written and finalized through the adapter as the snapshot save does; each loaded back."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+    report: dict = {"reusable_before": [], "loaded": []}
+    for index in range(3):
+        path = os.path.join(root, f"save{index}")
+        os.makedirs(path)
+        report["reusable_before"].append(megatron_core.save_plan_is_reusable(strategy))
+        weight = torch.arange(16.0).reshape(4, 4) + index
+        state = {"w": ShardedTensor.from_rank_offsets("w", weight, replica_id=0)}
+        request = dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=True)
+        request.async_fn(*megatron_core.preloaded_args(request), **request.async_fn_kwargs)
+        if index < 2:
+            for finalize in request.finalize_fns:
+                finalize()
+        else:
+            buckets = megatron_core.write_buckets(request)
+            results = megatron_core.results_queue(request).get()
+            report["buckets"] = isinstance(buckets, list) and all(len(bucket) == 3 for bucket in buckets)
+            report["one_result_per_bucket"] = isinstance(results, dict) and len(results) == len(buckets)
+            megatron_core.write_checkpoint_metadata(strategy, path, [[r for rs in results.values() for r in rs]])
+        loaded = dist_checkpointing.load(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4), replica_id=0)}, path
+        )
+        report["loaded"].append(torch.equal(loaded["w"], weight))
+    return report
+
+
+def test_a_real_async_save_through_the_adapter(tmp_path):
+    report = run_on_ranks(_three_async_saves, 1, ParallelSizes(), args=(str(tmp_path),))[0]
+    assert report == {
+        "reusable_before": [False, False, True],  # the snapshot save's condition: from the third save on
+        "buckets": True,
+        "one_result_per_bucket": True,
+        "loaded": [True, True, True],
+    }
+
+
+# ------------------------------------------------------------------ mbridge
+
+
+def test_mbridge_private_methods_keep_their_parameters():
+    from verl.models.support import SUPPORTED_MODEL_TYPES
+
+    expected = {  # internal: its parameters (adapter function in the comment)
+        "_weight_name_mapping_mcore_local_to_global": ("self", "model", "consider_ep"),  # local_to_global_names
+        "_weight_name_mapping_mcore_to_hf": ("self", "mcore_weights_name"),  # hf_names
+        "_get_hf_shared_weight_keys": ("self",),  # hf_shared_weight_keys
+        "_weight_merge_across_tp": ("self", "mcore_weights_name", "mcore_weights", "param"),  # merge_across_tp
+        "_weight_split_across_tp": (
+            "self",
+            "mcore_weights_name",
+            "mcore_weights",
+            "param",
+            "tp_split_size",
+        ),  # split_across_tp
+        "_weight_to_hf_format": ("self", "mcore_weights_name", "mcore_weights"),  # to_hf_format
+        "_weight_to_mcore_format": ("self", "mcore_weights_name", "hf_weights"),  # to_mcore_format
+        "_get_safetensor_io": ("self", "weights_path"),  # open_hf_weights
+    }
+    for model_type in SUPPORTED_MODEL_TYPES:
+        cls = mbridge.bridge_class(model_type)
+        assert cls is not None, f"mbridge has no bridge for {model_type}"
+        mbridge.check_overridable(cls)
+        changed = {name: _params(getattr(cls, name, None) or (lambda: None)) for name, params in expected.items()}
+        changed = {name: found for name, found in changed.items() if found != expected[name]}
+        assert not changed, f"mbridge's {cls.__name__} changed: {changed}"
+    assert mbridge.bridge_class("no_such_model") is None
+
+
+def test_mbridge_hooks_are_checked_when_a_bridge_class_is_made():
+    with pytest.raises(TypeError, match="_get_transformer_layer_spec"):
+        mbridge.check_overridable(
+            type("NoHooks", (), {"_build_base_config": lambda self, text_config_key=None, **kwargs: None})
+        )
+    from mbridge.core.llm_bridge import LLMBridge
+
+    # our _get_transformer_layer_spec sets has_vp_stage, which mbridge's model building reads
+    assert "if vp_stage is not None and self.has_vp_stage" in inspect.getsource(LLMBridge)
+
+
+def _conversions_round_trip(hf_path: str) -> dict:
+    from verl.models.mcore.mbridge import load_hf_config, make_bridge
+    from verl.models.mcore.model import build_megatron_model
+
+    bridge = make_bridge(load_hf_config(hf_path), dtype=torch.float32)
+    model = build_megatron_model(bridge, wrap_with_ddp=False)
+    bridge.load_weights(model, hf_path)
+    names = mbridge.local_to_global_names(bridge, model[0])
+    local, global_name = next((k, v) for k, v in names.items() if "linear_qkv.weight" in v)
+    param = dict(model[0].named_parameters())[local]
+    hf = mbridge.hf_names(bridge, global_name)
+    reader = mbridge.open_hf_weights(bridge, hf_path)
+    hf_weights = reader.load_some_hf_weight(hf)
+    full = mbridge.to_mcore_format(bridge, global_name, [hf_weights[n] for n in hf])
+    pieces = mbridge.split_across_tp(bridge, global_name, full, param, 1)
+    merged = mbridge.merge_across_tp(bridge, global_name, pieces, param)
+    out_names, out = mbridge.to_hf_format(bridge, global_name, merged)
+    return {
+        "qkv_names": hf,
+        "param_is_the_piece": torch.equal(pieces[0], param.detach()),
+        "round_trip": out_names == hf
+        and all(torch.equal(t, hf_weights[n]) for n, t in zip(out_names, out, strict=True)),
+        "shared": mbridge.hf_shared_weight_keys(bridge),
+    }
+
+
+def test_mbridge_conversions_round_trip_on_a_real_bridge(tiny_dense_path):
+    result = run_on_ranks(_conversions_round_trip, 1, ParallelSizes(), args=(tiny_dense_path,))[0]
+    assert [name.rsplit(".", 2)[-2] for name in result["qkv_names"]] == ["q_proj", "k_proj", "v_proj"]
+    assert result["param_is_the_piece"] and result["round_trip"]
+    assert isinstance(result["shared"], list)
