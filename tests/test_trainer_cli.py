@@ -231,7 +231,8 @@ BAD_CONFIGS = {
     "micro_vs_dp": (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], "ppo_micro_batch_size_per_gpu=5; set it to a divisor of 32"),
     "group_of_one": (["actor_rollout_ref.rollout.n=1"], "set actor_rollout_ref.rollout.n to 2 or more"),
     "estimator": (["algorithm.adv_estimator=gae"], "only grpo is implemented here; set algorithm.adv_estimator=grpo"),
-    "seq_vs_tp": (["data.max_response_length=5"], "is not divisible by tensor_model_parallel_size=2"),
+    "truncation": (["data.truncation=cut"], "data.truncation=cut is not one of ['error', 'left', 'right', 'middle']"),
+    "upstream_vpp": ([f"{MEGATRON}virtual_pipeline_model_parallel_size=2"], "virtual_pipeline_model_parallel_size=2: the actor builds one model chunk"),
     "task": (["data.task=reverse"], "data.task=reverse is not one of ['add', 'first']; set data.task=first"),
 }
 
@@ -289,3 +290,62 @@ def test_reward_reads_responses_character_by_character():
     assert default_compute_score("arithmetic", response_text(tok, [one, two, tok.eos_token_id]), "12") == 1.0
     unknown = len(tok) + 5  # the model's vocabulary (256) is larger than the tokenizer's
     assert response_text(tok, [seven, unknown, seven]) == "7\ufffd7"
+
+
+def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env, tiny_moe_path):
+    """A hand-made parquet file in upstream's RLHFDataset format (chat messages of different lengths,
+    data_source openai/gsm8k, reward_model.ground_truth) trains 2 steps and validates before, at step 2
+    (test_freq) and with upstream's metric name. 2 ranks at TP2 EP2 ETP1: prompts are left-padded to one
+    length that makes prompt + response a multiple of TP."""
+    from verl.utils.dataset.rl_dataset import write_rlhf_parquet
+
+    def rows(count: int, split: str) -> list[dict]:
+        return [
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "user", "content": f"Tom has {i} apples{'!' * (i % 3)} How many? End with #### n."}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(i)},
+                "extra_info": {"split": split, "index": i},
+            }
+            for i in range(count)
+        ]
+
+    write_rlhf_parquet(rows(6, "train"), str(tmp_path / "train.parquet"))
+    write_rlhf_parquet(rows(3, "test"), str(tmp_path / "test.parquet"))
+    ckpt = tmp_path / "ckpt"
+    code, out = _run(
+        [
+            f"actor_rollout_ref.model.path={tiny_moe_path}",
+            "trainer.n_gpus_per_node=2",
+            f"{MEGATRON}tensor_model_parallel_size=2",
+            f"{MEGATRON}pipeline_model_parallel_size=1",
+            f"{MEGATRON}expert_model_parallel_size=2",
+            f"{MEGATRON}expert_tensor_parallel_size=1",
+            f"{MEGATRON}use_distributed_optimizer=False",
+            f"data.train_files={tmp_path / 'train.parquet'}",
+            f"data.val_files=[{tmp_path / 'test.parquet'}]",
+            "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=200", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "data.max_prompt_length=64", "data.max_response_length=3",
+            "trainer.total_epochs=1", "trainer.total_training_steps=null", "trainer.test_freq=2", "trainer.save_freq=-1",
+            "trainer.log_val_generations=1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.9",
+            f"trainer.default_local_dir={ckpt}",
+        ],
+        tmp_path,
+        env,
+    )  # fmt: skip
+    assert code == 0, out[-6000:]
+    assert "bridge: mbridge (use_mbridge=True, vanilla_mbridge=True)" in out
+    assert "actor_rollout_ref.rollout.gpu_memory_utilization=0.9: an inference-engine setting" in out
+    assert "data: 6 train prompt(s), 3 validation prompt(s)" in out and "3 steps (trainer.total_epochs=1 x 3 per epoch)" in out
+    assert "[trainer] val sample: " in out
+    lines = _metrics(ckpt)
+    val_key = "val-core/openai/gsm8k/reward/mean@1"
+    assert [m["step"] for m in lines] == [0, 1, 2, 3]  # val_before_train, then the 3 steps of one epoch
+    assert val_key in lines[0] and val_key in lines[2] and val_key in lines[3] and val_key not in lines[1]
+    assert all(0.0 <= m[val_key] <= 1.0 for m in lines if val_key in m)
+    for m in lines[1:]:
+        assert m["critic/score/mean"] in (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # 0/1 rewards of 8 responses
+        assert m["rollout/log_prob_diff_max"] <= 1e-4, m  # left-padded prompts: rollout and Megatron agree

@@ -23,9 +23,12 @@ import signal
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 import hydra
+from omegaconf import OmegaConf
 
+from verl.trainer.data_plan import RunData, load_run_data, load_tokenizer
 from verl.trainer.run_control import StopSignals, stop_message, take_writer_lock
 from verl.trainer.validation import (
     ConfigError,
@@ -34,6 +37,7 @@ from verl.trainer.validation import (
     check_device,
     check_model_build,
     find_resume_step,
+    ignored_settings,
     parallel_sizes,
     world_size,
 )
@@ -60,6 +64,9 @@ class RunPlan:
     actor_configs: MegatronActorConfigs | None = None
     # trainer.default_local_dir's writer lock, held until the process exits (None: the run writes nothing there).
     dir_lock: DirLock | None = None
+    # The prompts (tokenized), the run's prompt length and step count (verl.trainer.data_plan).
+    data: RunData | None = None
+    tokenizer: Any = None
 
 
 def prepare(config) -> RunPlan:
@@ -86,14 +93,17 @@ def prepare(config) -> RunPlan:
         if problems:
             raise ConfigError(problems)
         resume = find_resume_step(config, model_path)
-        actor_configs = build_megatron_actor_configs(
-            config.actor_rollout_ref.actor, total_training_steps=int(config.trainer.total_training_steps)
-        )
+        tokenizer = load_tokenizer(config, model_path)
+        data = load_run_data(config, tokenizer)
+        actor_configs = build_megatron_actor_configs(config.actor_rollout_ref.actor, total_training_steps=data.total_training_steps)
     except ConfigError:
         if dir_lock is not None:
             dir_lock.discard()
         raise
-    return RunPlan(model_path=model_path, device=device, cluster=cluster, resume=resume, actor_configs=actor_configs, dir_lock=dir_lock)
+    return RunPlan(
+        model_path=model_path, device=device, cluster=cluster, resume=resume, actor_configs=actor_configs,
+        dir_lock=dir_lock, data=data, tokenizer=tokenizer,
+    )  # fmt: skip
 
 
 def embedded_model_path() -> str:
@@ -135,10 +145,10 @@ def _init_ray(config) -> bool:
         ray.init(address=address)
         print(f"[main_ppo] joined the Ray cluster at {address}", flush=True)
         return True
-    num_cpus = config.ray_init.num_cpus or os.cpu_count() or 1
+    kwargs = ray_init_kwargs(config)
     for attempt in (1, 2):
         try:
-            ray.init(address="local", num_cpus=int(num_cpus), include_dashboard=False)
+            ray.init(address="local", **kwargs)
             return True
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for a slow raylet
             # Ray gives a local raylet a fixed 30 s to register; an overloaded host can miss that once.
@@ -147,6 +157,18 @@ def _init_ray(config) -> bool:
                 raise
             print(f"[main_ppo] starting a local Ray instance failed ({exc}); trying once more", flush=True)
     return True
+
+
+def ray_init_kwargs(config: Any) -> dict:
+    """``ray.init`` keyword arguments from upstream's ``ray_kwargs.ray_init`` (num_cpus null: this host's CPUs;
+    a null ``runtime_env.py_executable``: the rank actors run this interpreter)."""
+    kwargs = OmegaConf.to_container(config.ray_kwargs.ray_init, resolve=True)
+    kwargs["num_cpus"] = int(kwargs.get("num_cpus") or os.cpu_count() or 1)
+    runtime_env = {key: value for key, value in (kwargs.pop("runtime_env", None) or {}).items() if value is not None}
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
+    kwargs.setdefault("include_dashboard", False)
+    return kwargs
 
 
 def run_ppo(config) -> None:
@@ -174,7 +196,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
     except CheckpointDirBusyError as err:
         print(f"[main_ppo] {err}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CONFIG_ERROR) from None
-    total = int(config.trainer.total_training_steps)
+    total = plan.data.total_training_steps
     if plan.resume and plan.resume[0] >= total:
         print(
             f"[main_ppo] {plan.resume[1]} (step {plan.resume[0]}) is already at trainer.total_training_steps={total}: "
@@ -198,7 +220,9 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
             if problems:
                 _exit_config_error(ConfigError(problems))
         _print_plan(config, plan, device)
-        trainer = RayPPOTrainer(config, plan.model_path, device, plan.resume, actor_configs=plan.actor_configs)
+        trainer = RayPPOTrainer(
+            config, plan.model_path, device, plan.resume, actor_configs=plan.actor_configs, data=plan.data, tokenizer=plan.tokenizer
+        )
         progress["trainer"] = trainer
         try:
             trainer.init_workers()
@@ -222,9 +246,24 @@ def _print_plan(config, plan: RunPlan, device: str) -> None:
         f"[main_ppo] {world_size(config)} ranks on {device} ({config.trainer.nnodes} node(s) x {config.trainer.n_gpus_per_node}); "
         f"TP{sizes.tp} PP{sizes.pp} EP{sizes.ep} ETP{sizes.expert_tp} CP{sizes.cp}; "
         f"use_distributed_optimizer={megatron.use_distributed_optimizer} param_offload={megatron.param_offload}\n"
-        f"[main_ppo] {config.trainer.total_training_steps} steps, save_freq={config.trainer.save_freq}, "
-        f"checkpoints -> {os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))}; {resume}",
+        f"[main_ppo] {plan.data.total_training_steps} steps, save_freq={config.trainer.save_freq}, "
+        f"checkpoints -> {os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))}; {resume}\n"
+        f"[main_ppo] bridge: {bridge_line(config)}",
         flush=True,
+    )
+    for note in plan.data.notes:
+        print(f"[main_ppo] {note}", flush=True)
+    ignored = ignored_settings(config)
+    if ignored:
+        print("[main_ppo] accepted but ignored (no effect here):\n" + "\n".join(f"[main_ppo]   {line}" for line in ignored), flush=True)
+
+
+def bridge_line(config: Any) -> str:
+    """Which HF <-> Megatron bridge builds the model; upstream HEAD's default differs from ours, so say it."""
+    megatron = config.actor_rollout_ref.actor.megatron
+    return (
+        f"mbridge (use_mbridge={megatron.use_mbridge}, vanilla_mbridge={megatron.vanilla_mbridge}); upstream verl's default "
+        "vanilla_mbridge=False selects Megatron-Bridge, which is not supported here"
     )
 
 

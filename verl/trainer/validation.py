@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from verl.models.support import hf_config_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
@@ -74,18 +77,23 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
     problems += _guarded(typed, _check_layout, config, model)
     problems += _guarded(typed, _check_grpo, config)
     problems += _guarded(typed, _check_data, config, model)
+    problems += _guarded(typed, _check_upstream_keys, config)
     return problems
 
 
 # Scalar keys every later check relies on: a mistyped value is reported here, by key, instead of crashing a
 # comparison further down (``trainer.save_freq=abc`` was a TypeError traceback).
 _INT_KEYS = (
-    "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_training_steps", "trainer.save_freq",
-    "trainer.ray_wait_register_center_timeout", "data.seed", "actor_rollout_ref.nccl_timeout",
+    "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.save_freq", "trainer.total_epochs", "trainer.test_freq",
+    "trainer.log_val_generations", "trainer.ray_wait_register_center_timeout", "data.train_max_samples", "data.val_max_samples", "data.seed", "actor_rollout_ref.nccl_timeout",
     f"{_MEGATRON}tensor_model_parallel_size", f"{_MEGATRON}pipeline_model_parallel_size",
     f"{_MEGATRON}expert_model_parallel_size", f"{_MEGATRON}context_parallel_size", f"{_MEGATRON}seed",
 )  # fmt: skip
-_OPTIONAL_INT_KEYS = (f"{_MEGATRON}expert_tensor_parallel_size", "ray_init.num_cpus", "trainer.max_actor_ckpt_to_keep")
+_OPTIONAL_INT_KEYS = (
+    f"{_MEGATRON}expert_tensor_parallel_size", "ray_kwargs.ray_init.num_cpus", "trainer.max_actor_ckpt_to_keep",
+    "trainer.total_training_steps", "data.val_batch_size", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    f"{_ACTOR}.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+)  # fmt: skip
 _FLOAT_KEYS = (
     "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p", f"{_ACTOR}.clip_ratio",
     f"{_ACTOR}.clip_ratio_c", f"{_ACTOR}.entropy_coeff",
@@ -93,7 +101,9 @@ _FLOAT_KEYS = (
 _OPTIONAL_FLOAT_KEYS = (f"{_ACTOR}.clip_ratio_low", f"{_ACTOR}.clip_ratio_high")
 _BOOL_KEYS = (
     "algorithm.norm_adv_by_std_in_grpo", "algorithm.use_kl_in_reward", f"{_ACTOR}.use_kl_loss",
-    "actor_rollout_ref.rollout.do_sample", *(f"{_MEGATRON}{k}" for k in (
+    "actor_rollout_ref.rollout.do_sample", "actor_rollout_ref.rollout.val_kwargs.do_sample", f"{_ACTOR}.use_dynamic_bsz",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "data.filter_overlong_prompts", "data.shuffle",
+    "trainer.val_before_train", "trainer.val_only", *(f"{_MEGATRON}{k}" for k in (
         "sequence_parallel", "use_distributed_optimizer", "use_dist_checkpointing", "param_offload",
         "grad_offload", "optimizer_offload", "use_mbridge", "vanilla_mbridge")),
 )  # fmt: skip
@@ -117,9 +127,7 @@ def _check_types(config: Any) -> list[str]:
         (_BOOL_KEYS, lambda v: isinstance(v, bool), "true or false", "<true|false>"),
     ):
         for key in keys:
-            node = config
-            for part in key.split("."):
-                node = node[part]
+            node = OmegaConf.select(config, key)
             if not accepts(node):
                 problems.append(f"{key}={node} must be {kind}; set {key}={example}")
     return problems
@@ -142,9 +150,19 @@ def _positive_int(value: Any) -> bool:
 def _check_trainer(config: Any) -> list[str]:
     trainer = config.trainer
     problems = []
-    for key in ("nnodes", "n_gpus_per_node", "total_training_steps"):
+    for key in ("nnodes", "n_gpus_per_node", "total_epochs"):
         if not _positive_int(trainer[key]):
             problems.append(f"trainer.{key}={trainer[key]} must be an integer >= 1; set trainer.{key}=<n>")
+    if trainer.total_training_steps is not None and not _positive_int(trainer.total_training_steps):
+        problems.append(f"trainer.total_training_steps={trainer.total_training_steps} must be >= 1, or null (trainer.total_epochs over the data)")
+    if trainer.log_val_generations < 0:
+        problems.append(f"trainer.log_val_generations={trainer.log_val_generations} must be >= 0")
+    if trainer.default_hdfs_dir is not None:
+        problems.append(f"trainer.default_hdfs_dir={trainer.default_hdfs_dir}: copying checkpoints to HDFS is not supported here; set trainer.default_hdfs_dir=null and copy trainer.default_local_dir yourself")
+    if trainer.del_local_ckpt_after_load:
+        problems.append("trainer.del_local_ckpt_after_load=True: a resume never deletes its checkpoint here (it is the tracked, verified step); set it to False")
+    if trainer.val_only and not config.data.val_files:
+        problems.append("trainer.val_only=True needs data.val_files")
     if trainer.device not in DEVICES:
         problems.append(f"trainer.device={trainer.device} is not one of {list(DEVICES)}; set trainer.device=auto")
     keep = trainer.max_actor_ckpt_to_keep
@@ -253,26 +271,68 @@ def _check_layout(config: Any, model: dict | None) -> list[str]:
 
 
 def _check_data(config: Any, model: dict | None) -> list[str]:
+    from verl.utils.dataset.rl_dataset import TRUNCATIONS, as_file_list, parquet_problems
+
     data, problems = config.data, []
     for key in ("train_batch_size", "max_prompt_length", "max_response_length"):
         if not _positive_int(data[key]):
             problems.append(f"data.{key}={data[key]} must be an integer >= 1")
-    if not isinstance(data.max_operand, int) or not 0 <= data.max_operand <= 9:
-        problems.append(f"data.max_operand={data.max_operand}: the task's operands are single digits; set data.max_operand to 0..9")
-    if data.task not in TASKS:
-        problems.append(f"data.task={data.task} is not one of {list(TASKS)}; set data.task=first")
+    if data.val_batch_size is not None and not _positive_int(data.val_batch_size):
+        problems.append(f"data.val_batch_size={data.val_batch_size} must be null (all prompts at once) or >= 1")
+    if data.truncation not in TRUNCATIONS:
+        problems.append(f"data.truncation={data.truncation} is not one of {list(TRUNCATIONS)}; set data.truncation=error")
+    if data.custom_cls.path is not None:
+        problems.append(f"data.custom_cls.path={data.custom_cls.path}: custom dataset classes are not supported; write the data as parquet in RLHFDataset's format")
+    if not data.train_files:
+        if not isinstance(data.max_operand, int) or not 0 <= data.max_operand <= 9:
+            problems.append(f"data.max_operand={data.max_operand}: the task's operands are single digits; set data.max_operand to 0..9")
+        if data.task not in TASKS:
+            problems.append(f"data.task={data.task} is not one of {list(TASKS)}; set data.task=first")
+    for key in ("train_files", "val_files"):
+        files = as_file_list(data[key])
+        found = parquet_problems(files, f"data.{key}", str(data.prompt_key), str(data.reward_fn_key))
+        problems += found
+        if files and not found and not config.custom_reward_function.path:
+            problems += _unknown_data_sources(files, f"data.{key}", str(data.reward_fn_key))
+    rollout = config.actor_rollout_ref.rollout
+    for ours, theirs in (("max_prompt_length", "prompt_length"), ("max_response_length", "response_length")):
+        if rollout[theirs] != data[ours]:
+            problems.append(f"actor_rollout_ref.rollout.{theirs}={rollout[theirs]} differs from data.{ours}={data[ours]}: the rollout and the actor read one length here; set both to one value (or leave rollout.{theirs} at its default, ${{data.{ours}}})")
     if problems:
         return problems
-    if int(data.max_prompt_length) < TASK_PROMPT_TOKENS:
-        problems.append(f"data.max_prompt_length={data.max_prompt_length} is shorter than the task's prompts ({TASK_PROMPT_TOKENS} tokens); set data.max_prompt_length={TASK_PROMPT_TOKENS} or more")
-    megatron = config.actor_rollout_ref.actor.megatron
-    tp = int(megatron.tensor_model_parallel_size)
-    seq = TASK_PROMPT_TOKENS + int(data.max_response_length)
-    if tp > 1 and seq % tp:
-        problems.append(f"sequence length {TASK_PROMPT_TOKENS} (prompt) + data.max_response_length={data.max_response_length} = {seq} is not divisible by tensor_model_parallel_size={tp} (sequence parallelism splits it); change data.max_response_length")
+    seq = int(data.max_prompt_length) + int(data.max_response_length)
     if model is not None and seq > int(model.get("max_position_embeddings", seq)):
-        problems.append(f"sequence length {seq} exceeds the model's max_position_embeddings={model['max_position_embeddings']}; lower data.max_response_length")
-    return problems + _check_batch_split(config)
+        problems.append(f"data.max_prompt_length + data.max_response_length = {seq} exceeds the model's max_position_embeddings={model['max_position_embeddings']}; lower them")
+    return problems + _check_batch_split(config) + _check_token_budgets(config)
+
+
+def _unknown_data_sources(files: list[str], key: str, column: str) -> list[str]:
+    """Data sources no reward rule knows, found before the run instead of at its first reward."""
+    import pyarrow.parquet as pq
+
+    from verl.utils.reward_score import KNOWN_DATA_SOURCES
+
+    sources: set[str] = set()
+    for path in files:
+        sources.update(str(value) for value in pq.read_table(path, columns=[column]).column(column).unique().to_pylist())
+    unknown = sorted(sources - set(KNOWN_DATA_SOURCES))
+    if unknown:
+        return [f"{key}: {column} {unknown} has no reward rule here (known: {list(KNOWN_DATA_SOURCES)}); set custom_reward_function.path to a file with compute_score"]
+    return []
+
+
+def _check_token_budgets(config: Any) -> list[str]:
+    """Dynamic batch sizes need room for one whole sequence, as upstream requires."""
+    actor, rollout, data = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.data
+    longest = int(data.max_prompt_length) + int(data.max_response_length)
+    problems = []
+    for flag, budget, name in (
+        (actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, f"{_ACTOR}.ppo_max_token_len_per_gpu"),
+        (rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
+    ):
+        if flag and (budget is None or int(budget) < longest):
+            problems.append(f"{name}={budget} is below one sequence (data.max_prompt_length + max_response_length = {longest}); raise it to {longest} or more")
+    return problems
 
 
 def _check_batch_split(config: Any) -> list[str]:
@@ -294,8 +354,14 @@ def _check_batch_split(config: Any) -> list[str]:
     sequences = mini * n
     if sequences % dp:
         return [f"a mini-batch of actor_rollout_ref.actor.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {sequences} sequences does not split into {dp} data-parallel ranks; make it a multiple of {dp}"]
-    if (sequences // dp) % micro:
+    if (sequences // dp) % micro and not actor.use_dynamic_bsz:
         return [f"{sequences // dp} sequences per data-parallel rank and mini-batch (ppo_mini_batch_size={mini} x rollout.n={n} / {dp} ranks) do not split into microbatches of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}; set it to a divisor of {sequences // dp}"]
+    rollout = config.actor_rollout_ref.rollout
+    log_micro, rows = rollout.log_prob_micro_batch_size_per_gpu, train * n // dp if (train * n) % dp == 0 else None
+    if rows is None:
+        return [f"data.train_batch_size={train} x rollout.n={n} sequences do not split into {dp} data-parallel ranks; make it a multiple of {dp}"]
+    if log_micro is not None and not rollout.log_prob_use_dynamic_bsz and (not _positive_int(log_micro) or rows % log_micro):
+        return [f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={log_micro} does not divide the {rows} sequences of a step on each data-parallel rank; set it to a divisor of {rows}"]
     return []
 
 
@@ -483,3 +549,186 @@ def _check_tracker_is_text(root: str) -> None:
             f"non-text bytes {raw[:16]!r}; write the last committed step's N (of global_step_N) into it, or set "
             "trainer.resume_mode=disable"
         ]) from exc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Upstream's keys: each one is honoured, refused here with its reason, or (no effect here) listed at start.
+
+_YAML = os.path.join(os.path.dirname(__file__), "config", "ppo_megatron_trainer.yaml")
+_ROLLOUT = "actor_rollout_ref.rollout."
+_ENGINE_WHY = "an inference-engine setting (vLLM / SGLang / TensorRT-LLM); the hf rollout (transformers generate on each data-parallel group's output rank) has none"
+_NO_REF_WHY = "no reference model is built: actor.use_kl_loss and algorithm.use_kl_in_reward are off"
+_TRANSFORMER_WHY = "a memory / speed setting of Megatron's TransformerConfig; not applied here (the model is built from its HF config through mbridge) and the model computes the same function without it"
+# override_transformer_config fields that change memory or speed only; any other field would change the model.
+PERF_ONLY_TRANSFORMER_FIELDS = (
+    "recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers", "attention_backend",
+    "apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+    "gradient_accumulation_fusion", "deallocate_pipeline_outputs", "persist_layer_norm", "moe_grouped_gemm",
+    "moe_permute_fusion", "cross_entropy_loss_fusion", "moe_token_dispatcher_type",
+)  # fmt: skip
+# Nodes whose entries are free-form keyword arguments (a `+key=value` below them is not a misspelling).
+_OPEN_NODES = (
+    f"{_MEGATRON}override_transformer_config", f"{_MEGATRON}override_ddp_config", f"{_MEGATRON}override_mcore_model_config",
+    f"{_ACTOR}.optim.override_optimizer_config", f"{_CHECKPOINT}mbridge_config", "reward_model.reward_kwargs",
+    f"{_ROLLOUT}engine_kwargs", "ray_kwargs.ray_init", "data.apply_chat_template_kwargs", "actor_rollout_ref.model.override_config",
+)  # fmt: skip
+# Keys upstream's rollout has and this YAML does not list, accepted with `+` (the run script adds some).
+_EXTRA_ENGINE_KEYS = ("moe_tensor_parallel_size", "quantization", "quantization_config_file", "cudagraph_capture_sizes", "layered_summon")
+
+
+def _inert_rules(config: Any) -> list[tuple[str, str]]:
+    """(key, why) of every key that has no effect in this config; a key set away from its default is listed at start."""
+    rules = [(f"{_ROLLOUT}{key}", _ENGINE_WHY) for key in (
+        "mode", "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size",
+        "gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "max_num_seqs", "enable_chunked_prefill",
+        "enable_prefix_caching", "enforce_eager", "free_cache_engine", "load_format", "dtype", "engine_kwargs",
+        "checkpoint_engine", *_EXTRA_ENGINE_KEYS)]  # fmt: skip
+    rules += [
+        (f"{_ROLLOUT}calculate_log_probs", "the hf rollout always returns its log-probs (logged as rollout/log_prob_diff_*)"),
+        ("actor_rollout_ref.hybrid_engine", "the actor and the rollout always share the ranks here"),
+        ("actor_rollout_ref.model.enable_gradient_checkpointing", "activation memory only; the actor does not recompute here"),
+        ("actor_rollout_ref.model.enable_activation_offload", "activation memory only; not implemented here"),
+        ("actor_rollout_ref.model.use_fused_kernels", "fused loss kernels change speed only; the actor computes log-probs from vocab-parallel logits"),
+        ("actor_rollout_ref.model.use_liger", "Liger kernels are for the FSDP backend"),
+        ("actor_rollout_ref.model.use_remove_padding", "no sequence packing here: a run's prompts are left-padded to one length (docs/trainer.md)"),
+        ("actor_rollout_ref.model.trust_remote_code", "only built-in transformers families are supported (docs/models.md)"),
+        (f"{_ACTOR}.use_torch_compile", "no torch.compile on this path"),
+        ("algorithm.gamma", "GAE's discount; GRPO's advantages do not read it"),
+        ("algorithm.lam", "GAE's lambda; GRPO's advantages do not read it"),
+        ("trainer.balance_batch", "balancing reorders sequences by length across data-parallel ranks; here every sequence has one length"),
+        ("trainer.critic_warmup", "GRPO has no critic"),
+        ("data.return_raw_input_ids", "the trainer tokenizes prompts itself"),
+        ("data.return_raw_chat", "the trainer tokenizes prompts itself"),
+        ("data.return_full_prompt", "the trainer tokenizes prompts itself"),
+        ("data.dataloader_num_workers", "prompts are tokenized once on the driver"),
+        ("data.filter_overlong_prompts_workers", "prompts are tokenized once on the driver"),
+        ("data.validation_shuffle", "validation scores every prompt; the order changes nothing"),
+        ("ray_kwargs.timeline_json_file", "no Ray timeline is written"),
+        (f"{_MEGATRON}override_transformer_config", _TRANSFORMER_WHY),
+    ]
+    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
+    if not (actor.use_kl_loss or algorithm.use_kl_in_reward):
+        rules.append(("actor_rollout_ref.ref", _NO_REF_WHY))
+    if not actor.use_kl_loss:
+        rules += [(f"{_ACTOR}.{key}", "actor.use_kl_loss is off") for key in ("kl_loss_coef", "kl_loss_type")]
+    if not algorithm.use_kl_in_reward:
+        rules += [(f"algorithm.{key}", "algorithm.use_kl_in_reward is off") for key in ("kl_penalty", "kl_ctrl")]
+    if config.reward_model.reward_manager in (None, "naive"):
+        rules.append(("reward_model.reward_kwargs", "read only by other reward managers (dapo, prime, ...); the naive manager calls default_compute_score"))
+    return rules
+
+
+def _raw_yaml() -> dict:
+    raw = OmegaConf.to_container(OmegaConf.load(_YAML), resolve=False)
+    return {key: value for key, value in raw.items() if key not in ("defaults", "hydra")}
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        out: dict[str, Any] = {}
+        for name, value in node.items():
+            out.update(_leaves(value, f"{prefix}.{name}" if prefix else str(name)))
+        return out
+    return {prefix: node}
+
+
+def ignored_settings(config: Any) -> list[str]:
+    """One line per key that has no effect here and is set to anything but its default: ``key=value: why``.
+
+    A default written as an interpolation (the ``ref`` node follows the actor's) is compared as it resolves in
+    this config, so ``ref.megatron.tensor_model_parallel_size`` set equal to the actor's is not listed.
+    """
+    current = _leaves(OmegaConf.to_container(config, resolve=True))
+    defaults_raw = _leaves(_raw_yaml())
+    probe = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
+    interpolated = [key for key, value in defaults_raw.items() if isinstance(value, str) and value.startswith("${")]
+    for key in interpolated:
+        OmegaConf.update(probe, key, defaults_raw[key], force_add=True)
+    resolved_defaults = {**defaults_raw, **{key: OmegaConf.select(probe, key) for key in interpolated}}
+    lines, seen = [], set()
+    for prefix, why in _inert_rules(config):
+        for key in sorted(k for k in current if k == prefix or k.startswith(prefix + ".")):
+            value, default = current[key], resolved_defaults.get(key)
+            if key in seen or value == default or (value in ({}, None) and key not in resolved_defaults):
+                continue
+            seen.add(key)
+            lines.append(f"{key}={value!r}: {why}")
+    return lines
+
+
+def _check_upstream_keys(config: Any) -> list[str]:
+    """Upstream keys whose value would change what is trained and is not implemented here, and `+key`s that are no key."""
+    actor, rollout, megatron = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor.megatron
+    model, algorithm, reward = config.actor_rollout_ref.model, config.algorithm, config.reward_model
+    problems = []
+    engine = config.get("model_engine", "megatron")
+    if engine != "megatron":
+        problems.append(f"model_engine={engine}: only the Megatron backend trains here; set model_engine=megatron")
+    if megatron.virtual_pipeline_model_parallel_size is not None:
+        problems.append(f"{_MEGATRON}virtual_pipeline_model_parallel_size={megatron.virtual_pipeline_model_parallel_size}: the actor builds one model chunk per pipeline stage (no interleaved schedule here); set it to null")
+    if megatron.dist_checkpointing_path is not None:
+        problems.append(f"{_MEGATRON}dist_checkpointing_path={megatron.dist_checkpointing_path}: initial weights are read from the HF actor_rollout_ref.model.path only; set it to null")
+    for node in ("override_ddp_config", "override_mcore_model_config"):
+        if megatron[node]:
+            problems.append(f"{_MEGATRON}{node}={OmegaConf.to_container(megatron[node])}: not applied here, and it would change the update or the model; remove it")
+    for name, value in (megatron.override_transformer_config or {}).items():
+        if name not in PERF_ONLY_TRANSFORMER_FIELDS and value is not None:
+            problems.append(f"{_MEGATRON}override_transformer_config.{name}={value}: only memory / speed fields {list(PERF_ONLY_TRANSFORMER_FIELDS[:4])}... are accepted (and ignored) here; a model field is read from the HF config; remove it")
+    if model.override_config:
+        problems.append(f"actor_rollout_ref.model.override_config={OmegaConf.to_container(model.override_config)}: the model is built from its config.json as is; edit a copy of the model's config.json instead")
+    if int(model.lora_rank or 0) > 0:
+        problems.append(f"actor_rollout_ref.model.lora_rank={model.lora_rank}: LoRA is not supported here; set it to 0")
+    if model.external_lib is not None:
+        problems.append(f"actor_rollout_ref.model.external_lib={model.external_lib}: external model code is not imported here; set it to null")
+    for key, value in ((f"{_ACTOR}.ppo_micro_batch_size", actor.ppo_micro_batch_size), (f"{_ROLLOUT}log_prob_micro_batch_size", rollout.log_prob_micro_batch_size)):
+        if value is not None:
+            problems.append(f"{key}={value}: upstream's deprecated global form; set its *_per_gpu key instead")
+    if actor.shuffle:
+        problems.append(f"{_ACTOR}.shuffle=True: mini-batches are taken in rollout order here; set it to False")
+    if actor.loss_scale_factor is not None:
+        problems.append(f"{_ACTOR}.loss_scale_factor={actor.loss_scale_factor}: the loss is a token mean over the mini-batch here; set it to null")
+    if actor.policy_loss.loss_mode != "vanilla":
+        problems.append(f"{_ACTOR}.policy_loss.loss_mode={actor.policy_loss.loss_mode}: only vanilla (PPO-clip) is implemented; set it to vanilla")
+    for key in ("top_k", "val_kwargs.top_k"):
+        if OmegaConf.select(rollout, key) not in (-1, 0, None):
+            problems.append(f"{_ROLLOUT}{key}={OmegaConf.select(rollout, key)}: the hf rollout samples from the full distribution (top-p only); set it to -1")
+    if rollout.ignore_eos:
+        problems.append(f"{_ROLLOUT}ignore_eos=True: the hf rollout stops at EOS; set it to False")
+    if not _positive_int(rollout.val_kwargs.n):
+        problems.append(f"{_ROLLOUT}val_kwargs.n={rollout.val_kwargs.n} must be an integer >= 1")
+    if algorithm.use_pf_ppo:
+        problems.append("algorithm.use_pf_ppo=True: preference-feedback reweighting is not implemented; set it to False")
+    if reward.enable:
+        problems.append("reward_model.enable=True: a model-based reward is not available here (rule-based rewards only); set it to False")
+    if reward.reward_manager not in (None, "naive"):
+        problems.append(f"reward_model.reward_manager={reward.reward_manager}: only the naive manager (default_compute_score per response) is implemented; set reward_model.reward_manager=naive")
+    custom = config.custom_reward_function
+    if custom.path is not None and not os.path.isfile(os.path.expanduser(str(custom.path))):
+        problems.append(f"custom_reward_function.path={custom.path} does not exist")
+    problems += _check_ray_kwargs(config)
+    return problems + _unknown_keys(config)
+
+
+def _check_ray_kwargs(config: Any) -> list[str]:
+    ray_init = config.ray_kwargs.ray_init
+    python = (ray_init.get("runtime_env") or {}).get("py_executable")
+    if python and shutil.which(str(python).split()[0]) is None:
+        return [f"ray_kwargs.ray_init.runtime_env.py_executable={python}: {str(python).split()[0]!r} is not on PATH on this host; set it to null (this interpreter)"]
+    return []
+
+
+def _unknown_keys(config: Any) -> list[str]:
+    """Keys added with Hydra's `+` that this config does not have (outside the free-form nodes): a misspelling
+    that `+` let through would otherwise be ignored without a word."""
+    known = set(_leaves(_raw_yaml())) | {"model_engine"}
+    extra_engine = tuple(f"{_ROLLOUT}{key}" for key in _EXTRA_ENGINE_KEYS)
+    problems = []
+    for key in _leaves(OmegaConf.to_container(config, resolve=False)):
+        if key.split(".", 1)[0] in ("defaults", "hydra"):  # a config loaded from the YAML file without Hydra
+            continue
+        if key in known or any(key == node or key.startswith(node + ".") for node in (*_OPEN_NODES, *extra_engine)):
+            continue
+        if any(k.startswith(key + ".") for k in known):  # a node emptied by an override
+            continue
+        problems.append(f"{key} is not a key of this trainer's config (added with +?); remove it or check its spelling")
+    return problems

@@ -165,6 +165,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         from verl.models.mcore.parallel_hf_save import gather_hf_weights
 
         self._check_built()
+        sampling = prompts.get("sampling") if prompts else None
         start = time.monotonic()
         with self._resident(optimizer=False):
             weights = gather_hf_weights(self.actor.bridge, self.actor.model, receivers=self._rollout_ranks)
@@ -176,22 +177,77 @@ class ActorRolloutRefWorker(MegatronWorker):
         if self.rollout is None:
             return None
         start = time.monotonic()
-        output = self.rollout.generate_sequences(prompts["input_ids"], seed=int(prompts["seed"]))
+        with self._sampling(sampling):
+            output = self.rollout.generate_sequences(prompts["input_ids"], seed=int(prompts["seed"]))
         output["timing"] = {"weight_sync": sync_seconds, "generate": time.monotonic() - start}
         return output
 
+    @contextlib.contextmanager
+    def _sampling(self, sampling: dict | None):
+        """The rollout samples with ``sampling`` (do_sample / temperature / top_p: the validation's
+        ``val_kwargs``) for the duration, then with the training settings again."""
+        import dataclasses
+
+        if not sampling or self.rollout is None:
+            yield
+            return
+        kept = self.rollout.settings
+        do_sample = bool(sampling["do_sample"])
+        # Greedy decoding reads no temperature; the rollout's log-probs still divide by one, so keep it finite.
+        temperature = float(sampling["temperature"]) if do_sample else 1.0
+        self.rollout.settings = dataclasses.replace(kept, do_sample=do_sample, temperature=temperature, top_p=float(sampling["top_p"]))
+        try:
+            yield
+        finally:
+            self.rollout.settings = kept
+
+    def _micro_batch_size(self, rows: int, seq_len: int, dynamic: bool, max_token_len: int, fixed: int) -> int:
+        """Rows per micro batch: with dynamic batch size (upstream's ``use_dynamic_bsz``) the most that fit
+        ``max_token_len`` tokens and divide ``rows`` (every sequence here has one length, so a token budget
+        is a row count; megatron's pipeline needs equal micro batches); otherwise ``fixed``."""
+        if not dynamic:
+            return fixed
+        fit = max(1, min(rows, int(max_token_len) // max(seq_len, 1)))
+        return next(size for size in range(fit, 0, -1) if rows % size == 0)
+
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
     def compute_log_prob(self, batch: dict) -> dict:
-        """Log-probabilities of the responses in ``batch["input_ids"]`` (prompt + response) under the current weights."""
+        """Log-probabilities of the responses in ``batch["input_ids"]`` (prompt + response) under the current weights.
+
+        Micro batches follow ``rollout.log_prob_*`` (upstream's keys for this pass): dynamic by token budget,
+        or ``log_prob_micro_batch_size_per_gpu``, else ``actor.ppo_micro_batch_size_per_gpu``.
+        """
         self._check_built()
+        rollout, actor = self.config["rollout"], self.config["actor"]
+        rows, seq_len = batch["input_ids"].shape
+        fixed = rollout.get("log_prob_micro_batch_size_per_gpu") or actor["ppo_micro_batch_size_per_gpu"]
+        size = self._micro_batch_size(
+            rows, seq_len, bool(rollout.get("log_prob_use_dynamic_bsz", False)),
+            int(rollout.get("log_prob_max_token_len_per_gpu") or 0), int(fixed),
+        )  # fmt: skip
+        settings = self.ppo_actor.settings
         with self._resident(optimizer=False):
-            log_probs = self.ppo_actor.compute_log_prob(batch["input_ids"])
+            kept, settings.micro_batch_size = settings.micro_batch_size, size
+            try:
+                log_probs = self.ppo_actor.compute_log_prob(batch["input_ids"])
+            finally:
+                settings.micro_batch_size = kept
         return {"old_log_probs": log_probs}
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
     def update_actor(self, batch: dict) -> dict:
-        """PPO-clip update on this data-parallel rank's rows (``input_ids``, ``response_mask``, ``old_log_probs``, ``advantages``)."""
+        """PPO-clip update on this data-parallel rank's rows (``input_ids``, ``response_mask``, ``old_log_probs``, ``advantages``).
+
+        With ``actor.use_dynamic_bsz`` the micro batches hold up to ``ppo_max_token_len_per_gpu`` tokens; the loss
+        is a token mean over the whole mini-batch either way, so only memory and speed change.
+        """
         self._check_built()
+        actor, settings = self.config["actor"], self.ppo_actor.settings
+        settings.micro_batch_size = self._micro_batch_size(
+            settings.mini_batch_rows or batch["input_ids"].shape[0], batch["input_ids"].shape[1],
+            bool(actor.get("use_dynamic_bsz", False)), int(actor.get("ppo_max_token_len_per_gpu") or 0),
+            int(actor["ppo_micro_batch_size_per_gpu"]),
+        )  # fmt: skip
         start = time.monotonic()
         with self._resident(optimizer=True):
             metrics = self.ppo_actor.update_policy(batch)

@@ -2,8 +2,9 @@
 
 One step (``RayPPOTrainer.fit``):
 
-1. the next ``data.train_batch_size`` prompts of the synthetic task (``verl.utils.dataset.arithmetic``),
-   each repeated ``rollout.n`` times;
+1. the next ``data.train_batch_size`` prompts of ``data.train_files`` (parquet in upstream's RLHFDataset format;
+   the embedded task is written as such a file first: ``verl.trainer.data_plan``), left-padded to the run's one
+   prompt length, each repeated ``rollout.n`` times;
 2. ``generate_sequences`` on the ranks: the actor's current weights go to an HF model in memory
    (``verl.models.mcore.parallel_hf_save.gather_hf_weights``), which samples the responses; the sampling seed is a function of
    ``data.seed``, the step and the data-parallel rank, so a resumed run samples what an uninterrupted one would;
@@ -17,6 +18,10 @@ One step (``RayPPOTrainer.fit``):
    With ``checkpoint.async_save`` training goes on while the ranks write the dist checkpoint; after every
    step the driver asks whether the write is durable and then commits and tracks the step (at the latest
    before the next save and at the end of the run).
+
+With ``data.val_files`` the run validates before the first step (``trainer.val_before_train``), every
+``trainer.test_freq`` steps and at the last one: every validation prompt sampled ``val_kwargs.n`` times with
+``rollout.val_kwargs``, scored by the same reward, logged as upstream names it (``val-core/<data_source>/reward/mean@<n>``).
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from omegaconf import OmegaConf
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
-from verl.utils.dataset.arithmetic import PromptSampler, make_arithmetic_dataset
+from verl.utils.dataset.arithmetic import PromptSampler
+from verl.utils.dataset.rl_dataset import left_pad
 from verl.utils.fs import atomic_write_text, local_mkdir_safe
 from verl.utils.reward_score import default_compute_score
 from verl.workers.config import MegatronActorConfigs, build_megatron_actor_configs
@@ -59,17 +65,22 @@ class RayPPOTrainer:
         device: str,
         resume: tuple[int, str] | None,
         actor_configs: MegatronActorConfigs | None = None,
+        data: Any = None,
+        tokenizer: Any = None,
     ) -> None:
         """``actor_configs``: the actor's typed checkpoint / optim configs (main_ppo builds them once while
-        validating); built here from ``config`` when not given."""
-        from transformers import AutoTokenizer
+        validating); ``data``: the run's prompts (``verl.trainer.data_plan.RunData``). Both are built here from
+        ``config`` when not given."""
+        from verl.trainer.data_plan import load_run_data, load_tokenizer
 
         self.config = config
         self.model_path = model_path
         self.device = device
         self.resume = resume
         self.default_local_dir = os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))
-        self.total_training_steps = int(config.trainer.total_training_steps)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config, model_path)
+        self.data = data if data is not None else load_run_data(config, self.tokenizer)
+        self.total_training_steps = self.data.total_training_steps
         self.actor_configs = actor_configs or build_megatron_actor_configs(
             config.actor_rollout_ref.actor, total_training_steps=self.total_training_steps
         )
@@ -82,12 +93,11 @@ class RayPPOTrainer:
         self.saved: list[dict] = []
         self._pending: dict | None = None  # an async save not yet committed
         self.history: list[dict] = []
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        data = config.data
         self.sampler = PromptSampler(
-            make_arithmetic_dataset(int(data.seed), max_operand=int(data.max_operand), task=str(data.task)), int(data.train_batch_size), int(data.seed)
+            self.data.train.rows, int(config.data.train_batch_size), int(config.data.seed), shuffle=bool(config.data.shuffle)
         )
         self.n = int(config.actor_rollout_ref.rollout.n)
+        self.compute_score = load_reward_function(config)
 
     # ------------------------------------------------------------------ workers
 
@@ -131,6 +141,13 @@ class RayPPOTrainer:
         from tqdm import tqdm
 
         self.global_steps = self._load_checkpoint()
+        trainer = self.config.trainer
+        if self.data.val is not None and (trainer.val_before_train or trainer.val_only):
+            val_metrics = self._validate()
+            self._log_metrics({"step": self.global_steps, **val_metrics}, history=False)
+            self._print(_val_line(self.global_steps, val_metrics))
+            if trainer.val_only:
+                return
         if self.global_steps >= self.total_training_steps:  # main_ppo stops before starting ranks; kept for other callers
             self._print(f"[trainer] step {self.global_steps} >= trainer.total_training_steps={self.total_training_steps}: nothing to train")
             return
@@ -146,6 +163,14 @@ class RayPPOTrainer:
                 committed = self._finalize_pending(bar, blocking=False)
                 if committed:
                     metrics["checkpoint_committed"] = committed
+                test_freq = int(trainer.test_freq)
+                if self.data.val is not None and test_freq > 0 and (step >= self.total_training_steps or step % test_freq == 0):
+                    start = time.monotonic()
+                    val_metrics = self._validate()
+                    metrics.update(val_metrics)
+                    metrics["timing_s/testing"] = round(time.monotonic() - start, 3)
+                    if "console" in self.loggers:
+                        bar.write(_val_line(step, val_metrics))
                 if self.save_freq > 0 and (step >= self.total_training_steps or step % self.save_freq == 0):
                     start = time.monotonic()
                     metrics["checkpoint"] = self._save_checkpoint(bar)
@@ -193,12 +218,56 @@ class RayPPOTrainer:
     def _per_dp_rank(self, method: str, batch: dict[str, torch.Tensor], key: str) -> torch.Tensor:
         return torch.cat([out[key] for out in getattr(self.actor_rollout_wg, method)(self._split(batch))])
 
-    def _generate(self, input_ids: torch.Tensor, step: int, timing: dict) -> dict[str, torch.Tensor]:
-        seed = int(self.config.data.seed)
-        shards = [{**part, "seed": sampling_seed(seed, step, dp)} for dp, part in enumerate(self._split({"input_ids": input_ids}))]
+    def _generate(self, input_ids: torch.Tensor, step: int, timing: dict, sampling: dict | None = None, seed_offset: int = 0) -> dict[str, torch.Tensor]:
+        seed = int(self.config.data.seed) + seed_offset
+        shards = [
+            {**part, "seed": sampling_seed(seed, step, dp), **({"sampling": sampling} if sampling else {})}
+            for dp, part in enumerate(self._split({"input_ids": input_ids}))
+        ]
         generated = self.actor_rollout_wg.generate_sequences(shards)
         timing["weight_sync"] = max(g["timing"]["weight_sync"] for g in generated)
         return {key: torch.cat([g[key] for g in generated]) for key in ("responses", "response_mask", "rollout_log_probs")}
+
+    def _validate(self) -> dict:
+        """Every validation prompt, ``val_kwargs.n`` responses each, scored by the training reward.
+
+        Metrics as upstream names them: ``val-core/<data_source>/reward/mean@<n>`` (per prompt the mean over its
+        n responses, then the mean over prompts) and, for n > 1, ``val-aux/<data_source>/reward/std@<n>``.
+        Batches of ``data.val_batch_size`` prompts (null: all), padded to a multiple of the data-parallel size
+        by repeating the last sequence (its extra responses are not scored).
+        """
+        val_kwargs = self.config.actor_rollout_ref.rollout.val_kwargs
+        n = int(val_kwargs.n)
+        sampling = {"do_sample": bool(val_kwargs.do_sample), "temperature": float(val_kwargs.temperature), "top_p": float(val_kwargs.top_p)}
+        rows_all = self.data.val.rows
+        per_batch = int(self.config.data.val_batch_size or len(rows_all))
+        dp = self.actor_rollout_wg.dp_size
+        scores: dict[str, list[list[float]]] = {}
+        samples: list[tuple[str, str, float]] = []
+        for start in range(0, len(rows_all), per_batch):
+            rows = rows_all[start : start + per_batch]
+            input_ids = self._encode_prompts(rows).repeat_interleave(n, dim=0)
+            extra = (-input_ids.shape[0]) % dp
+            if extra:
+                input_ids = torch.cat([input_ids, input_ids[-1:].expand(extra, -1)])
+            out = self._generate(input_ids, self.global_steps, {}, sampling=sampling, seed_offset=7919)
+            for i, row in enumerate(rows):
+                group = []
+                for j in range(n):
+                    ids, mask = out["responses"][i * n + j].tolist(), out["response_mask"][i * n + j].tolist()
+                    text = response_text(self.tokenizer, [t for t, m in zip(ids, mask, strict=True) if m])
+                    group.append(self._score_one(row, text))
+                    if len(samples) < int(self.config.trainer.log_val_generations):
+                        samples.append((self.tokenizer.decode(row["input_ids"]), text, group[-1]))
+                scores.setdefault(row["data_source"], []).append(group)
+        for prompt, text, score in samples:
+            self._print(f"[trainer] val sample: {prompt!r} -> {text!r} score {score}")
+        metrics = {}
+        for source, groups in sorted(scores.items()):
+            metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean([np.mean(g) for g in groups]))
+            if n > 1:
+                metrics[f"val-aux/{source}/reward/std@{n}"] = float(np.mean([np.std(g) for g in groups]))
+        return metrics
 
     def _advantages(self, scores: torch.Tensor, response_mask: torch.Tensor, group_index: np.ndarray) -> torch.Tensor:
         """The score on each response's last token, then GRPO's group normalisation."""
@@ -237,17 +306,18 @@ class RayPPOTrainer:
         }
 
     def _encode_prompts(self, rows: list[dict]) -> torch.Tensor:
-        encoded = [self.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] for row in rows]
-        if len({len(ids) for ids in encoded}) != 1:
-            raise ValueError(f"prompts encode to different lengths {sorted({len(i) for i in encoded})}; the ranks do not pad prompts")
-        return torch.tensor(encoded, dtype=torch.long)
+        """The rows' tokenized prompts, left-padded to the run's one prompt length. The pad tokens are ordinary
+        input to both the rollout and Megatron (neither masks them), so the two compute the same log-probs."""
+        return left_pad(rows, self.data.prompt_length, self.tokenizer.pad_token_id)
+
+    def _score_one(self, row: dict, text: str) -> float:
+        return float(self.compute_score(row["data_source"], text, row["ground_truth"], row["extra_info"]))
 
     def _score(self, rows: list[dict], responses: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         scores = []
         for i, (ids, mask) in enumerate(zip(responses.tolist(), response_mask.tolist(), strict=True)):
-            row = rows[i // self.n]
             text = response_text(self.tokenizer, [t for t, m in zip(ids, mask, strict=True) if m])
-            scores.append(default_compute_score(row["data_source"], text, row["ground_truth"]))
+            scores.append(self._score_one(rows[i // self.n], text))
         return torch.tensor(scores, dtype=torch.float32)
 
     # ------------------------------------------------------------------ checkpoints
@@ -340,8 +410,9 @@ class RayPPOTrainer:
         if "console" in self.loggers:
             print(message, flush=True)
 
-    def _log_metrics(self, metrics: dict) -> None:
-        self.history.append(metrics)
+    def _log_metrics(self, metrics: dict, history: bool = True) -> None:
+        if history:
+            self.history.append(metrics)
         if "file" not in self.loggers:
             return
         local_mkdir_safe(self.default_local_dir)
@@ -367,6 +438,28 @@ class RayPPOTrainer:
             )  # fmt: skip
             lines.append(f"[trainer]   metrics: {self.metrics_path}\n[trainer]   reward curve: {png}")
         print("\n".join(lines), flush=True)
+
+
+def load_reward_function(config: Any):
+    """``custom_reward_function.path`` / ``name`` (upstream's keys) when set, else ``default_compute_score``;
+    either is called as ``fn(data_source, solution_str, ground_truth, extra_info)``."""
+    custom = config.custom_reward_function
+    if not custom.path:
+        return default_compute_score
+    import importlib.util
+
+    path = os.path.abspath(os.path.expanduser(str(custom.path)))
+    spec = importlib.util.spec_from_file_location("custom_reward_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    name = str(custom.name or "compute_score")
+    if not hasattr(module, name):
+        raise AttributeError(f"custom_reward_function.path={path} has no function {name!r} (custom_reward_function.name)")
+    return getattr(module, name)
+
+
+def _val_line(step: int, metrics: dict) -> str:
+    return f"[trainer] validation at step {step}: " + "  ".join(f"{key} {value:.3f}" for key, value in metrics.items())
 
 
 def response_text(tokenizer, ids: list[int]) -> str:

@@ -44,6 +44,40 @@ def make_arithmetic_dataset(seed: int, size: int | None = None, max_operand: int
     return rows
 
 
+def task_parquet_rows(seed: int, max_operand: int = 2, task: str = "first", split: str = "train") -> list[dict]:
+    """The task as rows of upstream's RLHFDataset format (one user message, ``reward_model.ground_truth``,
+    ``extra_info``), in ``make_arithmetic_dataset``'s order, so a run reading them sees the same prompts."""
+    return [
+        {
+            "data_source": row["data_source"],
+            "prompt": [{"role": "user", "content": row["prompt"]}],
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": row["ground_truth"]},
+            "extra_info": {"split": split, "index": row["index"], "task": task},
+        }
+        for row in make_arithmetic_dataset(seed, max_operand=max_operand, task=task)
+    ]
+
+
+def task_parquet_path(root: str, seed: int, max_operand: int, task: str) -> str:
+    """Where the embedded task's parquet file for these settings lives under ``root``."""
+    import os
+
+    return os.path.join(root, f"arithmetic_{task}_max{max_operand}_seed{seed}.parquet")
+
+
+def write_task_parquet(root: str, seed: int, max_operand: int = 2, task: str = "first") -> str:
+    """Write the task's parquet file under ``root`` (once: an existing file for the same settings is reused)."""
+    import os
+
+    from verl.utils.dataset.rl_dataset import write_rlhf_parquet
+
+    path = task_parquet_path(root, seed, max_operand, task)
+    if not os.path.isfile(path):
+        write_rlhf_parquet(task_parquet_rows(seed, max_operand, task), path)
+    return path
+
+
 def prompt_length(rows: list[dict]) -> int:
     """The common prompt length in characters; ValueError if the prompts differ (the ranks do not pad)."""
     lengths = {len(row["prompt"]) for row in rows}
@@ -58,13 +92,13 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 
 
 class PromptSampler:
-    """Endless batches of prompts, reshuffled every epoch from (seed, epoch) alone.
+    """Endless batches of prompts, reshuffled every epoch from (seed, epoch) alone (``shuffle=False``: file order).
 
     Batches may straddle an epoch boundary and are never short. The state is three plain ints (plus the
     seed and dataset size, checked on load), so a checkpoint can restore the exact data position.
     """
 
-    def __init__(self, rows: list[dict], batch_size: int, seed: int) -> None:
+    def __init__(self, rows: list[dict], batch_size: int, seed: int, shuffle: bool = True) -> None:
         if not rows:
             raise ValueError("PromptSampler needs at least one row")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -72,12 +106,15 @@ class PromptSampler:
         self.rows = rows
         self.batch_size = batch_size
         self.seed = seed
+        self.shuffle = shuffle
         self.epoch = 0
         self.position = 0
         self.batches_served = 0
         self._order = self._epoch_order(0)
 
     def _epoch_order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.rows)))
         generator = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
         return torch.randperm(len(self.rows), generator=generator).tolist()
 

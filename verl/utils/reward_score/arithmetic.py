@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+DATA_SOURCE = "arithmetic"
+
 _LEADING_INT = re.compile(r"\s*(-?\d+)")
 
 

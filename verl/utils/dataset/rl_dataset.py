@@ -1,0 +1,199 @@
+"""Prompts from parquet files in upstream verl's RLHFDataset format, tokenized once on the driver.
+
+One row per prompt, with upstream's columns: the chat messages under ``data.prompt_key`` (``[{"role", "content"},
+...]``), ``data_source`` (or ``data.reward_fn_key``: it picks the reward rule), ``reward_model.ground_truth`` and
+an optional ``extra_info`` dict. A user's files and the embedded task (written as such a file first) take the
+same path, so the default run exercises what a user's run does.
+
+Prompt text is the tokenizer's chat template with the generation prompt, as upstream; a tokenizer without a
+template (the embedded character-level one) gets the messages' contents joined by newlines instead of
+transformers' error. Prompts longer than ``data.max_prompt_length`` are dropped (``filter_overlong_prompts``)
+or truncated as upstream's ``truncation`` says (``left`` keeps the end, ``right`` the start, ``middle`` both
+halves; ``error`` refuses the file naming the row).
+
+Only the schema check (``parquet_problems``) runs before the ranks start; it needs pyarrow, not torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+TRUNCATIONS = ("error", "left", "right", "middle")
+
+
+def as_file_list(files: str | Iterable[str] | None) -> list[str]:
+    """``data.train_files`` as a list of expanded paths (Hydra gives a string or a list)."""
+    if files is None:
+        return []
+    items = [files] if isinstance(files, str) else list(files)
+    return [os.path.abspath(os.path.expanduser(str(item))) for item in items]
+
+
+def parquet_problems(files: Sequence[str], key: str, prompt_key: str, reward_fn_key: str) -> list[str]:
+    """One line per file that is missing, unreadable as parquet or lacks a column the trainer reads.
+
+    Reads only each file's schema, so a wrong path or column fails the pre-start check in a moment.
+    """
+    import pyarrow.parquet as pq
+
+    problems = []
+    for path in files:
+        if not os.path.isfile(path):
+            problems.append(f"{key}: {path} does not exist; point {key} at parquet files in RLHFDataset's format")
+            continue
+        try:
+            names = set(pq.read_schema(path).names)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a non-parquet file
+            problems.append(f"{key}: {path} is not a readable parquet file ({type(exc).__name__}: {exc})")
+            continue
+        missing = [column for column in (prompt_key, reward_fn_key, "reward_model") if column not in names]
+        if missing:
+            problems.append(
+                f"{key}: {path} has no column {missing} (it has {sorted(names)}); RLHFDataset's format needs the "
+                f"chat messages under data.prompt_key={prompt_key}, data.reward_fn_key={reward_fn_key} and "
+                "reward_model.ground_truth"
+            )
+    return problems
+
+
+def read_parquet_rows(files: Sequence[str], max_samples: int = -1) -> list[dict]:
+    """Every row of ``files`` in order, as plain dicts; ``max_samples > 0`` keeps the first that many."""
+    import pyarrow.parquet as pq
+
+    rows: list[dict] = []
+    for path in files:
+        rows.extend(pq.read_table(path).to_pylist())
+    return rows[:max_samples] if max_samples and max_samples > 0 else rows
+
+
+def write_rlhf_parquet(rows: Sequence[Mapping[str, Any]], path: str) -> str:
+    """Write ``rows`` (RLHFDataset's columns) to ``path`` atomically: a concurrent reader sees all or nothing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    pq.write_table(pa.Table.from_pylist([dict(row) for row in rows]), tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def prompt_text(tokenizer: Any, messages: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The prompt as the model sees it: the chat template with the generation prompt, or (no template) the
+    messages' contents joined by newlines."""
+    if not isinstance(messages, list) or not all(isinstance(m, Mapping) and "content" in m for m in messages):
+        raise ValueError(f"a prompt must be a list of chat messages {{role, content}}, got {messages!r}")
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=False, **dict(chat_template_kwargs or {})
+        )
+    return "\n".join(str(m["content"]) for m in messages)
+
+
+def truncate(ids: list[int], max_length: int, truncation: str) -> list[int]:
+    """``ids`` cut to ``max_length`` the way upstream's ``truncation`` says (``error`` is the caller's)."""
+    if len(ids) <= max_length:
+        return ids
+    if truncation == "left":
+        return ids[-max_length:]
+    if truncation == "right":
+        return ids[:max_length]
+    if truncation == "middle":
+        head = max_length // 2
+        return ids[:head] + ids[len(ids) - (max_length - head) :]
+    raise ValueError(f"truncation={truncation!r} is not one of {list(TRUNCATIONS)}")
+
+
+class DatasetError(ValueError):
+    """A data file cannot be trained on; the message names the file, the row and the key that fixes it."""
+
+
+class RLHFDataset:
+    """The tokenized prompts of ``files``: each row ``{"input_ids", "data_source", "ground_truth",
+    "extra_info", "index", "raw_prompt"}``.
+
+    ``data`` is the ``data`` config node (``prompt_key``, ``reward_fn_key``, ``max_prompt_length``,
+    ``filter_overlong_prompts``, ``truncation``, ``apply_chat_template_kwargs``). ``filtered`` and
+    ``truncated`` count what the length rules did, for the start-up report.
+    """
+
+    def __init__(self, files: Sequence[str], tokenizer: Any, data: Mapping[str, Any], max_samples: int = -1, key: str = "data.train_files") -> None:
+        self.files = list(files)
+        prompt_key, source_key = str(data["prompt_key"]), str(data["reward_fn_key"])
+        max_length, truncation = int(data["max_prompt_length"]), str(data["truncation"])
+        drop_long = bool(data["filter_overlong_prompts"])
+        template_kwargs = dict(data.get("apply_chat_template_kwargs") or {})
+        self.rows: list[dict] = []
+        self.filtered = 0
+        self.truncated = 0
+        for index, raw in enumerate(read_parquet_rows(self.files, max_samples)):
+            where = f"{key} row {index}"
+            try:
+                text = prompt_text(tokenizer, raw.get(prompt_key), template_kwargs)
+            except ValueError as exc:
+                raise DatasetError(f"{where}: column {prompt_key!r}: {exc}") from None
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if len(ids) > max_length:
+                if drop_long:
+                    self.filtered += 1
+                    continue
+                if truncation == "error":
+                    raise DatasetError(
+                        f"{where}: the prompt is {len(ids)} tokens, over data.max_prompt_length={max_length}; raise it, "
+                        "set data.filter_overlong_prompts=True, or data.truncation=left|right|middle"
+                    )
+                ids = truncate(ids, max_length, truncation)
+                self.truncated += 1
+            reward = raw.get("reward_model") or {}
+            if not isinstance(reward, Mapping) or reward.get("ground_truth") is None:
+                raise DatasetError(f"{where}: reward_model.ground_truth is missing (got reward_model={reward!r})")
+            self.rows.append(
+                {
+                    "input_ids": ids,
+                    "data_source": str(raw.get(source_key)),
+                    "ground_truth": str(reward["ground_truth"]),
+                    "extra_info": raw.get("extra_info") or {},
+                    "index": index,
+                    "raw_prompt": raw.get(prompt_key),
+                }
+            )
+        if not self.rows:
+            raise DatasetError(
+                f"{key}: no prompt left of {self.files} (filter_overlong_prompts dropped {self.filtered} over "
+                f"data.max_prompt_length={max_length})"
+            )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, item: int) -> dict:
+        return self.rows[item]
+
+    @property
+    def longest_prompt(self) -> int:
+        return max(len(row["input_ids"]) for row in self.rows)
+
+
+def padded_prompt_length(longest: int, response_length: int, tp: int) -> int:
+    """The one prompt length of a run: its longest prompt, plus the fewest pad tokens that make prompt +
+    response a multiple of TP (sequence parallelism splits the sequence across TP ranks)."""
+    return longest + (-(longest + response_length)) % max(tp, 1)
+
+
+def left_pad(rows: Sequence[Mapping[str, Any]], length: int, pad_token_id: int):
+    """``[rows, length]`` LongTensor of the rows' ``input_ids``, left-padded with ``pad_token_id``.
+
+    Every prompt of a run has the same length, so a prompt's input never depends on the batch it is drawn in.
+    """
+    import torch
+
+    out = torch.full((len(rows), length), int(pad_token_id), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids = row["input_ids"]
+        if len(ids) > length:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the run's prompt length {length}")
+        if ids:
+            out[i, length - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+    return out
