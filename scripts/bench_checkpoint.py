@@ -64,16 +64,16 @@ TARGETS = {
 # --------------------------------------------------------------------------- model
 
 
-def model_overrides(params: float) -> dict:
-    """HF config overrides for a Qwen3-MoE of about ``params`` parameters."""
+def model_overrides(params: float, experts: int = EXPERTS) -> dict:
+    """HF config overrides for a Qwen3-MoE of about ``params`` parameters with ``experts`` experts per layer."""
     attention = HIDDEN * HEADS * HEAD_DIM * 2 + HIDDEN * KV_HEADS * HEAD_DIM * 2 + 2 * HEAD_DIM
-    per_layer_fixed = attention + 2 * HIDDEN + EXPERTS * HIDDEN
+    per_layer_fixed = attention + 2 * HIDDEN + experts * HIDDEN
     fixed = LAYERS * per_layer_fixed + 2 * VOCAB * HIDDEN + HIDDEN
-    per_unit = LAYERS * EXPERTS * 3 * HIDDEN  # parameters per unit of moe_intermediate_size
+    per_unit = LAYERS * experts * 3 * HIDDEN  # parameters per unit of moe_intermediate_size
     intermediate = max(16, int(round((params - fixed) / per_unit / 16)) * 16)
     return dict(
         num_layers=LAYERS,
-        num_experts=EXPERTS,
+        num_experts=experts,
         hidden_size=HIDDEN,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
@@ -84,10 +84,11 @@ def model_overrides(params: float) -> dict:
     )
 
 
-def make_model(path: str, params: float) -> tuple[str, int]:
+def make_model(path: str, params: float, experts: int = EXPERTS) -> tuple[str, int]:
+    """Write the benchmark's Qwen3-MoE (fp32 HF folder, ~16 source shards) to ``path``; (path, parameter count)."""
     from verl.models.tiny import make_tiny_hf_model, tiny_hf_config
 
-    overrides = model_overrides(params)
+    overrides = model_overrides(params, experts)
     config = tiny_hf_config("moe", **overrides)
     import torch
     from transformers import AutoModelForCausalLM

@@ -79,7 +79,8 @@ def install_cpu_shim() -> None:
 
     This package does the same in ``verl/utils/megatron/cpu_runtime.py`` (see docs/cpu.md for why each
     answer is needed); 0.9.1 cannot import it, so the 0.9.1 side installs this smaller equivalent. It
-    covers what a TP1 run needs (no uneven tensor-parallel collectives).
+    covers training at TP1 (no uneven tensor-parallel collectives); at TP2 / ETP2 it covers building, loading
+    and saving (what ``scripts/bench_vs_verl091.py`` does), not the MoE forward.
     """
     import contextlib
     import functools
@@ -197,7 +198,8 @@ def local_spec_bridge(bridge):
     """Turn an mbridge bridge into one that builds megatron-core's local layer spec (no TransformerEngine).
 
     mbridge knows only the TransformerEngine spec's parameter names; the few local-spec names that
-    differ are translated (this package does the same in ``verl/models/mcore/local_spec.py``). TP = ETP = 1.
+    differ are translated (this package does the same in ``verl/models/mcore/local_spec.py``). Any TP / ETP:
+    every rank reads its parameters' HF tensors and keeps its own tensor-parallel slice (mbridge's split).
     """
     import re
 
@@ -222,7 +224,6 @@ def local_spec_bridge(bridge):
             return {local: te_name(name, offset) for local, name in names.items()}
 
         def load_weights(self, models, weights_path, memory_efficient=False):
-            assert self.mpu.tp_size == 1 and self.mpu.etp_size == 1, "the 0.9.1-side shim loads TP1/ETP1 only"
             self.safetensor_io = self._get_safetensor_io(weights_path)
             for model in models:
                 state = unwrap_model(model).state_dict()
@@ -232,6 +233,12 @@ def local_spec_bridge(bridge):
                     hf_names = self._weight_name_mapping_mcore_to_hf(name)
                     tensors = self.safetensor_io.load_some_hf_weight(hf_names)
                     value = self._weight_to_mcore_format(name, [tensors[n] for n in hf_names])
+                    # experts are split over the expert-TP group, everything else over the TP group
+                    if ".mlp.experts.linear_fc" in name:
+                        size, index = self.mpu.etp_size, self.mpu.etp_rank
+                    else:
+                        size, index = self.mpu.tp_size, self.mpu.tp_rank
+                    value = list(self._weight_split_across_tp(name, value, state[local], size))[index]
                     state[local].copy_(value.to(state[local].dtype))
 
     def te_name(name: str, offset: int) -> str:
@@ -252,7 +259,7 @@ def local_spec_bridge(bridge):
 # --------------------------------------------------------------------------------------------------
 
 
-def setup_rank(side: str, rank: int, world: int, port: int, pp: int, ep: int) -> None:
+def setup_rank(side: str, rank: int, world: int, port: int, pp: int, ep: int, tp: int = 1, etp: int = 1) -> None:
     import torch
 
     if side == "verl091":
@@ -269,7 +276,10 @@ def setup_rank(side: str, rank: int, world: int, port: int, pp: int, ep: int) ->
     from megatron.core import tensor_parallel
 
     mpu.initialize_model_parallel(
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     random.seed(SEED + rank)
@@ -286,7 +296,11 @@ def build_bridge(side: str, hf_config):
 
         bridge = local_spec_bridge(AutoBridge.from_config(hf_config, dtype=torch.float32))
         # 0.9.1 passes override_transformer_config through set_extra_args; these are what the local spec needs.
-        bridge.set_extra_args(moe_grouped_gemm=False, use_cpu_initialization=True, persist_layer_norm=False)
+        # megatron's torch norm (local spec) refuses sequence parallelism, which mbridge turns on at TP > 1; the
+        # saved state does not depend on it (at TP > 1 the shim builds, loads and saves; with EP > 1 it is refused).
+        bridge.set_extra_args(
+            moe_grouped_gemm=False, use_cpu_initialization=True, persist_layer_norm=False, sequence_parallel=False
+        )
         bridge.config.fp16 = bridge.config.bf16 = False
         return bridge
     from verl.models.mcore import make_bridge
@@ -620,12 +634,16 @@ def run_job(rank: int, world: int, port: int, job: dict) -> dict:
     return out
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def spawn_ranks(job: dict, world: int) -> list[dict]:
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(rank, world, port, job, results)) for rank in range(world)]
@@ -651,7 +669,7 @@ def spawn_ranks(job: dict, world: int) -> list[dict]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_side(side: str) -> None:
+def check_side(side: str) -> None:
     from importlib.metadata import version
 
     import verl
@@ -721,7 +739,7 @@ def cmd_make_model(args) -> None:
 
 def cmd_run(args) -> None:
     """Inside one interpreter: run a save and/or load job on the layout's ranks; write a JSON result."""
-    _check_side(args.side)
+    check_side(args.side)
     world, pp, ep = LAYOUTS[args.layout]
     job = {
         "side": args.side,
@@ -748,11 +766,16 @@ def cmd_run(args) -> None:
         json.dump(out, f, indent=1, sort_keys=True)
 
 
-def _sub(python: str, *argv: str) -> None:
+def side_process_kwargs() -> dict:
+    """``subprocess`` keywords for a script run by the other interpreter: outside the repository and without
+    ``PYTHONPATH``, so the 0.9.1 interpreter cannot pick up this package's verl/ by cwd or path."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("PYTHONWARNINGS", "ignore")
-    # Run outside the repository so the 0.9.1 interpreter cannot pick up this package's verl/ by cwd.
-    subprocess.run([python, os.path.abspath(__file__), *argv], check=True, cwd=tempfile.gettempdir(), env=env)
+    return {"cwd": tempfile.gettempdir(), "env": env}
+
+
+def _sub(python: str, *argv: str) -> None:
+    subprocess.run([python, os.path.abspath(__file__), *argv], check=True, **side_process_kwargs())
 
 
 def _summary(comparison: dict) -> str:
@@ -802,12 +825,12 @@ def cmd_fixture(args) -> None:
             print(f"{layout}: 0.9.1 saved {ckpt}; 0.9.1's own load vs its save: {_summary(data['comparison'])}")
             if not data["comparison"]["ok"]:
                 sys.exit(1)
-    print(f"fixture: {out} ({_tree_bytes(out) / 1e6:.2f} MB)")
+    print(f"fixture: {out} ({tree_bytes(out) / 1e6:.2f} MB)")
 
 
 def cmd_ours(args) -> None:
     """This package saves; verl 0.9.1 loads and compares."""
-    _check_side("ours")
+    check_side("ours")
     out = os.path.abspath(args.out)
     with tempfile.TemporaryDirectory() as tmp:
         model = os.path.join(tmp, "tiny_qwen3_moe")
@@ -877,7 +900,7 @@ def cmd_verl091_load(args) -> None:
     sys.exit(0 if comparison["ok"] else 1)
 
 
-def _tree_bytes(path: str) -> int:
+def tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
