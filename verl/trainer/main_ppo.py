@@ -200,7 +200,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
     if plan.resume and plan.resume[0] >= total:
         print(
             f"[main_ppo] {plan.resume[1]} (step {plan.resume[0]}) is already at trainer.total_training_steps={total}: "
-            "nothing to train. It was verified before this message (manifest, contents, HF export). Raise "
+            "nothing to train. It was verified before this message (the manifest, the contents file, HF export). Raise "
             "trainer.total_training_steps to continue, or set trainer.resume_mode=disable to start over.",
             flush=True,
         )

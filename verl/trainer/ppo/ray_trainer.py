@@ -40,9 +40,10 @@ from omegaconf import OmegaConf
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
+from verl.utils.checkpoint.names import STEP_DIR_FORMAT
 from verl.utils.dataset.arithmetic import PromptSampler
 from verl.utils.dataset.rl_dataset import left_pad
-from verl.utils.fs import atomic_write_text, local_mkdir_safe
+from verl.utils.fs import atomic_open, atomic_write_text, local_mkdir_safe
 from verl.utils.reward_score import default_compute_score
 from verl.workers.config import MegatronActorConfigs, build_megatron_actor_configs
 from verl.workers.megatron_workers import ActorRolloutRefWorker
@@ -323,7 +324,7 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _step_dir(self, step: int) -> str:
-        return os.path.join(self.default_local_dir, f"global_step_{step}")
+        return os.path.join(self.default_local_dir, STEP_DIR_FORMAT.format(step))
 
     def _load_checkpoint(self) -> int:
         if self.resume is None:
@@ -375,7 +376,8 @@ class RayPPOTrainer:
         """The step is on disk on every rank: verify it, write its data position, then move the tracker."""
         step, actor_path, results = save["step"], save["path"], save["results"]
         verified = verify_saved_step(actor_path)
-        _atomic_torch_save(save["data"], os.path.join(self._step_dir(step), DATA_STATE_FILENAME))
+        with atomic_open(os.path.join(self._step_dir(step), DATA_STATE_FILENAME), "wb") as handle:
+            torch.save(save["data"], handle)
         # Every rank returned, the step checks out and the data position is on disk: only now does the tracker move.
         atomic_write_text(get_checkpoint_tracker_filename(self.default_local_dir), str(step))
         record = {
@@ -493,18 +495,6 @@ def _step_line(metrics: dict, total: int) -> str:
         f"time {metrics['timing_s/step']:.1f}s (gen {metrics['timing_s/gen']:.1f}, logp {metrics['timing_s/old_log_prob']:.1f}, "
         f"update {metrics['timing_s/update_actor']:.1f})"
     )
-
-
-def _atomic_torch_save(obj: Any, path: str) -> None:
-    from verl.utils.fs import fsync_dir
-
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
 
 
 def verify_saved_step(actor_path: str) -> dict:
