@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 
 from verl.models.mcore.local_spec import (
     get_local_decoder_block_spec,
+    is_expert_te_name,
     local_name_to_te_name,
     transformer_engine_available,
 )
@@ -129,7 +130,7 @@ class _LocalSpecBridgeMixin:
                 self._load_one(state[local], te_name, hf_names[local], hf_weights)
 
     def _shard_group(self, te_name: str):
-        if ".mlp.experts.linear_fc" in te_name:
+        if is_expert_te_name(te_name):
             return self.mpu.etp_group, self.mpu.etp_rank, self.mpu.etp_size
         return self.mpu.tp_group, self.mpu.tp_rank, self.mpu.tp_size
 

@@ -32,6 +32,7 @@ import torch
 from mbridge.core.util import unwrap_model
 from safetensors.torch import save_file
 
+from verl.models.mcore.local_spec import is_expert_te_name
 from verl.utils.checkpoint.names import INDEX_FILENAME
 from verl.utils.internals import mbridge as mbridge_internals
 from verl.utils.rank_comm import RankComm, Transfer
@@ -79,7 +80,7 @@ def _local_shards(bridge, models: list) -> tuple[list[_Shard], dict[tuple[str, i
         extra = {k: state[k] for k in state if "_extra_state" not in k and "expert_bias" in k and k not in params}
         for local_name, tensor in [*params.items(), *extra.items()]:
             te_name = names[local_name]
-            if ".mlp.experts.linear_fc" in te_name:
+            if is_expert_te_name(te_name):
                 index, count, merge = mpu.etp_rank, mpu.etp_size, True
             elif getattr(tensor, "tensor_model_parallel", False):
                 index, count, merge = mpu.tp_rank, mpu.tp_size, True
