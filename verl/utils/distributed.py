@@ -82,13 +82,33 @@ def _rank_entry(rank, world_size, port, fn, args, kwargs, sizes, seed, timeout_s
     try:
         init_rank(rank, world_size, sizes, seed, timeout_s)
         value = fn(*args, **kwargs)
-        results.put((rank, True, value))
+        results.put((rank, True, _by_value(value)))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit, to the parent
         results.put((rank, False, traceback.format_exc()))
         release_child_processes()
         return
     _teardown()
     release_child_processes()
+
+
+def _by_value(value: Any) -> bytes:
+    """A rank's result as bytes: torch's queue would pass tensors as shared-memory handles, which the parent
+    cannot open once the rank has exited (a FileNotFoundError that depends on timing)."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def release_child_processes() -> None:
@@ -211,7 +231,7 @@ def _collect(procs: list, results, timeout_s: float) -> list[Any]:
             break
         try:
             rank, ok, value = results.get(timeout=0.2)
-            (values if ok else failures)[rank] = value
+            (values if ok else failures)[rank] = _from_bytes(value) if ok else value
         except queue.Empty:
             for rank, proc in enumerate(procs):
                 if rank not in values and rank not in failures and proc.exitcode not in (0, None):
