@@ -847,55 +847,26 @@ def cmd_ours(args) -> None:
                 )
             )
             result = os.path.join(root, "verl091_load.json")
-            _sub(
-                args.verl091_python,
-                "_run",
-                "--side",
-                "verl091",
-                "--action",
-                "load",
-                "--layout",
-                layout,
-                "--model",
-                os.path.join(ckpt, "model", "huggingface"),
-                "--ckpt",
-                ckpt,
-                "--expected",
-                expected,
-                "--result",
-                result,
-            )
-            with open(result) as f:
-                comparison = json.load(f)["comparison"]
+            comparison = _verl091_loads(args.verl091_python, layout, ckpt, expected, result)
             print(f"{layout}: ours saved {ckpt}; verl 0.9.1 loaded it: {_summary(comparison)}")
             failed |= not comparison["ok"]
     sys.exit(1 if failed else 0)
+
+
+def _verl091_loads(python: str, layout: str, ckpt: str, expected: str, result: str) -> dict:
+    """verl 0.9.1, in its own interpreter, loads ``ckpt`` and compares with ``expected``; its comparison."""
+    model = os.path.join(ckpt, "model", "huggingface")
+    _sub(python, "_run", "--side", "verl091", "--action", "load", "--layout", layout, "--model", model,
+         "--ckpt", ckpt, "--expected", expected, "--result", result)  # fmt: skip
+    with open(result) as f:
+        return json.load(f)["comparison"]
 
 
 def cmd_verl091_load(args) -> None:
     with open(args.expected) as f:
         layout = json.load(f)["meta"]["layout"]["name"]
     result = args.result or os.path.join(tempfile.gettempdir(), "verl091_load.json")
-    _sub(
-        args.verl091_python,
-        "_run",
-        "--side",
-        "verl091",
-        "--action",
-        "load",
-        "--layout",
-        layout,
-        "--model",
-        os.path.join(os.path.abspath(args.ckpt), "model", "huggingface"),
-        "--ckpt",
-        os.path.abspath(args.ckpt),
-        "--expected",
-        os.path.abspath(args.expected),
-        "--result",
-        result,
-    )
-    with open(result) as f:
-        comparison = json.load(f)["comparison"]
+    comparison = _verl091_loads(args.verl091_python, layout, os.path.abspath(args.ckpt), os.path.abspath(args.expected), result)
     print(f"verl 0.9.1 loaded {args.ckpt}: {_summary(comparison)} (full report: {result})")
     sys.exit(0 if comparison["ok"] else 1)
 
