@@ -501,13 +501,13 @@ def verify_saved_step(actor_path: str) -> dict:
     """Check a saved step from the driver, as a load would (independently of the ranks that wrote it):
     every file the manifest lists with its size, ``ckpt_contents.json``, and an HF export holding every
     tensor the HF config implies. Raises ``CheckpointError`` otherwise."""
-    from verl.utils.checkpoint.integrity import MANIFEST_FILENAME, verify_checkpoint
+    from verl.utils.checkpoint.integrity import MANIFEST_FILENAME, holds_hf_weights, verify_checkpoint
 
     contents = verify_checkpoint(actor_path)
     with open(os.path.join(actor_path, MANIFEST_FILENAME)) as handle:
         files = len(json.load(handle)["files"])
     result = {"files": files, "contents": contents["save_contents"]}
-    if "hf_model" in contents["save_contents"]:
+    if holds_hf_weights(contents):  # 'hf_model', or 'model' kept as HF (use_dist_checkpointing=False)
         from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
         from verl.utils.megatron_utils import get_hf_model_checkpoint_path
 
