@@ -139,10 +139,19 @@ def _stop_line(out: str) -> str:
     return lines[0]
 
 
-def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> float:
-    start = time.monotonic()
-    proc.wait(timeout=timeout_s)
-    return time.monotonic() - start
+def _stop(proc: subprocess.Popen, log: Path, send, expected_code: int) -> tuple[str, str]:
+    """``send()`` the stop signal; the run must exit with ``expected_code`` within 30 s and print one stop line."""
+    try:
+        send()
+        start = time.monotonic()
+        proc.wait(timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        _kill_session(proc)
+    out = log.read_text()
+    assert proc.returncode == expected_code, out[-5000:]
+    assert seconds < 30, f"took {seconds:.0f}s to stop"
+    return out, _stop_line(out)
 
 
 def test_one_writer_and_clean_stops_through_the_cli(tmp_path, env, tiny_moe_path):  # noqa: F811
@@ -160,15 +169,11 @@ def test_one_writer_and_clean_stops_through_the_cli(tmp_path, env, tiny_moe_path
         assert code == 2, out[-3000:]
         assert f"is being written by another run (pid {first.pid} on host {os.uname().nodename}" in out
         assert "Ray instance" not in out and "ranks up" not in out
-
-        os.kill(first.pid, signal.SIGTERM)  # the driver only, as `kill <pid>` or a scheduler does
-        seconds = _wait_exit(first, 60)
-    finally:
+    except BaseException:
         _kill_session(first)
-    out = first_log.read_text()
-    assert first.returncode == 143, out[-5000:]
-    assert seconds < 30, f"took {seconds:.0f}s to stop"
-    last = _stop_line(out)
+        raise
+    # The driver only, as `kill <pid>` or a scheduler does.
+    out, last = _stop(first, first_log, lambda: os.kill(first.pid, signal.SIGTERM), 143)
     committed = int((ckpt / TRACKER).read_text())
     assert last.startswith("[main_ppo] stopped by SIGTERM at step ") and f"step {committed} is committed" in last, last
     assert "Traceback" not in out and "SIGABRT" not in out and "*** " not in out, out[-5000:]
@@ -192,14 +197,11 @@ def test_one_writer_and_clean_stops_through_the_cli(tmp_path, env, tiny_moe_path
     try:
         _wait_for(rf"resumed from {ckpt}/global_step_{committed} \(step {committed}\)", second_log, second)
         _wait_for(rf"\[trainer\] step {committed + 1}/50", second_log, second)
-        os.killpg(second.pid, signal.SIGINT)  # what a terminal sends to the foreground process group
-        seconds = _wait_exit(second, 60)
-    finally:
+    except BaseException:
         _kill_session(second)
-    out = second_log.read_text()
-    assert second.returncode == 130, out[-5000:]
-    assert seconds < 30, f"took {seconds:.0f}s to stop"
-    last = _stop_line(out)
+        raise
+    # What a terminal sends to the foreground process group.
+    out, last = _stop(second, second_log, lambda: os.killpg(second.pid, signal.SIGINT), 130)
     assert last.startswith("[main_ppo] stopped by SIGINT at step ") and "resume with: python -m verl.trainer.main_ppo" in last, last
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-5000:]
     assert [m["step"] for m in _metrics(ckpt)][-1] > committed
