@@ -424,7 +424,9 @@ def _check_kl_loss(config: Any) -> list[str]:
         problems.append(f"{_REF}.megatron.virtual_pipeline_model_parallel_size={ref.megatron.virtual_pipeline_model_parallel_size}: the reference is built as one model chunk per pipeline stage, like the actor; set it to null")
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size"):
         theirs, ours = ref.megatron[key], megatron[key]
-        if key == "expert_tensor_parallel_size":  # null: the tensor-parallel size
+        if key == "expert_tensor_parallel_size":  # null: the tensor-parallel size (both null: the TP check says it)
+            if theirs is None and ours is None:
+                continue
             theirs = ref.megatron.tensor_model_parallel_size if theirs is None else theirs
             ours = megatron.tensor_model_parallel_size if ours is None else ours
         if theirs != ours:
