@@ -131,6 +131,9 @@ class RayPPOTrainer:
         start = time.monotonic()
         built = wg.init_model()
         self._print(f"[trainer] model built on every rank in {time.monotonic() - start:.1f}s ({built[0]['num_params']:,} parameters on rank 0)")
+        if built[0]["ref"]:
+            offload = self.config.actor_rollout_ref.ref.megatron.param_offload
+            self._print(f"[trainer] reference policy built from {self.model_path} on the same ranks (never trained or saved; ref.megatron.param_offload={offload})")
 
     def pending_step(self) -> int | None:
         """The step of an async save not committed yet: a stop now discards it (the tracker keeps the previous one)."""
