@@ -1,5 +1,6 @@
 """The GRPO pieces on Megatron ranks: in-memory weight sync to the HF rollout, logprob agreement, the update."""
 
+import pytest
 import torch
 
 from verl.utils.distributed import run_on_ranks
@@ -105,3 +106,65 @@ def test_policy_loss_is_a_global_token_mean(tiny_dense_path):
         assert abs(single[key] - split[key]) <= 1e-5 * max(1.0, abs(single[key])), key
     assert single["pg_clipfrac"] > 0  # the perturbed old logprobs make some ratios clip
     assert abs(single["grad_norm"] - split["grad_norm"]) <= 1e-5 * single["grad_norm"]
+
+
+def _reference_kl_and_entropy(model_path: str) -> dict:
+    """An actor and its reference from the same HF model; two updates with the KL and entropy terms on."""
+    import dataclasses
+
+    from verl.models.mcore.forward import forward_logits
+    from verl.trainer.ppo.core_algos import kl_penalty
+    from verl.utils.megatron_utils import (
+        is_megatron_module_offloaded,
+        load_megatron_model_to_gpu,
+        offload_megatron_model_to_cpu,
+    )
+    from verl.workers.megatron_rank import MegatronReference
+
+    temperature, rows = 0.9, 8
+    actor, ppo = _build(model_path, temperature=temperature)
+    ppo.settings = dataclasses.replace(ppo.settings, use_kl_loss=True, kl_loss_coef=0.0, kl_loss_type="low_var_kl", entropy_coeff=1.0)
+    ref = MegatronReference(model_path)
+    digest = ref.params_digest()
+    generator = torch.Generator().manual_seed(5)
+    sequences = torch.randint(4, 99, (rows, PROMPT_LEN + RESPONSE_LEN), generator=generator)
+    mask = torch.ones(rows, RESPONSE_LEN, dtype=torch.long)
+    mask[::2, RESPONSE_LEN // 2 :] = 0
+    report: dict = {}
+    old, entropy = ppo.compute_log_prob_and_entropy(sequences)
+    probs = torch.softmax(forward_logits(actor.model, sequences)[:, :-1].double() / temperature, dim=-1)
+    report["entropy_vs_full_vocab"] = (entropy.double() - (-(probs * probs.log()).sum(-1))[:, -RESPONSE_LEN:]).abs().max().item()
+
+    offload_megatron_model_to_cpu(ref.model, offload_grad=False)
+    report["offloaded"] = is_megatron_module_offloaded(ref.model)
+    load_megatron_model_to_gpu(ref.model, load_grad=False)
+    report["reloaded"] = not is_megatron_module_offloaded(ref.model)
+    ref_log_prob = ref.compute_log_prob(sequences, RESPONSE_LEN, temperature, 2)
+    report["ref_equals_initial_actor"] = torch.equal(ref_log_prob, old)
+
+    batch = {"input_ids": sequences, "response_mask": mask, "old_log_probs": old, "advantages": torch.zeros(rows, RESPONSE_LEN), "ref_log_prob": ref_log_prob}
+    report["first"] = ppo.update_policy(batch)  # the entropy bonus alone (kl_loss_coef 0, advantages 0)
+    report["token_mean_entropy"] = ((entropy * mask).sum() / mask.sum()).item()
+    after_old, after_entropy = ppo.compute_log_prob_and_entropy(sequences)
+    report["entropy_after"] = ((after_entropy * mask).sum() / mask.sum()).item()
+    report["kl_after_direct"] = ((kl_penalty(after_old, ref_log_prob, "low_var_kl") * mask).sum() / mask.sum()).item()
+    report["second"] = ppo.update_policy({**batch, "old_log_probs": after_old})
+    report["ref_unchanged"] = ref.params_digest() == digest and torch.equal(ref.compute_log_prob(sequences, RESPONSE_LEN, temperature, 4), ref_log_prob)
+    return report if torch.distributed.get_rank() == 0 else {}
+
+
+def test_reference_policy_kl_loss_and_entropy_bonus(tiny_dense_path):
+    """TP2 on 2 ranks: the entropy computed on vocabulary shards equals the full-vocabulary entropy; the reference
+    (offloaded and reloaded through the offload helpers) gives the initial actor's log-probs bit for bit and
+    stays the initial model while the actor trains; the KL term is 0 before the first update and the KL to the
+    reference after it; the entropy bonus alone raises the entropy."""
+    report = run_on_ranks(_reference_kl_and_entropy, 2, ParallelSizes(tp=2), args=(tiny_dense_path,), timeout_s=300)[0]
+    assert report["entropy_vs_full_vocab"] < 1e-5
+    assert report["offloaded"] and report["reloaded"]
+    assert report["ref_equals_initial_actor"]
+    first, second = report["first"], report["second"]
+    assert first["update_ok"] and abs(first["kl_loss"] / first["tokens"]) < 1e-7
+    assert abs(first["entropy_loss"] / first["tokens"] - report["token_mean_entropy"]) < 1e-5
+    assert report["entropy_after"] > report["token_mean_entropy"]  # entropy_coeff > 0 and nothing else: entropy rises
+    assert second["kl_loss"] / second["tokens"] == pytest.approx(report["kl_after_direct"], rel=1e-5) and report["kl_after_direct"] > 0
+    assert report["ref_unchanged"]

@@ -11,6 +11,8 @@ from verl.trainer.ppo.core_algos import (
     agg_loss,
     compute_grpo_outcome_advantage,
     compute_policy_loss,
+    kl_penalty,
+    kl_penalty_types,
     policy_loss_per_token,
 )
 from verl.utils.dataset.arithmetic import PromptSampler, make_arithmetic_dataset, prompt_length
@@ -163,6 +165,44 @@ def test_policy_loss_dual_clip_and_gradients():
     assert log_prob.grad[0, 0] == 0.0 and log_prob.grad[0, 1] == pytest.approx(-1.0)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         _ratio_case(1.0, 1.0, cliprange_low=0.2, cliprange_high=0.2, clip_ratio_c=1.0)
+
+
+def test_kl_penalty_estimators():
+    """Upstream's estimators of KL(policy || reference) from the sampled tokens' log-probabilities."""
+    logprob = torch.tensor([math.log(0.5), math.log(0.2), math.log(0.9)])
+    ref = torch.tensor([math.log(0.25), math.log(0.4), math.log(0.9)])
+    diff = logprob - ref
+    for name in ("kl", "k1"):
+        torch.testing.assert_close(kl_penalty(logprob, ref, name), diff)
+    torch.testing.assert_close(kl_penalty(logprob, ref, "abs"), diff.abs())
+    for name in ("mse", "k2"):
+        torch.testing.assert_close(kl_penalty(logprob, ref, name), 0.5 * diff**2)
+    ratio = torch.tensor([0.5, 2.0, 1.0])  # ref_prob / prob
+    for name in ("low_var_kl", "k3"):
+        out = kl_penalty(logprob, ref, name)
+        torch.testing.assert_close(out, ratio - ratio.log() - 1)
+        assert (out >= 0).all() and out[2] == 0.0
+    # k3 is clamped as upstream: a log-ratio of 30 counts as 20, and the estimate as at most 10
+    assert kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "k3").item() == 10.0
+    with pytest.raises(ValueError, match="kl_penalty='full' is not implemented"):
+        kl_penalty(logprob, ref, "full")
+
+
+def test_kl_penalty_plus_takes_k2_gradient_and_keeps_the_value():
+    ref = torch.tensor([0.0, -1.0])
+    for name in ("k1", "abs", "low_var_kl", "k3", "k2"):
+        logprob = torch.tensor([-0.5, -0.2], requires_grad=True)
+        out = kl_penalty(logprob, ref, f"{name}+")
+        torch.testing.assert_close(out, kl_penalty(logprob, ref, name))
+        out.sum().backward()
+        torch.testing.assert_close(logprob.grad, (logprob - ref).detach())  # d/dx of (x - ref)^2 / 2
+    assert set(kl_penalty_types()) == {f"{n}{p}" for n in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3") for p in ("", "+")}
+
+
+def test_validation_knows_the_kl_estimators():
+    from verl.trainer.validation import KL_LOSS_TYPES
+
+    assert tuple(sorted(KL_LOSS_TYPES)) == tuple(sorted(kl_penalty_types()))
 
 
 def test_compute_policy_loss_reductions():

@@ -226,6 +226,43 @@ def test_script_is_accepted_except_a_few_refusals_with_one_line_each(concrete, t
     assert "trainer.balance_batch" not in ignored and "data.return_raw_chat" not in ignored
 
 
+def test_script_with_the_kl_loss_on_honours_the_reference_keys(concrete, tiny_moe_path):
+    """The script with actor.use_kl_loss=True (upstream's GRPO examples set it): the KL loss and the reference's
+    keys are honoured; the reference's interleaved pipeline is refused like the actor's, one line."""
+    with_kl = [o for o in concrete if _key(o) != "actor_rollout_ref.actor.use_kl_loss"] + ["actor_rollout_ref.actor.use_kl_loss=True"]
+    problems = check_config(_compose(with_kl), tiny_moe_path)
+    keys = {_key(o) for o in with_kl}
+    refused = {key for key in keys if any(p.startswith((f"{key}=", f"{key} ")) for p in problems)}
+    assert refused == EXPECTED_REFUSED | {"actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size"}, problems
+    assert len(problems) == len(refused), problems
+
+    config = _compose([o for o in with_kl if _key(o) not in refused] + ["trainer.logger=[console]"])
+    assert check_config(config, tiny_moe_path) == []
+    ignored = {line.split("=", 1)[0] for line in ignored_settings(config)}
+    for key in (
+        "actor_rollout_ref.actor.kl_loss_coef", "actor_rollout_ref.actor.kl_loss_type", "actor_rollout_ref.ref.megatron.param_offload",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+    ):  # fmt: skip
+        assert key not in ignored, key
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("actor_rollout_ref.actor.kl_loss_type=full", "actor_rollout_ref.actor.kl_loss_type=full is not implemented here"),
+        ("actor_rollout_ref.actor.kl_loss_coef=-1", "actor_rollout_ref.actor.kl_loss_coef=-1 must be >= 0"),
+        ("actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1", "tensor_model_parallel_size=1 differs from the actor's (2)"),
+        ("actor_rollout_ref.ref.megatron.use_dist_checkpointing=True", "the reference is built from the HF actor_rollout_ref.model.path only"),
+        ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=5", "ref.log_prob_micro_batch_size_per_gpu=5 does not divide the 32 sequences"),
+        ("algorithm.use_kl_in_reward=True", "algorithm.use_kl_in_reward=True: the KL penalty in the reward is not implemented here"),
+    ],
+)
+def test_kl_loss_refusals_name_the_key(tiny_moe_path, tmp_path, override, expected):
+    config = _compose([f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.actor.use_kl_loss=True", override])
+    problems = check_config(config, tiny_moe_path)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
 def test_a_misspelled_key_is_still_refused(tiny_moe_path, tmp_path):
     with pytest.raises(Exception, match="Could not override 'trainer.total_epoch'"):
         _compose(["trainer.total_epoch=3"])

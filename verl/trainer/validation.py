@@ -23,6 +23,7 @@ from verl.workers.config import build_megatron_actor_configs
 _ACTOR = "actor_rollout_ref.actor"
 _MEGATRON = f"{_ACTOR}.megatron."
 _CHECKPOINT = f"{_ACTOR}.checkpoint."
+_REF = "actor_rollout_ref.ref"
 RESUME_MODES = ("auto", "disable", "resume_path")
 LOGGERS = ("console", "file")
 DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -30,6 +31,9 @@ DEVICES = ("auto", "cpu", "cuda", "npu")
 TASK_PROMPT_TOKENS = 4
 TASKS = ("add", "first")  # verl.utils.dataset.arithmetic.TASKS
 DATA_STATE_FILENAME = "data.pt"  # verl.trainer.ppo.ray_trainer.DATA_STATE_FILENAME
+# verl.trainer.ppo.core_algos.kl_penalty_types() (not imported: it pulls in torch): upstream's estimator names
+# and their straight-through "+" forms; upstream's "full" is not implemented (upstream raises for it too).
+KL_LOSS_TYPES = tuple(f"{name}{plus}" for plus in ("", "+") for name in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
 
 
 class ConfigError(ValueError):
@@ -93,16 +97,18 @@ _OPTIONAL_INT_KEYS = (
     f"{_MEGATRON}expert_tensor_parallel_size", "ray_kwargs.ray_init.num_cpus", "trainer.max_actor_ckpt_to_keep",
     "trainer.total_training_steps", "data.val_batch_size", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
     f"{_ACTOR}.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+    f"{_REF}.log_prob_micro_batch_size_per_gpu", f"{_REF}.log_prob_max_token_len_per_gpu",
 )  # fmt: skip
 _FLOAT_KEYS = (
     "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p", f"{_ACTOR}.clip_ratio",
-    f"{_ACTOR}.clip_ratio_c", f"{_ACTOR}.entropy_coeff",
+    f"{_ACTOR}.clip_ratio_c", f"{_ACTOR}.entropy_coeff", f"{_ACTOR}.kl_loss_coef",
 )  # fmt: skip
 _OPTIONAL_FLOAT_KEYS = (f"{_ACTOR}.clip_ratio_low", f"{_ACTOR}.clip_ratio_high")
 _BOOL_KEYS = (
     "algorithm.norm_adv_by_std_in_grpo", "algorithm.use_kl_in_reward", f"{_ACTOR}.use_kl_loss",
     "actor_rollout_ref.rollout.do_sample", "actor_rollout_ref.rollout.val_kwargs.do_sample", f"{_ACTOR}.use_dynamic_bsz",
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "data.filter_overlong_prompts", "data.shuffle",
+    f"{_REF}.log_prob_use_dynamic_bsz", f"{_REF}.megatron.param_offload",
     "trainer.val_before_train", "trainer.val_only", *(f"{_MEGATRON}{k}" for k in (
         "sequence_parallel", "use_distributed_optimizer", "use_dist_checkpointing", "param_offload",
         "grad_offload", "optimizer_offload", "use_mbridge", "vanilla_mbridge")),
@@ -329,6 +335,7 @@ def _check_token_budgets(config: Any) -> list[str]:
     for flag, budget, name in (
         (actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, f"{_ACTOR}.ppo_max_token_len_per_gpu"),
         (rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
+        *_ref_pass(config, lambda ref: (ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu, f"{_REF}.log_prob_max_token_len_per_gpu")),
     ):
         if flag and (budget is None or int(budget) < longest):
             problems.append(f"{name}={budget} is below one sequence (data.max_prompt_length + max_response_length = {longest}); raise it to {longest} or more")
@@ -357,12 +364,19 @@ def _check_batch_split(config: Any) -> list[str]:
     if (sequences // dp) % micro and not actor.use_dynamic_bsz:
         return [f"{sequences // dp} sequences per data-parallel rank and mini-batch (ppo_mini_batch_size={mini} x rollout.n={n} / {dp} ranks) do not split into microbatches of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}; set it to a divisor of {sequences // dp}"]
     rollout = config.actor_rollout_ref.rollout
-    log_micro, rows = rollout.log_prob_micro_batch_size_per_gpu, train * n // dp if (train * n) % dp == 0 else None
+    rows = train * n // dp if (train * n) % dp == 0 else None
     if rows is None:
         return [f"data.train_batch_size={train} x rollout.n={n} sequences do not split into {dp} data-parallel ranks; make it a multiple of {dp}"]
-    if log_micro is not None and not rollout.log_prob_use_dynamic_bsz and (not _positive_int(log_micro) or rows % log_micro):
-        return [f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={log_micro} does not divide the {rows} sequences of a step on each data-parallel rank; set it to a divisor of {rows}"]
+    for node, name in ((rollout, "actor_rollout_ref.rollout"), *_ref_pass(config, lambda ref: (ref, _REF))):
+        log_micro = node.log_prob_micro_batch_size_per_gpu
+        if log_micro is not None and not node.log_prob_use_dynamic_bsz and (not _positive_int(log_micro) or rows % log_micro):
+            return [f"{name}.log_prob_micro_batch_size_per_gpu={log_micro} does not divide the {rows} sequences of a step on each data-parallel rank; set it to a divisor of {rows}"]
     return []
+
+
+def _ref_pass(config: Any, entry: Any) -> list:
+    """``[entry(ref node)]`` when the run builds a reference model (its log-prob pass is checked like the rollout's), else []."""
+    return [entry(config.actor_rollout_ref.ref)] if config.actor_rollout_ref.actor.use_kl_loss else []
 
 
 def _check_grpo(config: Any) -> list[str]:
@@ -370,10 +384,10 @@ def _check_grpo(config: Any) -> list[str]:
     problems = []
     if algorithm.adv_estimator != "grpo":
         problems.append(f"algorithm.adv_estimator={algorithm.adv_estimator}: only grpo is implemented here; set algorithm.adv_estimator=grpo")
-    if algorithm.use_kl_in_reward or actor.use_kl_loss:
-        problems.append("algorithm.use_kl_in_reward / actor_rollout_ref.actor.use_kl_loss: there is no reference model here; set both to False")
-    if float(actor.entropy_coeff) != 0:
-        problems.append(f"actor_rollout_ref.actor.entropy_coeff={actor.entropy_coeff}: the entropy bonus is not implemented; set it to 0")
+    if algorithm.use_kl_in_reward:
+        problems.append("algorithm.use_kl_in_reward=True: the KL penalty in the reward is not implemented here (the KL loss is); set it to False, or use actor_rollout_ref.actor.use_kl_loss=True")
+    if actor.use_kl_loss:
+        problems += _check_kl_loss(config)
     if actor.loss_agg_mode != "token-mean":
         problems.append(f"actor_rollout_ref.actor.loss_agg_mode={actor.loss_agg_mode}: only token-mean is implemented; set actor_rollout_ref.actor.loss_agg_mode=token-mean")
     if rollout.name != "hf":
@@ -393,6 +407,34 @@ def _check_grpo(config: Any) -> list[str]:
         problems.append(f"actor_rollout_ref.actor.clip_ratio (low {low}, high {high}) must be > 0 (low < 1)")
     if not float(actor.clip_ratio_c) > 1:
         problems.append(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1")
+    return problems
+
+
+def _check_kl_loss(config: Any) -> list[str]:
+    """The KL loss's settings, and the reference model's: built on the actor's ranks, in the actor's layout,
+    from the HF model the actor starts from."""
+    actor, ref = config.actor_rollout_ref.actor, config.actor_rollout_ref.ref
+    problems = []
+    if actor.kl_loss_type not in KL_LOSS_TYPES:
+        problems.append(f"{_ACTOR}.kl_loss_type={actor.kl_loss_type} is not implemented here (one of {list(KL_LOSS_TYPES[:7])}, or one of them with '+'); set {_ACTOR}.kl_loss_type=low_var_kl")
+    if float(actor.kl_loss_coef) < 0:
+        problems.append(f"{_ACTOR}.kl_loss_coef={actor.kl_loss_coef} must be >= 0")
+    megatron = actor.megatron
+    if ref.megatron.virtual_pipeline_model_parallel_size is not None:
+        problems.append(f"{_REF}.megatron.virtual_pipeline_model_parallel_size={ref.megatron.virtual_pipeline_model_parallel_size}: the reference is built as one model chunk per pipeline stage, like the actor; set it to null")
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size"):
+        theirs, ours = ref.megatron[key], megatron[key]
+        if key == "expert_tensor_parallel_size":  # null: the tensor-parallel size (both null: the TP check says it)
+            if theirs is None and ours is None:
+                continue
+            theirs = ref.megatron.tensor_model_parallel_size if theirs is None else theirs
+            ours = megatron.tensor_model_parallel_size if ours is None else ours
+        if theirs != ours:
+            problems.append(f"{_REF}.megatron.{key}={ref.megatron[key]} differs from the actor's ({megatron[key]}): the reference runs on the actor's ranks in the actor's layout here; set it to {megatron[key]} (its default follows the actor)")
+    if ref.megatron.use_dist_checkpointing or ref.megatron.dist_checkpointing_path is not None:
+        problems.append(f"{_REF}.megatron.use_dist_checkpointing / dist_checkpointing_path: the reference is built from the HF actor_rollout_ref.model.path only; set use_dist_checkpointing=False and dist_checkpointing_path=null")
+    if ref.log_prob_micro_batch_size is not None:
+        problems.append(f"{_REF}.log_prob_micro_batch_size={ref.log_prob_micro_batch_size}: upstream's deprecated global form; set {_REF}.log_prob_micro_batch_size_per_gpu instead")
     return problems
 
 
@@ -557,7 +599,8 @@ def _check_tracker_is_text(root: str) -> None:
 _YAML = os.path.join(os.path.dirname(__file__), "config", "ppo_megatron_trainer.yaml")
 _ROLLOUT = "actor_rollout_ref.rollout."
 _ENGINE_WHY = "an inference-engine setting (vLLM / SGLang / TensorRT-LLM); the hf rollout (transformers generate on each data-parallel group's output rank) has none"
-_NO_REF_WHY = "no reference model is built: actor.use_kl_loss and algorithm.use_kl_in_reward are off"
+_NO_REF_WHY = "no reference model is built: actor.use_kl_loss is off"
+_REF_BUILD_WHY = "the reference is built like the actor, through mbridge from the HF actor_rollout_ref.model.path (its weights, not a seed)"
 _TRANSFORMER_WHY = "a memory / speed setting of Megatron's TransformerConfig; not applied here (the model is built from its HF config through mbridge) and the model computes the same function without it"
 # override_transformer_config fields that change memory or speed only; any other field would change the model.
 PERF_ONLY_TRANSFORMER_FIELDS = (
@@ -607,8 +650,10 @@ def _inert_rules(config: Any) -> list[tuple[str, str]]:
         (f"{_MEGATRON}override_transformer_config", _TRANSFORMER_WHY),
     ]
     actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
-    if not (actor.use_kl_loss or algorithm.use_kl_in_reward):
+    if not actor.use_kl_loss:
         rules.append(("actor_rollout_ref.ref", _NO_REF_WHY))
+    else:
+        rules += [(f"{_REF}.megatron.{key}", _REF_BUILD_WHY) for key in ("seed", "use_mbridge", "vanilla_mbridge")]
     if not actor.use_kl_loss:
         rules += [(f"{_ACTOR}.{key}", "actor.use_kl_loss is off") for key in ("kl_loss_coef", "kl_loss_type")]
     if not algorithm.use_kl_in_reward:

@@ -1,4 +1,5 @@
-"""One rank's Megatron actor: HF model -> bridge -> DDP model, optimizer, scheduler, checkpoint manager.
+"""One rank's Megatron actor: HF model -> bridge -> DDP model, optimizer, scheduler, checkpoint manager;
+and the reference policy: the same HF model -> bridge -> a frozen model that is never trained or saved.
 
 The Ray worker and the tests both drive a rank through this class; parallel state must already be
 initialised on the rank (``ParallelSizes.initialize_megatron``).
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from verl.models.mcore import load_hf_config, make_bridge
-from verl.models.mcore.forward import forward_logits, train_step
+from verl.models.mcore.forward import compute_log_probs, forward_logits, train_step
 from verl.models.mcore.model import build_megatron_model
 from verl.utils.checkpoint import commit
 from verl.utils.checkpoint.integrity import CheckpointError
@@ -186,3 +187,36 @@ class MegatronActor:
             for index, chunk in enumerate(self.model)
             for name, param in chunk.named_parameters()
         }
+
+
+class MegatronReference:
+    """The reference policy of the KL term: a second Megatron model on the actor's ranks and layout, built
+    from the same HF weights the actor started from (``model_path``), frozen, never trained and never saved
+    (upstream checkpoints no reference). A resumed run rebuilds it from ``model_path``, so it is always the
+    initial model. As upstream's, it is not DDP-wrapped: it only runs forward, and holds no grad buffers."""
+
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32) -> None:
+        self.hf_config = load_hf_config(model_path)
+        self.bridge = make_bridge(self.hf_config, dtype=dtype)
+        self.model = build_megatron_model(self.bridge, wrap_with_ddp=False)
+        self.bridge.load_weights(self.model, model_path)
+        release_free_heap()
+        for chunk in self.model:
+            chunk.requires_grad_(False)
+
+    def compute_log_prob(self, input_ids: torch.Tensor, response_length: int, temperature: float, micro_batch_size: int) -> torch.Tensor:
+        """``[rows, response_length]`` log-probabilities of each row's response under the reference weights."""
+        return compute_log_probs(self.model, input_ids, response_length, temperature, micro_batch_size)
+
+    def params_digest(self) -> str:
+        """SHA-256 of this rank's reference parameters (names and bytes, in order): equal digests, equal weights.
+        The weights must be resident (not offloaded)."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for index, chunk in enumerate(self.model):
+            for name, param in chunk.named_parameters():
+                digest.update(f"{index}.{name}".encode())
+                # a copy: exporting the parameter's own storage to numpy would make it non-resizable (no offload)
+                digest.update(param.detach().to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()

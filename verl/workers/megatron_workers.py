@@ -1,14 +1,16 @@
 """The Megatron actor worker: one rank's model, optimizer + LR scheduler and checkpoint manager.
 
-A ``MegatronRayWorkerGroup`` starts one ``ActorRolloutRefWorker`` per rank (upstream verl's name; only
-the actor role exists here). The constructor joins torch.distributed and megatron parallel state;
-``init_model`` builds a ``MegatronActor`` (HF model -> bridge -> DDP model, optimizer, scheduler,
-``MegatronCheckpointManager``), the PPO actor and the HF rollout; ``generate_sequences``,
-``compute_log_prob``, ``update_actor``, ``save_checkpoint`` and ``load_checkpoint`` are the calls the
-trainer makes on every rank.
+A ``MegatronRayWorkerGroup`` starts one ``ActorRolloutRefWorker`` per rank (upstream verl's name; roles
+``actor`` and, with a KL loss, ``actor_rollout_ref``: the reference policy on the same ranks). The constructor
+joins torch.distributed and megatron parallel state; ``init_model`` builds a ``MegatronActor`` (HF model ->
+bridge -> DDP model, optimizer, scheduler, ``MegatronCheckpointManager``), the PPO actor, the HF rollout and,
+for ``actor_rollout_ref``, a ``MegatronReference`` from the same HF weights; ``generate_sequences``,
+``compute_log_prob``, ``compute_ref_log_prob``, ``update_actor``, ``save_checkpoint`` and ``load_checkpoint``
+are the calls the trainer makes on every rank.
 
 With ``param_offload`` (and ``grad_offload`` / ``optimizer_offload``) the weights live in host copies
-between calls; every call that needs them brings them back first and offloads them again after.
+between calls; every call that needs them brings them back first and offloads them again after. The
+reference follows ``ref.megatron.param_offload`` the same way around ``compute_ref_log_prob``.
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ silence_library_notices()  # before megatron-core / mbridge are imported on this
 class ActorRolloutRefWorker(MegatronWorker):
     """``config`` is the plain-dict ``actor_rollout_ref`` section, with ``model.path`` already resolved."""
 
+    ROLES = ("actor", "actor_rollout_ref")
+
     def __init__(self, config: dict, role: str = "actor") -> None:
         super().__init__()
-        if role != "actor":
-            raise ValueError(f"role={role!r}: this worker implements the actor role only")
+        if role not in self.ROLES:
+            raise ValueError(f"role={role!r}: this worker implements the roles {list(self.ROLES)}")
         self.config = config
         self.role = role
+        self._is_ref = role == "actor_rollout_ref"
+        self._ref_is_offload_param = self._is_ref and bool(config["ref"]["megatron"].get("param_offload", False))
         megatron = config["actor"]["megatron"]
         self.sizes = ParallelSizes(
             tp=int(megatron["tensor_model_parallel_size"]),
@@ -46,6 +52,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         self._is_offload_optimizer = bool(megatron.get("optimizer_offload", False))
         self._init_megatron(self.sizes, seed=int(megatron["seed"]), timeout_s=float(config.get("nccl_timeout", 600)))
         self.actor = None
+        self.ref = None
         self.ppo_actor = None
         self.rollout = None
         self._rollout_ranks: list[int] = []
@@ -57,7 +64,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
         from verl.workers.actor.megatron_actor import MegatronPPOActor
         from verl.workers.config import build_megatron_actor_configs
-        from verl.workers.megatron_rank import ActorSettings, MegatronActor
+        from verl.workers.megatron_rank import ActorSettings, MegatronActor, MegatronReference
 
         actor = self.config["actor"]
         configs = build_megatron_actor_configs(actor)  # the trainer's typed configs, passed through as they are
@@ -76,10 +83,15 @@ class ActorRolloutRefWorker(MegatronWorker):
             offload_megatron_model_to_cpu(self.actor.model, offload_grad=self._is_offload_grad)
         if self._is_offload_optimizer:
             offload_megatron_optimizer(self.actor.optimizer)
+        if self._is_ref:
+            self.ref = MegatronReference(settings.model_path, dtype=settings.dtype)
+            if self._ref_is_offload_param:
+                offload_megatron_model_to_cpu(self.ref.model)
         return {
             "rank": self.rank,
             "seconds": time.monotonic() - start,
             "num_params": sum(p.numel() for chunk in self.actor.model for p in chunk.parameters()),
+            "ref": self.ref is not None,
         }
 
     @contextlib.contextmanager
@@ -150,6 +162,10 @@ class ActorRolloutRefWorker(MegatronWorker):
             clip_ratio_low=clip if low is None else float(low),
             clip_ratio_high=clip if high is None else float(high),
             clip_ratio_c=float(actor["clip_ratio_c"]),
+            use_kl_loss=bool(actor.get("use_kl_loss", False)),
+            kl_loss_coef=float(actor.get("kl_loss_coef", 0.001)),
+            kl_loss_type=str(actor.get("kl_loss_type", "low_var_kl")),
+            entropy_coeff=float(actor.get("entropy_coeff", 0.0)),
         )
 
     # ------------------------------------------------------------------ rollout and train
@@ -212,27 +228,65 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
     def compute_log_prob(self, batch: dict) -> dict:
-        """Log-probabilities of the responses in ``batch["input_ids"]`` (prompt + response) under the current weights.
+        """Log-probabilities of the responses in ``batch["input_ids"]`` (prompt + response) under the current
+        weights, and the entropy at each response position from the same forward (``entropys``, upstream's key).
 
         Micro batches follow ``rollout.log_prob_*`` (upstream's keys for this pass): dynamic by token budget,
         or ``log_prob_micro_batch_size_per_gpu``, else ``actor.ppo_micro_batch_size_per_gpu``.
         """
         self._check_built()
-        rollout, actor = self.config["rollout"], self.config["actor"]
-        rows, seq_len = batch["input_ids"].shape
-        fixed = rollout.get("log_prob_micro_batch_size_per_gpu") or actor["ppo_micro_batch_size_per_gpu"]
-        size = self._micro_batch_size(
-            rows, seq_len, bool(rollout.get("log_prob_use_dynamic_bsz", False)),
-            int(rollout.get("log_prob_max_token_len_per_gpu") or 0), int(fixed),
-        )  # fmt: skip
+        size = self._log_prob_micro_batch_size(self.config["rollout"], batch["input_ids"])
         settings = self.ppo_actor.settings
         with self._resident(optimizer=False):
             kept, settings.micro_batch_size = settings.micro_batch_size, size
             try:
-                log_probs = self.ppo_actor.compute_log_prob(batch["input_ids"])
+                log_probs, entropys = self.ppo_actor.compute_log_prob_and_entropy(batch["input_ids"])
             finally:
                 settings.micro_batch_size = kept
-        return {"old_log_probs": log_probs}
+        return {"old_log_probs": log_probs, "entropys": entropys}
+
+    def _log_prob_micro_batch_size(self, node: dict, input_ids) -> int:
+        """Rows per micro batch of a forward-only pass from ``node``'s ``log_prob_*`` keys (the rollout's or the ref's)."""
+        rows, seq_len = input_ids.shape
+        fixed = node.get("log_prob_micro_batch_size_per_gpu") or self.config["actor"]["ppo_micro_batch_size_per_gpu"]
+        return self._micro_batch_size(
+            rows, seq_len, bool(node.get("log_prob_use_dynamic_bsz", False)),
+            int(node.get("log_prob_max_token_len_per_gpu") or 0), int(fixed),
+        )  # fmt: skip
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
+    def compute_ref_log_prob(self, batch: dict) -> dict:
+        """Log-probabilities of the responses in ``batch["input_ids"]`` under the reference policy (``ref_log_prob``).
+
+        Micro batches follow ``ref.log_prob_*``. With ``ref.megatron.param_offload`` the reference weights are
+        brought back for this pass and offloaded again after it; ``param_offloaded_before`` / ``_after`` say
+        whether they were offloaded on every rank before and after the call.
+        """
+        import torch
+
+        from verl.utils.megatron_utils import (
+            is_megatron_module_offloaded,
+            load_megatron_model_to_gpu,
+            offload_megatron_model_to_cpu,
+        )
+
+        self._check_built()
+        if self.ref is None:
+            raise RuntimeError(f"compute_ref_log_prob needs role='actor_rollout_ref' (this worker's role is {self.role!r})")
+        size = self._log_prob_micro_batch_size(self.config["ref"], batch["input_ids"])
+        settings = self.ppo_actor.settings
+        flags = [is_megatron_module_offloaded(self.ref.model)]
+        if self._ref_is_offload_param:
+            load_megatron_model_to_gpu(self.ref.model, load_grad=False)
+        try:
+            log_probs = self.ref.compute_log_prob(batch["input_ids"], settings.response_length, settings.temperature, size)
+        finally:
+            if self._ref_is_offload_param:
+                offload_megatron_model_to_cpu(self.ref.model, offload_grad=False)
+        flags.append(is_megatron_module_offloaded(self.ref.model))
+        every_rank = torch.tensor(flags, dtype=torch.int32)
+        torch.distributed.all_reduce(every_rank, op=torch.distributed.ReduceOp.MIN)
+        return {"ref_log_prob": log_probs, "param_offloaded_before": bool(every_rank[0]), "param_offloaded_after": bool(every_rank[1])}
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
     def update_actor(self, batch: dict) -> dict:

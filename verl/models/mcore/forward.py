@@ -7,7 +7,11 @@ from functools import partial
 import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel import (
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
 
 
 def _position_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -89,6 +93,25 @@ def token_log_probs(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor
     return -negative.transpose(0, 1)
 
 
+def token_entropy(vocab_parallel_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[batch, seq - 1]`` entropy of ``softmax(logits / temperature)`` at the positions ``token_log_probs`` scores.
+
+    Works on the tensor-parallel vocabulary shards: the two sums over the vocabulary are all-reduced with
+    megatron's reduce (identity backward: each rank's gradient reaches its own shard), so it is differentiable
+    and the entropy bonus uses it too. The max subtracted for stability is a constant for autograd.
+    """
+    scaled = vocab_parallel_logits[:, :-1].float() / temperature
+    shift = scaled.detach().max(dim=-1, keepdim=True).values
+    if mpu.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
+    shifted = scaled - shift
+    exp = shifted.exp()
+    total = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+    weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1))
+    # H = -sum p log p with p = exp / total and log p = shifted - log(total)
+    return total.log() - weighted / total
+
+
 def compute_log_probs(model: list, input_ids: torch.Tensor, response_length: int, temperature: float, micro_batch_size: int) -> torch.Tensor:
     """``[batch, response_length]`` log-probabilities of the last ``response_length`` tokens of each row, on every rank."""
     return _forward_only(
@@ -96,6 +119,19 @@ def compute_log_probs(model: list, input_ids: torch.Tensor, response_length: int
         list(input_ids.split(micro_batch_size)),
         lambda output, batch: token_log_probs(output, batch, temperature)[:, -response_length:],
     )
+
+
+def compute_log_probs_and_entropy(
+    model: list, input_ids: torch.Tensor, response_length: int, temperature: float, micro_batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``compute_log_probs`` and, from the same forward, the entropy at each of those positions, on every rank."""
+
+    def capture(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        log_probs = token_log_probs(output, batch, temperature)[:, -response_length:]
+        return torch.cat([log_probs, token_entropy(output, temperature)[:, -response_length:]], dim=1)
+
+    both = _forward_only(model, list(input_ids.split(micro_batch_size)), capture)
+    return both[:, :response_length], both[:, response_length:]
 
 
 def forward_backward(model: list, microbatches: list[dict], loss_fn) -> list[dict]:

@@ -1,7 +1,7 @@
-"""GRPO advantages and the PPO-clip policy loss, with upstream verl's names and semantics.
+"""GRPO advantages, the PPO-clip policy loss and the KL estimators, with upstream verl's names and semantics.
 
-``policy_loss_per_token`` is the reduction-free core: the Megatron loss function applies its own
-global-token normalisation to it; ``compute_policy_loss`` is upstream's reduced form on top of it.
+``policy_loss_per_token`` and ``kl_penalty`` are reduction-free: the Megatron loss function applies its own
+global-token normalisation to them; ``compute_policy_loss`` is upstream's reduced form on top of the first.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from verl.utils.torch_functional import masked_mean, masked_sum
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 # Upstream clamps log(ratio) so one wild token cannot overflow exp().
 _LOG_RATIO_BOUND = 20.0
+# upstream's kl_penalty names (aliases share an estimator); a trailing "+" takes k2's gradient (below).
+# "full" (the exact KL over the whole vocabulary) is not implemented, upstream raises for it too.
+KL_PENALTY_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+_LOW_VAR_KL_BOUND = 10.0
 
 
 @torch.no_grad()
@@ -129,3 +133,42 @@ def compute_policy_loss(
     ppo_kl = masked_mean(-per_token["negative_approx_kl"], response_mask)
     pg_clipfrac_lower = masked_mean(per_token["clipped_lower"], response_mask)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def kl_penalty_types() -> tuple[str, ...]:
+    """Every ``kl_loss_type`` / ``kl_penalty`` value ``kl_penalty`` accepts: the estimators and their "+" forms."""
+    return KL_PENALTY_TYPES + tuple(f"{name}+" for name in KL_PENALTY_TYPES)
+
+
+def kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probabilities
+    (J. Schulman, "Approximating KL divergence", 2020).
+
+    kl / k1: ``logprob - ref_logprob`` (unbiased, high variance, can be negative); abs: its absolute value;
+    mse / k2: half its square; low_var_kl / k3: ``r - log r - 1`` with ``r = ref_prob / prob`` (unbiased and
+    never negative; the log-ratio clamped to +-20 and the result to +-10, as upstream).
+    """
+    diff = logprob - ref_logprob
+    if kl_penalty in ("kl", "k1"):
+        return diff
+    if kl_penalty == "abs":
+        return diff.abs()
+    if kl_penalty in ("mse", "k2"):
+        return 0.5 * diff.square()
+    if kl_penalty in ("low_var_kl", "k3"):
+        log_ratio = torch.clamp(-diff, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
+        estimate = torch.exp(log_ratio) - log_ratio - 1
+        return torch.clamp(estimate, min=-_LOW_VAR_KL_BOUND, max=_LOW_VAR_KL_BOUND)
+    raise ValueError(f"kl_penalty={kl_penalty!r} is not implemented; use one of {', '.join(kl_penalty_types())}")
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """``kl_penalty_forward``; a name ending in "+" (e.g. ``k3+``) keeps that estimate's value but takes
+    the gradient of k2, the estimator whose expected gradient is the KL's (upstream's straight-through form)."""
+    if not kl_penalty.endswith("+"):
+        return kl_penalty_forward(logprob, ref_logprob, kl_penalty)
+    value = kl_penalty_forward(logprob, ref_logprob, kl_penalty[:-1])
+    if kl_penalty in ("mse+", "k2+"):
+        return value
+    k2 = 0.5 * (logprob - ref_logprob).square()
+    return k2 - k2.detach() + value.detach()

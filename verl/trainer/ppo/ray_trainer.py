@@ -10,8 +10,11 @@ One step (``RayPPOTrainer.fit``):
    ``data.seed``, the step and the data-parallel rank, so a resumed run samples what an uninterrupted one would;
 3. rule-based rewards on the driver, GRPO advantages (group-normalised per prompt);
 4. ``compute_log_prob``: Megatron recomputes the responses' log-probabilities (the PPO "old" policy;
-   their distance to the rollout's is logged as ``rollout/log_prob_diff_max``);
-5. ``update_actor``: the PPO-clip loss through Megatron's pipeline, optimizer step;
+   their distance to the rollout's is logged as ``rollout/log_prob_diff_max``) and their entropy
+   (``actor/entropy``); with ``actor.use_kl_loss``, ``compute_ref_log_prob``: the same under the reference
+   policy, a second Megatron model on the same ranks holding the initial weights;
+5. ``update_actor``: the PPO-clip loss (plus ``kl_loss_coef`` x the KL to the reference, minus
+   ``entropy_coeff`` x the entropy) through Megatron's pipeline, optimizer step;
 6. every ``trainer.save_freq`` steps (and at the last) the workers save ``global_step_N/actor``; the
    driver writes ``global_step_N/data.pt`` (the prompt sampler's position), checks the step on disk and
    only then writes ``latest_checkpointed_iteration.txt``. A crash before that leaves the previous step tracked.
@@ -99,6 +102,8 @@ class RayPPOTrainer:
         )
         self.n = int(config.actor_rollout_ref.rollout.n)
         self.compute_score = load_reward_function(config)
+        # upstream's attribute: a reference policy exists for the KL loss (use_kl_in_reward is refused here)
+        self.use_reference_policy = bool(config.actor_rollout_ref.actor.use_kl_loss)
 
     # ------------------------------------------------------------------ workers
 
@@ -115,7 +120,7 @@ class RayPPOTrainer:
         start = time.monotonic()
         self.actor_rollout_wg = MegatronRayWorkerGroup(
             pool,
-            RayClassWithInitArgs(ActorRolloutRefWorker, config=worker_config, role="actor"),
+            RayClassWithInitArgs(ActorRolloutRefWorker, config=worker_config, role="actor_rollout_ref" if self.use_reference_policy else "actor"),
             init_timeout_s=float(trainer.ray_wait_register_center_timeout),
         )
         wg = self.actor_rollout_wg
@@ -126,6 +131,9 @@ class RayPPOTrainer:
         start = time.monotonic()
         built = wg.init_model()
         self._print(f"[trainer] model built on every rank in {time.monotonic() - start:.1f}s ({built[0]['num_params']:,} parameters on rank 0)")
+        if built[0]["ref"]:
+            offload = self.config.actor_rollout_ref.ref.megatron.param_offload
+            self._print(f"[trainer] reference policy built from {self.model_path} on the same ranks (never trained or saved; ref.megatron.param_offload={offload})")
 
     def pending_step(self) -> int | None:
         """The step of an async save not committed yet: a stop now discards it (the tracker keeps the previous one)."""
@@ -202,22 +210,49 @@ class RayPPOTrainer:
             scores = self._score(rows, rollout["responses"], rollout["response_mask"])
             advantages = self._advantages(scores, rollout["response_mask"], group_index)
         sequences = torch.cat([input_ids, rollout["responses"]], dim=1)
-        with _timed(timing, "old_log_prob"):
-            old_log_probs = self._per_dp_rank("compute_log_prob", {"input_ids": sequences}, "old_log_probs")
-        batch = {"input_ids": sequences, "response_mask": rollout["response_mask"], "old_log_probs": old_log_probs, "advantages": advantages}
+        old_log_probs, policy_terms, policy_metrics = self._policy_log_probs(sequences, rollout["response_mask"], timing)
+        batch = {"input_ids": sequences, "response_mask": rollout["response_mask"], "old_log_probs": old_log_probs, "advantages": advantages,
+                 **policy_terms}  # fmt: skip
         with _timed(timing, "update_actor"):
             updates = self.actor_rollout_wg.update_actor(self._split(batch))
         timing["step"] = time.monotonic() - start_step
-        return {"step": step, **self._step_metrics(scores, advantages, rollout, old_log_probs, updates), "data/epoch": self.sampler.epoch,
+        return {"step": step, **self._step_metrics(scores, advantages, rollout, old_log_probs, updates), **policy_metrics,
+                **self._kl_entropy_metrics(updates), "data/epoch": self.sampler.epoch,
                 **{f"timing_s/{key}": round(value, 3) for key, value in timing.items()}}  # fmt: skip
+
+    def _policy_log_probs(self, sequences: torch.Tensor, response_mask: torch.Tensor, timing: dict) -> tuple[torch.Tensor, dict, dict]:
+        """The old policy's log-probs and entropy, and with a reference policy its log-probs (``ref_log_prob``,
+        upstream's batch key): ``(old_log_probs, extra batch entries, metrics)``."""
+        with _timed(timing, "old_log_prob"):
+            outputs = self.actor_rollout_wg.compute_log_prob(self._split({"input_ids": sequences}))
+        old_log_probs = torch.cat([out["old_log_probs"] for out in outputs])
+        entropys = torch.cat([out["entropys"] for out in outputs])
+        mask = response_mask.to(entropys.dtype)
+        # upstream's actor/entropy: the token mean (loss_agg_mode token-mean) of the old pass's entropy
+        metrics = {"actor/entropy": ((entropys * mask).sum() / mask.sum().clamp(min=1)).item()}
+        if not self.use_reference_policy:
+            return old_log_probs, {}, metrics
+        with _timed(timing, "ref"):
+            outputs = self.actor_rollout_wg.compute_ref_log_prob(self._split({"input_ids": sequences}))
+        metrics["ref/param_offloaded"] = all(out["param_offloaded_before"] and out["param_offloaded_after"] for out in outputs)
+        return old_log_probs, {"ref_log_prob": torch.cat([out["ref_log_prob"] for out in outputs])}, metrics
+
+    def _kl_entropy_metrics(self, updates: list[dict]) -> dict:
+        """The update's KL and entropy terms as upstream names them (each a token mean over the step's tokens)."""
+        actor, update = self.config.actor_rollout_ref.actor, updates[0]  # already summed over data-parallel ranks
+        tokens = max(update["tokens"], 1.0)
+        metrics = {}
+        if actor.use_kl_loss:
+            metrics["actor/kl_loss"] = update["kl_loss"] / tokens
+            metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
+        if float(actor.entropy_coeff) != 0:
+            metrics["actor/entropy_loss"] = update["entropy_loss"] / tokens
+        return metrics
 
     def _split(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """One dict per data-parallel rank, the rows split evenly in order."""
         parts = zip(*(value.chunk(self.actor_rollout_wg.dp_size) for value in batch.values()), strict=True)
         return [dict(zip(batch, values, strict=True)) for values in parts]
-
-    def _per_dp_rank(self, method: str, batch: dict[str, torch.Tensor], key: str) -> torch.Tensor:
-        return torch.cat([out[key] for out in getattr(self.actor_rollout_wg, method)(self._split(batch))])
 
     def _generate(self, input_ids: torch.Tensor, step: int, timing: dict, sampling: dict | None = None, seed_offset: int = 0) -> dict[str, torch.Tensor]:
         seed = int(self.config.data.seed) + seed_offset
@@ -491,6 +526,8 @@ def _step_line(metrics: dict, total: int) -> str:
         f"[trainer] step {metrics['step']}/{total}  reward {metrics['critic/score/mean']:.3f}  "
         f"acc {metrics['critic/accuracy']:.3f}  resp_len {metrics['response_length/mean']:.1f}  "
         f"pg_loss {metrics['actor/pg_loss']:+.4f}  grad_norm {metrics['actor/grad_norm']:.3f}  "
+        + (f"kl_loss {metrics['actor/kl_loss']:.2e}  " if "actor/kl_loss" in metrics else "")
+        + f"entropy {metrics['actor/entropy']:.3f}  "
         f"logp_diff {metrics['rollout/log_prob_diff_max']:.1e}  "
         f"time {metrics['timing_s/step']:.1f}s (gen {metrics['timing_s/gen']:.1f}, logp {metrics['timing_s/old_log_prob']:.1f}, "
         f"update {metrics['timing_s/update_actor']:.1f})"

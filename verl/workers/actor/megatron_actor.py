@@ -2,7 +2,9 @@
 
 Both run through megatron's pipeline schedule on this rank's data-parallel share of the batch. The
 policy loss is a token mean over the whole mini-batch (every data-parallel rank's tokens), so the
-update does not depend on how the batch was split into ranks and microbatches.
+update does not depend on how the batch was split into ranks and microbatches. With ``use_kl_loss`` the
+loss adds ``kl_loss_coef`` times the token mean of the KL estimate to the reference policy (the batch's
+``ref_log_prob``); with ``entropy_coeff`` it subtracts that times the token mean of the entropy (upstream's terms).
 """
 
 from __future__ import annotations
@@ -12,11 +14,19 @@ import dataclasses
 import torch
 from megatron.core import parallel_state as mpu
 
-from verl.models.mcore.forward import broadcast_from_last_stage, compute_log_probs, forward_backward, token_log_probs
-from verl.trainer.ppo.core_algos import policy_loss_per_token
+from verl.models.mcore.forward import (
+    broadcast_from_last_stage,
+    compute_log_probs,
+    compute_log_probs_and_entropy,
+    forward_backward,
+    token_entropy,
+    token_log_probs,
+)
+from verl.trainer.ppo.core_algos import kl_penalty, policy_loss_per_token
 
 # Per-mini-batch sums the loss function collects; the trainer divides them by the token count.
-_STAT_KEYS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "tokens")
+# kl_loss / entropy_loss stay 0 unless use_kl_loss / entropy_coeff switch their term on.
+_STAT_KEYS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy_loss", "tokens")
 
 
 @dataclasses.dataclass
@@ -29,6 +39,10 @@ class PPOActorSettings:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
 
 
 class MegatronPPOActor:
@@ -43,8 +57,14 @@ class MegatronPPOActor:
         s = self.settings
         return compute_log_probs(self.model, input_ids, s.response_length, s.temperature, s.micro_batch_size)
 
+    def compute_log_prob_and_entropy(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``compute_log_prob`` and the entropy at each response position (upstream's ``calculate_entropy``)."""
+        s = self.settings
+        return compute_log_probs_and_entropy(self.model, input_ids, s.response_length, s.temperature, s.micro_batch_size)
+
     def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """PPO-clip updates on ``batch`` (``input_ids``, ``response_mask``, ``old_log_probs``, ``advantages``).
+        """PPO-clip updates on ``batch`` (``input_ids``, ``response_mask``, ``old_log_probs``, ``advantages``,
+        and ``ref_log_prob`` with ``use_kl_loss``).
 
         Returns the sums of the loss statistics over every mini-batch and data-parallel rank (divide by
         ``tokens``), and the last step's grad norm and learning rate.
@@ -87,13 +107,25 @@ class MegatronPPOActor:
                 s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c,
             )  # fmt: skip
             mask = microbatch["response_mask"].to(log_probs.dtype)
-            loss = (terms["pg_losses"] * mask).sum() * scale
+            per_token = terms["pg_losses"]
+            kl_sum = entropy_sum = torch.zeros((), dtype=mask.dtype, device=mask.device)
+            if s.use_kl_loss:
+                kld = kl_penalty(log_probs, microbatch["ref_log_prob"], s.kl_loss_type)
+                per_token = per_token + s.kl_loss_coef * kld
+                kl_sum = (kld * mask).sum()
+            if s.entropy_coeff != 0:
+                entropy = token_entropy(vocab_parallel_logits, s.temperature)[:, -s.response_length :]
+                per_token = per_token - s.entropy_coeff * entropy
+                entropy_sum = (entropy * mask).sum()
+            loss = (per_token * mask).sum() * scale
             stats = torch.stack(
                 [
                     (terms["pg_losses"] * mask).sum(),
                     (terms["clipped_high"].to(mask.dtype) * mask).sum(),
                     (terms["clipped_lower"].to(mask.dtype) * mask).sum(),
                     (-terms["negative_approx_kl"] * mask).sum(),
+                    kl_sum,
+                    entropy_sum,
                     mask.sum(),
                 ]
             ).detach()
