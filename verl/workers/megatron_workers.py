@@ -80,6 +80,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             "rank": self.rank,
             "seconds": time.monotonic() - start,
             "num_params": sum(p.numel() for chunk in self.actor.model for p in chunk.parameters()),
+            "dtype": str(self.actor.settings.dtype).removeprefix("torch."),
         }
 
     @contextlib.contextmanager
@@ -156,7 +157,8 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
     def generate_sequences(self, prompts: dict) -> dict | None:
-        """Responses for ``prompts["input_ids"]`` (``[rows, prompt_len]``), sampled with ``prompts["seed"]``.
+        """Responses for ``prompts["input_ids"]`` (``[rows, prompt_len]``, left padding marked 0 in the optional
+        ``prompts["attention_mask"]``), sampled with ``prompts["seed"]``.
 
         Every rank takes part in gathering the current weights, whole and in HF names, onto the output
         rank of each data-parallel group (in memory), which loads them into its rollout model and
@@ -178,7 +180,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             return None
         start = time.monotonic()
         with self._sampling(sampling):
-            output = self.rollout.generate_sequences(prompts["input_ids"], seed=int(prompts["seed"]))
+            output = self.rollout.generate_sequences(prompts["input_ids"], seed=int(prompts["seed"]), attention_mask=prompts.get("attention_mask"))
         output["timing"] = {"weight_sync": sync_seconds, "generate": time.monotonic() - start}
         return output
 
@@ -212,7 +214,8 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
     def compute_log_prob(self, batch: dict) -> dict:
-        """Log-probabilities of the responses in ``batch["input_ids"]`` (prompt + response) under the current weights.
+        """Log-probabilities of the responses in ``batch["input_ids"]`` (prompt + response; ``attention_mask``, when
+        given, marks the prompt's left padding) under the current weights.
 
         Micro batches follow ``rollout.log_prob_*`` (upstream's keys for this pass): dynamic by token budget,
         or ``log_prob_micro_batch_size_per_gpu``, else ``actor.ppo_micro_batch_size_per_gpu``.
@@ -229,7 +232,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         with self._resident(optimizer=False):
             kept, settings.micro_batch_size = settings.micro_batch_size, size
             try:
-                log_probs = self.ppo_actor.compute_log_prob(batch["input_ids"])
+                log_probs = self.ppo_actor.compute_log_prob(batch["input_ids"], batch.get("attention_mask"))
             finally:
                 settings.micro_batch_size = kept
         return {"old_log_probs": log_probs}
