@@ -28,15 +28,13 @@ RESPONSE_LENGTH = 12
 
 
 def mixed_length_prompts(rows: int, longest: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)``: random prompts of 2..longest tokens, left-padded with the pad id 0."""
+    """``(input_ids, attention_mask)``: random prompts of 2..longest tokens, left-padded with the pad id 0 as the trainer pads."""
+    from verl.utils.dataset.rl_dataset import left_pad, left_pad_attention_mask
+
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.zeros(rows, longest, dtype=torch.long)
-    mask = torch.zeros(rows, longest, dtype=torch.long)
-    for row in range(rows):
-        length = int(torch.randint(2, longest + 1, (1,), generator=generator))
-        ids[row, longest - length :] = torch.randint(4, 99, (length,), generator=generator)
-        mask[row, longest - length :] = 1
-    return ids, mask
+    lengths = torch.randint(2, longest + 1, (rows,), generator=generator).tolist()
+    prompts = [{"input_ids": torch.randint(4, 99, (n,), generator=generator).tolist()} for n in lengths]
+    return left_pad(prompts, longest, 0), left_pad_attention_mask(prompts, longest)
 
 
 def _measure(model_path: str, dtype_name: str, rows: int, seeds: int) -> dict:
