@@ -168,3 +168,58 @@ def test_reference_policy_kl_loss_and_entropy_bonus(tiny_dense_path):
     assert report["entropy_after"] > report["token_mean_entropy"]  # entropy_coeff > 0 and nothing else: entropy rises
     assert second["kl_loss"] / second["tokens"] == pytest.approx(report["kl_after_direct"], rel=1e-5) and report["kl_after_direct"] > 0
     assert report["ref_unchanged"]
+
+
+def _left_padded(rows: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of 2..longest tokens, left-padded with the pad id 0, and their attention mask."""
+    from verl.utils.dataset.rl_dataset import left_pad, left_pad_attention_mask
+
+    generator = torch.Generator().manual_seed(5)
+    prompts = [{"input_ids": torch.randint(4, 99, (int(n),), generator=generator).tolist()} for n in torch.randint(2, longest + 1, (rows,), generator=generator)]
+    return left_pad(prompts, longest, 0), left_pad_attention_mask(prompts, longest)
+
+
+def _padded_parity(model_path: str) -> dict:
+    from verl.workers.rollout.hf_rollout import HFRollout, RolloutSettings
+
+    actor, ppo = _build(model_path, micro_batch_size=4)
+    rollout = None
+    if torch.distributed.get_rank() == 0:
+        tok = actor.tokenizer
+        rollout = HFRollout(actor.hf_config, RolloutSettings(RESPONSE_LEN), tok.eos_token_id, tok.pad_token_id)
+    prompts, prompt_mask = _left_padded(8, longest=10)
+    from verl.models.mcore.parallel_hf_save import gather_hf_weights
+
+    weights = gather_hf_weights(actor.bridge, actor.model, receivers=[0])
+    if rollout is not None:
+        rollout.load_weights(weights.items())
+    holder = [rollout.generate_sequences(prompts, seed=3, attention_mask=prompt_mask) if rollout is not None else None]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    out = holder[0]
+    sequences = torch.cat([prompts, out["responses"]], dim=1)
+    mask = torch.cat([prompt_mask, torch.ones_like(out["responses"])], dim=1)
+    masked = ppo.compute_log_prob(sequences, mask)
+    # Four more pad columns on the left: the same log-probs when the padding is masked.
+    extra = torch.zeros(sequences.shape[0], 4, dtype=sequences.dtype)
+    repadded = ppo.compute_log_prob(torch.cat([extra, sequences], dim=1), torch.cat([extra, mask], dim=1))
+    unmasked = ppo.compute_log_prob(sequences)
+    response = out["response_mask"].bool()
+    gap = lambda a, b: (a - b).abs()[response].max().item()  # noqa: E731
+    return {
+        "lengths": prompt_mask.sum(dim=1).tolist(),
+        "vs_rollout": gap(masked, out["rollout_log_probs"]),
+        "repadded": gap(repadded, masked),
+        "unmasked_vs_rollout": gap(unmasked, out["rollout_log_probs"]),
+    }
+
+
+def test_left_padded_prompts_of_mixed_lengths_match_the_rollout(tiny_moe_path):
+    """TP2 EP2 (2 ranks): prompts of 2..10 tokens left-padded to 10. transformers' rollout masks the padding;
+    Megatron, given the same attention mask, recomputes the sampled tokens' log-probs within the fp32 parity
+    tolerance, and does not change them when the padding grows. Without the mask the padding is attended to
+    and the two disagree (what the mask fixes)."""
+    report = run_on_ranks(_padded_parity, 2, ParallelSizes(tp=2, ep=2, etp=1), args=(tiny_moe_path,), timeout_s=400)[0]
+    assert len(set(report["lengths"])) > 2, report["lengths"]
+    assert report["vs_rollout"] <= 1e-5, report
+    assert report["repadded"] <= 1e-5, report
+    assert report["unmasked_vs_rollout"] > 1e-3, report

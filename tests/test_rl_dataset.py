@@ -9,6 +9,7 @@ from verl.utils.dataset.rl_dataset import (
     DatasetError,
     RLHFDataset,
     left_pad,
+    left_pad_attention_mask,
     padded_prompt_length,
     parquet_problems,
     read_parquet_rows,
@@ -65,6 +66,8 @@ def test_prompts_pad_to_one_length_divisible_with_the_response():
     assert padded_prompt_length(7, 3, tp=2) == 7 and padded_prompt_length(6, 3, tp=2) == 7 and padded_prompt_length(5, 3, tp=4) == 5
     out = left_pad([{"input_ids": [5, 6]}, {"input_ids": [7, 8, 9]}], 4, pad_token_id=0)
     assert out.tolist() == [[0, 0, 5, 6], [0, 7, 8, 9]]
+    # The attention mask follows the prompt lengths, not the pad id: a real token 0 stays attended to.
+    assert left_pad_attention_mask([{"input_ids": [0, 6]}, {"input_ids": [7, 8, 9]}], 4).tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
 
 
 def test_embedded_task_as_parquet_reads_back_as_the_generated_task(tmp_path):

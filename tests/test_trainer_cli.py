@@ -1,8 +1,12 @@
 """``python -m verl.trainer.main_ppo`` from the command line, as a user runs it (real Hydra, Ray, Megatron).
 
-- 8 ranks at TP2 PP2 EP2 ETP2, use_distributed_optimizer=False, GRPO with the KL loss to an offloaded
-  reference model and the entropy bonus: step checkpoints; the run is killed mid-way and a restart with
-  resume_mode=auto continues from the last saved step with the metrics of the uninterrupted run;
+- 8 ranks at TP2 PP2 EP2 ETP2, use_distributed_optimizer=False, GRPO on the parquet file written by
+  scripts/make_task_parquet.py, validated on it, with the KL loss to an offloaded reference model and the
+  entropy bonus: step checkpoints; the run is killed mid-way and a restart with resume_mode=auto continues
+  from the last saved step with the metrics of the uninterrupted run;
+- the same layout on a hand-made gsm8k-format parquet file with mixed-length prompts, validation metrics and
+  tensorboard event files that hold what metrics.jsonl holds;
+- the log-prob parity gate stops a run whose model the bridge maps differently from transformers;
 - PP4 EP2 TP2 ETP2 on 16 ranks completes one verified save;
 - param_offload with use_distributed_optimizer=False saves (fix 1, through the worker);
 - bad configurations exit with status 2 and their message before Ray or any rank starts.
@@ -75,13 +79,20 @@ def _metrics(ckpt: Path) -> list[dict]:
 
 
 def test_kill_and_resume_auto_continues_from_last_save(tmp_path, env):
-    """Default layout (8 ranks, TP2 PP2 EP2 ETP2), embedded default model, DO=False, GRPO with use_kl_loss (the
-    reference offloaded between its passes) and entropy_coeff: a run killed after step 5 (saved at 3) resumes at
-    step 3 and its steps 4 and 5 equal the killed run's, the KL to the reference included: the resumed run's
-    reference is the initial model again (it is rebuilt from the HF model, never saved), not the step-3 actor."""
+    """Default layout (8 ranks, TP2 PP2 EP2 ETP2), embedded default model, DO=False, GRPO on the parquet file
+    scripts/make_task_parquet.py writes (the default run's data), validated on it every 4 steps, with use_kl_loss
+    (the reference offloaded between its passes) and entropy_coeff: a run killed after step 5 (saved at 3)
+    resumes at step 3 and its steps 4 and 5, validation and the KL to the reference included, equal the killed
+    run's: the resumed run's reference is the initial model again (rebuilt from the HF model, never saved)."""
+    script = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_task_parquet.py"), "--out-dir", str(tmp_path / "data")],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    parquet = script.stdout.strip().splitlines()[-1]
     ckpt = tmp_path / "ckpt"
     common = [
         f"trainer.default_local_dir={ckpt}", f"{MEGATRON}use_distributed_optimizer=False", "trainer.save_freq=3",
+        f"data.train_files={parquet}", f"data.val_files={parquet}", "trainer.val_before_train=False", "trainer.test_freq=4",
         "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.05",
         "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.ref.megatron.param_offload=True",
     ]  # fmt: skip
@@ -105,10 +116,12 @@ def test_kill_and_resume_auto_continues_from_last_save(tmp_path, env):
     assert f"resumed from {ckpt}/global_step_3 (step 3)" in out and "data: epoch 2, position 6" in out
     second_run = _metrics(ckpt)[len(first_run):]
     assert [m["step"] for m in second_run] == [4, 5]
+    val_key = "val-core/arithmetic/reward/mean@1"
+    assert val_key in first_run[4] and val_key not in first_run[3] and val_key in second_run[1]  # every 4 steps and the last
     # Same prompts, same samples (seeded by step), same weights and optimizer state: the same metrics.
     for resumed in second_run:
         original = first_run[resumed["step"]]
-        # every metric bit for bit (only the clocks and the save records differ)
+        # every metric bit for bit, validation included (only the clocks and the save records differ)
         keys = [key for key in original if not key.startswith("timing_s/") and key not in ("time", "checkpoint", "checkpoint_committed")]
         assert {"actor/kl_loss", "actor/kl_coef", "actor/entropy", "actor/entropy_loss", "actor/grad_norm", "critic/score/mean"} <= set(keys)
         assert {key: resumed.get(key) for key in keys} == {key: original[key] for key in keys}
@@ -302,9 +315,11 @@ def test_reward_reads_responses_character_by_character():
 
 def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env, tiny_moe_path):
     """A hand-made parquet file in upstream's RLHFDataset format (chat messages of different lengths,
-    data_source openai/gsm8k, reward_model.ground_truth) trains 2 steps and validates before, at step 2
-    (test_freq) and with upstream's metric name. 2 ranks at TP2 EP2 ETP1: prompts are left-padded to one
-    length that makes prompt + response a multiple of TP."""
+    data_source openai/gsm8k, reward_model.ground_truth) trains 3 steps and validates before, at step 2
+    (test_freq) and at the last, with upstream's metric name. 8 ranks at TP2 PP2 EP2 ETP2, DO=False: prompts are
+    left-padded to one length that makes prompt + response a multiple of TP, the padding masked on both sides,
+    so Megatron's log-probs match the rollout's (the parity gate, on by default, passes). The tensorboard logger
+    writes event files under tensorboard_log/<project>/<experiment> holding every scalar of metrics.jsonl."""
     from verl.utils.dataset.rl_dataset import write_rlhf_parquet
 
     def rows(count: int, split: str) -> list[dict]:
@@ -325,12 +340,13 @@ def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env, tiny
     code, out = _run(
         [
             f"actor_rollout_ref.model.path={tiny_moe_path}",
-            "trainer.n_gpus_per_node=2",
+            "trainer.n_gpus_per_node=8",
             f"{MEGATRON}tensor_model_parallel_size=2",
-            f"{MEGATRON}pipeline_model_parallel_size=1",
+            f"{MEGATRON}pipeline_model_parallel_size=2",
             f"{MEGATRON}expert_model_parallel_size=2",
-            f"{MEGATRON}expert_tensor_parallel_size=1",
+            f"{MEGATRON}expert_tensor_parallel_size=2",
             f"{MEGATRON}use_distributed_optimizer=False",
+            "trainer.logger=[console,file,tensorboard]", "trainer.project_name=gsm8k_proj", "trainer.experiment_name=tp2_pp2",
             f"data.train_files={tmp_path / 'train.parquet'}",
             f"data.val_files=[{tmp_path / 'test.parquet'}]",
             "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4",
@@ -356,4 +372,49 @@ def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env, tiny
     assert all(0.0 <= m[val_key] <= 1.0 for m in lines if val_key in m)
     for m in lines[1:]:
         assert m["critic/score/mean"] in (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # 0/1 rewards of 8 responses
-        assert m["rollout/log_prob_diff_max"] <= 1e-4, m  # left-padded prompts: rollout and Megatron agree
+        assert m["rollout/log_prob_diff_max"] <= 1e-5, m  # mixed-length, left-padded prompts: rollout and Megatron agree
+    assert _tensorboard_scalars(tmp_path / "tensorboard_log" / "gsm8k_proj" / "tp2_pp2") == _jsonl_scalars(lines)
+
+
+def _jsonl_scalars(lines: list[dict]) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {}
+    for m in lines:
+        for key, value in m.items():
+            if key not in ("step", "time") and isinstance(value, (int, float)):
+                out.setdefault(key, {})[m["step"]] = pytest.approx(float(value), rel=1e-6, abs=1e-7)
+    return out
+
+
+def _tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar series of the event files in ``log_dir``, read back with tensorboard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def test_parity_gate_stops_a_model_the_bridge_maps_differently(tmp_path, env):
+    """A Qwen3-MoE whose config.json asks for GELU: transformers' rollout computes GELU, while mbridge builds the
+    Megatron actor with SiLU (it does not read hidden_act). The gate, on by default, stops the run on the first
+    batch, before any update or save, naming the gap, the tolerance, the dtype and the key that turns it off;
+    with that key off the same run trains and logs the gap. 1 rank."""
+    from verl.models.tiny import make_tiny_hf_model
+
+    model = make_tiny_hf_model(str(tmp_path / "gelu_moe"), kind="moe", hidden_act="gelu")
+    ckpt = tmp_path / "ckpt"
+    one_rank = [
+        f"actor_rollout_ref.model.path={model}", "trainer.n_gpus_per_node=1", f"{MEGATRON}tensor_model_parallel_size=1",
+        f"{MEGATRON}pipeline_model_parallel_size=1", f"{MEGATRON}expert_model_parallel_size=1",
+        "trainer.total_training_steps=1", "trainer.save_freq=-1", f"trainer.default_local_dir={ckpt}",
+    ]  # fmt: skip
+    code, out = _run(one_rank, tmp_path, env)
+    assert code == 1, out[-6000:]
+    gate = "actor_rollout_ref.rollout.log_prob_parity_check"
+    assert "log-prob parity gate: on the first batch the actor's log-probs differ from the rollout's by up to" in out, out[-6000:]
+    assert f"over the float32 tolerance 1.0e-04 ({gate}.tolerance.float32)" in out and f"set {gate}.enable=False" in out
+    assert not _metrics(ckpt)  # stopped before the first step was logged
+
+    code, out = _run([*one_rank, f"{gate}.enable=False"], tmp_path, env)
+    assert code == 0, out[-6000:]
+    assert _metrics(ckpt)[0]["rollout/log_prob_diff_max"] > 1e-3  # 5e-3 measured: 50x the float32 tolerance

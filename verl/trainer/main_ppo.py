@@ -208,6 +208,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
     import ray
 
     from verl.single_controller.ray import WorkerGroupError
+    from verl.trainer.ppo.log_prob_parity import LogProbParityError
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     started = _init_ray(config)
@@ -229,6 +230,9 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
             trainer.fit()
         except WorkerGroupError as err:
             print(f"[main_ppo] training failed:\n{err}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except LogProbParityError as err:
+            print(f"[main_ppo] training stopped before the first update: {err}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         finally:
             trainer.shutdown()

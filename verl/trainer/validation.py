@@ -7,9 +7,11 @@ the model's ``config.json`` (no torch, no Ray), so a bad command line fails in a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -25,7 +27,10 @@ _MEGATRON = f"{_ACTOR}.megatron."
 _CHECKPOINT = f"{_ACTOR}.checkpoint."
 _REF = "actor_rollout_ref.ref"
 RESUME_MODES = ("auto", "disable", "resume_path")
-LOGGERS = ("console", "file")
+LOGGERS = ("console", "file", "tensorboard", "wandb")  # verl.utils.tracking.BACKENDS
+# The package a logger imports (verl.utils.tracking.BACKEND_PACKAGES), looked for without importing it.
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+PARITY_KEY = "actor_rollout_ref.rollout.log_prob_parity_check"  # verl.trainer.ppo.log_prob_parity.GATE_KEY
 DEVICES = ("auto", "cpu", "cuda", "npu")
 # "a+b=" with single-digit operands (verl.utils.dataset.arithmetic; not imported: it pulls in torch).
 TASK_PROMPT_TOKENS = 4
@@ -80,6 +85,7 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
             problems += [f"actor_rollout_ref.model.path={model_path}: {p}" for p in hf_config_problems(model)]
     problems += _guarded(typed, _check_layout, config, model)
     problems += _guarded(typed, _check_grpo, config)
+    problems += _guarded(typed, _check_parity_gate, config)
     problems += _guarded(typed, _check_data, config, model)
     problems += _guarded(typed, _check_upstream_keys, config)
     return problems
@@ -109,7 +115,7 @@ _BOOL_KEYS = (
     "actor_rollout_ref.rollout.do_sample", "actor_rollout_ref.rollout.val_kwargs.do_sample", f"{_ACTOR}.use_dynamic_bsz",
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "data.filter_overlong_prompts", "data.shuffle",
     f"{_REF}.log_prob_use_dynamic_bsz", f"{_REF}.megatron.param_offload",
-    "trainer.val_before_train", "trainer.val_only", *(f"{_MEGATRON}{k}" for k in (
+    "trainer.val_before_train", "trainer.val_only", f"{PARITY_KEY}.enable", *(f"{_MEGATRON}{k}" for k in (
         "sequence_parallel", "use_distributed_optimizer", "use_dist_checkpointing", "param_offload",
         "grad_offload", "optimizer_offload", "use_mbridge", "vanilla_mbridge")),
 )  # fmt: skip
@@ -174,13 +180,34 @@ def _check_trainer(config: Any) -> list[str]:
     keep = trainer.max_actor_ckpt_to_keep
     if keep is not None and not _positive_int(keep):
         problems.append(f"trainer.max_actor_ckpt_to_keep={keep} must be null (keep all) or >= 1")
-    loggers = list(trainer.logger) if not isinstance(trainer.logger, str) else [trainer.logger]
-    unknown = [name for name in loggers if name not in LOGGERS]
-    if unknown:
-        problems.append(f"trainer.logger has {unknown}, which this trainer does not provide; use a subset of {list(LOGGERS)}, e.g. trainer.logger=[console,file]")
+    problems += _check_loggers(trainer.logger)
     problems += _check_output_dir(str(trainer.default_local_dir))
     problems += _check_resume(trainer)
     return problems
+
+
+def _check_loggers(logger: Any) -> list[str]:
+    """Upstream's backend names this trainer provides, and the package each needs, installed."""
+    loggers = list(logger) if not isinstance(logger, str) else [logger]
+    unknown = [name for name in loggers if name not in LOGGERS]
+    if unknown:
+        return [f"trainer.logger has {unknown}, which this trainer does not provide; use a subset of {list(LOGGERS)}, e.g. trainer.logger=[console,file]"]
+    return [
+        f"trainer.logger has {name} but the {package} package is not installed; pip install {package}, or drop {name} from trainer.logger"
+        for name, package in LOGGER_PACKAGES.items()
+        if name in loggers and importlib.util.find_spec(package) is None
+    ]
+
+
+def _check_parity_gate(config: Any) -> list[str]:
+    tolerances = OmegaConf.select(config, f"{PARITY_KEY}.tolerance")
+    if not isinstance(tolerances, Mapping) or not tolerances:
+        return [f"{PARITY_KEY}.tolerance must map dtypes to tolerances, e.g. {{float32: 1e-4, bfloat16: 1e-1}}"]
+    return [
+        f"{PARITY_KEY}.tolerance.{dtype}={value} must be a number > 0; set {PARITY_KEY}.tolerance.{dtype}=<x>"
+        for dtype, value in tolerances.items()
+        if not (_is_number(value) and value > 0)
+    ]
 
 
 def _check_output_dir(path: str) -> list[str]:
@@ -614,6 +641,7 @@ _OPEN_NODES = (
     f"{_MEGATRON}override_transformer_config", f"{_MEGATRON}override_ddp_config", f"{_MEGATRON}override_mcore_model_config",
     f"{_ACTOR}.optim.override_optimizer_config", f"{_CHECKPOINT}mbridge_config", "reward_model.reward_kwargs",
     f"{_ROLLOUT}engine_kwargs", "ray_kwargs.ray_init", "data.apply_chat_template_kwargs", "actor_rollout_ref.model.override_config",
+    f"{PARITY_KEY}.tolerance",
 )  # fmt: skip
 # Keys upstream's rollout has and this YAML does not list, accepted with `+` (the run script adds some).
 _EXTRA_ENGINE_KEYS = ("moe_tensor_parallel_size", "quantization", "quantization_config_file", "cudagraph_capture_sizes", "layered_summon")
@@ -633,7 +661,7 @@ def _inert_rules(config: Any) -> list[tuple[str, str]]:
         ("actor_rollout_ref.model.enable_activation_offload", "activation memory only; not implemented here"),
         ("actor_rollout_ref.model.use_fused_kernels", "fused loss kernels change speed only; the actor computes log-probs from vocab-parallel logits"),
         ("actor_rollout_ref.model.use_liger", "Liger kernels are for the FSDP backend"),
-        ("actor_rollout_ref.model.use_remove_padding", "no sequence packing here: a run's prompts are left-padded to one length (docs/trainer.md)"),
+        ("actor_rollout_ref.model.use_remove_padding", "no sequence packing here: a run's prompts are left-padded to one length, the padding masked (docs/trainer.md)"),
         ("actor_rollout_ref.model.trust_remote_code", "only built-in transformers families are supported (docs/models.md)"),
         (f"{_ACTOR}.use_torch_compile", "no torch.compile on this path"),
         ("algorithm.gamma", "GAE's discount; GRPO's advantages do not read it"),

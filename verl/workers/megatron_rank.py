@@ -204,9 +204,13 @@ class MegatronReference:
         for chunk in self.model:
             chunk.requires_grad_(False)
 
-    def compute_log_prob(self, input_ids: torch.Tensor, response_length: int, temperature: float, micro_batch_size: int) -> torch.Tensor:
-        """``[rows, response_length]`` log-probabilities of each row's response under the reference weights."""
-        return compute_log_probs(self.model, input_ids, response_length, temperature, micro_batch_size)
+    def compute_log_prob(
+        self, input_ids: torch.Tensor, response_length: int, temperature: float, micro_batch_size: int,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[rows, response_length]`` log-probabilities of each row's response under the reference weights
+        (``attention_mask``: 0 on the prompts' left padding)."""
+        return compute_log_probs(self.model, input_ids, response_length, temperature, micro_batch_size, attention_mask)
 
     def params_digest(self) -> str:
         """SHA-256 of this rank's reference parameters (names and bytes, in order): equal digests, equal weights.

@@ -92,6 +92,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             "seconds": time.monotonic() - start,
             "num_params": sum(p.numel() for chunk in self.actor.model for p in chunk.parameters()),
             "ref": self.ref is not None,
+            "dtype": str(self.actor.settings.dtype).removeprefix("torch."),
         }
 
     @contextlib.contextmanager
@@ -172,7 +173,8 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
     def generate_sequences(self, prompts: dict) -> dict | None:
-        """Responses for ``prompts["input_ids"]`` (``[rows, prompt_len]``), sampled with ``prompts["seed"]``.
+        """Responses for ``prompts["input_ids"]`` (``[rows, prompt_len]``, left padding marked 0 in the optional
+        ``prompts["attention_mask"]``), sampled with ``prompts["seed"]``.
 
         Every rank takes part in gathering the current weights, whole and in HF names, onto the output
         rank of each data-parallel group (in memory), which loads them into its rollout model and
@@ -194,7 +196,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             return None
         start = time.monotonic()
         with self._sampling(sampling):
-            output = self.rollout.generate_sequences(prompts["input_ids"], seed=int(prompts["seed"]))
+            output = self.rollout.generate_sequences(prompts["input_ids"], seed=int(prompts["seed"]), attention_mask=prompts.get("attention_mask"))
         output["timing"] = {"weight_sync": sync_seconds, "generate": time.monotonic() - start}
         return output
 
@@ -228,8 +230,9 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
     def compute_log_prob(self, batch: dict) -> dict:
-        """Log-probabilities of the responses in ``batch["input_ids"]`` (prompt + response) under the current
-        weights, and the entropy at each response position from the same forward (``entropys``, upstream's key).
+        """Log-probabilities of the responses in ``batch["input_ids"]`` (prompt + response; ``attention_mask``, when
+        given, marks the prompt's left padding) under the current weights, and the entropy at each response
+        position from the same forward (``entropys``, upstream's key).
 
         Micro batches follow ``rollout.log_prob_*`` (upstream's keys for this pass): dynamic by token budget,
         or ``log_prob_micro_batch_size_per_gpu``, else ``actor.ppo_micro_batch_size_per_gpu``.
@@ -240,7 +243,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         with self._resident(optimizer=False):
             kept, settings.micro_batch_size = settings.micro_batch_size, size
             try:
-                log_probs, entropys = self.ppo_actor.compute_log_prob_and_entropy(batch["input_ids"])
+                log_probs, entropys = self.ppo_actor.compute_log_prob_and_entropy(batch["input_ids"], batch.get("attention_mask"))
             finally:
                 settings.micro_batch_size = kept
         return {"old_log_probs": log_probs, "entropys": entropys}
@@ -279,7 +282,9 @@ class ActorRolloutRefWorker(MegatronWorker):
         if self._ref_is_offload_param:
             load_megatron_model_to_gpu(self.ref.model, load_grad=False)
         try:
-            log_probs = self.ref.compute_log_prob(batch["input_ids"], settings.response_length, settings.temperature, size)
+            log_probs = self.ref.compute_log_prob(
+                batch["input_ids"], settings.response_length, settings.temperature, size, batch.get("attention_mask")
+            )
         finally:
             if self._ref_is_offload_param:
                 offload_megatron_model_to_cpu(self.ref.model, offload_grad=False)

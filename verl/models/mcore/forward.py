@@ -14,14 +14,36 @@ from megatron.core.tensor_parallel import (
 )
 
 
-def _position_ids(tokens: torch.Tensor) -> torch.Tensor:
-    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+def _position_ids(tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions as transformers counts them: real tokens from 0, left padding not counted (pads get 1).
+
+    Megatron's rotary embedding reads positions 0..seq-1 whatever is passed here; RoPE is relative, so once the
+    pads are masked the real tokens see the same distances either way. These ids matter to absolute embeddings.
+    """
+    if attention_mask is None:
+        return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    positions = attention_mask.long().cumsum(dim=1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
 
 
-def _causal_mask(tokens: torch.Tensor) -> torch.Tensor:
+def _attention_mask(tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Megatron's mask (True: must NOT be attended to): causal, and no query looks at a padding key.
+
+    ``attention_mask`` is transformers' ``[batch, seq]`` (1: real token, 0: padding); None: nothing is padding.
+    """
     seq = tokens.shape[1]
-    # Megatron convention: True marks positions that must NOT be attended to.
-    return torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=tokens.device), diagonal=1).view(1, 1, seq, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=tokens.device), diagonal=1).view(1, 1, seq, seq)
+    if attention_mask is None:
+        return mask
+    return mask | (attention_mask == 0).view(tokens.shape[0], 1, 1, seq)
+
+
+def _inputs(microbatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, position_ids, attention_mask)`` of a microbatch: a token tensor, or a dict with ``input_ids``
+    and an optional ``attention_mask``."""
+    tokens = _tokens(microbatch)
+    padding = microbatch.get("attention_mask") if isinstance(microbatch, dict) else None
+    return tokens, _position_ids(tokens, padding), _attention_mask(tokens, padding)
 
 
 def _run_schedule(model: list, microbatches: list[torch.Tensor], forward_only: bool, step_fn, seq_length: int) -> list:
@@ -32,13 +54,13 @@ def _run_schedule(model: list, microbatches: list[torch.Tensor], forward_only: b
         model=model,
         num_microbatches=len(microbatches),
         seq_length=seq_length,
-        micro_batch_size=_rows(microbatches[0]),
+        micro_batch_size=_tokens(microbatches[0]).shape[0],
         forward_only=forward_only,
     )
 
 
-def _rows(microbatch) -> int:
-    return (microbatch["input_ids"] if isinstance(microbatch, dict) else microbatch).shape[0]
+def _tokens(microbatch) -> torch.Tensor:
+    return microbatch["input_ids"] if isinstance(microbatch, dict) else microbatch
 
 
 def broadcast_from_last_stage(value: torch.Tensor | None) -> torch.Tensor:
@@ -60,7 +82,7 @@ def _forward_only(model: list, microbatches: list[torch.Tensor], capture) -> tor
 
     def step(data_iterator, chunk):
         batch = next(data_iterator)
-        output = chunk(batch, _position_ids(batch), _causal_mask(batch))
+        output = chunk(*_inputs(batch))
 
         def keep(output_tensor):
             captured.append(capture(output_tensor, batch))
@@ -71,7 +93,7 @@ def _forward_only(model: list, microbatches: list[torch.Tensor], capture) -> tor
     for chunk in model:
         chunk.eval()
     with torch.no_grad():
-        _run_schedule(model, microbatches, forward_only=True, step_fn=step, seq_length=microbatches[0].shape[1])
+        _run_schedule(model, microbatches, forward_only=True, step_fn=step, seq_length=_tokens(microbatches[0]).shape[1])
     return broadcast_from_last_stage(torch.cat(captured) if captured else None)
 
 
@@ -112,30 +134,47 @@ def token_entropy(vocab_parallel_logits: torch.Tensor, temperature: float = 1.0)
     return total.log() - weighted / total
 
 
-def compute_log_probs(model: list, input_ids: torch.Tensor, response_length: int, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """``[batch, response_length]`` log-probabilities of the last ``response_length`` tokens of each row, on every rank."""
+def _microbatches(input_ids: torch.Tensor, micro_batch_size: int, attention_mask: torch.Tensor | None) -> list[dict]:
+    microbatches = [{"input_ids": ids} for ids in input_ids.split(micro_batch_size)]
+    if attention_mask is not None:
+        for microbatch, mask in zip(microbatches, attention_mask.split(micro_batch_size), strict=True):
+            microbatch["attention_mask"] = mask
+    return microbatches
+
+
+def compute_log_probs(
+    model: list, input_ids: torch.Tensor, response_length: int, temperature: float, micro_batch_size: int,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[batch, response_length]`` log-probabilities of the last ``response_length`` tokens of each row, on every rank.
+
+    ``attention_mask`` (``[batch, seq]``, 0 on left padding) keeps padding out of attention and positions, as
+    transformers does for the rollout; None: every token is real.
+    """
     return _forward_only(
         model,
-        list(input_ids.split(micro_batch_size)),
-        lambda output, batch: token_log_probs(output, batch, temperature)[:, -response_length:],
+        _microbatches(input_ids, micro_batch_size, attention_mask),
+        lambda output, batch: token_log_probs(output, batch["input_ids"], temperature)[:, -response_length:],
     )
 
 
 def compute_log_probs_and_entropy(
-    model: list, input_ids: torch.Tensor, response_length: int, temperature: float, micro_batch_size: int
+    model: list, input_ids: torch.Tensor, response_length: int, temperature: float, micro_batch_size: int,
+    attention_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``compute_log_probs`` and, from the same forward, the entropy at each of those positions, on every rank."""
 
-    def capture(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-        log_probs = token_log_probs(output, batch, temperature)[:, -response_length:]
+    def capture(output: torch.Tensor, batch: dict) -> torch.Tensor:
+        log_probs = token_log_probs(output, batch["input_ids"], temperature)[:, -response_length:]
         return torch.cat([log_probs, token_entropy(output, temperature)[:, -response_length:]], dim=1)
 
-    both = _forward_only(model, list(input_ids.split(micro_batch_size)), capture)
+    both = _forward_only(model, _microbatches(input_ids, micro_batch_size, attention_mask), capture)
     return both[:, :response_length], both[:, response_length:]
 
 
 def forward_backward(model: list, microbatches: list[dict], loss_fn) -> list[dict]:
-    """Forward and backward of every microbatch (dicts holding at least ``input_ids``) through the pipeline.
+    """Forward and backward of every microbatch (dicts holding at least ``input_ids``; an ``attention_mask``
+    marks left padding) through the pipeline.
 
     ``loss_fn(microbatch, vocab_parallel_logits) -> (loss, stats)`` runs on the last stage; megatron
     divides each loss by the number of microbatches before backward. Returns the stats of every
@@ -144,8 +183,7 @@ def forward_backward(model: list, microbatches: list[dict], loss_fn) -> list[dic
 
     def step(data_iterator, chunk):
         batch = next(data_iterator)
-        input_ids = batch["input_ids"]
-        output = chunk(input_ids, _position_ids(input_ids), _causal_mask(input_ids))
+        output = chunk(*_inputs(batch))
         return output, partial(loss_fn, batch)
 
     for chunk in model:
@@ -166,7 +204,7 @@ def train_step(model: list, optimizer, scheduler, microbatches: list[torch.Tenso
     def step(data_iterator, chunk):
         batch = next(data_iterator)
         inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        output = chunk(inputs, _position_ids(inputs), _causal_mask(inputs), labels=labels)
+        output = chunk(*_inputs(inputs), labels=labels)
         return output, partial(_next_token_loss, labels)
 
     for chunk in model:

@@ -4,15 +4,17 @@ One step (``RayPPOTrainer.fit``):
 
 1. the next ``data.train_batch_size`` prompts of ``data.train_files`` (parquet in upstream's RLHFDataset format;
    the embedded task is written as such a file first: ``verl.trainer.data_plan``), left-padded to the run's one
-   prompt length, each repeated ``rollout.n`` times;
+   prompt length with an attention mask (0 on padding) that the rollout and Megatron both honour, each repeated
+   ``rollout.n`` times;
 2. ``generate_sequences`` on the ranks: the actor's current weights go to an HF model in memory
    (``verl.models.mcore.parallel_hf_save.gather_hf_weights``), which samples the responses; the sampling seed is a function of
    ``data.seed``, the step and the data-parallel rank, so a resumed run samples what an uninterrupted one would;
 3. rule-based rewards on the driver, GRPO advantages (group-normalised per prompt);
 4. ``compute_log_prob``: Megatron recomputes the responses' log-probabilities (the PPO "old" policy;
-   their distance to the rollout's is logged as ``rollout/log_prob_diff_max``) and their entropy
-   (``actor/entropy``); with ``actor.use_kl_loss``, ``compute_ref_log_prob``: the same under the reference
-   policy, a second Megatron model on the same ranks holding the initial weights;
+   their distance to the rollout's is logged as ``rollout/log_prob_diff_max``; on the run's first batch the
+   parity gate stops the run when it exceeds the dtype's tolerance: ``verl.trainer.ppo.log_prob_parity``) and
+   their entropy (``actor/entropy``); with ``actor.use_kl_loss``, ``compute_ref_log_prob``: the same under the
+   reference policy, a second Megatron model on the same ranks holding the initial weights;
 5. ``update_actor``: the PPO-clip loss (plus ``kl_loss_coef`` x the KL to the reference, minus
    ``entropy_coeff`` x the entropy) through Megatron's pipeline, optimizer step;
 6. every ``trainer.save_freq`` steps (and at the last) the workers save ``global_step_N/actor``; the
@@ -42,12 +44,14 @@ from omegaconf import OmegaConf
 
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+from verl.trainer.ppo.log_prob_parity import check_log_prob_parity, max_log_prob_diff
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
 from verl.utils.checkpoint.names import STEP_DIR_FORMAT
 from verl.utils.dataset.arithmetic import PromptSampler
-from verl.utils.dataset.rl_dataset import left_pad
-from verl.utils.fs import atomic_open, atomic_write_text, local_mkdir_safe
+from verl.utils.dataset.rl_dataset import left_pad, left_pad_attention_mask
+from verl.utils.fs import atomic_open, atomic_write_text
 from verl.utils.reward_score import default_compute_score
+from verl.utils.tracking import Tracking
 from verl.workers.config import MegatronActorConfigs, build_megatron_actor_configs
 from verl.workers.megatron_workers import ActorRolloutRefWorker
 
@@ -94,6 +98,9 @@ class RayPPOTrainer:
         loggers = config.trainer.logger
         self.loggers = [loggers] if isinstance(loggers, str) else list(loggers)
         self.metrics_path = os.path.join(self.default_local_dir, METRICS_FILENAME)
+        self.tracking: Tracking | None = None  # file / tensorboard / wandb, opened by fit()
+        self.actor_dtype = "float32"  # what the ranks report once built
+        self.parity_checked = False  # the log-prob parity gate runs on the first batch of this process
         self.saved: list[dict] = []
         self._pending: dict | None = None  # an async save not yet committed
         self.history: list[dict] = []
@@ -130,6 +137,7 @@ class RayPPOTrainer:
         )
         start = time.monotonic()
         built = wg.init_model()
+        self.actor_dtype = built[0]["dtype"]
         self._print(f"[trainer] model built on every rank in {time.monotonic() - start:.1f}s ({built[0]['num_params']:,} parameters on rank 0)")
         if built[0]["ref"]:
             offload = self.config.actor_rollout_ref.ref.megatron.param_offload
@@ -143,6 +151,9 @@ class RayPPOTrainer:
         if self.actor_rollout_wg is not None:
             self.actor_rollout_wg.shutdown()
             self.actor_rollout_wg = None
+        if self.tracking is not None:
+            self.tracking.finish()
+            self.tracking = None
 
     # ------------------------------------------------------------------ loop
 
@@ -151,6 +162,7 @@ class RayPPOTrainer:
 
         self.global_steps = self._load_checkpoint()
         trainer = self.config.trainer
+        self.tracking = self._open_tracking()
         if self.data.val is not None and (trainer.val_before_train or trainer.val_only):
             val_metrics = self._validate()
             self._log_metrics({"step": self.global_steps, **val_metrics}, history=False)
@@ -203,16 +215,20 @@ class RayPPOTrainer:
         rows = self.sampler.next_batch()
         group_index = np.repeat(np.arange(len(rows)), self.n)
         input_ids = self._encode_prompts(rows).repeat_interleave(self.n, dim=0)
+        prompt_mask = self._prompt_attention_mask(rows).repeat_interleave(self.n, dim=0)
 
         with _timed(timing, "gen"):
-            rollout = self._generate(input_ids, step, timing)
+            rollout = self._generate(input_ids, step, timing, attention_mask=prompt_mask)
         with _timed(timing, "reward"):
             scores = self._score(rows, rollout["responses"], rollout["response_mask"])
             advantages = self._advantages(scores, rollout["response_mask"], group_index)
         sequences = torch.cat([input_ids, rollout["responses"]], dim=1)
-        old_log_probs, policy_terms, policy_metrics = self._policy_log_probs(sequences, rollout["response_mask"], timing)
-        batch = {"input_ids": sequences, "response_mask": rollout["response_mask"], "old_log_probs": old_log_probs, "advantages": advantages,
-                 **policy_terms}  # fmt: skip
+        # Every generated token is attended to (transformers extends the mask with ones while generating).
+        attention_mask = torch.cat([prompt_mask, torch.ones_like(rollout["responses"])], dim=1)
+        old_log_probs, policy_terms, policy_metrics = self._policy_log_probs(sequences, attention_mask, rollout["response_mask"], timing)
+        self._check_parity_once(old_log_probs, rollout)
+        batch = {"input_ids": sequences, "attention_mask": attention_mask, "response_mask": rollout["response_mask"],
+                 "old_log_probs": old_log_probs, "advantages": advantages, **policy_terms}  # fmt: skip
         with _timed(timing, "update_actor"):
             updates = self.actor_rollout_wg.update_actor(self._split(batch))
         timing["step"] = time.monotonic() - start_step
@@ -220,11 +236,14 @@ class RayPPOTrainer:
                 **self._kl_entropy_metrics(updates), "data/epoch": self.sampler.epoch,
                 **{f"timing_s/{key}": round(value, 3) for key, value in timing.items()}}  # fmt: skip
 
-    def _policy_log_probs(self, sequences: torch.Tensor, response_mask: torch.Tensor, timing: dict) -> tuple[torch.Tensor, dict, dict]:
+    def _policy_log_probs(
+        self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, timing: dict
+    ) -> tuple[torch.Tensor, dict, dict]:
         """The old policy's log-probs and entropy, and with a reference policy its log-probs (``ref_log_prob``,
         upstream's batch key): ``(old_log_probs, extra batch entries, metrics)``."""
+        inputs = {"input_ids": sequences, "attention_mask": attention_mask}
         with _timed(timing, "old_log_prob"):
-            outputs = self.actor_rollout_wg.compute_log_prob(self._split({"input_ids": sequences}))
+            outputs = self.actor_rollout_wg.compute_log_prob(self._split(inputs))
         old_log_probs = torch.cat([out["old_log_probs"] for out in outputs])
         entropys = torch.cat([out["entropys"] for out in outputs])
         mask = response_mask.to(entropys.dtype)
@@ -233,7 +252,7 @@ class RayPPOTrainer:
         if not self.use_reference_policy:
             return old_log_probs, {}, metrics
         with _timed(timing, "ref"):
-            outputs = self.actor_rollout_wg.compute_ref_log_prob(self._split({"input_ids": sequences}))
+            outputs = self.actor_rollout_wg.compute_ref_log_prob(self._split(inputs))
         metrics["ref/param_offloaded"] = all(out["param_offloaded_before"] and out["param_offloaded_after"] for out in outputs)
         return old_log_probs, {"ref_log_prob": torch.cat([out["ref_log_prob"] for out in outputs])}, metrics
 
@@ -254,11 +273,15 @@ class RayPPOTrainer:
         parts = zip(*(value.chunk(self.actor_rollout_wg.dp_size) for value in batch.values()), strict=True)
         return [dict(zip(batch, values, strict=True)) for values in parts]
 
-    def _generate(self, input_ids: torch.Tensor, step: int, timing: dict, sampling: dict | None = None, seed_offset: int = 0) -> dict[str, torch.Tensor]:
+    def _generate(
+        self, input_ids: torch.Tensor, step: int, timing: dict, sampling: dict | None = None, seed_offset: int = 0,
+        attention_mask: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
         seed = int(self.config.data.seed) + seed_offset
+        prompts = {"input_ids": input_ids} if attention_mask is None else {"input_ids": input_ids, "attention_mask": attention_mask}
         shards = [
             {**part, "seed": sampling_seed(seed, step, dp), **({"sampling": sampling} if sampling else {})}
-            for dp, part in enumerate(self._split({"input_ids": input_ids}))
+            for dp, part in enumerate(self._split(prompts))
         ]
         generated = self.actor_rollout_wg.generate_sequences(shards)
         timing["weight_sync"] = max(g["timing"]["weight_sync"] for g in generated)
@@ -283,10 +306,12 @@ class RayPPOTrainer:
         for start in range(0, len(rows_all), per_batch):
             rows = rows_all[start : start + per_batch]
             input_ids = self._encode_prompts(rows).repeat_interleave(n, dim=0)
+            prompt_mask = self._prompt_attention_mask(rows).repeat_interleave(n, dim=0)
             extra = (-input_ids.shape[0]) % dp
             if extra:
                 input_ids = torch.cat([input_ids, input_ids[-1:].expand(extra, -1)])
-            out = self._generate(input_ids, self.global_steps, {}, sampling=sampling, seed_offset=7919)
+                prompt_mask = torch.cat([prompt_mask, prompt_mask[-1:].expand(extra, -1)])
+            out = self._generate(input_ids, self.global_steps, {}, sampling=sampling, seed_offset=7919, attention_mask=prompt_mask)
             for i, row in enumerate(rows):
                 group = []
                 for j in range(n):
@@ -342,9 +367,25 @@ class RayPPOTrainer:
         }
 
     def _encode_prompts(self, rows: list[dict]) -> torch.Tensor:
-        """The rows' tokenized prompts, left-padded to the run's one prompt length. The pad tokens are ordinary
-        input to both the rollout and Megatron (neither masks them), so the two compute the same log-probs."""
+        """The rows' tokenized prompts, left-padded to the run's one prompt length."""
         return left_pad(rows, self.data.prompt_length, self.tokenizer.pad_token_id)
+
+    def _prompt_attention_mask(self, rows: list[dict]) -> torch.Tensor:
+        """1 on each prompt's tokens, 0 on its left padding: the rollout and Megatron both keep the padding out
+        of attention and positions (as upstream), so a prompt's log-probs do not depend on how much it was padded."""
+        return left_pad_attention_mask(rows, self.data.prompt_length)
+
+    def _check_parity_once(self, old_log_probs: torch.Tensor, rollout: dict) -> None:
+        """The parity gate (``rollout.log_prob_parity_check``) on the first batch this process trains."""
+        if self.parity_checked:
+            return
+        self.parity_checked = True
+        gate = self.config.actor_rollout_ref.rollout.log_prob_parity_check
+        if not gate.enable:
+            return
+        max_diff = max_log_prob_diff(old_log_probs, rollout["rollout_log_probs"], rollout["response_mask"])
+        tolerance = check_log_prob_parity(max_diff, self.actor_dtype, gate.tolerance)
+        self._print(f"[trainer] log-prob parity on the first batch: actor vs rollout max |diff| {max_diff:.1e} <= {tolerance:.0e} ({self.actor_dtype})")
 
     def _score_one(self, row: dict, text: str) -> float:
         return float(self.compute_score(row["data_source"], text, row["ground_truth"], row["extra_info"]))
@@ -447,14 +488,18 @@ class RayPPOTrainer:
         if "console" in self.loggers:
             print(message, flush=True)
 
+    def _open_tracking(self) -> Tracking:
+        trainer = self.config.trainer
+        return Tracking(
+            str(trainer.project_name), str(trainer.experiment_name), self.loggers,
+            config=OmegaConf.to_container(self.config, resolve=True), metrics_path=self.metrics_path,
+        )  # fmt: skip
+
     def _log_metrics(self, metrics: dict, history: bool = True) -> None:
         if history:
             self.history.append(metrics)
-        if "file" not in self.loggers:
-            return
-        local_mkdir_safe(self.default_local_dir)
-        with open(self.metrics_path, "a") as handle:
-            handle.write(json.dumps({**metrics, "time": time.time()}) + "\n")
+        if self.tracking is not None:
+            self.tracking.log(metrics, step=int(metrics["step"]))
 
     def _summary(self) -> None:
         lines = [f"[trainer] done: {self.total_training_steps} steps; checkpoints under {self.default_local_dir}"]

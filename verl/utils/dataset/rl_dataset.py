@@ -197,3 +197,12 @@ def left_pad(rows: Sequence[Mapping[str, Any]], length: int, pad_token_id: int):
         if ids:
             out[i, length - len(ids) :] = torch.tensor(ids, dtype=torch.long)
     return out
+
+
+def left_pad_attention_mask(rows: Sequence[Mapping[str, Any]], length: int):
+    """``[rows, length]`` LongTensor matching ``left_pad``: 1 on each row's tokens, 0 on its padding (transformers'
+    attention mask). Built from the prompt lengths, so a real token equal to the pad id is never masked."""
+    import torch
+
+    lengths = torch.tensor([len(row["input_ids"]) for row in rows], dtype=torch.long)
+    return (torch.arange(length).unsqueeze(0) >= (length - lengths).unsqueeze(1)).long()

@@ -52,19 +52,24 @@ class MegatronPPOActor:
         self.optimizer = optimizer
         self.scheduler = scheduler
 
-    def compute_log_prob(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[rows, response_length]`` log-probabilities of each row's response under the current weights."""
+    def compute_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[rows, response_length]`` log-probabilities of each row's response under the current weights
+        (``attention_mask``: 0 on the prompts' left padding)."""
         s = self.settings
-        return compute_log_probs(self.model, input_ids, s.response_length, s.temperature, s.micro_batch_size)
+        return compute_log_probs(self.model, input_ids, s.response_length, s.temperature, s.micro_batch_size, attention_mask)
 
-    def compute_log_prob_and_entropy(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_log_prob_and_entropy(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``compute_log_prob`` and the entropy at each response position (upstream's ``calculate_entropy``)."""
         s = self.settings
-        return compute_log_probs_and_entropy(self.model, input_ids, s.response_length, s.temperature, s.micro_batch_size)
+        return compute_log_probs_and_entropy(
+            self.model, input_ids, s.response_length, s.temperature, s.micro_batch_size, attention_mask
+        )
 
     def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """PPO-clip updates on ``batch`` (``input_ids``, ``response_mask``, ``old_log_probs``, ``advantages``,
-        and ``ref_log_prob`` with ``use_kl_loss``).
+        ``ref_log_prob`` with ``use_kl_loss``, and optionally ``attention_mask``, 0 on the prompts' left padding).
 
         Returns the sums of the loss statistics over every mini-batch and data-parallel rank (divide by
         ``tokens``), and the last step's grad norm and learning rate.

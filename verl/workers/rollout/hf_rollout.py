@@ -23,13 +23,17 @@ class RolloutSettings:
 
 
 class HFRollout:
-    def __init__(self, hf_config, settings: RolloutSettings, eos_token_id: int, pad_token_id: int, device: str = "cpu") -> None:
+    def __init__(
+        self, hf_config, settings: RolloutSettings, eos_token_id: int, pad_token_id: int, device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """``dtype``: the rollout model's (the trainer's actor is float32; scripts/measure_log_prob_parity.py runs bf16 too)."""
         from transformers import AutoModelForCausalLM
 
         self.settings = settings
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
-        self.module = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).to(device).eval()
+        self.module = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device).eval()
         self._parameters = dict(self.module.named_parameters())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -50,8 +54,10 @@ class HFRollout:
         return len(seen)
 
     @torch.no_grad()
-    def generate_sequences(self, input_ids: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
-        """Sample one response per row of ``input_ids`` (equal-length prompts, no padding).
+    def generate_sequences(self, input_ids: torch.Tensor, seed: int, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Sample one response per row of ``input_ids`` (``[rows, prompt_len]``, left-padded where ``attention_mask``,
+        transformers' ``[rows, prompt_len]`` mask, is 0: padding is neither attended to nor counted in positions;
+        None: no padding).
 
         Returns ``responses`` (padded after EOS to ``response_length``), ``response_mask`` (1 up to and
         including the first EOS) and ``rollout_log_probs``: log-probabilities of the sampled tokens under
@@ -64,7 +70,7 @@ class HFRollout:
             torch.manual_seed(seed)
             out = self.module.generate(
                 prompts,
-                attention_mask=torch.ones_like(prompts),
+                attention_mask=torch.ones_like(prompts) if attention_mask is None else attention_mask.to(device),
                 do_sample=s.do_sample,
                 temperature=s.temperature if s.do_sample else None,
                 top_p=s.top_p if s.do_sample else None,

@@ -1,0 +1,48 @@
+"""The first-batch parity gate: the actor's recomputed log-probs against the rollout's own.
+
+The rollout (transformers) and the actor (Megatron, built through the bridge) hold the same weights, so on the
+first batch, before any update, they must give the same log-probs up to the rounding of their dtype. A larger
+gap means the two are different models (the bridge maps an HF config field differently, e.g. a router that
+normalises its top-k weights in one and not the other, or an activation it does not read) or see different
+inputs (padding), and the run would train one model while sampling from another. Tolerances per dtype were
+measured with ``scripts/measure_log_prob_parity.py`` (docs/trainer.md, "The log-prob parity gate").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+GATE_KEY = "actor_rollout_ref.rollout.log_prob_parity_check"
+
+
+class LogProbParityError(RuntimeError):
+    """The actor and the rollout disagree on the first batch beyond the dtype's tolerance."""
+
+
+def max_log_prob_diff(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """Largest ``|actor - rollout|`` over the response tokens (0.0 when there are none)."""
+    diff = (actor_log_probs.float() - rollout_log_probs.float()).abs()[response_mask.bool()]
+    return diff.max().item() if diff.numel() else 0.0
+
+
+def check_log_prob_parity(max_diff: float, dtype: str, tolerances: Mapping[str, float]) -> float:
+    """The tolerance that ``max_diff`` passed; raises ``LogProbParityError`` naming the gap, the tolerance,
+    the dtype, the likely causes and the key that turns the gate off."""
+    if dtype not in tolerances:
+        raise LogProbParityError(
+            f"log-prob parity gate: no tolerance for the actor's dtype {dtype}; set {GATE_KEY}.tolerance.{dtype}=<x> "
+            f"(measure it with scripts/measure_log_prob_parity.py) or {GATE_KEY}.enable=False"
+        )
+    tolerance = float(tolerances[dtype])
+    if not max_diff <= tolerance:  # also catches NaN
+        raise LogProbParityError(
+            f"log-prob parity gate: on the first batch the actor's log-probs differ from the rollout's by up to {max_diff:.3e}, "
+            f"over the {dtype} tolerance {tolerance:.1e} ({GATE_KEY}.tolerance.{dtype}). The actor (Megatron, through the bridge) "
+            "and the rollout (transformers) are not computing the same model: likely a bridge mapping mismatch for this "
+            "model family (e.g. a router that renormalises its top-k weights in one and not the other, an activation or "
+            "config field the bridge does not read; docs/models.md), or padding treated differently. Training would "
+            f"update one model while sampling from another. To run anyway set {GATE_KEY}.enable=False."
+        )
+    return tolerance
