@@ -111,7 +111,8 @@ class AsyncMode(str, enum.Enum):
 class SaveReport:
     """What one save did: returned by ``save_checkpoint`` and kept as ``last_save``. ``phase_seconds`` holds the
     rank's time per phase (``dist_checkpoints``, ``hf_config``, ``hf_weights``, ``fork``, ``background_wait``,
-    ``metadata``; the commit step adds ``hf_verify`` and ``commit``); ``blocked_seconds`` how long
+    ``metadata``; the commit step adds ``hf_verify`` and ``commit``, ``MegatronActor`` its ``finite_check`` and
+    ``staging``, which precede this call); ``blocked_seconds`` how long
     save_checkpoint held training; ``hf_weights_in_background`` whether the fork wrote the HF weights."""
 
     local_path: str
