@@ -484,6 +484,20 @@ def test_bad_checkpoint_gets_a_clear_error_and_nothing_is_deleted(base_root, tmp
     assert _files(root) == before
 
 
+def test_a_check_without_checksums_reads_sizes_only(base_root, tmp_path):
+    """``checksums=False`` (for a caller that has just hashed the step) skips the content checksums and keeps
+    every other check: a flipped byte passes it, a truncated shard does not."""
+    root = _copy_run(base_root, tmp_path)
+    step = _step_path(root, 1)
+    flipped = _flip_optimizer_shard(step)
+    verify_checkpoint(step, checksums=False)
+    with pytest.raises(CheckpointError, match=re.escape(flipped)):
+        verify_checkpoint(step)
+    truncated = _truncate_shard(step)
+    with pytest.raises(CheckpointError, match=re.escape(truncated)):
+        verify_checkpoint(step, checksums=False)
+
+
 def _save_with_a_non_finite_state(src: str, root: str, where: str) -> dict:
     actor = _actor(src)
     actor.train_step(_batches(0))
