@@ -91,18 +91,6 @@ def _bench_config(hidden_size: int):
     return config
 
 
-def _storage_bytes(tensors) -> int:
-    from verl.utils.internals.torch import storage_id
-
-    seen, total = set(), 0
-    for tensor in tensors:
-        key = storage_id(tensor)
-        if key not in seen:
-            seen.add(key)
-            total += tensor.untyped_storage().nbytes()
-    return total
-
-
 def _measure(use_distributed_optimizer: bool, hidden_size: int) -> dict:
     """Runs on every rank."""
     from verl.models.mcore import make_bridge
@@ -119,17 +107,8 @@ def _measure(use_distributed_optimizer: bool, hidden_size: int) -> dict:
     data = torch.randint(4, 90, (2, 33), generator=torch.Generator().manual_seed(0))
     train_step(model, optimizer, scheduler, [data])
 
-    param_bytes = _storage_bytes(t for chunk in model for _, t in megatron_utils._param_roots(chunk))
-    grad_bytes = _storage_bytes(
-        b.grad_data for chunk in model for b in list(chunk.buffers) + list(chunk.expert_parallel_buffers)
-    )
-    state_bytes = _storage_bytes(
-        v
-        for opt in optimizer.chained_optimizers
-        for s in opt.optimizer.state.values()
-        for v in s.values()
-        if torch.is_tensor(v)
-    )
+    storages = megatron_utils.describe_megatron_storages(model, optimizer)
+    param_bytes, grad_bytes, state_bytes = (sum(r.nbytes for r in storages if r.kind == kind) for kind in ("param", "grad", "optimizer"))
     peak = _PeakRSS()
     result = {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "state_bytes": state_bytes}
     for cycle in ("first", "second"):

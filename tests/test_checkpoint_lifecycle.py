@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
+from verl.utils.checkpoint.commit import is_finite
 from verl.utils.checkpoint.integrity import (
     CheckpointError,
     build_manifest,
@@ -483,6 +484,20 @@ def test_bad_checkpoint_gets_a_clear_error_and_nothing_is_deleted(base_root, tmp
     assert _files(root) == before
 
 
+def test_a_check_without_checksums_reads_sizes_only(base_root, tmp_path):
+    """``checksums=False`` (for a caller that has just hashed the step) skips the content checksums and keeps
+    every other check: a flipped byte passes it, a truncated shard does not."""
+    root = _copy_run(base_root, tmp_path)
+    step = _step_path(root, 1)
+    flipped = _flip_optimizer_shard(step)
+    verify_checkpoint(step, checksums=False)
+    with pytest.raises(CheckpointError, match=re.escape(flipped)):
+        verify_checkpoint(step)
+    truncated = _truncate_shard(step)
+    with pytest.raises(CheckpointError, match=re.escape(truncated)):
+        verify_checkpoint(step, checksums=False)
+
+
 def _save_with_a_non_finite_state(src: str, root: str, where: str) -> dict:
     actor = _actor(src)
     actor.train_step(_batches(0))
@@ -508,6 +523,18 @@ def test_a_non_finite_state_is_never_saved(tiny_moe_path, base_root, tmp_path, w
         assert not result["step_dir"], "nothing of the refused step may be written"
     verify_checkpoint(_step_path(root, 1))  # the previous step is whole
     assert _tracked(root) == "1"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finite_check_is_exact_where_a_sum_overflows(dtype):
+    """The check screens with a sum: finite values whose sum overflows still pass, and every NaN/Inf fails."""
+    largest = torch.finfo(dtype).max
+    assert is_finite(torch.full((64,), largest / 4, dtype=dtype))  # the sum overflows; every value is finite
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        tensor = torch.randn(100).to(dtype)
+        tensor[37] = bad
+        assert not is_finite(tensor), bad
+    assert not is_finite(torch.tensor([float("inf"), float("-inf")], dtype=dtype))
 
 
 def test_checkpoint_of_another_model_is_refused(base_root, tmp_path):

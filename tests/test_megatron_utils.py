@@ -100,8 +100,7 @@ def _optimizer_offloaded_as_upstream(optimizer, working: list[torch.Tensor], bit
         "values_held": _mismatches(bits, _opt_bits(optimizer)) == [],
         "stand_ins_have_storage": all(t.untyped_storage().nbytes() > 0 for t in states + mains if t.numel()),
         "not_the_working_tensors": all(s is not w for s, w in zip(states, working, strict=True)),
-        "working_freed": _all_freed(working)
-        and _all_freed(getattr(p, megatron_utils._DEVICE_TENSOR_ATTR) for p in mains),
+        "working_freed": _all_freed(working) and not any(r.resident for r in _storages([], optimizer)),
     }
 
 
@@ -113,8 +112,8 @@ def _all_freed(tensors) -> bool:
     return all(t.untyped_storage().nbytes() == 0 for t in tensors)
 
 
-def _host_copy_ptrs(tensors) -> list:
-    return [[piece.data_ptr() for piece in getattr(t, megatron_utils._HOST_COPY_ATTR)] for t in tensors]
+def _storages(model: list, optimizer=None) -> list:
+    return megatron_utils.describe_megatron_storages(model, optimizer)
 
 
 def _offload_roundtrip(use_distributed_optimizer: bool) -> dict:
@@ -160,11 +159,8 @@ def _offload_roundtrip(use_distributed_optimizer: bool) -> dict:
         "grad_data": _all_freed(b.grad_data for b in buffers),
     }
     report["optimizer_offloaded"] = _optimizer_offloaded_as_upstream(optimizer, working_states, states)
-    roots = [t for chunk in model for _, t in megatron_utils._param_roots(chunk)] + [b.grad_data for b in buffers]
-
     def host_ptrs_now() -> list:
-        states_host = [getattr(t, megatron_utils._STATE_HOST_ATTR).data_ptr() for t in working_states]
-        return _host_copy_ptrs(roots) + states_host
+        return [(r.name, r.host_copy_addresses) for r in _storages(model, optimizer)]
 
     host_ptrs = host_ptrs_now()
 
@@ -351,15 +347,19 @@ def _regression_do_false() -> dict:
     )
 
     # A parameter whose dtype changed since its host copy was made is refused, not copied a second time.
-    param = next(model[0].parameters())
-    host_copy = getattr(param, megatron_utils._HOST_COPY_ATTR)
+    name, param = next(model[0].named_parameters())
+
+    def host_copy() -> tuple:
+        return next(r.host_copy_addresses for r in _storages(model) if r.name == name)
+
+    kept = host_copy()
     param.data = param.data.double()
     try:
         megatron_utils.offload_megatron_model_to_cpu(model)
         report["changed_layout"] = "no error"
     except RuntimeError as error:
         report["changed_layout"] = str(error)
-    report["host_copy_kept"] = getattr(param, megatron_utils._HOST_COPY_ATTR) is host_copy
+    report["host_copy_kept"] = bool(kept) and host_copy() == kept
     report["changed_param_resident"] = param.untyped_storage().nbytes() > 0
     return report
 
@@ -458,45 +458,50 @@ def test_regression_param_data_none_does_not_crash():
     assert report["host_copy_kept"] and report["changed_param_resident"]
 
 
+def _module_with(tensor: torch.Tensor) -> torch.nn.Module:
+    """A chunk without DDP (as a reference model is) whose one parameter shares ``tensor``'s storage."""
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(tensor, requires_grad=False)
+    return module
+
+
 @pytest.mark.parametrize("numel", [1, 1000, 1024, 3 * 1024 + 7, 300_001])
-def test_split_host_copies_are_exact(numel):
+def test_split_host_copies_are_exact(numel, monkeypatch):
     """Pinned host copies are split into power-of-two pieces (the pinned allocator rounds sizes up to
     a power of two); exercised here on the CPU by forcing the split."""
     buffer = torch.randn(numel + 3, dtype=torch.float32)
     view = buffer[3:]
+    module = _module_with(view)
     expected = _bits(buffer)
     nbytes = buffer.untyped_storage().nbytes()
-    sizes = megatron_utils._host_piece_sizes(nbytes, split=True)
+    sizes = megatron_utils.host_copy_piece_sizes(nbytes, split=True)
     assert sum(sizes) == nbytes
     assert all(size & (size - 1) == 0 for size in sizes[:-1]) and len(set(sizes)) == len(sizes)
-    saved = megatron_utils._SPLIT_HOST_COPIES
-    megatron_utils._SPLIT_HOST_COPIES = True
-    try:
-        assert megatron_utils._offload_storage(view, "view") == nbytes
-        assert buffer.untyped_storage().nbytes() == 0  # (never let pytest print a released tensor: it segfaults)
-        assert [p.numel() for p in getattr(view, megatron_utils._HOST_COPY_ATTR)] == sizes
-        megatron_utils._reload_storage(view, "view")
-    finally:
-        megatron_utils._SPLIT_HOST_COPIES = saved
+    monkeypatch.setattr(megatron_utils, "SPLIT_HOST_COPIES", True)
+    megatron_utils.offload_megatron_model_to_cpu([module])
+    assert buffer.untyped_storage().nbytes() == 0  # (never let pytest print a released tensor: it segfaults)
+    (entry,) = megatron_utils.describe_megatron_storages([module])
+    assert not entry.resident and entry.nbytes == nbytes and list(entry.host_copy_sizes) == sizes
+    megatron_utils.load_megatron_model_to_gpu([module])
     assert torch.equal(_bits(buffer), expected)
-    assert view.data_ptr() == buffer.data_ptr() + 3 * buffer.element_size()
+    assert module.weight.data_ptr() == buffer.data_ptr() + 3 * buffer.element_size()
 
 
 def test_host_copy_with_changed_shape_is_refused():
-    tensor = torch.randn(64)
-    megatron_utils._offload_storage(tensor, "t")
-    megatron_utils._reload_storage(tensor, "t")
-    tensor.data = torch.randn(32)
+    module = _module_with(torch.randn(64))
+    megatron_utils.offload_megatron_model_to_cpu([module])
+    megatron_utils.load_megatron_model_to_gpu([module])
+    module.weight.data = torch.randn(32)
     with pytest.raises(RuntimeError, match="layout"):
-        megatron_utils._offload_storage(tensor, "t")
-    assert tensor.untyped_storage().nbytes() == 32 * 4
+        megatron_utils.offload_megatron_model_to_cpu([module])
+    assert module.weight.untyped_storage().nbytes() == 32 * 4
 
 
 def test_reload_of_storage_freed_elsewhere_is_refused():
-    tensor = torch.randn(8)
-    tensor.untyped_storage().resize_(0)
+    module = _module_with(torch.randn(8))
+    module.weight.untyped_storage().resize_(0)
     with pytest.raises(RuntimeError, match="no host copy"):
-        megatron_utils._reload_storage(tensor, "t")
+        megatron_utils.load_megatron_model_to_gpu([module])
 
 
 def test_checkpoint_paths_follow_upstream_layout(tmp_path):

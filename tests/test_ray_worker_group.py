@@ -22,7 +22,7 @@ class ProbeWorker(MegatronWorker):
         super().__init__()
         if self.rank == fail_in_init_on:
             raise RuntimeError(f"constructor of rank {self.rank} refuses to start")
-        self._init_megatron(ParallelSizes(tp=tp), seed=1, timeout_s=120)
+        self.init_megatron(ParallelSizes(tp=tp), seed=1, timeout_s=120)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def describe(self) -> dict:

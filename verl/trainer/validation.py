@@ -546,13 +546,13 @@ def find_resume_step(config: Any, model_path: str | None = None) -> tuple[int, s
         else:
             root = os.path.abspath(os.path.expanduser(str(trainer.default_local_dir)))
             _check_tracker_is_text(root)
-            actor_path, notes = find_resume_checkpoint(root, role="actor")
+            actor_path, notes = find_resume_checkpoint(root, role="actor")  # reads every file for its checksum
             for note in notes:
                 print(f"[main_ppo] note: {note}", flush=True)
             if actor_path is None:
                 return None
             step_dir = os.path.dirname(actor_path)
-            contents = verify_checkpoint(actor_path, *identity)
+            contents = verify_checkpoint(actor_path, *identity, checksums=False)  # hashed just above
     except (CheckpointError, OSError) as exc:
         raise ConfigError([f"trainer.resume_mode={trainer.resume_mode}: {exc}"]) from exc
     step = int(STEP_DIR_RE.match(os.path.basename(step_dir)).group(1))

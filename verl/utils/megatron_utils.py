@@ -30,6 +30,7 @@ refused loudly instead of silently allocating a second copy.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -83,14 +84,15 @@ def _layout(tensor: torch.Tensor, nbytes: int) -> tuple:
 # Pinned host memory comes from torch's caching host allocator, which rounds every request up to a
 # power of two: one pinned copy of a 5 GiB flat buffer would take 8 GiB. So where the copy is pinned
 # it is split into power-of-two pieces (the binary digits of its size, down to one page), which the
-# allocator serves without rounding. None: split exactly when pinning; tests may force True.
-_SPLIT_HOST_COPIES: bool | None = None
+# allocator serves without rounding. None (the default): split exactly when pinning; True / False force it
+# either way (on a CPU host, True exercises the pieces; ``describe_megatron_storages`` shows them).
+SPLIT_HOST_COPIES: bool | None = None
 _PAGE = 4096
 
 
-def _host_piece_sizes(nbytes: int, split: bool) -> list[int]:
-    """Sizes of the host pieces for ``nbytes``: one piece, or powers of two (>= one page) plus a tail
-    smaller than a page; they add up to exactly ``nbytes``."""
+def host_copy_piece_sizes(nbytes: int, split: bool) -> list[int]:
+    """Sizes of the host pieces an offload of ``nbytes`` makes: one piece, or, with ``split``, powers of two
+    (>= one page) plus a tail smaller than a page; they add up to exactly ``nbytes``."""
     if not split or nbytes <= _PAGE:
         return [nbytes]
     sizes = [1 << bit for bit in range(nbytes.bit_length() - 1, -1, -1) if nbytes & (1 << bit) and (1 << bit) >= _PAGE]
@@ -100,10 +102,10 @@ def _host_piece_sizes(nbytes: int, split: bool) -> list[int]:
 
 def _allocate_host_copy(nbytes: int) -> list[torch.Tensor]:
     pinned = get_device_name() != "cpu"
-    split = pinned if _SPLIT_HOST_COPIES is None else _SPLIT_HOST_COPIES
+    split = pinned if SPLIT_HOST_COPIES is None else SPLIT_HOST_COPIES
     return [
         torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=pinned)
-        for size in _host_piece_sizes(nbytes, split)
+        for size in host_copy_piece_sizes(nbytes, split)
     ]
 
 
@@ -552,6 +554,52 @@ def load_megatron_optimizer(optimizers: Any) -> None:
     _synchronize()
     gc.collect()
     _empty_cache()
+
+
+# ---------------------------------------------------------------------------
+# What an offload moves, and where it is now
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageResidence:
+    """One storage the offload functions move. ``kind``: "param", "grad" or "optimizer"; ``nbytes``: its size;
+    ``resident``: whether its bytes are in working (device) memory now; ``host_copy_addresses`` /
+    ``host_copy_sizes``: the pieces of the host copy an offload keeps for it (empty before its first offload;
+    the same addresses at every later offload, since the copy is reused)."""
+
+    name: str
+    kind: str
+    nbytes: int
+    resident: bool
+    host_copy_addresses: tuple[int, ...]
+    host_copy_sizes: tuple[int, ...]
+
+
+def _residence(name: str, kind: str, working: torch.Tensor, host: list[torch.Tensor]) -> StorageResidence:
+    resident = not _is_released(working)
+    nbytes = _storage_nbytes(working) if resident else sum(piece.numel() for piece in host)
+    return StorageResidence(name, kind, nbytes, resident, tuple(p.data_ptr() for p in host), tuple(p.numel() for p in host))
+
+
+def describe_megatron_storages(models: Iterable, optimizers: Any = None) -> list[StorageResidence]:
+    """Every storage :func:`offload_megatron_model_to_cpu` (params, grads) and :func:`offload_megatron_optimizer`
+    (fp32 main copies, Adam moments) move, one entry each: where a model's memory is at any moment, how much
+    of it an offload frees, and whether repeated offloads reuse their host copies. Changes nothing."""
+    found: list[StorageResidence] = []
+    for model_chunk in models:
+        params = _param_roots(model_chunk)
+        for name, tensor in params:
+            found.append(_residence(name, "param", tensor, getattr(tensor, _HOST_COPY_ATTR, None) or []))
+        for name, grad, _ in _grad_roots(model_chunk, exclude={_storage_key(t) for _, t in params}):
+            found.append(_residence(name, "grad", grad, getattr(grad, _HOST_COPY_ATTR, None) or []))
+    for opt in _iter_opts(optimizers):
+        for slot in _main_param_slots(opt) + _state_slots(opt):
+            working = slot.offloaded()
+            working = slot.current if working is None else working
+            host = getattr(slot.keeper(working), _STATE_HOST_ATTR, None)
+            found.append(_residence(slot.name, "optimizer", working, [] if host is None else [host]))
+    return found
 
 
 # ---------------------------------------------------------------------------

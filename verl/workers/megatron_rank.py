@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,10 +131,14 @@ class MegatronActor:
         ``local_path``. With async_save the write goes on in the background and this returns True: the step is
         committed by ``finalize_checkpoint``. A failed save raises and leaves every committed step as it was."""
         self.finalize_checkpoint(blocking=True)  # one save in flight at a time
+        start = time.monotonic()
         commit.check_finite(self.checkpoint_manager, f"refusing to save step {global_step}: nothing was written")
+        checked = time.monotonic()
         staging = commit.prepare_staging(local_path)
+        staged = time.monotonic()
         with self._discarding_on_failure(local_path):
-            self.checkpoint_manager.save_checkpoint(staging, global_step=global_step)
+            report = self.checkpoint_manager.save_checkpoint(staging, global_step=global_step)
+        report.phase_seconds.update(finite_check=checked - start, staging=staged - checked)  # the report's first phases
         self._uncommitted = (local_path, global_step, max_ckpt_to_keep)
         if self.checkpoint_manager.async_save_pending:
             return True

@@ -50,7 +50,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         self._is_offload_param = bool(megatron.get("param_offload", False))
         self._is_offload_grad = bool(megatron.get("grad_offload", False))
         self._is_offload_optimizer = bool(megatron.get("optimizer_offload", False))
-        self._init_megatron(self.sizes, seed=int(megatron["seed"]), timeout_s=float(config.get("nccl_timeout", 600)))
+        self.init_megatron(self.sizes, seed=int(megatron["seed"]), timeout_s=float(config.get("nccl_timeout", 600)))
         self.actor = None
         self.ref = None
         self.ppo_actor = None

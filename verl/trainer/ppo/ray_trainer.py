@@ -580,19 +580,26 @@ def _step_line(metrics: dict, total: int) -> str:
 
 
 def verify_saved_step(actor_path: str) -> dict:
-    """Check a saved step from the driver, as a load would (independently of the ranks that wrote it):
-    every file the manifest lists with its size, ``ckpt_contents.json``, and an HF export holding every
-    tensor the HF config implies. Raises ``CheckpointError`` otherwise."""
-    from verl.utils.checkpoint.integrity import MANIFEST_FILENAME, holds_hf_weights, verify_checkpoint
+    """Check a saved step from the driver (independently of the ranks that wrote it): every file the manifest
+    lists with its size, ``ckpt_contents.json``, and an HF export holding every tensor the HF config implies.
+    Not the checksums: the commit step computed them from these very bytes a moment ago, so a second read
+    proves nothing new (a resume checks them). Raises ``CheckpointError`` otherwise."""
+    from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
+    from verl.utils.checkpoint.integrity import (
+        CheckpointError,
+        holds_hf_weights,
+        read_ckpt_contents,
+        read_manifest,
+        verify_manifest,
+    )
+    from verl.utils.megatron_utils import get_hf_model_checkpoint_path
 
-    contents = verify_checkpoint(actor_path)
-    with open(os.path.join(actor_path, MANIFEST_FILENAME)) as handle:
-        files = len(json.load(handle)["files"])
-    result = {"files": files, "contents": contents["save_contents"]}
+    contents = read_ckpt_contents(actor_path)
+    verify_manifest(actor_path, checksums=False)
+    result = {"files": len(read_manifest(actor_path)["files"]), "contents": contents["save_contents"]}
     if holds_hf_weights(contents):  # 'hf_model', or 'model' kept as HF (use_dist_checkpointing=False)
-        from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
-        from verl.utils.megatron_utils import get_hf_model_checkpoint_path
-
         report = verify_hf_checkpoint(get_hf_model_checkpoint_path(actor_path))
+        if not report.ok:
+            raise CheckpointError(report.describe())
         result["hf"] = f"all {report.expected} tensors present with the expected shapes"
     return result

@@ -129,9 +129,10 @@ def read_ckpt_contents(step_path: str) -> dict:
     return _read_json(os.path.join(step_path, CONTENTS_FILENAME), "checkpoint contents")
 
 
-def verify_manifest(step_path: str, required: bool = True) -> bool:
-    """Every file the manifest lists exists with its recorded size; False when the step has neither our
-    commit mark nor a manifest and ``required`` is False (an upstream step)."""
+def verify_manifest(step_path: str, required: bool = True, checksums: bool = True) -> bool:
+    """Every file the manifest lists exists with its recorded size and, with ``checksums``, content checksum;
+    False when the step has neither our commit mark nor a manifest and ``required`` is False (an upstream step).
+    ``checksums=False`` is for a caller that has just hashed these very bytes (one read of the step, not two)."""
     unmarked = not os.path.exists(os.path.join(step_path, COMMIT_MARK_FILENAME))
     if not required and unmarked and not os.path.exists(os.path.join(step_path, MANIFEST_FILENAME)):
         return False
@@ -146,7 +147,7 @@ def verify_manifest(step_path: str, required: bool = True) -> bool:
             problems.append(f"{full} is missing")
         elif os.path.getsize(full) != size:
             problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest says {size} (truncated or overwritten)")
-        elif checksum is not None:
+        elif checksum is not None and checksums:
             to_hash.append((full, checksum))
     for (full, want), got in zip(to_hash, _checksums([f for f, _ in to_hash]), strict=True):
         if got != want:
@@ -191,20 +192,22 @@ def check_model_identity(step_path: str, transformer_config) -> None:
 
 
 def is_complete(step_path: str) -> bool:
+    """Whether the step holds its contents file and every file its manifest lists, at its size (no checksums:
+    this only tells a committed step from an interrupted one)."""
     try:
         read_ckpt_contents(step_path)
-        verify_manifest(step_path, required=False)
+        verify_manifest(step_path, required=False, checksums=False)
     except (CheckpointError, FileNotFoundError):
         return False
     return True
 
 
-def find_resume_checkpoint(root: str, role: str = "actor") -> tuple[str | None, list[str]]:
+def find_resume_checkpoint(root: str, role: str = "actor", checksums: bool = True) -> tuple[str | None, list[str]]:
     """The step directory (``.../global_step_N/<role>``) a ``resume_mode=auto`` run loads, and notes.
 
     The tracker names the step. A tracker that names a missing or damaged step is an error (nothing
     is deleted); incomplete staging directories and committed steps newer than the tracker are
-    reported in the notes and skipped. No tracker: no resume.
+    reported in the notes and skipped. No tracker: no resume. ``checksums``: as in ``verify_checkpoint``.
     """
     notes = []
     for step, step_dir in list_step_dirs(root):
@@ -224,7 +227,7 @@ def find_resume_checkpoint(root: str, role: str = "actor") -> tuple[str | None, 
             f"checkpoint tracker {tracker} names step {tracked}, but {path} does not exist; restore it, or set "
             "trainer.resume_mode=disable or trainer.resume_from_path=<a complete step>"
         )
-    verify_checkpoint(path)
+    verify_checkpoint(path, checksums=checksums)
     for step, step_dir in list_step_dirs(root):
         if step > tracked and is_complete(os.path.join(step_dir, role)):
             notes.append(f"skipping step {step}: committed but never tracked (the run stopped before the tracker was written)")
@@ -236,16 +239,17 @@ def holds_hf_weights(contents: dict) -> bool:
     return any(contents.get("contents", {}).get(name, {}).get("format") == "huggingface" for name in ("model", "hf_model"))
 
 
-def verify_checkpoint(step_path: str, transformer_config=None, hf_config=None) -> dict:
+def verify_checkpoint(step_path: str, transformer_config=None, hf_config=None, checksums: bool = True) -> dict:
     """Everything a load checks before touching a tensor; returns the step's contents.
 
     Raises CheckpointError (or FileNotFoundError) naming the file and the cause. A step without our
-    manifest (saved by upstream verl) gets a warning and the checks its own files allow.
+    manifest (saved by upstream verl) gets a warning and the checks its own files allow. ``checksums=False``
+    skips re-reading every file for its checksum, for a caller that has just done so (or just computed them).
     """
     from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
 
     contents = read_ckpt_contents(step_path)
-    if not verify_manifest(step_path, required=False):
+    if not verify_manifest(step_path, required=False, checksums=checksums):
         warnings.warn(f"{step_path} has no {MANIFEST_FILENAME}: a checkpoint saved by upstream verl; its file sizes cannot be checked", stacklevel=2)
     if transformer_config is not None:
         check_model_identity(step_path, transformer_config)

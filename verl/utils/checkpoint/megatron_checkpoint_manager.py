@@ -1,20 +1,25 @@
 """MegatronCheckpointManager with upstream verl's constructor, flags, builders, layout and ``ckpt_contents.json``.
 
-``save_checkpoint(path)`` writes upstream's parts into the directory it is given, in this order:
+A save is one pipeline; ``save_checkpoint``'s body lists its phases in order:
 
-1. dist checkpoints (``save_dist_checkpointing``): the optimizer + LR scheduler, the RNG state (extra), and
-   the model only with ``use_dist_checkpointing=True``; upstream's default keeps the model as HF only;
-2. rank 0 writes the HF config, tokenizer and generation config into ``model/huggingface``;
-3. a barrier, so no rank starts the HF weight save before the config is on disk (fix 2, verl #6821);
-4. every rank takes part in the bridge's HF weight save;
-5. rank 0 writes ``transformer_config.json`` (with 'extra') and ``ckpt_contents.json``; retention.
+1. staging: the worker hands in its staging directory (``verl.utils.checkpoint.commit.prepare_staging``);
+   the async mode is chosen once (``AsyncMode``);
+2. dist parts (``save_dist_checkpointing``): the optimizer + LR scheduler, the RNG state (extra), and the model
+   only with ``use_dist_checkpointing=True``; upstream's default keeps the model as HF only;
+3. rank 0 writes the HF config, tokenizer and generation config into ``model/huggingface``;
+4. a barrier (``wait_for_hf_config``): no rank starts the HF weights before the config is on disk (verl #6821);
+5. HF weights: every rank takes part in the bridge's save;
+6. verify: the HF folder holds every tensor its config implies (the commit step, ``commit.commit_checkpoint``);
+7. metadata: rank 0 writes ``transformer_config.json`` and, last, ``ckpt_contents.json``;
+8. commit: manifest, fsync, one atomic rename (the commit step);
+9. retention: upstream's ``max_ckpt_to_keep``, never removing the tracked step.
 
-What makes those files a checkpoint (HF completeness check, manifest, fsync, atomic rename, tracker) is the
-commit step of ``verl.utils.checkpoint.commit``, which the worker runs around this manager on a staging
-directory. With ``async_save`` the dist-checkpoint tensors are written by a process forked from each rank
-while training goes on; ``finalize_async_save`` completes the save. From the third save of one sharded
-structure on (megatron's save plan then needs no collective), on the CPU runtime, the fork plans and writes
-the dist checkpoints and does the HF export too (``snapshot_save``).
+Steps 2-5 and 7 are this manager's (7 runs when the parts are on disk, before the commit step's 6 and 8: the
+order on disk is the same, since the commit step renames the directory only after both). The async mode decides
+only where the dist parts and the HF weights run: ``SYNC`` in the rank; ``BACKGROUND_WRITE`` planned in the rank,
+written by a process forked from it while training goes on; ``SNAPSHOT`` (from the third save of one sharded
+structure on, when megatron's save plan needs no collective, on the CPU runtime) planned and written by the fork,
+which also does the HF export when the bridge saves in parallel. ``finalize_async_save`` completes the save.
 """
 
 from __future__ import annotations
@@ -105,13 +110,16 @@ class AsyncMode(str, enum.Enum):
 @dataclasses.dataclass
 class SaveReport:
     """What one save did: returned by ``save_checkpoint`` and kept as ``last_save``. ``phase_seconds`` holds the
-    rank's time per phase (``dist_checkpoints``, ``hf_config``, ``hf_weights``, ``fork``, ``background_wait``;
-    the commit step adds ``hf_verify`` and ``commit``); ``blocked_seconds`` how long save_checkpoint held training."""
+    rank's time per phase (``dist_checkpoints``, ``hf_config``, ``hf_weights``, ``fork``, ``background_wait``,
+    ``metadata``; the commit step adds ``hf_verify`` and ``commit``, ``MegatronActor`` its ``finite_check`` and
+    ``staging``, which precede this call); ``blocked_seconds`` how long
+    save_checkpoint held training; ``hf_weights_in_background`` whether the fork wrote the HF weights."""
 
     local_path: str
     global_step: int
     mode: AsyncMode
     max_ckpt_to_keep: int | None = None
+    hf_weights_in_background: bool = False
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     blocked_seconds: float | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
@@ -389,31 +397,27 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     def save_checkpoint(
         self, local_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None
     ) -> SaveReport:
-        """Write this step's parts into ``local_path`` (created if needed), then its ``ckpt_contents.json``.
+        """Write this step's parts into ``local_path`` (created if needed; the worker passes its staging directory).
 
-        The pipeline: dist checkpoints -> HF config (rank 0) -> barrier -> HF weights -> transformer config ->
-        contents file -> retention; ``save_mode`` decides where the dist checkpoints and the HF export run. Off
-        ``AsyncMode.SYNC`` this returns once the background part runs; ``finalize_async_save`` (which a later save
-        or load calls first) completes the save. Returns the save's report (also ``last_save``).
+        The body is the pipeline. The async mode (``save_mode``) is chosen once, up front, and decides only where
+        the dist parts and the HF weights run: here (``SYNC``); planned here, written by a forked process
+        (``BACKGROUND_WRITE``); planned and written by the fork, HF export included where the bridge saves in
+        parallel (``SNAPSHOT``). Off ``SYNC`` this returns once the fork runs; ``finalize_async_save`` (which a
+        later save or load calls first) writes the metadata. Verifying the HF export and committing the staging
+        directory follow in ``verl.utils.checkpoint.commit``. Returns the save's report (also ``last_save``).
         """
         _not_implemented_unless_default(hdfs_path=hdfs_path)
-        self.finalize_async_save(blocking=True)
-        self.previous_global_step = global_step
-        if not self.async_save:
-            self.ensure_checkpoint_capacity(max_ckpt_to_keep)
-        save = SaveReport(local_mkdir_safe(local_path), global_step, self.save_mode(), max_ckpt_to_keep)
-        self.last_save = save
+        self.finalize_async_save(blocking=True)  # one save in flight at a time
+        save = self._start_save(local_path, global_step, max_ckpt_to_keep)
         with self._failure_reported(save):
-            request = self._save_in_fork(save) if save.mode is AsyncMode.SNAPSHOT else self._save_parts(save.local_path)
-            if request is not None:
-                self._timed("fork", self._async_queue.schedule_async_request, request)
-                self._pending = save
-                save.blocked_seconds = time.monotonic() - save.started
-                self._log(f"step {global_step}: returned after {save.blocked_seconds:.2f}s; {save.mode.value} runs in the background")
-                return save
-        self._finish_save(save)
-        save.blocked_seconds = time.monotonic() - save.started
-        return save
+            background = self._save_dist_parts(save)
+            self._save_hf_config(save)
+            if self.should_save_hf_model:
+                self.wait_for_hf_config()
+            self._save_hf_weights(save)
+            if background is not None:
+                return self._continue_in_background(save, background)
+        return self._finish_save(save)
 
     def save_mode(self) -> AsyncMode:
         """The mode the next save takes: sync without ``async_save``; the snapshot once every dist checkpoint's
@@ -421,6 +425,72 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if not self.async_save:
             return AsyncMode.SYNC
         return AsyncMode.SNAPSHOT if self._plans_are_reusable() else AsyncMode.BACKGROUND_WRITE
+
+    def _start_save(self, local_path: str, global_step: int, max_ckpt_to_keep: int | None) -> SaveReport:
+        """The step's directory and report, with the async mode and where the HF weights go decided once here."""
+        self.previous_global_step = global_step
+        mode = self.save_mode()
+        if mode is AsyncMode.SYNC:
+            self.ensure_checkpoint_capacity(max_ckpt_to_keep)
+        hf_in_fork = (
+            mode is AsyncMode.SNAPSHOT
+            and self.should_save_hf_model
+            and getattr(self.bridge, "saves_in_parallel", False)  # mbridge's own path needs the default group
+            and forked_groups_possible()
+        )
+        save = SaveReport(local_mkdir_safe(local_path), global_step, mode, max_ckpt_to_keep, hf_weights_in_background=hf_in_fork)
+        self.last_save = save
+        return save
+
+    def _save_dist_parts(self, save: SaveReport) -> AsyncRequest | None:
+        """The dist checkpoints (optimizer + scheduler, RNG, model shards if asked): written here (``SYNC``) or
+        planned here (``BACKGROUND_WRITE``), or all left to the snapshot's fork. Returns what the fork is to run."""
+        if save.mode is AsyncMode.SNAPSHOT:
+            return self._snapshot_request(save)
+        self.on_save_phase("dist_checkpoint")
+        request = self._timed("dist_checkpoints", self._save_dist_checkpoints, save.local_path, save.mode is AsyncMode.BACKGROUND_WRITE)
+        self.on_save_phase("after_dist_checkpoint")
+        return request
+
+    def _save_hf_config(self, save: SaveReport) -> None:
+        """Rank 0: the HF config, tokenizer and generation config, before any rank writes HF weights (fix 2)."""
+        if self.should_save_hf_model and self.rank == 0:
+            self.on_save_phase("hf_config")
+            self._timed("hf_config", self._save_hf_config_and_tokenizer, save.local_path)
+
+    def _save_hf_weights(self, save: SaveReport) -> None:
+        """Every rank: the bridge's HF weight save, unless the snapshot's fork does it."""
+        if self.should_save_hf_model and not save.hf_weights_in_background:
+            self.on_save_phase("hf_weights")
+            self._timed("hf_weights", self._save_model_as_hf_via_bridge, get_hf_model_checkpoint_path(save.local_path))
+
+    def _continue_in_background(self, save: SaveReport, request: AsyncRequest) -> SaveReport:
+        """Fork the background part and give training back; ``finalize_async_save`` completes the save."""
+        self._timed("fork", self._async_queue.schedule_async_request, request)
+        self._pending = save
+        save.blocked_seconds = time.monotonic() - save.started
+        self._log(f"step {save.global_step}: returned after {save.blocked_seconds:.2f}s; {save.mode.value} runs in the background")
+        return save
+
+    def _finish_save(self, save: SaveReport) -> SaveReport:
+        """Every part is on disk: rank 0 writes the metadata (``transformer_config.json``, ``ckpt_contents.json``
+        last), then upstream's retention."""
+        self.on_save_phase("metadata")
+        self._timed("metadata", self._write_metadata, save)
+        save.completed = True
+        self._log(f"wrote step {save.global_step} to {save.local_path} in {time.monotonic() - save.started:.1f}s ({save.mode.value})")
+        self.register_checkpoint(save.local_path, save.max_ckpt_to_keep)
+        if save.blocked_seconds is None:  # a sync save held training throughout
+            save.blocked_seconds = time.monotonic() - save.started
+        return save
+
+    def _write_metadata(self, save: SaveReport) -> None:
+        if self.rank != 0:
+            return
+        shutil.rmtree(os.path.join(save.local_path, snapshot_save.OUTCOME_DIRNAME), ignore_errors=True)
+        if self.should_save_extra:
+            self._save_transformer_config(save.local_path)
+        self._write_checkpoint_manifest(save.local_path, save.global_step)
 
     @property
     def async_save_pending(self) -> bool:
@@ -455,37 +525,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             raise CheckpointError(f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause})") from exc
 
-    def _finish_save(self, save: SaveReport) -> None:
-        """Every part is on disk: the contents file, then upstream's retention."""
-        if self.rank == 0:
-            shutil.rmtree(os.path.join(save.local_path, snapshot_save.OUTCOME_DIRNAME), ignore_errors=True)
-            self._write_checkpoint_manifest(save.local_path, save.global_step)
-        save.completed = True
-        self._log(f"wrote step {save.global_step} to {save.local_path} in {time.monotonic() - save.started:.1f}s ({save.mode.value})")
-        self.register_checkpoint(save.local_path, save.max_ckpt_to_keep)
-
-    def _save_parts(self, local_path: str) -> AsyncRequest | None:
-        """Every part but the contents description; with async_save, the dist-checkpoint write still to schedule."""
-        self.on_save_phase("dist_checkpoint")
-        request = self._timed("dist_checkpoints", self._save_dist_checkpoints, local_path)
-        self.on_save_phase("after_dist_checkpoint")
-        self._save_hf_config_first(local_path)
-        if self.should_save_hf_model:
-            self.on_save_phase("hf_weights")
-            self._timed("hf_weights", self._save_model_as_hf_via_bridge, get_hf_model_checkpoint_path(local_path))
-        if self.should_save_extra:
-            self._save_transformer_config(local_path)
-        return request
-
-    def _save_hf_config_first(self, local_path: str) -> None:
-        if self.should_save_hf_model:
-            if self.rank == 0:
-                self.on_save_phase("hf_config")
-                self._timed("hf_config", self._save_hf_config_and_tokenizer, local_path)
-            self.wait_for_hf_config()
-
-    def _save_dist_checkpoints(self, local_path: str) -> AsyncRequest | None:
-        """Write (or, with async_save, plan) the dist checkpoints; return the write still to run."""
+    def _save_dist_checkpoints(self, local_path: str, in_background: bool) -> AsyncRequest | None:
+        """Write (or, ``in_background``, plan) the dist checkpoints; return the write still to run."""
         metadata = self._build_sharded_state_dict_metadata()
         requests = []
         for content, state, path in self._dist_checkpoint_parts(local_path, metadata):
@@ -503,7 +544,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             request = save_dist_checkpointing(
                 sharded_state_dict=state,
                 ckpt_path=path,
-                async_save=self.async_save,
+                async_save=in_background,
                 content_metadata=metadata,
                 sharded_strategy=strategy,
                 validate_access_integrity=fresh,
@@ -511,7 +552,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             self._save_strategies[content] = (structure, strategy)
             if request is not None:
                 requests.append(request)
-        if not self.async_save:
+        if not in_background:
             torch.distributed.barrier()
             return None
         return _merge_async_requests(requests)
@@ -628,18 +669,13 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             return False
         return not self.should_save_optimizer or _optimizer_layout(self.optimizer) == self._planned_optimizer_layout
 
-    def _save_in_fork(self, save: SaveReport) -> AsyncRequest:
-        """Training waits for the HF config (fix 2) and the fork; the fork does the rest."""
-        self._save_hf_config_first(save.local_path)
-        hf_in_fork = self.should_save_hf_model and getattr(self.bridge, "saves_in_parallel", False) and forked_groups_possible()
-        if self.should_save_hf_model and not hf_in_fork:
-            self.on_save_phase("hf_weights")
-            self._save_model_as_hf_via_bridge(get_hf_model_checkpoint_path(save.local_path))  # mbridge's own path needs the default group
-        if self.should_save_extra:
-            self._save_transformer_config(save.local_path)
+    def _snapshot_request(self, save: SaveReport) -> AsyncRequest:
+        """What the snapshot's fork runs: plan and write this rank's dist checkpoints with the reused plans and,
+        with ``save.hf_weights_in_background``, the HF export over the forks' own group. The RNG state is taken
+        here (a forked process reseeds Python's ``random``)."""
         self._snapshot_saves += 1
-        group_name = f"{self.role}/step{save.global_step}/save{self._snapshot_saves}"
-        job = functools.partial(self._write_in_fork, save.local_path, self._build_extra_state_dict(), group_name if hf_in_fork else None)
+        hf_group = f"{self.role}/step{save.global_step}/save{self._snapshot_saves}" if save.hf_weights_in_background else None
+        job = functools.partial(self._write_in_fork, save.local_path, self._build_extra_state_dict(), hf_group)
         return AsyncRequest(
             functools.partial(snapshot_save.run_and_record, save.local_path, self.rank, job, snapshot_save.forking_pid()),
             (),

@@ -16,8 +16,9 @@ def is_output_rank(info: dict) -> bool:
 
 
 class MegatronWorker(Worker):
-    def _init_megatron(self, sizes: ParallelSizes, seed: int, timeout_s: float) -> None:
-        """Join the process group (gloo on CPU hosts) and initialise megatron-core's parallel state.
+    def init_megatron(self, sizes: ParallelSizes, seed: int, timeout_s: float) -> None:
+        """Join the process group (gloo on CPU hosts) and initialise megatron-core's parallel state; a subclass
+        calls it once, in its constructor, before building a model.
 
         Runs ``cpu_runtime.enable()`` first (inside ``init_rank``); it does nothing on a GPU host.
         """
