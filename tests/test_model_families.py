@@ -1,6 +1,7 @@
 """Every supported family trains the model transformers runs: Megatron logits equal transformers' and the
-HF export is complete and bit-exact, at TP2 with EP2 for the MoE families (2 ranks); the refused configs
-fail before anything is built, naming the field."""
+HF export is complete and bit-exact, at TP2 with EP2 for the MoE families (2 ranks); Qwen3-MoE with dense
+layers mixed in also resumes bit-exactly (TP2 PP2 EP2, 4 ranks); the refused configs fail before anything
+is built, naming the field."""
 
 import glob
 import os
@@ -9,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from verl.models.support import SUPPORTED_MODEL_TYPES, hf_config_problems
+from verl.models.family_check import FP32_LOG_PROB_TOLERANCE, run_family_check
+from verl.models.support import SUPPORTED_MODEL_TYPES, hf_config_problems, moe_layer_pattern
 from verl.models.tiny import make_tiny_hf_model, tiny_hf_config
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes, num_routed_experts
@@ -79,6 +81,31 @@ def test_family_logits_match_transformers_and_export_is_exact(tmp_path, case):
         assert torch.equal(exported[name], tensor), name
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [{"mlp_only_layers": [0, 2]}, {"decoder_sparse_step": 2}, {"decoder_sparse_step": 3, "mlp_only_layers": [5]}, {}],
+    ids=["mlp_only_layers", "sparse_step_2", "both", "all_moe"],
+)
+def test_moe_layer_pattern_is_where_transformers_builds_experts(overrides):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config("moe", num_layers=6, **overrides)
+    model = AutoModelForCausalLM.from_config(config)
+    built = [int(type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock") for layer in model.model.layers]
+    assert moe_layer_pattern(config) == built
+
+
+def test_qwen3_moe_with_dense_layers_trains_exports_and_resumes(tmp_path):
+    # Dense layers 0 and 2, MoE layers 1 and 3: each pipeline stage holds one of each; the dense MLPs split
+    # over TP 2 while the experts stay whole (ETP 1), so a dense weight named as an expert's cannot load.
+    src = make_tiny_hf_model(str(tmp_path / "src"), kind="moe", num_layers=4, mlp_only_layers=[0, 2])
+    result = run_family_check(src, str(tmp_path / "run"), 4, ParallelSizes(tp=2, pp=2, ep=2, etp=1))
+    assert result.log_prob_gap <= FP32_LOG_PROB_TOLERANCE, result
+    assert not (result.export_missing or result.export_extra or result.export_changed), result
+    assert result.step_export_complete, result
+    assert result.resume_loss_gap == 0.0 and result.resume_differing == [], result
+
+
 def test_mixtral_head_dim_stays_unset_in_the_users_config():
     from transformers import MixtralConfig
 
@@ -108,7 +135,9 @@ def test_mixtral_expert_parallel_passes_the_layout_check():
 @pytest.mark.parametrize(
     "model_type,config,field",
     [
-        ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
+        ("qwen2_moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
+        ("qwen3_moe", {"num_hidden_layers": 2, "mlp_only_layers": [0, 1]}, "leave no MoE layer"),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step=0"),
         ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
         ("qwen2_moe", {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size=0"),
         ("mixtral", {"sliding_window": 4096}, "sliding_window=4096"),

@@ -59,6 +59,20 @@ def renormalises_topk(hf_config: Any) -> bool:
     return bool(_get(hf_config, "norm_topk_prob"))
 
 
+def moe_layer_pattern(hf_config: Any) -> list[int]:
+    """Per decoder layer, 1 where transformers builds a routed-expert block and 0 where a dense MLP.
+
+    The Qwen MoE families make layer ``i`` dense when it is in ``mlp_only_layers`` or ``(i + 1)`` is not a
+    multiple of ``decoder_sparse_step``; megatron takes the same list as ``moe_layer_freq``.
+    """
+    num_layers = _get(hf_config, "num_hidden_layers")
+    if model_type_of(hf_config) not in ("qwen2_moe", "qwen3_moe"):
+        return [1] * num_layers
+    dense_only = set(_get(hf_config, "mlp_only_layers") or [])
+    step = _get(hf_config, "decoder_sparse_step")
+    return [int(i not in dense_only and (i + 1) % step == 0) for i in range(num_layers)]
+
+
 def hf_config_problems(hf_config: Any) -> list[str]:
     """Every reason the bridge cannot build exactly the model transformers runs for this config; [] if none.
 
@@ -95,16 +109,25 @@ def hf_config_problems(hf_config: Any) -> list[str]:
             f"{name}: router_jitter_noise={_get(hf_config, 'router_jitter_noise')}: transformers perturbs the router "
             "logits in training, megatron does not; set router_jitter_noise=0.0"
         )
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type == "qwen2_moe":
         if _get(hf_config, "mlp_only_layers"):
             problems.append(
-                f"{name}: mlp_only_layers={_get(hf_config, 'mlp_only_layers')}: mbridge builds every layer as MoE "
-                "(dense layers inside a MoE model are not mapped); use a checkpoint with mlp_only_layers=[]"
+                f"{name}: mlp_only_layers={_get(hf_config, 'mlp_only_layers')}: dense layers inside a Qwen2-MoE "
+                "model are not tested here (they are for qwen3_moe); use a checkpoint with mlp_only_layers=[]"
             )
         if _get(hf_config, "decoder_sparse_step") != 1:
             problems.append(
-                f"{name}: decoder_sparse_step={_get(hf_config, 'decoder_sparse_step')}: mbridge builds every layer "
-                "as MoE; only decoder_sparse_step=1 is supported"
+                f"{name}: decoder_sparse_step={_get(hf_config, 'decoder_sparse_step')}: dense layers inside a "
+                "Qwen2-MoE model are not tested here (they are for qwen3_moe); only decoder_sparse_step=1 is supported"
+            )
+    if model_type == "qwen3_moe":
+        step = _get(hf_config, "decoder_sparse_step")
+        if not isinstance(step, int) or step < 1:
+            problems.append(f"{name}: decoder_sparse_step={step!r}: must be a positive integer (transformers divides by it)")
+        elif _get(hf_config, "num_hidden_layers") and not any(moe_layer_pattern(hf_config)):
+            problems.append(
+                f"{name}: mlp_only_layers={_get(hf_config, 'mlp_only_layers')}, decoder_sparse_step={step} leave no "
+                "MoE layer, which megatron cannot build as a MoE model; use model_type qwen3 for a dense model"
             )
     if model_type == "qwen2_moe" and not _get(hf_config, "shared_expert_intermediate_size"):
         problems.append(
