@@ -18,7 +18,12 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # mbridge registers these, but they are not built faithfully here (or not tested): why, per family.
 _REFUSED_WHY = {
-    "deepseek_v3": "its MLA attention, dense first layers and grouped routing are not built and tested with the local (non-TransformerEngine) layer spec here",
+    "deepseek_v3": (
+        "with mbridge 0.15.1 and megatron-core 0.16.1 on the local (non-TransformerEngine) layer spec, mbridge's "
+        "config passes max_position_embeddings, which MLATransformerConfig lacks; its MLA attention cannot be built "
+        "(the local DotProductAttention takes no separate key/value head dims); grouped routing (n_group, "
+        "topk_group) is not mapped; its weight reader refuses fp32 (scripts/probe_deepseek_v3.py shows each)"
+    ),
     "glm4_moe": "its dense first layers and sigmoid routing with expert bias are not built and tested here",
 }
 
