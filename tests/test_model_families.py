@@ -1,47 +1,17 @@
-"""Every supported family trains the model transformers runs: Megatron logits equal transformers' and the
-HF export is complete and bit-exact, at TP2 with EP2 for the MoE families (2 ranks); Qwen3-MoE with dense
-layers mixed in also resumes bit-exactly (TP2 PP2 EP2, 4 ranks); the refused configs fail before anything
-is built, naming the field."""
+"""Every supported family trains the model transformers runs (verl.models.family_check): Megatron's log-probs
+equal transformers' in fp32, the HF export is complete and bit-exact, and a saved step resumes bit-exactly;
+at TP2 with EP2 for the MoE families (2 ranks), Qwen3-MoE with dense layers mixed in at TP2 PP2 EP2 (4
+ranks), Mixtral through the CLI on 8 ranks. The refused configs fail before anything is built, naming the
+field."""
 
-import glob
 import os
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from verl.models.family_check import FP32_LOG_PROB_TOLERANCE, run_family_check
+from verl.models.family_check import FP32_LOG_PROB_TOLERANCE, hf_state, run_family_check
 from verl.models.support import SUPPORTED_MODEL_TYPES, hf_config_problems, moe_layer_pattern
 from verl.models.tiny import make_tiny_hf_model, tiny_hf_config
-from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes, num_routed_experts
-
-TOLERANCE = 1e-5  # fp32; the gaps seen are listed in docs/models.md
-
-
-def _tokens() -> torch.Tensor:
-    return torch.randint(4, 200, (2, 16), generator=torch.Generator().manual_seed(0))
-
-
-def _hf_state(path: str) -> dict:
-    state = {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        state.update(load_file(file))
-    return state
-
-
-def _logits_and_export(src: str, dst: str) -> torch.Tensor:
-    from verl.models.mcore import load_hf_config, make_bridge
-    from verl.models.mcore.forward import forward_logits
-    from verl.models.mcore.model import build_megatron_model
-
-    bridge = make_bridge(load_hf_config(src), dtype=torch.float32)
-    model = build_megatron_model(bridge)
-    bridge.load_weights(model, src)
-    logits = forward_logits(model, _tokens())
-    bridge.save_weights(model, dst)
-    return logits
-
 
 # (kind, config overrides, layout on 2 ranks). Each MoE case routes through EP 2 with TP 2 for the rest.
 CASES = {
@@ -61,24 +31,18 @@ def test_cases_cover_every_supported_family():
     assert covered == set(SUPPORTED_MODEL_TYPES)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_family_logits_match_transformers_and_export_is_exact(tmp_path, case):
-    from transformers import AutoModelForCausalLM
+def _assert_trains_the_same_model(result, case: str) -> None:
+    assert result.log_prob_gap <= FP32_LOG_PROB_TOLERANCE, f"{case}: Megatron log-probs differ from transformers' by {result.log_prob_gap:.3g}"
+    assert not (result.export_missing or result.export_extra or result.export_changed), result
+    assert result.step_export_complete, result
+    assert result.resume_loss_gap == 0.0 and result.resume_differing == [], result
 
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_matches_transformers_exports_exactly_and_resumes(tmp_path, case):
     kind, overrides, sizes = CASES[case]
     src = make_tiny_hf_model(str(tmp_path / "src"), kind=kind, num_layers=2, **overrides)
-    dst = str(tmp_path / "hf")
-    results = run_on_ranks(_logits_and_export, 2, sizes, args=(src, dst))
-    with torch.no_grad():
-        reference = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(_tokens()).logits
-    for logits in results:
-        assert logits.shape == reference.shape
-        gap = (logits - reference).abs().max().item()
-        assert gap <= TOLERANCE, f"{case}: Megatron logits differ from transformers' by {gap:.3g}"
-    source, exported = _hf_state(src), _hf_state(dst)
-    assert set(exported) == set(source)
-    for name, tensor in source.items():
-        assert torch.equal(exported[name], tensor), name
+    _assert_trains_the_same_model(run_family_check(src, str(tmp_path / "run"), 2, sizes), case)
 
 
 @pytest.mark.parametrize(
@@ -99,11 +63,7 @@ def test_qwen3_moe_with_dense_layers_trains_exports_and_resumes(tmp_path):
     # Dense layers 0 and 2, MoE layers 1 and 3: each pipeline stage holds one of each; the dense MLPs split
     # over TP 2 while the experts stay whole (ETP 1), so a dense weight named as an expert's cannot load.
     src = make_tiny_hf_model(str(tmp_path / "src"), kind="moe", num_layers=4, mlp_only_layers=[0, 2])
-    result = run_family_check(src, str(tmp_path / "run"), 4, ParallelSizes(tp=2, pp=2, ep=2, etp=1))
-    assert result.log_prob_gap <= FP32_LOG_PROB_TOLERANCE, result
-    assert not (result.export_missing or result.export_extra or result.export_changed), result
-    assert result.step_export_complete, result
-    assert result.resume_loss_gap == 0.0 and result.resume_differing == [], result
+    _assert_trains_the_same_model(run_family_check(src, str(tmp_path / "run"), 4, ParallelSizes(tp=2, pp=2, ep=2, etp=1)), "qwen3_moe-dense-layers")
 
 
 def test_mixtral_head_dim_stays_unset_in_the_users_config():
@@ -210,5 +170,5 @@ def test_mixtral_through_the_cli_on_8_ranks(tmp_path):
     metrics = _metrics(ckpt)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["rollout/log_prob_diff_max"] <= 1e-4 for m in metrics), [m["rollout/log_prob_diff_max"] for m in metrics]
-    tensors = len(_hf_state(src))
+    tensors = len(hf_state(src))
     assert metrics[1]["checkpoint"]["hf"] == f"all {tensors} tensors present with the expected shapes"
