@@ -9,7 +9,7 @@ import os
 import pytest
 
 from verl.models.family_check import FP32_LOG_PROB_TOLERANCE, hf_state, run_family_check
-from verl.models.support import SUPPORTED_MODEL_TYPES, hf_config_problems, moe_layer_pattern
+from verl.models.support import SUPPORTED_MODEL_TYPES, hf_config_problems, moe_layer_pattern, rope_theta
 from verl.models.tiny import make_tiny_hf_model, tiny_hf_config
 from verl.utils.megatron.parallel import ParallelSizes, num_routed_experts
 
@@ -64,6 +64,27 @@ def test_qwen3_moe_with_dense_layers_trains_exports_and_resumes(tmp_path):
     # over TP 2 while the experts stay whole (ETP 1), so a dense weight named as an expert's cannot load.
     src = make_tiny_hf_model(str(tmp_path / "src"), kind="moe", num_layers=4, mlp_only_layers=[0, 2])
     _assert_trains_the_same_model(run_family_check(src, str(tmp_path / "run"), 4, ParallelSizes(tp=2, pp=2, ep=2, etp=1)), "qwen3_moe-dense-layers")
+
+
+def test_transformers_5_rope_parameters_read_as_plain_rope_or_scaling():
+    # transformers 5 keeps rope_theta and the scaling in rope_parameters (rope_type 'default': plain RoPE)
+    plain = {"rope_theta": 1e6, "rope_type": "default"}
+    assert hf_config_problems({"model_type": "qwen3_moe", "rope_parameters": plain, "rope_scaling": plain}) == []
+    assert rope_theta({"rope_parameters": plain}) == 1e6 and rope_theta({"rope_theta": 1e4}) == 1e4
+    (problem,) = hf_config_problems({"model_type": "llama", "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}})
+    assert "rope_scaling=" in problem and "llama3" in problem
+
+
+def test_bridge_view_spells_transformers_5_rope_as_mbridge_reads_it():
+    from transformers import PretrainedConfig
+
+    from verl.models.mcore.mbridge import _bridge_view_of
+
+    plain = {"rope_theta": 5e5, "rope_type": "default"}
+    config = PretrainedConfig(hidden_size=64, num_attention_heads=4, head_dim=16, rope_parameters=plain, rope_scaling=plain)
+    view = _bridge_view_of(config)
+    assert view.rope_theta == 5e5 and view.rope_scaling is None
+    assert config.rope_scaling == plain and not hasattr(config, "rope_theta")
 
 
 def test_mixtral_head_dim_stays_unset_in_the_users_config():

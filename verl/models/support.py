@@ -34,6 +34,8 @@ _DEFAULTS: dict[str, Any] = {
     "use_sliding_window": False,
     "sliding_window": None,
     "rope_scaling": None,
+    "rope_parameters": None,
+    "rope_theta": None,
     "router_jitter_noise": 0.0,
     "attention_bias": False,
     "mlp_bias": False,
@@ -64,6 +66,25 @@ def renormalises_topk(hf_config: Any) -> bool:
     return bool(_get(hf_config, "norm_topk_prob"))
 
 
+def rope_scaling(hf_config: Any) -> dict | None:
+    """The config's RoPE scaling, or None for plain RoPE.
+
+    transformers 4.57 keeps it in ``rope_scaling`` (None without scaling); transformers 5 keeps
+    ``rope_parameters`` (also readable as ``rope_scaling``) with ``rope_theta`` and ``rope_type`` inside,
+    ``rope_type='default'`` without scaling.
+    """
+    scaling = _get(hf_config, "rope_scaling") or _get(hf_config, "rope_parameters")
+    if not scaling or scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return None
+    return dict(scaling)
+
+
+def rope_theta(hf_config: Any) -> float:
+    """RoPE's base: ``rope_theta`` in transformers 4.57, ``rope_parameters['rope_theta']`` in transformers 5."""
+    theta = _get(hf_config, "rope_theta")
+    return theta if theta is not None else (_get(hf_config, "rope_parameters") or {})["rope_theta"]
+
+
 def moe_layer_pattern(hf_config: Any) -> list[int]:
     """Per decoder layer, 1 where transformers builds a routed-expert block and 0 where a dense MLP.
 
@@ -89,9 +110,9 @@ def hf_config_problems(hf_config: Any) -> list[str]:
         return [f"model_type={model_type!r} is not supported: {why}; supported model types: {list(SUPPORTED_MODEL_TYPES)}"]
     name = f"{model_type} config"
     problems = []
-    if _get(hf_config, "rope_scaling"):
+    if rope_scaling(hf_config):
         problems.append(
-            f"{name}: rope_scaling={_get(hf_config, 'rope_scaling')}: mbridge reads only its 'factor' as linear "
+            f"{name}: rope_scaling={rope_scaling(hf_config)}: mbridge reads only its 'factor' as linear "
             "position interpolation, so any other RoPE scaling (llama3, yarn, dynamic) would be computed differently; "
             "use a checkpoint without rope_scaling"
         )

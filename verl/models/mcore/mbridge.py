@@ -24,7 +24,14 @@ from verl.models.mcore.local_spec import (
     transformer_engine_available,
 )
 from verl.models.mcore.parallel_hf_save import save_weights_in_parallel
-from verl.models.support import MOE_MODEL_TYPES, hf_config_problems, moe_layer_pattern, renormalises_topk
+from verl.models.support import (
+    MOE_MODEL_TYPES,
+    hf_config_problems,
+    moe_layer_pattern,
+    renormalises_topk,
+    rope_scaling,
+    rope_theta,
+)
 from verl.utils.internals import mbridge as mbridge_internals
 from verl.utils.rank_comm import RankComm
 
@@ -60,15 +67,23 @@ def check_hf_config_supported(hf_config: PretrainedConfig) -> None:
 
 
 def _bridge_view_of(hf_config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of ``hf_config`` with what mbridge reads but transformers may leave unset filled in.
+    """A copy of ``hf_config`` with what mbridge 0.15.1 reads spelled as it reads it.
 
-    transformers' MixtralConfig (like real Mixtral checkpoints) leaves ``head_dim=None``; mbridge then
-    multiplies None in its QKV conversion. transformers itself uses hidden_size / num_attention_heads.
+    - ``head_dim``: transformers' MixtralConfig (like real Mixtral checkpoints) leaves it None; mbridge then
+      multiplies None in its QKV conversion. transformers itself uses hidden_size / num_attention_heads.
+    - ``rope_theta`` and ``rope_scaling``: transformers 5 keeps both in ``rope_parameters``
+      (``{'rope_theta': ..., 'rope_type': 'default'}`` for plain RoPE), where mbridge finds no
+      ``rope_theta`` and takes the dict for a scaling it reads ``factor`` from; plain RoPE (the only kind
+      ``verl.models.support`` lets through) is ``rope_theta`` with ``rope_scaling=None`` to mbridge.
     The caller's config stays as given, so the exported config.json is the user's.
     """
     view = copy.deepcopy(hf_config)
     if getattr(view, "head_dim", None) is None:
         view.head_dim = view.hidden_size // view.num_attention_heads
+    if getattr(view, "rope_theta", None) is None:
+        view.rope_theta = rope_theta(hf_config)
+    if rope_scaling(hf_config) is None and getattr(view, "rope_scaling", None) is not None:
+        view.rope_scaling = None
     return view
 
 
