@@ -5,6 +5,8 @@ ranks), Mixtral through the CLI on 8 ranks. The refused configs fail before anyt
 field."""
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -26,9 +28,12 @@ CASES = {
 
 def test_cases_cover_every_supported_family():
     # The supported list printed and documented is what this file (with tests/test_megatron_model.py for
-    # the Qwen3 pair) proves.
-    covered = {tiny_hf_config(kind).model_type for kind, _, _ in CASES.values()} | {"qwen3", "qwen3_moe"}
+    # the Qwen3 pair at more layouts) proves.
+    covered = {tiny_hf_config(kind).model_type for kind, _, _ in CASES.values()} | {"qwen3"}
     assert covered == set(SUPPORTED_MODEL_TYPES)
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    supported_line = docs.split("## Supported\n\n", 1)[1].splitlines()[0]
+    assert re.findall(r"`(\w+)`", supported_line.split("(")[0]) == list(SUPPORTED_MODEL_TYPES)
 
 
 def _assert_trains_the_same_model(result, case: str) -> None:
