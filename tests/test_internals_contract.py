@@ -266,6 +266,15 @@ def test_mbridge_private_methods_keep_their_parameters():
     assert mbridge.bridge_class("no_such_model") is None
 
 
+def test_mbridge_mlp_mapping_gains_the_dense_layer_names():
+    # mlp_mapping_with_dense_layers reads the class attribute _MLP_MAPPING (keyword -> HF name templates)
+    qwen3_moe = mbridge.mlp_mapping_with_dense_layers(mbridge.bridge_class("qwen3_moe"))
+    assert qwen3_moe["mlp.linear_fc2.weight"] == ["model.layers.{layer_number}.mlp.down_proj.weight"]
+    assert qwen3_moe["mlp.router.weight"] == ["model.layers.{layer_number}.mlp.gate.weight"]
+    llama = mbridge.bridge_class("llama")
+    assert mbridge.mlp_mapping_with_dense_layers(llama) == dict(llama._MLP_MAPPING)
+
+
 def test_mbridge_hooks_are_checked_when_a_bridge_class_is_made():
     with pytest.raises(TypeError, match="_get_transformer_layer_spec"):
         mbridge.check_overridable(

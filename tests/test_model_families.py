@@ -1,45 +1,19 @@
-"""Every supported family trains the model transformers runs: Megatron logits equal transformers' and the
-HF export is complete and bit-exact, at TP2 with EP2 for the MoE families (2 ranks); the refused configs
-fail before anything is built, naming the field."""
+"""Every supported family trains the model transformers runs (verl.models.family_check): Megatron's log-probs
+equal transformers' in fp32, the HF export is complete and bit-exact, and a saved step resumes bit-exactly;
+at TP2 with EP2 for the MoE families (2 ranks), Qwen3-MoE with dense layers mixed in at TP2 PP2 EP2 (4
+ranks), Mixtral through the CLI on 8 ranks. The refused configs fail before anything is built, naming the
+field."""
 
-import glob
 import os
+import re
+from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from verl.models.support import SUPPORTED_MODEL_TYPES, hf_config_problems
+from verl.models.family_check import FP32_LOG_PROB_TOLERANCE, hf_state, run_family_check
+from verl.models.support import SUPPORTED_MODEL_TYPES, hf_config_problems, moe_layer_pattern, rope_theta
 from verl.models.tiny import make_tiny_hf_model, tiny_hf_config
-from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes, num_routed_experts
-
-TOLERANCE = 1e-5  # fp32; the gaps seen are listed in docs/models.md
-
-
-def _tokens() -> torch.Tensor:
-    return torch.randint(4, 200, (2, 16), generator=torch.Generator().manual_seed(0))
-
-
-def _hf_state(path: str) -> dict:
-    state = {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        state.update(load_file(file))
-    return state
-
-
-def _logits_and_export(src: str, dst: str) -> torch.Tensor:
-    from verl.models.mcore import load_hf_config, make_bridge
-    from verl.models.mcore.forward import forward_logits
-    from verl.models.mcore.model import build_megatron_model
-
-    bridge = make_bridge(load_hf_config(src), dtype=torch.float32)
-    model = build_megatron_model(bridge)
-    bridge.load_weights(model, src)
-    logits = forward_logits(model, _tokens())
-    bridge.save_weights(model, dst)
-    return logits
-
 
 # (kind, config overrides, layout on 2 ranks). Each MoE case routes through EP 2 with TP 2 for the rest.
 CASES = {
@@ -54,29 +28,68 @@ CASES = {
 
 def test_cases_cover_every_supported_family():
     # The supported list printed and documented is what this file (with tests/test_megatron_model.py for
-    # the Qwen3 pair) proves.
-    covered = {tiny_hf_config(kind).model_type for kind, _, _ in CASES.values()} | {"qwen3", "qwen3_moe"}
+    # the Qwen3 pair at more layouts) proves.
+    covered = {tiny_hf_config(kind).model_type for kind, _, _ in CASES.values()} | {"qwen3"}
     assert covered == set(SUPPORTED_MODEL_TYPES)
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    supported_line = docs.split("## Supported\n\n", 1)[1].splitlines()[0]
+    assert re.findall(r"`(\w+)`", supported_line.split("(")[0]) == list(SUPPORTED_MODEL_TYPES)
+
+
+def _assert_trains_the_same_model(result, case: str) -> None:
+    assert result.log_prob_gap <= FP32_LOG_PROB_TOLERANCE, f"{case}: Megatron log-probs differ from transformers' by {result.log_prob_gap:.3g}"
+    assert not (result.export_missing or result.export_extra or result.export_changed), result
+    assert result.step_export_complete, result
+    assert result.resume_loss_gap == 0.0 and result.resume_differing == [], result
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_family_logits_match_transformers_and_export_is_exact(tmp_path, case):
-    from transformers import AutoModelForCausalLM
-
+def test_family_matches_transformers_exports_exactly_and_resumes(tmp_path, case):
     kind, overrides, sizes = CASES[case]
     src = make_tiny_hf_model(str(tmp_path / "src"), kind=kind, num_layers=2, **overrides)
-    dst = str(tmp_path / "hf")
-    results = run_on_ranks(_logits_and_export, 2, sizes, args=(src, dst))
-    with torch.no_grad():
-        reference = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(_tokens()).logits
-    for logits in results:
-        assert logits.shape == reference.shape
-        gap = (logits - reference).abs().max().item()
-        assert gap <= TOLERANCE, f"{case}: Megatron logits differ from transformers' by {gap:.3g}"
-    source, exported = _hf_state(src), _hf_state(dst)
-    assert set(exported) == set(source)
-    for name, tensor in source.items():
-        assert torch.equal(exported[name], tensor), name
+    _assert_trains_the_same_model(run_family_check(src, str(tmp_path / "run"), 2, sizes), case)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"mlp_only_layers": [0, 2]}, {"decoder_sparse_step": 2}, {"decoder_sparse_step": 3, "mlp_only_layers": [5]}, {}],
+    ids=["mlp_only_layers", "sparse_step_2", "both", "all_moe"],
+)
+def test_moe_layer_pattern_is_where_transformers_builds_experts(overrides):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config("moe", num_layers=6, **overrides)
+    model = AutoModelForCausalLM.from_config(config)
+    built = [int(type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock") for layer in model.model.layers]
+    assert moe_layer_pattern(config) == built
+
+
+def test_qwen3_moe_with_dense_layers_trains_exports_and_resumes(tmp_path):
+    # Dense layers 0 and 2, MoE layers 1 and 3: each pipeline stage holds one of each; the dense MLPs split
+    # over TP 2 while the experts stay whole (ETP 1), so a dense weight named as an expert's cannot load.
+    src = make_tiny_hf_model(str(tmp_path / "src"), kind="moe", num_layers=4, mlp_only_layers=[0, 2])
+    _assert_trains_the_same_model(run_family_check(src, str(tmp_path / "run"), 4, ParallelSizes(tp=2, pp=2, ep=2, etp=1)), "qwen3_moe-dense-layers")
+
+
+def test_transformers_5_rope_parameters_read_as_plain_rope_or_scaling():
+    # transformers 5 keeps rope_theta and the scaling in rope_parameters (rope_type 'default': plain RoPE)
+    plain = {"rope_theta": 1e6, "rope_type": "default"}
+    assert hf_config_problems({"model_type": "qwen3_moe", "rope_parameters": plain, "rope_scaling": plain}) == []
+    assert rope_theta({"rope_parameters": plain}) == 1e6 and rope_theta({"rope_theta": 1e4}) == 1e4
+    (problem,) = hf_config_problems({"model_type": "llama", "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}})
+    assert "rope_scaling=" in problem and "llama3" in problem
+
+
+def test_bridge_view_spells_transformers_5_rope_as_mbridge_reads_it():
+    from transformers import PretrainedConfig
+
+    from verl.models.mcore.mbridge import _bridge_view_of
+
+    plain = {"rope_theta": 5e5, "rope_type": "default"}
+    config = PretrainedConfig(hidden_size=64, num_attention_heads=4, head_dim=16, rope_parameters=plain, rope_scaling=plain)
+    view = _bridge_view_of(config)
+    assert view.rope_theta == 5e5 and view.rope_scaling is None
+    assert config.rope_scaling == plain and not hasattr(config, "rope_theta")
 
 
 def test_mixtral_head_dim_stays_unset_in_the_users_config():
@@ -108,7 +121,9 @@ def test_mixtral_expert_parallel_passes_the_layout_check():
 @pytest.mark.parametrize(
     "model_type,config,field",
     [
-        ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
+        ("qwen2_moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
+        ("qwen3_moe", {"num_hidden_layers": 2, "mlp_only_layers": [0, 1]}, "leave no MoE layer"),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step=0"),
         ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
         ("qwen2_moe", {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size=0"),
         ("mixtral", {"sliding_window": 4096}, "sliding_window=4096"),
@@ -142,3 +157,44 @@ def test_every_problem_of_a_config_at_once(tmp_path):
     text = "\n".join(err.value.problems)
     for expected in ("mlp_only_layers=[0]", "decoder_sparse_step=2", "num_experts=8 is not divisible by expert_model_parallel_size=3"):
         assert expected in text, text
+
+
+def test_deepseek_v3_refusal_names_each_feature_the_probe_shows_unbuildable():
+    # scripts/probe_deepseek_v3.py runs each stage against mbridge 0.15.1 and megatron-core 0.16.1
+    (problem,) = hf_config_problems({"model_type": "deepseek_v3"})
+    for feature in ("max_position_embeddings", "MLA attention", "n_group, topk_group", "fp32", "scripts/probe_deepseek_v3.py"):
+        assert feature in problem, feature
+
+
+def test_mixtral_through_the_cli_on_8_ranks(tmp_path):
+    """``python -m verl.trainer.main_ppo`` as a user runs it on a Mixtral (head_dim unset, top-k
+    renormalised): 8 ranks at TP2 PP2 EP2 ETP2, use_distributed_optimizer=False, 2 GRPO steps, a save at
+    step 2 whose HF export the commit step verifies complete; the actor's log-probs equal the rollout's."""
+    from tests.test_trainer_cli import MEGATRON, TRACKER, _metrics, _run
+
+    src = make_tiny_hf_model(str(tmp_path / "mixtral"), kind="mixtral")
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    code, out = _run(
+        [
+            f"actor_rollout_ref.model.path={src}",
+            f"{MEGATRON}tensor_model_parallel_size=2",
+            f"{MEGATRON}pipeline_model_parallel_size=2",
+            f"{MEGATRON}expert_model_parallel_size=2",
+            f"{MEGATRON}expert_tensor_parallel_size=2",
+            f"{MEGATRON}use_distributed_optimizer=False",
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=2",
+            f"trainer.default_local_dir={ckpt}",
+        ],
+        tmp_path,
+        env,
+    )
+    assert code == 0, out[-6000:]
+    assert "8 ranks on cpu" in out and "TP2 PP2 EP2 ETP2 CP1" in out
+    assert (ckpt / TRACKER).read_text() == "2"
+    metrics = _metrics(ckpt)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["rollout/log_prob_diff_max"] <= 1e-4 for m in metrics), [m["rollout/log_prob_diff_max"] for m in metrics]
+    tensors = len(hf_state(src))
+    assert metrics[1]["checkpoint"]["hf"] == f"all {tensors} tensors present with the expected shapes"

@@ -18,7 +18,12 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # mbridge registers these, but they are not built faithfully here (or not tested): why, per family.
 _REFUSED_WHY = {
-    "deepseek_v3": "its MLA attention, dense first layers and grouped routing are not built and tested with the local (non-TransformerEngine) layer spec here",
+    "deepseek_v3": (
+        "with mbridge 0.15.1 and megatron-core 0.16.1 on the local (non-TransformerEngine) layer spec, mbridge's "
+        "config passes max_position_embeddings, which MLATransformerConfig lacks; its MLA attention cannot be built "
+        "(the local DotProductAttention takes no separate key/value head dims); grouped routing (n_group, "
+        "topk_group) is not mapped; its weight reader refuses fp32 (scripts/probe_deepseek_v3.py shows each)"
+    ),
     "glm4_moe": "its dense first layers and sigmoid routing with expert bias are not built and tested here",
 }
 
@@ -29,6 +34,8 @@ _DEFAULTS: dict[str, Any] = {
     "use_sliding_window": False,
     "sliding_window": None,
     "rope_scaling": None,
+    "rope_parameters": None,
+    "rope_theta": None,
     "router_jitter_noise": 0.0,
     "attention_bias": False,
     "mlp_bias": False,
@@ -59,6 +66,39 @@ def renormalises_topk(hf_config: Any) -> bool:
     return bool(_get(hf_config, "norm_topk_prob"))
 
 
+def rope_scaling(hf_config: Any) -> dict | None:
+    """The config's RoPE scaling, or None for plain RoPE.
+
+    transformers 4.57 keeps it in ``rope_scaling`` (None without scaling); transformers 5 keeps
+    ``rope_parameters`` (also readable as ``rope_scaling``) with ``rope_theta`` and ``rope_type`` inside,
+    ``rope_type='default'`` without scaling.
+    """
+    scaling = _get(hf_config, "rope_scaling") or _get(hf_config, "rope_parameters")
+    if not scaling or scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return None
+    return dict(scaling)
+
+
+def rope_theta(hf_config: Any) -> float:
+    """RoPE's base: ``rope_theta`` in transformers 4.57, ``rope_parameters['rope_theta']`` in transformers 5."""
+    theta = _get(hf_config, "rope_theta")
+    return theta if theta is not None else (_get(hf_config, "rope_parameters") or {})["rope_theta"]
+
+
+def moe_layer_pattern(hf_config: Any) -> list[int]:
+    """Per decoder layer, 1 where transformers builds a routed-expert block and 0 where a dense MLP.
+
+    The Qwen MoE families make layer ``i`` dense when it is in ``mlp_only_layers`` or ``(i + 1)`` is not a
+    multiple of ``decoder_sparse_step``; megatron takes the same list as ``moe_layer_freq``.
+    """
+    num_layers = _get(hf_config, "num_hidden_layers")
+    if model_type_of(hf_config) not in ("qwen2_moe", "qwen3_moe"):
+        return [1] * num_layers
+    dense_only = set(_get(hf_config, "mlp_only_layers") or [])
+    step = _get(hf_config, "decoder_sparse_step")
+    return [int(i not in dense_only and (i + 1) % step == 0) for i in range(num_layers)]
+
+
 def hf_config_problems(hf_config: Any) -> list[str]:
     """Every reason the bridge cannot build exactly the model transformers runs for this config; [] if none.
 
@@ -70,9 +110,9 @@ def hf_config_problems(hf_config: Any) -> list[str]:
         return [f"model_type={model_type!r} is not supported: {why}; supported model types: {list(SUPPORTED_MODEL_TYPES)}"]
     name = f"{model_type} config"
     problems = []
-    if _get(hf_config, "rope_scaling"):
+    if rope_scaling(hf_config):
         problems.append(
-            f"{name}: rope_scaling={_get(hf_config, 'rope_scaling')}: mbridge reads only its 'factor' as linear "
+            f"{name}: rope_scaling={rope_scaling(hf_config)}: mbridge reads only its 'factor' as linear "
             "position interpolation, so any other RoPE scaling (llama3, yarn, dynamic) would be computed differently; "
             "use a checkpoint without rope_scaling"
         )
@@ -95,16 +135,25 @@ def hf_config_problems(hf_config: Any) -> list[str]:
             f"{name}: router_jitter_noise={_get(hf_config, 'router_jitter_noise')}: transformers perturbs the router "
             "logits in training, megatron does not; set router_jitter_noise=0.0"
         )
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type == "qwen2_moe":
         if _get(hf_config, "mlp_only_layers"):
             problems.append(
-                f"{name}: mlp_only_layers={_get(hf_config, 'mlp_only_layers')}: mbridge builds every layer as MoE "
-                "(dense layers inside a MoE model are not mapped); use a checkpoint with mlp_only_layers=[]"
+                f"{name}: mlp_only_layers={_get(hf_config, 'mlp_only_layers')}: dense layers inside a Qwen2-MoE "
+                "model are not tested here (they are for qwen3_moe); use a checkpoint with mlp_only_layers=[]"
             )
         if _get(hf_config, "decoder_sparse_step") != 1:
             problems.append(
-                f"{name}: decoder_sparse_step={_get(hf_config, 'decoder_sparse_step')}: mbridge builds every layer "
-                "as MoE; only decoder_sparse_step=1 is supported"
+                f"{name}: decoder_sparse_step={_get(hf_config, 'decoder_sparse_step')}: dense layers inside a "
+                "Qwen2-MoE model are not tested here (they are for qwen3_moe); only decoder_sparse_step=1 is supported"
+            )
+    if model_type == "qwen3_moe":
+        step = _get(hf_config, "decoder_sparse_step")
+        if not isinstance(step, int) or step < 1:
+            problems.append(f"{name}: decoder_sparse_step={step!r}: must be a positive integer (transformers divides by it)")
+        elif _get(hf_config, "num_hidden_layers") and not any(moe_layer_pattern(hf_config)):
+            problems.append(
+                f"{name}: mlp_only_layers={_get(hf_config, 'mlp_only_layers')}, decoder_sparse_step={step} leave no "
+                "MoE layer, which megatron cannot build as a MoE model; use model_type qwen3 for a dense model"
             )
     if model_type == "qwen2_moe" and not _get(hf_config, "shared_expert_intermediate_size"):
         problems.append(

@@ -8,6 +8,7 @@ mbridge's load, save and export find every tensor.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer import TransformerConfig
@@ -60,18 +61,33 @@ def is_expert_te_name(te_name: str) -> bool:
     return ".mlp.experts.linear_fc" in te_name
 
 
-def local_name_to_te_name(name: str, is_moe: bool, expert_offset: int = 0) -> str:
+_LAYER_NUMBER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def local_name_to_te_name(name: str, moe_layers: Sequence[int], expert_offset: int = 0) -> str:
     """Translate one local-spec parameter name to the name the TE spec gives the same tensor.
 
-    ``expert_offset`` is this rank's first global expert id (EP rank x experts per rank), or 0 for
-    names that stay rank-local.
+    ``moe_layers``: per global layer, 1 for a MoE layer and 0 for a dense one (megatron's
+    ``moe_layer_freq`` list; all 0 for a dense model): the TE spec fuses a dense layer's pre-MLP norm
+    into ``linear_fc1`` but keeps a MoE layer's apart. ``expert_offset`` is this rank's first global
+    expert id (EP rank x experts per rank), or 0 for names that stay rank-local.
     """
     if name.endswith(".input_layernorm.weight"):
         return name[: -len("input_layernorm.weight")] + "self_attention.linear_qkv.layer_norm_weight"
-    if not is_moe and name.endswith(".pre_mlp_layernorm.weight"):
+    if name.endswith(".pre_mlp_layernorm.weight") and not moe_layers[int(_LAYER_NUMBER.match(name).group(1))]:
         return name[: -len("pre_mlp_layernorm.weight")] + "mlp.linear_fc1.layer_norm_weight"
     match = _LOCAL_EXPERT.search(name)
     if match:
         expert_id = int(match.group(1)) + expert_offset
         return f"{name[: match.start()]}.mlp.experts.{match.group(2)}.weight{expert_id}"
     return name
+
+
+def moe_layer_list(config: TransformerConfig) -> list[int]:
+    """megatron's MoE/dense pattern for ``config``, one entry per layer (1: MoE), as its layer spec reads
+    ``moe_layer_freq`` (an int N: every N-th layer from the first; a list: as given); all 0 without experts."""
+    if not config.num_moe_experts:
+        return [0] * config.num_layers
+    if isinstance(config.moe_layer_freq, int):
+        return [int(i % config.moe_layer_freq == 0) for i in range(config.num_layers)]
+    return list(config.moe_layer_freq)

@@ -20,10 +20,18 @@ from verl.models.mcore.local_spec import (
     get_local_decoder_block_spec,
     is_expert_te_name,
     local_name_to_te_name,
+    moe_layer_list,
     transformer_engine_available,
 )
 from verl.models.mcore.parallel_hf_save import save_weights_in_parallel
-from verl.models.support import MOE_MODEL_TYPES, hf_config_problems, renormalises_topk
+from verl.models.support import (
+    MOE_MODEL_TYPES,
+    hf_config_problems,
+    moe_layer_pattern,
+    renormalises_topk,
+    rope_scaling,
+    rope_theta,
+)
 from verl.utils.internals import mbridge as mbridge_internals
 from verl.utils.rank_comm import RankComm
 
@@ -59,15 +67,23 @@ def check_hf_config_supported(hf_config: PretrainedConfig) -> None:
 
 
 def _bridge_view_of(hf_config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of ``hf_config`` with what mbridge reads but transformers may leave unset filled in.
+    """A copy of ``hf_config`` with what mbridge 0.15.1 reads spelled as it reads it.
 
-    transformers' MixtralConfig (like real Mixtral checkpoints) leaves ``head_dim=None``; mbridge then
-    multiplies None in its QKV conversion. transformers itself uses hidden_size / num_attention_heads.
+    - ``head_dim``: transformers' MixtralConfig (like real Mixtral checkpoints) leaves it None; mbridge then
+      multiplies None in its QKV conversion. transformers itself uses hidden_size / num_attention_heads.
+    - ``rope_theta`` and ``rope_scaling``: transformers 5 keeps both in ``rope_parameters``
+      (``{'rope_theta': ..., 'rope_type': 'default'}`` for plain RoPE), where mbridge finds no
+      ``rope_theta`` and takes the dict for a scaling it reads ``factor`` from; plain RoPE (the only kind
+      ``verl.models.support`` lets through) is ``rope_theta`` with ``rope_scaling=None`` to mbridge.
     The caller's config stays as given, so the exported config.json is the user's.
     """
     view = copy.deepcopy(hf_config)
     if getattr(view, "head_dim", None) is None:
         view.head_dim = view.hidden_size // view.num_attention_heads
+    if getattr(view, "rope_theta", None) is None:
+        view.rope_theta = rope_theta(hf_config)
+    if rope_scaling(hf_config) is None and getattr(view, "rope_scaling", None) is not None:
+        view.rope_scaling = None
     return view
 
 
@@ -81,12 +97,18 @@ class _FaithfulConfigMixin:
       softmax, top-k, renormalise; pre-softmax equals no renormalisation.
     - Qwen2-MoE's shared expert is scaled by ``sigmoid(shared_expert_gate(x))`` in transformers; mbridge
       maps the gate's weight but never asks megatron to build it (``moe_shared_expert_gate``).
+    - Dense layers inside a Qwen MoE model (``mlp_only_layers``, ``decoder_sparse_step``): mbridge builds
+      every layer as MoE; megatron's ``moe_layer_freq`` takes transformers' per-layer pattern, and the
+      dense layers' weights are named by mbridge's dense MLP mapping (``_bridge_class``).
     """
 
     def _build_base_config(self, text_config_key=None, **kwargs):
         hf_config = self.hf_config
         if hf_config.model_type in MOE_MODEL_TYPES:
             kwargs["moe_router_pre_softmax"] = not renormalises_topk(hf_config)
+            pattern = moe_layer_pattern(hf_config)
+            if not all(pattern):
+                kwargs["moe_layer_freq"] = pattern
         if hf_config.model_type == "qwen2_moe" and getattr(hf_config, "shared_expert_intermediate_size", 0):
             kwargs["moe_shared_expert_gate"] = True
         return super()._build_base_config(text_config_key, **kwargs)
@@ -107,11 +129,11 @@ class _LocalSpecBridgeMixin:
 
     def _weight_name_mapping_mcore_local_to_global(self, model: torch.nn.Module, consider_ep: bool = True) -> dict[str, str]:
         mapping = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=consider_ep)
-        is_moe = bool(self.config.num_moe_experts)
+        moe_layers = moe_layer_list(self.config)
         offset = 0
-        if is_moe and consider_ep and self.mpu.ep_size > 1:
+        if self.config.num_moe_experts and consider_ep and self.mpu.ep_size > 1:
             offset = self.mpu.ep_rank * (self.config.num_moe_experts // self.mpu.ep_size)
-        return {local: local_name_to_te_name(name, is_moe, offset) for local, name in mapping.items()}
+        return {local: local_name_to_te_name(name, moe_layers, offset) for local, name in mapping.items()}
 
     def load_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
         """Load HF weights; rank 0 of each TP (or expert-TP) group reads, then scatters the shards."""
@@ -193,7 +215,8 @@ def _bridge_class(bridge_cls: type, use_local_spec: bool) -> type:
         mbridge_internals.check_overridable(bridge_cls)
         bases = (_LocalSpecBridgeMixin, _FaithfulConfigMixin, bridge_cls) if use_local_spec else (_FaithfulConfigMixin, bridge_cls)
         prefix = "LocalSpec" if use_local_spec else "Faithful"
-        _CLASSES[key] = type(f"{prefix}{bridge_cls.__name__}", bases, {})
+        namespace = {"_MLP_MAPPING": mbridge_internals.mlp_mapping_with_dense_layers(bridge_cls)}
+        _CLASSES[key] = type(f"{prefix}{bridge_cls.__name__}", bases, namespace)
     return _CLASSES[key]
 
 

@@ -34,6 +34,17 @@ def bridge_class(model_type: str) -> type[Bridge] | None:
     return _MODEL_REGISTRY.get(model_type)
 
 
+def mlp_mapping_with_dense_layers(bridge_cls: type[Bridge]) -> dict[str, list[str]]:
+    """``_MLP_MAPPING`` of ``bridge_cls`` (Megatron name keyword -> HF name templates, first match wins) with
+    the dense MLP entries of mbridge's base ``Bridge`` appended where missing: a MoE family's mapping names
+    only expert-layer tensors, so a dense layer inside a MoE model (``linear_fc1`` / ``linear_fc2`` and the
+    norm fused into ``linear_fc1``) would have no HF name. No entry matches another's tensors."""
+    mapping = dict(bridge_cls._MLP_MAPPING)
+    for keyword, hf_templates in Bridge._MLP_MAPPING.items():
+        mapping.setdefault(keyword, hf_templates)
+    return mapping
+
+
 def check_overridable(bridge_cls: type[Bridge]) -> None:
     """Raise TypeError naming each hook of ``OVERRIDDEN_HOOKS`` that ``bridge_cls`` lacks or defines with
     other parameters."""
