@@ -245,7 +245,7 @@ def test_a_misspelled_key_is_still_refused(tiny_moe_path, tmp_path):
         ("data.train_files=/nonexistent/train.parquet", "data.train_files: /nonexistent/train.parquet does not exist"),
         ("actor_rollout_ref.rollout.response_length=4", "actor_rollout_ref.rollout.response_length=4 differs from data.max_response_length=2"),
         ("actor_rollout_ref.actor.use_dynamic_bsz=True", None),
-        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5", "does not divide the 32 sequences"),
+        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5", "does not divide the 64 sequences"),
     ],
 )
 def test_refusals_name_the_key(tiny_moe_path, tmp_path, override, expected):
