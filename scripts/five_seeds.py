@@ -5,7 +5,8 @@
 Each seed is one ``python -m verl.trainer.main_ppo data.seed=S`` (the defaults, checkpoints included) in
 ``<out-dir>/seed_S``, one after the other. Written to ``<out-dir>``: ``five_seeds.json`` (per seed: mean
 reward of the first and last 10 steps, the first step whose trailing 10-step mean reaches 0.9, steps with
-grad norm 0, median seconds per step, wall seconds, the machine's load average while it ran),
+grad norm 0, median seconds per step, seconds spent in steps, wall seconds from start to exit, the
+machine's load average while it ran),
 ``five_seeds.md`` (the same as a markdown table) and ``five_seeds.png`` (every seed's reward curve).
 The constant-answer baseline is what the best single answer, given to every prompt, would score.
 """
@@ -81,6 +82,7 @@ def summarize_seed(seed: int, records: list[dict], wall_s: float, load: list[flo
         "first_step_trailing10_ge_0.9": reached,
         "steps_grad_norm_0": sum(1 for r in records if r.get("actor/grad_norm", 1.0) == 0.0),
         "median_step_s": round(statistics.median(r["timing_s/step"] for r in records), 2),
+        "steps_s": round(sum(r["timing_s/step"] for r in records), 1),
         "wall_s": round(wall_s, 1),
         "load_avg_min": round(min(load), 1),
         "load_avg_median": round(statistics.median(load), 1),
@@ -109,13 +111,13 @@ def run_seed(seed: int, out_dir: str, overrides: list[str]) -> dict:
 
 def markdown_table(rows: list[dict], baseline: float) -> str:
     lines = [
-        "| `data.seed` | reward, first 10 steps | reward, last 10 steps | first step with 10-step mean >= 0.9 | steps with grad norm 0 | median s/step | wall s | load average (median, max) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| `data.seed` | reward, first 10 steps | reward, last 10 steps | first step with 10-step mean >= 0.9 | steps with grad norm 0 | median s/step | s in steps | wall s | load average (median, max) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['seed']} | {r['reward_first10']:.3f} | **{r['reward_last10']:.3f}** | {r['first_step_trailing10_ge_0.9']} | "
-            f"{r['steps_grad_norm_0']} / {r['steps']} | {r['median_step_s']:.2f} | {r['wall_s']:.0f} | {r['load_avg_median']}, {r['load_avg_max']} |"
+            f"{r['steps_grad_norm_0']} / {r['steps']} | {r['median_step_s']:.2f} | {r['steps_s']:.0f} | {r['wall_s']:.0f} | {r['load_avg_median']}, {r['load_avg_max']} |"
         )
     lines.append(f"\nA constant answer (the best one, given to every prompt) scores {baseline:.3f}.")
     return "\n".join(lines) + "\n"
