@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on its embedded default: `python -m verl.trainer.main_ppo` with the config in
 # verl/trainer/config/ppo_megatron_trainer.yaml (a tiny Qwen3-MoE the project makes itself, 8 ranks at
-# TP2 PP2 EP2 ETP2, GRPO for 120 steps, checkpoints every 40). Any Hydra override can follow, e.g.
+# TP2 PP2 EP2 ETP2, GRPO for 150 steps, checkpoints every 50). Any Hydra override can follow, e.g.
 #   bash scripts/run.sh trainer.total_training_steps=6 actor_rollout_ref.actor.megatron.param_offload=True
 set -euo pipefail
 cd "$(dirname "$0")/.."

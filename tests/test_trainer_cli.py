@@ -249,7 +249,7 @@ BAD_CONFIGS = {
     "async_save": (["actor_rollout_ref.actor.checkpoint.async_save=later"], "actor_rollout_ref.actor.checkpoint.async_save must be true or false, got 'later'"),
     "grad_offload": ([f"{MEGATRON}grad_offload=True"], f"set {MEGATRON}param_offload=True or grad_offload=False"),
     "batch_vs_mini": (["data.train_batch_size=6"], "is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size=8"),
-    "micro_vs_dp": (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], "ppo_micro_batch_size_per_gpu=5; set it to a divisor of 32"),
+    "micro_vs_dp": (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"], "ppo_micro_batch_size_per_gpu=5; set it to a divisor of 64"),
     "group_of_one": (["actor_rollout_ref.rollout.n=1"], "set actor_rollout_ref.rollout.n to 2 or more"),
     "estimator": (["algorithm.adv_estimator=gae"], "only grpo is implemented here; set algorithm.adv_estimator=grpo"),
     "truncation": (["data.truncation=cut"], "data.truncation=cut is not one of ['error', 'left', 'right', 'middle']"),

@@ -257,7 +257,7 @@ def test_script_with_the_kl_loss_on_honours_the_reference_keys(concrete, tiny_mo
         ("actor_rollout_ref.actor.kl_loss_coef=-1", "actor_rollout_ref.actor.kl_loss_coef=-1 must be >= 0"),
         ("actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1", "tensor_model_parallel_size=1 differs from the actor's (2)"),
         ("actor_rollout_ref.ref.megatron.use_dist_checkpointing=True", "the reference is built from the HF actor_rollout_ref.model.path only"),
-        ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=5", "ref.log_prob_micro_batch_size_per_gpu=5 does not divide the 32 sequences"),
+        ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=5", "ref.log_prob_micro_batch_size_per_gpu=5 does not divide the 64 sequences"),
         ("algorithm.use_kl_in_reward=True", "algorithm.use_kl_in_reward=True: the KL penalty in the reward is not implemented here"),
     ],
 )
@@ -286,7 +286,7 @@ def test_a_misspelled_key_is_still_refused(tiny_moe_path, tmp_path):
         ("data.train_files=/nonexistent/train.parquet", "data.train_files: /nonexistent/train.parquet does not exist"),
         ("actor_rollout_ref.rollout.response_length=4", "actor_rollout_ref.rollout.response_length=4 differs from data.max_response_length=2"),
         ("actor_rollout_ref.actor.use_dynamic_bsz=True", None),
-        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5", "does not divide the 32 sequences"),
+        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5", "does not divide the 64 sequences"),
         ("trainer.logger=[console,mlflow]", "trainer.logger has ['mlflow'], which this trainer does not provide"),
         ("actor_rollout_ref.rollout.log_prob_parity_check.tolerance.float32=0", "tolerance.float32=0 must be a number > 0"),
         ("trainer.logger=[console,tensorboard]", ""),  # the tensorboard package is a requirement: accepted

@@ -49,9 +49,10 @@ def test_norm_topk_prob_false_is_built_not_refused(tmp_path):
     assert validate_model_build(path, ParallelSizes(), 1).norm_topk_prob is False
 
 
-def test_mlp_only_layers_is_refused(tmp_path):
-    path = make_tiny_hf_model(str(tmp_path / "m"), kind="moe", mlp_only_layers=[1])
-    with pytest.raises(UnsupportedHFConfigError, match=re.escape("qwen3_moe config: mlp_only_layers=[1]")):
+def test_dense_layers_pass_for_qwen3_moe_and_are_refused_for_qwen2_moe(tmp_path):
+    validate_model_build(make_tiny_hf_model(str(tmp_path / "q3"), kind="moe", mlp_only_layers=[1]), ParallelSizes(), 1)
+    path = make_tiny_hf_model(str(tmp_path / "q2"), kind="qwen2_moe", mlp_only_layers=[1])
+    with pytest.raises(UnsupportedHFConfigError, match=re.escape("mlp_only_layers=[1]: dense layers inside a Qwen2-MoE")):
         validate_model_build(path, ParallelSizes(), 1)
 
 

@@ -32,7 +32,6 @@ With ``data.val_files`` the run validates before the first step (``trainer.val_b
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time

@@ -1,7 +1,8 @@
 """The synthetic tasks the project generates itself, on prompts ``"a+b="`` with single-digit a, b:
 
 - ``first``: answer ``a`` (copy the first operand): ``"2+1="`` -> ``"2"``; the default of the main job,
-  because the tiny random-init model learns it by GRPO in about a hundred steps;
+  because the tiny random-init model learns it by GRPO in about a hundred steps (with operands 0..2 a
+  policy that ignores the prompt scores at most 1/3);
 - ``add``: answer ``a + b``: ``"3+4="`` -> ``"7"``; not learned by the tiny model in a few hundred steps
   (scripts/grpo_task_probe.py), kept for bigger models.
 

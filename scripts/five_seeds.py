@@ -1,0 +1,175 @@
+"""Does the default run learn for every seed? Run the main job once per ``data.seed`` and tabulate it.
+
+    .venv/bin/python scripts/five_seeds.py --out-dir /tmp/five_seeds [--seeds 1,2,3,4,5] [hydra overrides ...]
+
+Each seed is one ``python -m verl.trainer.main_ppo data.seed=S`` (the defaults, checkpoints included) in
+``<out-dir>/seed_S``, one after the other. Written to ``<out-dir>``: ``five_seeds.json`` (per seed: mean
+reward of the first and last 10 steps, the first step whose trailing 10-step mean reaches 0.9, steps with
+grad norm 0, median seconds per step, seconds spent in steps, wall seconds from start to exit, the
+machine's load average while it ran),
+``five_seeds.md`` (the same as a markdown table) and ``five_seeds.png`` (every seed's reward curve).
+The constant-answer baseline is what the best single answer, given to every prompt, would score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from verl.trainer.ppo.ray_trainer import METRICS_FILENAME  # noqa: E402
+
+REWARD_KEY = "critic/score/mean"
+WINDOW = 10
+TARGET = 0.9
+
+
+def constant_answer_baseline(seed: int, max_operand: int, task: str) -> float:
+    """The mean reward of the best prompt-independent policy: one answer for every prompt of the task."""
+    from verl.utils.dataset.arithmetic import make_arithmetic_dataset
+
+    answers = Counter(row["ground_truth"] for row in make_arithmetic_dataset(seed, max_operand=max_operand, task=task))
+    return max(answers.values()) / sum(answers.values())
+
+
+class LoadSampler:
+    """The 1-minute load average, sampled every few seconds on a thread while a run goes on."""
+
+    def __init__(self, period_s: float = 5.0) -> None:
+        self.period_s = period_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(os.getloadavg()[0])
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize_seed(seed: int, records: list[dict], wall_s: float, load: list[float]) -> dict:
+    """The table row of one run, from its metrics.jsonl records."""
+    rewards = [r[REWARD_KEY] for r in records]
+    trailing = [statistics.fmean(rewards[i - WINDOW : i]) for i in range(WINDOW, len(rewards) + 1)]
+    reached = next((records[i + WINDOW - 1]["step"] for i, mean in enumerate(trailing) if mean >= TARGET), None)
+    return {
+        "seed": seed,
+        "steps": len(records),
+        "reward_first10": round(statistics.fmean(rewards[:WINDOW]), 3),
+        "reward_last10": round(statistics.fmean(rewards[-WINDOW:]), 3),
+        "first_step_trailing10_ge_0.9": reached,
+        "steps_grad_norm_0": sum(1 for r in records if r.get("actor/grad_norm", 1.0) == 0.0),
+        "median_step_s": round(statistics.median(r["timing_s/step"] for r in records), 2),
+        "steps_s": round(sum(r["timing_s/step"] for r in records), 1),
+        "wall_s": round(wall_s, 1),
+        "load_avg_min": round(min(load), 1),
+        "load_avg_median": round(statistics.median(load), 1),
+        "load_avg_max": round(max(load), 1),
+        "rewards": rewards,
+    }
+
+
+def run_seed(seed: int, out_dir: str, overrides: list[str]) -> dict:
+    """One run of the main job with ``data.seed=seed`` in a fresh ``<out_dir>/seed_<seed>``."""
+    run_dir = os.path.join(out_dir, f"seed_{seed}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", f"data.seed={seed}", f"trainer.default_local_dir={run_dir}", *overrides]
+    print(f"[five_seeds] seed {seed}: {' '.join(command[1:])}", flush=True)
+    with open(os.path.join(run_dir, "run.log"), "w") as log, LoadSampler() as load:
+        start = time.monotonic()
+        returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+        wall_s = time.monotonic() - start
+    if returncode != 0:
+        raise SystemExit(f"[five_seeds] seed {seed} exited {returncode}; see {run_dir}/run.log")
+    row = summarize_seed(seed, read_metrics(os.path.join(run_dir, METRICS_FILENAME)), wall_s, load.samples)
+    print(f"[five_seeds] seed {seed}: last-10 mean reward {row['reward_last10']}, {row['wall_s']} s, load {row['load_avg_median']}", flush=True)
+    return row
+
+
+def markdown_table(rows: list[dict], baseline: float) -> str:
+    lines = [
+        "| `data.seed` | reward, first 10 steps | reward, last 10 steps | first step with 10-step mean >= 0.9 | steps with grad norm 0 | median s/step | s in steps | wall s | load average (median, max) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['seed']} | {r['reward_first10']:.3f} | **{r['reward_last10']:.3f}** | {r['first_step_trailing10_ge_0.9']} | "
+            f"{r['steps_grad_norm_0']} / {r['steps']} | {r['median_step_s']:.2f} | {r['steps_s']:.0f} | {r['wall_s']:.0f} | {r['load_avg_median']}, {r['load_avg_max']} |"
+        )
+    lines.append(f"\nA constant answer (the best one, given to every prompt) scores {baseline:.3f}.")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(rows: list[dict], baseline: float, png_path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for r in rows:
+        rewards = r["rewards"]
+        trailing = [statistics.fmean(rewards[max(0, i + 1 - WINDOW) : i + 1]) for i in range(len(rewards))]
+        ax.plot(range(1, len(rewards) + 1), trailing, linewidth=1.5, label=f"seed {r['seed']} (last 10: {r['reward_last10']:.2f})")
+    ax.axhline(baseline, color="gray", linestyle="--", linewidth=1, label=f"constant answer ({baseline:.2f})")
+    ax.axhline(TARGET, color="black", linestyle=":", linewidth=1, label=f"target {TARGET}")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"mean reward, trailing {WINDOW} steps")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("GRPO mean reward of the default run, one curve per data.seed")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png_path, format="png")
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated data.seed values")
+    args, overrides = parser.parse_known_args(argv)
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        data = compose(config_name="ppo_megatron_trainer", overrides=overrides).data
+    out_dir = os.path.abspath(args.out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    rows = [run_seed(seed, out_dir, overrides) for seed in seeds]
+    baseline = constant_answer_baseline(seeds[0], int(data.max_operand), str(data.task))
+    with open(os.path.join(out_dir, "five_seeds.json"), "w") as f:
+        json.dump({"overrides": overrides, "constant_answer_baseline": baseline, "runs": rows}, f, indent=1)
+    table = markdown_table(rows, baseline)
+    with open(os.path.join(out_dir, "five_seeds.md"), "w") as f:
+        f.write(table)
+    plot_curves(rows, baseline, os.path.join(out_dir, "five_seeds.png"))
+    print(table, flush=True)
+    return 0 if all(r["reward_last10"] >= TARGET for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
