@@ -20,6 +20,8 @@ from verl.models.support import hf_config_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
 from verl.utils.checkpoint.names import STEP_DIR_RE
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
+from verl.utils.tracking import BACKEND_PACKAGES
+from verl.utils.tracking import BACKENDS as LOGGER_BACKENDS
 from verl.workers.config import build_megatron_actor_configs
 
 _ACTOR = "actor_rollout_ref.actor"
@@ -27,9 +29,6 @@ _MEGATRON = f"{_ACTOR}.megatron."
 _CHECKPOINT = f"{_ACTOR}.checkpoint."
 _REF = "actor_rollout_ref.ref"
 RESUME_MODES = ("auto", "disable", "resume_path")
-LOGGERS = ("console", "file", "tensorboard", "wandb")  # verl.utils.tracking.BACKENDS
-# The package a logger imports (verl.utils.tracking.BACKEND_PACKAGES), looked for without importing it.
-LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 PARITY_KEY = "actor_rollout_ref.rollout.log_prob_parity_check"  # verl.trainer.ppo.log_prob_parity.GATE_KEY
 DEVICES = ("auto", "cpu", "cuda", "npu")
 # "a+b=" with single-digit operands (verl.utils.dataset.arithmetic; not imported: it pulls in torch).
@@ -189,12 +188,12 @@ def _check_trainer(config: Any) -> list[str]:
 def _check_loggers(logger: Any) -> list[str]:
     """Upstream's backend names this trainer provides, and the package each needs, installed."""
     loggers = list(logger) if not isinstance(logger, str) else [logger]
-    unknown = [name for name in loggers if name not in LOGGERS]
+    unknown = [name for name in loggers if name not in LOGGER_BACKENDS]
     if unknown:
-        return [f"trainer.logger has {unknown}, which this trainer does not provide; use a subset of {list(LOGGERS)}, e.g. trainer.logger=[console,file]"]
+        return [f"trainer.logger has {unknown}, which this trainer does not provide; use a subset of {list(LOGGER_BACKENDS)}, e.g. trainer.logger=[console,file]"]
     return [
         f"trainer.logger has {name} but the {package} package is not installed; pip install {package}, or drop {name} from trainer.logger"
-        for name, package in LOGGER_PACKAGES.items()
+        for name, package in BACKEND_PACKAGES.items()
         if name in loggers and importlib.util.find_spec(package) is None
     ]
 

@@ -21,9 +21,14 @@ class LogProbParityError(RuntimeError):
     """The actor and the rollout disagree on the first batch beyond the dtype's tolerance."""
 
 
+def log_prob_gaps(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``|actor - rollout|`` at every response token (a flat tensor; padding after EOS left out)."""
+    return (actor_log_probs.float() - rollout_log_probs.float()).abs()[response_mask.bool()]
+
+
 def max_log_prob_diff(actor_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor) -> float:
     """Largest ``|actor - rollout|`` over the response tokens (0.0 when there are none)."""
-    diff = (actor_log_probs.float() - rollout_log_probs.float()).abs()[response_mask.bool()]
+    diff = log_prob_gaps(actor_log_probs, rollout_log_probs, response_mask)
     return diff.max().item() if diff.numel() else 0.0
 
 

@@ -43,7 +43,7 @@ from omegaconf import OmegaConf
 
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-from verl.trainer.ppo.log_prob_parity import check_log_prob_parity, max_log_prob_diff
+from verl.trainer.ppo.log_prob_parity import check_log_prob_parity, log_prob_gaps, max_log_prob_diff
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
 from verl.utils.checkpoint.names import STEP_DIR_FORMAT
 from verl.utils.dataset.arithmetic import PromptSampler
@@ -341,7 +341,7 @@ class RayPPOTrainer:
     @staticmethod
     def _step_metrics(scores, advantages, rollout: dict, old_log_probs: torch.Tensor, updates: list[dict]) -> dict:
         mask = rollout["response_mask"].bool()
-        diff = (old_log_probs - rollout["rollout_log_probs"]).abs()[mask]
+        diff = log_prob_gaps(old_log_probs, rollout["rollout_log_probs"], mask)
         update = updates[0]  # the statistics are already summed over data-parallel ranks
         tokens = max(update["tokens"], 1.0)
         lengths = rollout["response_mask"].sum(dim=1).float()
@@ -583,22 +583,17 @@ def verify_saved_step(actor_path: str) -> dict:
     lists with its size, ``ckpt_contents.json``, and an HF export holding every tensor the HF config implies.
     Not the checksums: the commit step computed them from these very bytes a moment ago, so a second read
     proves nothing new (a resume checks them). Raises ``CheckpointError`` otherwise."""
-    from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
     from verl.utils.checkpoint.integrity import (
-        CheckpointError,
         holds_hf_weights,
         read_ckpt_contents,
         read_manifest,
         verify_manifest,
+        verify_step_hf_export,
     )
-    from verl.utils.megatron_utils import get_hf_model_checkpoint_path
 
     contents = read_ckpt_contents(actor_path)
     verify_manifest(actor_path, checksums=False)
     result = {"files": len(read_manifest(actor_path)["files"]), "contents": contents["save_contents"]}
     if holds_hf_weights(contents):  # 'hf_model', or 'model' kept as HF (use_dist_checkpointing=False)
-        report = verify_hf_checkpoint(get_hf_model_checkpoint_path(actor_path))
-        if not report.ok:
-            raise CheckpointError(report.describe())
-        result["hf"] = f"all {report.expected} tensors present with the expected shapes"
+        result["hf"] = f"all {verify_step_hf_export(actor_path)} tensors present with the expected shapes"
     return result

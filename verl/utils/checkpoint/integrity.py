@@ -246,15 +246,22 @@ def verify_checkpoint(step_path: str, transformer_config=None, hf_config=None, c
     manifest (saved by upstream verl) gets a warning and the checks its own files allow. ``checksums=False``
     skips re-reading every file for its checksum, for a caller that has just done so (or just computed them).
     """
-    from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
-
     contents = read_ckpt_contents(step_path)
     if not verify_manifest(step_path, required=False, checksums=checksums):
         warnings.warn(f"{step_path} has no {MANIFEST_FILENAME}: a checkpoint saved by upstream verl; its file sizes cannot be checked", stacklevel=2)
     if transformer_config is not None:
         check_model_identity(step_path, transformer_config)
     if holds_hf_weights(contents):
-        report = verify_hf_checkpoint(os.path.join(step_path, "model", "huggingface"), hf_config)
-        if not report.ok:
-            raise CheckpointError(report.describe())
+        verify_step_hf_export(step_path, hf_config)
     return contents
+
+
+def verify_step_hf_export(step_path: str, hf_config=None) -> int:
+    """The step's HF export (``model/huggingface``) holds every tensor its config implies, with the expected
+    shapes; returns how many. Raises CheckpointError naming what is missing or wrong."""
+    from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
+
+    report = verify_hf_checkpoint(os.path.join(step_path, "model", "huggingface"), hf_config)
+    if not report.ok:
+        raise CheckpointError(report.describe())
+    return report.expected
