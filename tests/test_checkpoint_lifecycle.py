@@ -357,6 +357,21 @@ def _save_steps_with_retention_from_one(src: str, root: str, resumed: bool = Fal
     return seen
 
 
+def test_ranks_removing_the_same_old_steps_at_once_do_not_fail(tmp_path):
+    # On a shared filesystem every rank prunes the same paths; one rank's rmdir must not trip another.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+
+    olds = [str(tmp_path / f"global_step_{i}" / "actor") for i in range(300)]
+    for old in olds:
+        os.makedirs(os.path.join(old, "dist_ckpt"))
+    with ThreadPoolExecutor(8) as pool:
+        for result in [pool.submit(BaseCheckpointManager.remove_previous_save_local_path, None, olds) for _ in range(8)]:
+            result.result()
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_resumed_run_prunes_the_steps_before_it(tiny_moe_path, base_root, tmp_path):
     root = _copy_run(base_root, tmp_path)
     history = run_on_ranks(_save_steps_with_retention_from_one, WORLD, LAYOUT, args=(tiny_moe_path, root, True))[0]

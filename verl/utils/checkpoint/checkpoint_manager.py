@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -110,13 +111,15 @@ class BaseCheckpointManager:
         return local_path is not None, local_path if local_path is not None else hdfs_path
 
     def remove_previous_save_local_path(self, path: str | list[str]) -> None:
-        """Remove earlier saves, and a ``global_step_N`` directory that removing its role's save emptied."""
+        """Remove earlier saves, and a ``global_step_N`` directory that removing its role's save emptied.
+        Every rank may call this on a shared filesystem: a path another rank removed first is not an error."""
         for one in [path] if isinstance(path, str) else path:
             if os.path.exists(one):
                 shutil.rmtree(one, ignore_errors=True)
             parent = os.path.dirname(os.path.abspath(one.rstrip("/")))
-            if STEP_DIR_RE.match(os.path.basename(parent)) and os.path.isdir(parent) and not os.listdir(parent):
-                os.rmdir(parent)
+            if STEP_DIR_RE.match(os.path.basename(parent)):
+                with contextlib.suppress(OSError):  # not empty (another role's save), or already gone
+                    os.rmdir(parent)
 
     def ensure_checkpoint_capacity(self, max_ckpt_to_keep: int | None) -> None:
         """Before a save: keep at most ``max_ckpt_to_keep - 1`` earlier saves (none removed when it is 1 or unset),
