@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
-from verl.utils.checkpoint.commit import is_finite
+from verl.utils.checkpoint.finite import is_finite
 from verl.utils.checkpoint.integrity import (
     CheckpointError,
     build_manifest,
@@ -513,31 +513,54 @@ def test_a_check_without_checksums_reads_sizes_only(base_root, tmp_path):
         verify_checkpoint(step, checksums=False)
 
 
-def _save_with_a_non_finite_state(src: str, root: str, where: str) -> dict:
-    actor = _actor(src)
-    actor.train_step(_batches(0))
+def _poison(actor, where: str) -> None:
+    """Rank 1 gets a NaN in a parameter or an Inf in an Adam moment."""
     if actor.checkpoint_manager.rank == 1:
         if where == "model":
             next(actor.model[0].parameters()).data.view(-1)[0] = float("nan")
         else:
             inner = actor.optimizer.chained_optimizers[0].optimizer
             next(iter(inner.state.values()))["exp_avg"].view(-1)[0] = float("inf")
+
+
+def _save_with_a_non_finite_state(src: str, root: str, where: str, mode: str) -> dict:
+    """Sync: the save refuses at once. Snapshot (async, from a run's third save): the fork finds it on the
+    state it was about to write and the save fails when finalized."""
+    actor = _actor(src, async_save=mode == "snapshot")
+    actor.load_checkpoint(_step_path(root, 1))
+    step = 2
+    if mode == "snapshot":
+        for step in (2, 3):  # the plans, then their validation: the next save is the snapshot's
+            actor.train_step(_batches(step))
+            actor.save_checkpoint(_step_path(root, step), global_step=step)
+            actor.finalize_checkpoint()
+            _write_tracker(root, step)
+        step = 4
+    actor.train_step(_batches(step))
+    _poison(actor, where)
+    taken = None
     try:
-        actor.save_checkpoint(_step_path(root, 2), global_step=2)
+        actor.save_checkpoint(_step_path(root, step), global_step=step)
+        taken = actor.checkpoint_manager.last_save.mode
+        actor.finalize_checkpoint()
     except CheckpointError as exc:
-        return {"error": str(exc), "step_dir": os.path.exists(os.path.join(root, "global_step_2"))}
+        torch.distributed.barrier()  # rank 0 discards the staging directory
+        return {"error": str(exc), "mode": taken, "step": step, "step_dir": os.path.exists(os.path.join(root, f"global_step_{step}"))}
     return {"error": None}
 
 
-@pytest.mark.parametrize("where", ["model", "optimizer"])
-def test_a_non_finite_state_is_never_saved(tiny_moe_path, base_root, tmp_path, where):
+@pytest.mark.parametrize(("where", "mode"), [("model", "sync"), ("optimizer", "sync"), ("optimizer", "snapshot")])
+def test_a_non_finite_state_is_never_saved(tiny_moe_path, base_root, tmp_path, where, mode):
     root = _copy_run(base_root, tmp_path)
-    for result in run_on_ranks(_save_with_a_non_finite_state, WORLD, LAYOUT, args=(tiny_moe_path, root, where)):
+    results = run_on_ranks(_save_with_a_non_finite_state, WORLD, LAYOUT, args=(tiny_moe_path, root, where, mode), timeout_s=300)
+    for result in results:
         assert result["error"] is not None and "rank 1's" in result["error"] and "NaN or Inf" in result["error"]
         assert ("exp_avg" in result["error"]) == (where == "optimizer")
+        assert result["mode"] is (AsyncMode.SNAPSHOT if mode == "snapshot" else None)  # sync: refused before it returned
         assert not result["step_dir"], "nothing of the refused step may be written"
-    verify_checkpoint(_step_path(root, 1))  # the previous step is whole
-    assert _tracked(root) == "1"
+    previous = results[0]["step"] - 1
+    verify_checkpoint(_step_path(root, previous))  # the previous step is whole
+    assert _tracked(root) == str(previous)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

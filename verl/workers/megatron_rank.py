@@ -18,7 +18,7 @@ import torch
 from verl.models.mcore import load_hf_config, make_bridge
 from verl.models.mcore.forward import compute_log_probs, forward_logits, train_step
 from verl.models.mcore.model import build_megatron_model
-from verl.utils.checkpoint import commit
+from verl.utils.checkpoint import commit, finite
 from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 from verl.utils.host_memory import release_free_heap
@@ -132,13 +132,11 @@ class MegatronActor:
         committed by ``finalize_checkpoint``. A failed save raises and leaves every committed step as it was."""
         self.finalize_checkpoint(blocking=True)  # one save in flight at a time
         start = time.monotonic()
-        commit.check_finite(self.checkpoint_manager, f"refusing to save step {global_step}: nothing was written")
-        checked = time.monotonic()
         staging = commit.prepare_staging(local_path)
         staged = time.monotonic()
         with self._discarding_on_failure(local_path):
             report = self.checkpoint_manager.save_checkpoint(staging, global_step=global_step)
-        report.phase_seconds.update(finite_check=checked - start, staging=staged - checked)  # the report's first phases
+        report.phase_seconds["staging"] = staged - start  # the phase before the manager's
         self._uncommitted = (local_path, global_step, max_ckpt_to_keep)
         if self.checkpoint_manager.async_save_pending:
             return True
@@ -179,7 +177,7 @@ class MegatronActor:
         self.finalize_checkpoint(blocking=True)
         commit.check_before_load(self.checkpoint_manager, local_path)
         self.checkpoint_manager.load_checkpoint(local_path)
-        commit.check_finite(self.checkpoint_manager, f"{local_path} loaded a corrupt state; do not train on it")
+        finite.check_finite(self.model, self.optimizer, f"{local_path} loaded a corrupt state; do not train on it")
 
     def export_hf(self, path: str) -> None:
         """Write the current weights as an HF folder through the bridge (all ranks take part)."""

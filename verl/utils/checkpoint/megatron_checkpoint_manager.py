@@ -4,22 +4,25 @@ A save is one pipeline; ``save_checkpoint``'s body lists its phases in order:
 
 1. staging: the worker hands in its staging directory (``verl.utils.checkpoint.commit.prepare_staging``);
    the async mode is chosen once (``AsyncMode``);
-2. dist parts (``save_dist_checkpointing``): the optimizer + LR scheduler, the RNG state (extra), and the model
+2. finite check: no parameter or Adam moment holds NaN/Inf (``verl.utils.checkpoint.finite``), checked before
+   anything is written or removed; then, in sync mode, upstream's pre-save retention;
+3. dist parts (``save_dist_checkpointing``): the optimizer + LR scheduler, the RNG state (extra), and the model
    only with ``use_dist_checkpointing=True``; upstream's default keeps the model as HF only;
-3. rank 0 writes the HF config, tokenizer and generation config into ``model/huggingface``;
-4. a barrier (``wait_for_hf_config``): no rank starts the HF weights before the config is on disk (verl #6821);
-5. HF weights: every rank takes part in the bridge's save;
-6. verify: the HF folder holds every tensor its config implies (the commit step, ``commit.commit_checkpoint``);
-7. metadata: rank 0 writes ``transformer_config.json`` and, last, ``ckpt_contents.json``;
-8. commit: manifest, fsync, one atomic rename (the commit step);
-9. retention: upstream's ``max_ckpt_to_keep``, never removing the tracked step.
+4. rank 0 writes the HF config, tokenizer and generation config into ``model/huggingface``;
+5. a barrier (``wait_for_hf_config``): no rank starts the HF weights before the config is on disk (verl #6821);
+6. HF weights: every rank takes part in the bridge's save;
+7. verify: the HF folder holds every tensor its config implies (the commit step, ``commit.commit_checkpoint``);
+8. metadata: rank 0 writes ``transformer_config.json`` and, last, ``ckpt_contents.json``;
+9. commit: manifest, fsync, one atomic rename (the commit step);
+10. retention: upstream's ``max_ckpt_to_keep``, never removing the tracked step.
 
-Steps 2-5 and 7 are this manager's (7 runs when the parts are on disk, before the commit step's 6 and 8: the
+Steps 2-6 and 8 are this manager's (8 runs when the parts are on disk, before the commit step's 7 and 9: the
 order on disk is the same, since the commit step renames the directory only after both). The async mode decides
-only where the dist parts and the HF weights run: ``SYNC`` in the rank; ``BACKGROUND_WRITE`` planned in the rank,
+only where steps 2-6 run: ``SYNC`` all in the rank; ``BACKGROUND_WRITE`` the dist parts planned in the rank,
 written by a process forked from it while training goes on; ``SNAPSHOT`` (from the third save of one sharded
-structure on, when megatron's save plan needs no collective, on the CPU runtime) planned and written by the fork,
-which also does the HF export when the bridge saves in parallel. ``finalize_async_save`` completes the save.
+structure on, when megatron's save plan needs no collective, on the CPU runtime) the finite check and the dist
+parts in the fork, on its copy-on-write image, and steps 4-6 too when the bridge saves in parallel (the barrier
+is then the forks' own). ``finalize_async_save`` completes the save.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
-from verl.utils.checkpoint import snapshot_save
+from verl.utils.checkpoint import finite, snapshot_save
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get
 from verl.utils.checkpoint.commit import current_parallel_layout
 from verl.utils.checkpoint.integrity import CheckpointError, read_saved_layout
@@ -111,14 +114,17 @@ class AsyncMode(str, enum.Enum):
 class SaveReport:
     """What one save did: returned by ``save_checkpoint`` and kept as ``last_save``. ``phase_seconds`` holds the
     rank's time per phase (``dist_checkpoints``, ``hf_config``, ``hf_weights``, ``fork``, ``background_wait``,
-    ``metadata``; the commit step adds ``hf_verify`` and ``commit``, ``MegatronActor`` its ``finite_check`` and
-    ``staging``, which precede this call); ``blocked_seconds`` how long
-    save_checkpoint held training; ``hf_weights_in_background`` whether the fork wrote the HF weights."""
+    ``metadata``, ``finite_check`` when the rank ran it; the commit step adds ``hf_verify`` and ``commit``,
+    ``MegatronActor`` its ``staging``, which precedes this call); ``blocked_seconds`` how long save_checkpoint
+    held training; ``checked_in_background`` whether the fork ran the NaN/Inf check (an async save on the CPU
+    runtime, where the fork sees the tensors), ``hf_weights_in_background`` whether it wrote the HF config and
+    weights (that, and a bridge that saves in parallel)."""
 
     local_path: str
     global_step: int
     mode: AsyncMode
     max_ckpt_to_keep: int | None = None
+    checked_in_background: bool = False
     hf_weights_in_background: bool = False
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     blocked_seconds: float | None = None
@@ -184,29 +190,38 @@ def _without_view_copies(state: dict) -> dict:
     return state
 
 
-def _merge_async_requests(requests: list[AsyncRequest]) -> AsyncRequest:
-    """One request that writes ``requests`` one after another in a single forked process.
+def _planned_writes(requests: list[AsyncRequest]) -> Callable[[], None] | None:
+    """The writes of ``requests``, one after another in the process that calls the result (None: nothing to write).
 
     Every torch_dist writer of a process reports through the same results queue, so the writes must
     finish in the order their finalize functions read the results: concurrent processes could swap
     them. Tensors are staged (``preload_fn``: device -> host on an accelerator) here, before the fork.
     """
-    calls = []
-    for request in requests:
-        if request.async_fn is None:
-            continue
-        calls.append((request.async_fn, megatron_core.preloaded_args(request), dict(request.async_fn_kwargs)))
-    parent_pid = snapshot_save.forking_pid()
+    calls = [
+        (request.async_fn, megatron_core.preloaded_args(request), dict(request.async_fn_kwargs))
+        for request in requests
+        if request.async_fn is not None
+    ]
 
     def write_all() -> None:
-        if parent_pid is not None:
-            snapshot_save.die_with_parent(parent_pid)
-        snapshot_save.fail_when_a_writer_dies(snapshot_save.report_to_stderr)
         for fn, args, kwargs in calls:
             fn(*args, **kwargs)
 
-    finalize_fns = [fn for request in requests for fn in request.finalize_fns]
-    return AsyncRequest(write_all if calls else None, (), finalize_fns)
+    return write_all if calls else None
+
+
+def _in_one_fork(requests: list[AsyncRequest]) -> AsyncRequest:
+    """One request that runs the writes of ``requests`` in a single forked process, which ends with its rank."""
+    writes = _planned_writes(requests)
+    parent_pid = snapshot_save.forking_pid()
+
+    def run() -> None:
+        if parent_pid is not None:
+            snapshot_save.die_with_parent(parent_pid)
+        snapshot_save.fail_when_a_writer_dies(snapshot_save.report_to_stderr)
+        writes()
+
+    return AsyncRequest(run if writes else None, (), [fn for request in requests for fn in request.finalize_fns])
 
 
 class MegatronCheckpointManager(BaseCheckpointManager):
@@ -277,7 +292,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self.last_save: SaveReport | None = None  # the latest save's report (public: tests and the benchmark read it)
         self._save_strategies: dict[str, tuple[tuple, TorchDistSaveShardedStrategy]] = {}
         self._planned_optimizer_layout: tuple | None = None  # at the optimizer checkpoint's last planning here
-        self._snapshot_saves = 0
+        self._forked_saves = 0
 
     def _check_bridge_for_hf_contents(self) -> None:
         for contents, verb in ((self.checkpoint_save_contents, "save"), (self.checkpoint_load_contents, "load")):
@@ -410,10 +425,11 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self.finalize_async_save(blocking=True)  # one save in flight at a time
         save = self._start_save(local_path, global_step, max_ckpt_to_keep)
         with self._failure_reported(save):
+            self._check_state_is_finite(save)
+            if save.mode is AsyncMode.SYNC:
+                self.ensure_checkpoint_capacity(max_ckpt_to_keep)
             background = self._save_dist_parts(save)
             self._save_hf_config(save)
-            if self.should_save_hf_model:
-                self.wait_for_hf_config()
             self._save_hf_weights(save)
             if background is not None:
                 return self._continue_in_background(save, background)
@@ -427,36 +443,61 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         return AsyncMode.SNAPSHOT if self._plans_are_reusable() else AsyncMode.BACKGROUND_WRITE
 
     def _start_save(self, local_path: str, global_step: int, max_ckpt_to_keep: int | None) -> SaveReport:
-        """The step's directory and report, with the async mode and where the HF weights go decided once here."""
+        """The step's directory and report, with the async mode and where the HF export goes decided once here."""
         self.previous_global_step = global_step
         mode = self.save_mode()
-        if mode is AsyncMode.SYNC:
-            self.ensure_checkpoint_capacity(max_ckpt_to_keep)
+        checked_in_fork = mode is not AsyncMode.SYNC and snapshot_save.on_host(self.model)
         hf_in_fork = (
-            mode is AsyncMode.SNAPSHOT
+            checked_in_fork
             and self.should_save_hf_model
             and getattr(self.bridge, "saves_in_parallel", False)  # mbridge's own path needs the default group
             and forked_groups_possible()
         )
-        save = SaveReport(local_mkdir_safe(local_path), global_step, mode, max_ckpt_to_keep, hf_weights_in_background=hf_in_fork)
+        save = SaveReport(
+            local_mkdir_safe(local_path), global_step, mode, max_ckpt_to_keep,
+            checked_in_background=checked_in_fork, hf_weights_in_background=hf_in_fork,
+        )
         self.last_save = save
         return save
 
+    def _check_state_is_finite(self, save: SaveReport) -> None:
+        """No NaN/Inf is ever saved: checked here, before anything is written or removed, unless an async save's
+        fork checks the very state it writes (``checked_in_background``, off the training path); a failure there
+        fails the save when it is finalized, still before the commit."""
+        if not save.checked_in_background:
+            self.on_save_phase("finite_check")
+            self._timed("finite_check", finite.check_finite, self.model, self.optimizer, self._refusal(save))
+
+    @staticmethod
+    def _refusal(save: SaveReport) -> str:
+        return f"refusing to save step {save.global_step}: nothing was written"
+
     def _save_dist_parts(self, save: SaveReport) -> AsyncRequest | None:
         """The dist checkpoints (optimizer + scheduler, RNG, model shards if asked): written here (``SYNC``) or
-        planned here (``BACKGROUND_WRITE``), or all left to the snapshot's fork. Returns what the fork is to run."""
+        planned here (``BACKGROUND_WRITE``), or all left to the snapshot's fork. Returns what the fork is to run:
+        with ``checked_in_background``, the rest of the pipeline that runs there (``_save_in_fork``) too."""
         if save.mode is AsyncMode.SNAPSHOT:
-            return self._snapshot_request(save)
+            return self._forked_request(save, functools.partial(self._plan_and_write_in_fork, save.local_path, self._build_extra_state_dict()))
         self.on_save_phase("dist_checkpoint")
-        request = self._timed("dist_checkpoints", self._save_dist_checkpoints, save.local_path, save.mode is AsyncMode.BACKGROUND_WRITE)
+        requests = self._timed("dist_checkpoints", self._save_dist_checkpoints, save.local_path, save.mode is AsyncMode.BACKGROUND_WRITE)
         self.on_save_phase("after_dist_checkpoint")
-        return request
+        if requests is None:
+            return None
+        if not save.checked_in_background:
+            return _in_one_fork(requests)
+        return self._forked_request(
+            save, _planned_writes(requests) or (lambda: None), [fn for planned in requests for fn in planned.finalize_fns]
+        )
 
     def _save_hf_config(self, save: SaveReport) -> None:
-        """Rank 0: the HF config, tokenizer and generation config, before any rank writes HF weights (fix 2)."""
-        if self.should_save_hf_model and self.rank == 0:
+        """Rank 0: the HF config, tokenizer and generation config; then every rank waits for them (fix 2), so no
+        rank starts the HF weights before the config is on disk. The snapshot's fork does both when it exports."""
+        if not self.should_save_hf_model or save.hf_weights_in_background:
+            return
+        if self.rank == 0:
             self.on_save_phase("hf_config")
             self._timed("hf_config", self._save_hf_config_and_tokenizer, save.local_path)
+        self.wait_for_hf_config()
 
     def _save_hf_weights(self, save: SaveReport) -> None:
         """Every rank: the bridge's HF weight save, unless the snapshot's fork does it."""
@@ -525,8 +566,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             raise CheckpointError(f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause})") from exc
 
-    def _save_dist_checkpoints(self, local_path: str, in_background: bool) -> AsyncRequest | None:
-        """Write (or, ``in_background``, plan) the dist checkpoints; return the write still to run."""
+    def _save_dist_checkpoints(self, local_path: str, in_background: bool) -> list[AsyncRequest] | None:
+        """Write (or, ``in_background``, plan) the dist checkpoints; return the writes still to run."""
         metadata = self._build_sharded_state_dict_metadata()
         requests = []
         for content, state, path in self._dist_checkpoint_parts(local_path, metadata):
@@ -555,7 +596,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if not in_background:
             torch.distributed.barrier()
             return None
-        return _merge_async_requests(requests)
+        return requests
 
     def _dist_checkpoint_parts(
         self, local_path: str, metadata: dict, extra_state: dict | None = None
@@ -669,37 +710,53 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             return False
         return not self.should_save_optimizer or _optimizer_layout(self.optimizer) == self._planned_optimizer_layout
 
-    def _snapshot_request(self, save: SaveReport) -> AsyncRequest:
-        """What the snapshot's fork runs: plan and write this rank's dist checkpoints with the reused plans and,
-        with ``save.hf_weights_in_background``, the HF export over the forks' own group. The RNG state is taken
-        here (a forked process reseeds Python's ``random``)."""
-        self._snapshot_saves += 1
-        hf_group = f"{self.role}/step{save.global_step}/save{self._snapshot_saves}" if save.hf_weights_in_background else None
-        job = functools.partial(self._write_in_fork, save.local_path, self._build_extra_state_dict(), hf_group)
+    def _forked_request(
+        self, save: SaveReport, write_dist: Callable[[], dict | None], finalize_planned: list[Callable] = ()
+    ) -> AsyncRequest:
+        """What an async save's fork runs when it holds the state (``checked_in_background``): the rest of the
+        pipeline, ``_save_in_fork``, around ``write_dist`` (the writes planned in the rank, whose megatron
+        finalize is ``finalize_planned``, or the snapshot's planning and writing, which returns its write
+        results). When the save is finalized the forks' outcomes are agreed on first."""
+        self._forked_saves += 1
+        hf_group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if save.hf_weights_in_background else None
+        job = functools.partial(self._save_in_fork, save, write_dist, hf_group)
         return AsyncRequest(
             functools.partial(snapshot_save.run_and_record, save.local_path, self.rank, job, snapshot_save.forking_pid()),
             (),
-            [functools.partial(self._finish_snapshot_save, save.local_path)],
+            [functools.partial(self._finish_forked_save, save.local_path), *finalize_planned],
         )
 
-    def _write_in_fork(self, local_path: str, extra_state: dict, hf_group: str | None) -> dict:
-        """The forked process: plan and write this rank's dist checkpoints, then (with hf_group) the HF export.
+    def _save_in_fork(self, save: SaveReport, write_dist: Callable[[], dict | None], hf_group: str | None) -> dict:
+        """The forked process, the save's pipeline on its copy-on-write image of the rank: the NaN/Inf check,
+        this rank's dist checkpoints, then with ``hf_group`` the HF config (rank 0), the forks' barrier (fix 2)
+        and the HF weights.
 
         The forks' group is formed first: a fork that fails later makes the others fail fast, not wait."""
         comm = ForkedRankComm(hf_group) if hf_group is not None else None
-        outcome: dict[str, Any] = {"writes": {}}
+        finite.check_finite_here(self.model, self.optimizer, self._refusal(save), self.rank)
+        outcome: dict[str, Any] = {"writes": write_dist() or {}}
+        if comm is not None:
+            self._save_hf_config_and_tokenizer(save.local_path)
+            comm.barrier()
+            self.bridge.save_weights(self.model, get_hf_model_checkpoint_path(save.local_path), comm=comm)
+        return outcome
+
+    def _plan_and_write_in_fork(self, local_path: str, extra_state: dict) -> dict:
+        """The snapshot's dist part, in its fork: plan this rank's dist checkpoints with the reused plans and
+        write them; the write results per content. The RNG state ``extra_state`` was taken in the rank (a forked
+        process reseeds Python's ``random``)."""
+        writes = {}
         metadata = self._build_sharded_state_dict_metadata()
         for content, state, path in self._dist_checkpoint_parts(local_path, metadata, extra_state):
             structure, strategy = self._save_strategies[content]
             if _sharded_structure(state) != structure:
                 raise CheckpointError(f"the {content} checkpoint's sharded structure changed after its save plan was validated")
-            outcome["writes"][content] = snapshot_save.write_dist_checkpoint(strategy, state, path, metadata)
-        if comm is not None:
-            self.bridge.save_weights(self.model, get_hf_model_checkpoint_path(local_path), comm=comm)
-        return outcome
+            writes[content] = snapshot_save.write_dist_checkpoint(strategy, state, path, metadata)
+        return writes
 
-    def _finish_snapshot_save(self, local_path: str) -> None:
-        """Every rank: agree on the forks' outcomes, then rank 0 writes each dist checkpoint's metadata."""
+    def _finish_forked_save(self, local_path: str) -> None:
+        """Every rank: agree on the forks' outcomes, then rank 0 writes the metadata of each dist checkpoint the
+        forks planned (the snapshot's; megatron's own finalize does it for the writes planned in the rank)."""
         outcome = snapshot_save.read_outcome(local_path, self.rank)
         everyone = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, outcome)
