@@ -104,11 +104,21 @@ def _verify_hf_export(manager: BaseCheckpointManager, staging: str) -> None:
         warnings.warn(problem, stacklevel=2)
 
 
-def _write_marks(manager: BaseCheckpointManager, staging: str, global_step: int) -> None:
+def _sealed_checksums(manager: BaseCheckpointManager) -> dict[str, str]:
+    """All ranks: the checksums every rank's ``Sealer`` computed during the save (none for a save without one)."""
+    report = getattr(manager, "last_save", None)
+    sealer = getattr(report, "sealer", None)
+    everyone: list[dict[str, str] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, sealer.results() if sealer is not None else {})
+    return {relpath: checksum for share in everyone for relpath, checksum in share.items()}
+
+
+def _write_marks(manager: BaseCheckpointManager, staging: str, global_step: int, sealed: dict[str, str]) -> None:
     """Rank 0: our commit mark, then the manifest, which covers every other file of the step."""
     mark = {"format_version": FORMAT_VERSION, "global_step": global_step, "role": getattr(manager, "role", None)}
     atomic_write_text(os.path.join(staging, COMMIT_MARK_FILENAME), json.dumps(mark, indent=2))
-    manifest = build_manifest(staging, current_parallel_layout(), getattr(manager, "use_distributed_optimizer", None))
+    do = getattr(manager, "use_distributed_optimizer", None)
+    manifest = build_manifest(staging, current_parallel_layout(), do, known_checksums=sealed)
     atomic_write_text(os.path.join(staging, MANIFEST_FILENAME), json.dumps(manifest, indent=2))
 
 
@@ -140,8 +150,9 @@ def commit_checkpoint(
     timed["hf_verify"] = time.monotonic() - start
     start = time.monotonic()
     manager.on_save_phase("commit")
+    sealed = _sealed_checksums(manager)
     if torch.distributed.get_rank() == 0:
-        _write_marks(manager, staging, global_step)
+        _write_marks(manager, staging, global_step, sealed)
         _rename_into_place(staging, local_path)
     torch.distributed.barrier()
     timed["commit"] = time.monotonic() - start

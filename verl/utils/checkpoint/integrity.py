@@ -74,11 +74,19 @@ def _checksums(paths: list[str]) -> list[str]:
         return list(pool.map(file_checksum, paths))
 
 
-def build_manifest(step_path: str, parallel: dict | None = None, use_distributed_optimizer: bool | None = None) -> dict:
-    """Every file of the step (relative path -> size and content checksum), and the layout it was saved at."""
+def build_manifest(
+    step_path: str,
+    parallel: dict | None = None,
+    use_distributed_optimizer: bool | None = None,
+    known_checksums: dict[str, str] | None = None,
+) -> dict:
+    """Every file of the step (relative path -> size and content checksum), and the layout it was saved at.
+    ``known_checksums``: files (relative paths) already hashed since they were complete; the rest is hashed here."""
+    known = known_checksums or {}
     relative = _step_files(step_path)
-    full = [os.path.join(step_path, r) for r in relative]
-    files = {r: {"size": os.path.getsize(f), "checksum": c} for r, f, c in zip(relative, full, _checksums(full), strict=True)}
+    todo = [r for r in relative if r not in known]
+    hashed = dict(zip(todo, _checksums([os.path.join(step_path, r) for r in todo]), strict=True))
+    files = {r: {"size": os.path.getsize(os.path.join(step_path, r)), "checksum": known.get(r) or hashed[r]} for r in relative}
     manifest = {"format_version": FORMAT_VERSION, "files": files}
     if parallel is not None:
         manifest["parallel"] = parallel

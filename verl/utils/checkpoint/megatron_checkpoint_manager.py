@@ -50,7 +50,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
-from verl.utils.checkpoint import finite, snapshot_save
+from verl.utils.checkpoint import finite, sealing, snapshot_save
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get
 from verl.utils.checkpoint.commit import current_parallel_layout
 from verl.utils.checkpoint.integrity import CheckpointError, read_saved_layout
@@ -125,6 +125,7 @@ class SaveReport:
     mode: AsyncMode
     max_ckpt_to_keep: int | None = None
     checked_in_background: bool = False
+    sealer: sealing.Sealer | None = None  # a sync save's dist-checkpoint files, being hashed and fsynced since written
     hf_weights_in_background: bool = False
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     blocked_seconds: float | None = None
@@ -429,6 +430,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             if save.mode is AsyncMode.SYNC:
                 self.ensure_checkpoint_capacity(max_ckpt_to_keep)
             background = self._save_dist_parts(save)
+            self._seal_dist_parts(save)
             self._save_hf_config(save)
             self._save_hf_weights(save)
             if background is not None:
@@ -488,6 +490,17 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         return self._forked_request(
             save, _planned_writes(requests) or (lambda: None), [fn for planned in requests for fn in planned.finalize_fns]
         )
+
+    def _seal_dist_parts(self, save: SaveReport) -> None:
+        """Sync mode: the dist checkpoints are complete on every rank; each rank starts hashing and fsyncing its
+        share of their files while the HF export runs (``verl.utils.checkpoint.sealing``)."""
+        if save.mode is not AsyncMode.SYNC:
+            return
+        directories = [_DIST_CHECKPOINT_PATHS[content](save.local_path) for content in self._dist_contents()]
+        relpaths = sealing.files_under(save.local_path, directories)
+        sizes = [os.path.getsize(os.path.join(save.local_path, r)) for r in relpaths]
+        save.sealer = sealing.Sealer(save.local_path)
+        save.sealer.seal(sealing.share_of(relpaths, sizes, self.rank, self.world_size))
 
     def _save_hf_config(self, save: SaveReport) -> None:
         """Rank 0: the HF config, tokenizer and generation config; then every rank waits for them (fix 2), so no
