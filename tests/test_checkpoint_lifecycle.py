@@ -8,6 +8,7 @@ import resource
 import shutil
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
 from verl.utils.checkpoint.finite import is_finite
 from verl.utils.checkpoint.integrity import (
+    MODEL_IDENTITY_FIELDS,
     CheckpointError,
     build_manifest,
     find_resume_checkpoint,
@@ -585,6 +587,15 @@ def test_checkpoint_of_another_model_is_refused(base_root, tmp_path):
     with pytest.raises(CheckpointError, match="different model") as err:
         verify_checkpoint(_step_path(root, 1), transformer_config=OtherModel())
     assert "num_layers: checkpoint 4, this model 6" in str(err.value)
+
+    with open(os.path.join(_step_path(root, 1), "transformer_config.json")) as handle:
+        saved = json.load(handle)
+    same = {field: saved[field] for field in MODEL_IDENTITY_FIELDS if field in saved}
+    all_moe = [1] * saved["num_layers"]
+    verify_checkpoint(_step_path(root, 1), transformer_config=SimpleNamespace(**same, moe_layer_freq=all_moe))  # = 1
+    first_dense = [0] + all_moe[1:]  # the same model but its first layer dense (Qwen3-MoE's mlp_only_layers=[0])
+    with pytest.raises(CheckpointError, match=re.escape(f"MoE layers (moe_layer_freq, 1 = routed experts): checkpoint {all_moe}, this model {first_dense}")):
+        verify_checkpoint(_step_path(root, 1), transformer_config=SimpleNamespace(**same, moe_layer_freq=first_dense))
 
 
 def test_tracker_problems(base_root, tmp_path):

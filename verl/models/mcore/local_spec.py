@@ -15,6 +15,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from verl.models.mcore.norm import RMSNorm
+from verl.models.support import megatron_moe_layers
 
 _NORM_FIELDS = ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm")
 
@@ -84,10 +85,5 @@ def local_name_to_te_name(name: str, moe_layers: Sequence[int], expert_offset: i
 
 
 def moe_layer_list(config: TransformerConfig) -> list[int]:
-    """megatron's MoE/dense pattern for ``config``, one entry per layer (1: MoE), as its layer spec reads
-    ``moe_layer_freq`` (an int N: every N-th layer from the first; a list: as given); all 0 without experts."""
-    if not config.num_moe_experts:
-        return [0] * config.num_layers
-    if isinstance(config.moe_layer_freq, int):
-        return [int(i % config.moe_layer_freq == 0) for i in range(config.num_layers)]
-    return list(config.moe_layer_freq)
+    """megatron's MoE/dense pattern for ``config``, one entry per layer (1: MoE)."""
+    return megatron_moe_layers(config.moe_layer_freq, config.num_layers, config.num_moe_experts)

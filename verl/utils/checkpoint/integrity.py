@@ -16,7 +16,9 @@ import os
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
+from verl.models.support import megatron_moe_layers
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs, read_tracker
 from verl.utils.checkpoint.names import CONTENTS_FILENAME, STEP_DIR_FORMAT, TRANSFORMER_CONFIG_FILENAME
 
@@ -197,6 +199,15 @@ def check_model_identity(step_path: str, transformer_config) -> None:
         for field in MODEL_IDENTITY_FIELDS
         if field in saved and saved.get(field) != getattr(transformer_config, field, None)
     ]
+    if not differences and "moe_layer_freq" in saved:  # an int and a list can name the same layers
+        layers = [
+            megatron_moe_layers(
+                getattr(config, "moe_layer_freq", 1), getattr(config, "num_layers", 0), getattr(config, "num_moe_experts", None)
+            )
+            for config in (SimpleNamespace(**saved), transformer_config)
+        ]
+        if layers[0] != layers[1]:
+            differences.append(f"MoE layers (moe_layer_freq, 1 = routed experts): checkpoint {layers[0]}, this model {layers[1]}")
     if differences:
         raise CheckpointError(
             f"checkpoint {step_path} is of a different model; set actor_rollout_ref.model.path to the model it was "
