@@ -16,6 +16,7 @@ reference follows ``ref.megatron.param_offload`` the same way around ``compute_r
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 
 from verl.single_controller.base.decorator import Dispatch, register
@@ -61,6 +62,7 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
+        from verl.utils.host_memory import freeze_long_lived_objects
         from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
         from verl.workers.actor.megatron_actor import MegatronPPOActor
         from verl.workers.config import build_megatron_actor_configs
@@ -87,12 +89,14 @@ class ActorRolloutRefWorker(MegatronWorker):
             self.ref = MegatronReference(settings.model_path, dtype=settings.dtype)
             if self._ref_is_offload_param:
                 offload_megatron_model_to_cpu(self.ref.model)
+        freeze_long_lived_objects()
         return {
             "rank": self.rank,
             "seconds": time.monotonic() - start,
             "num_params": sum(p.numel() for chunk in self.actor.model for p in chunk.parameters()),
             "ref": self.ref is not None,
             "dtype": str(self.actor.settings.dtype).removeprefix("torch."),
+            "frozen_objects": gc.get_freeze_count(),
         }
 
     @contextlib.contextmanager
