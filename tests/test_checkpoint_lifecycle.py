@@ -526,9 +526,9 @@ def _poison(actor, where: str) -> None:
 
 
 def _save_with_a_non_finite_state(src: str, root: str, where: str, mode: str) -> dict:
-    """Sync: the save refuses at once. Snapshot (async, from a run's third save): the fork finds it on the
-    state it was about to write and the save fails when finalized."""
-    actor = _actor(src, async_save=mode == "snapshot")
+    """Sync: the save refuses at once. Async (the background write of a run's first save, the snapshot from its
+    third): the fork finds it on the state it was about to write and the save fails when finalized."""
+    actor = _actor(src, async_save=mode != "sync")
     actor.load_checkpoint(_step_path(root, 1))
     step = 2
     if mode == "snapshot":
@@ -551,14 +551,16 @@ def _save_with_a_non_finite_state(src: str, root: str, where: str, mode: str) ->
     return {"error": None}
 
 
-@pytest.mark.parametrize(("where", "mode"), [("model", "sync"), ("optimizer", "sync"), ("optimizer", "snapshot")])
+@pytest.mark.parametrize(
+    ("where", "mode"), [("model", "sync"), ("optimizer", "sync"), ("model", "background_write"), ("optimizer", "snapshot")]
+)
 def test_a_non_finite_state_is_never_saved(tiny_moe_path, base_root, tmp_path, where, mode):
     root = _copy_run(base_root, tmp_path)
     results = run_on_ranks(_save_with_a_non_finite_state, WORLD, LAYOUT, args=(tiny_moe_path, root, where, mode), timeout_s=300)
     for result in results:
         assert result["error"] is not None and "rank 1's" in result["error"] and "NaN or Inf" in result["error"]
         assert ("exp_avg" in result["error"]) == (where == "optimizer")
-        assert result["mode"] is (AsyncMode.SNAPSHOT if mode == "snapshot" else None)  # sync: refused before it returned
+        assert result["mode"] is {"sync": None, "background_write": AsyncMode.BACKGROUND_WRITE, "snapshot": AsyncMode.SNAPSHOT}[mode]
         assert not result["step_dir"], "nothing of the refused step may be written"
     previous = results[0]["step"] - 1
     verify_checkpoint(_step_path(root, previous))  # the previous step is whole

@@ -20,9 +20,10 @@ Steps 2-6 and 8 are this manager's (8 runs when the parts are on disk, before th
 order on disk is the same, since the commit step renames the directory only after both). The async mode decides
 only where steps 2-6 run: ``SYNC`` all in the rank; ``BACKGROUND_WRITE`` the dist parts planned in the rank,
 written by a process forked from it while training goes on; ``SNAPSHOT`` (from the third save of one sharded
-structure on, when megatron's save plan needs no collective, on the CPU runtime) the finite check and the dist
-parts in the fork, on its copy-on-write image, and steps 4-6 too when the bridge saves in parallel (the barrier
-is then the forks' own). ``finalize_async_save`` completes the save.
+structure on, when megatron's save plan needs no collective, on the CPU runtime) the dist parts planned and
+written by the fork. In both async modes on the CPU runtime (where a fork sees the tensors) the fork also runs
+the finite check on its copy-on-write image, and steps 4-6 when the bridge saves in parallel (the barrier is
+then the forks' own). ``finalize_async_save`` completes the save.
 """
 
 from __future__ import annotations
@@ -504,7 +505,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
 
     def _save_hf_config(self, save: SaveReport) -> None:
         """Rank 0: the HF config, tokenizer and generation config; then every rank waits for them (fix 2), so no
-        rank starts the HF weights before the config is on disk. The snapshot's fork does both when it exports."""
+        rank starts the HF weights before the config is on disk. An async save's fork does both when it exports."""
         if not self.should_save_hf_model or save.hf_weights_in_background:
             return
         if self.rank == 0:
@@ -513,7 +514,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self.wait_for_hf_config()
 
     def _save_hf_weights(self, save: SaveReport) -> None:
-        """Every rank: the bridge's HF weight save, unless the snapshot's fork does it."""
+        """Every rank: the bridge's HF weight save, unless an async save's fork does it."""
         if self.should_save_hf_model and not save.hf_weights_in_background:
             self.on_save_phase("hf_weights")
             self._timed("hf_weights", self._save_model_as_hf_via_bridge, get_hf_model_checkpoint_path(save.local_path))
