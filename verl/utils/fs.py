@@ -14,8 +14,8 @@ def local_mkdir_safe(path: str) -> str:
     return path
 
 
-def fsync_dir(path: str) -> None:
-    """Make a rename or new entry inside ``path`` durable."""
+def fsync_path(path: str) -> None:
+    """Flush a file's data, or a directory's entries (a rename or new entry inside it), to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -43,7 +43,7 @@ def atomic_open(path: str, mode: str = "w", durable: bool = True) -> Iterator[IO
         if os.path.exists(tmp):
             os.remove(tmp)
     if durable:
-        fsync_dir(directory)
+        fsync_path(directory)
 
 
 def atomic_write_text(path: str, text: str) -> None:

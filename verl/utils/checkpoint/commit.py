@@ -39,7 +39,7 @@ from verl.utils.checkpoint.integrity import (
     read_manifest,
     verify_checkpoint,
 )
-from verl.utils.fs import atomic_write_text, fsync_dir
+from verl.utils.fs import atomic_write_text, fsync_path
 from verl.utils.megatron_utils import get_hf_model_checkpoint_path
 
 
@@ -131,7 +131,7 @@ def _rename_into_place(staging: str, local_path: str) -> None:
         shutil.rmtree(superseded, ignore_errors=True)
         os.replace(local_path, superseded)
     os.replace(staging, local_path)
-    fsync_dir(os.path.dirname(os.path.abspath(local_path)))
+    fsync_path(os.path.dirname(os.path.abspath(local_path)))
     if superseded:
         shutil.rmtree(superseded, ignore_errors=True)
 

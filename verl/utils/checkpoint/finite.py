@@ -1,7 +1,7 @@
 """No checkpoint holds NaN or Inf: the check of a rank's model parameters and optimizer state.
 
-A save runs it before anything is written (in the rank, or for a snapshot save in the forked process on the
-copy-on-write image it writes, off the training path); a load runs it on what was loaded.
+A save runs it before anything is written (in the rank, or for an async save on the CPU runtime in the forked
+process, on the copy-on-write image it writes, off the training path); a load runs it on what was loaded.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def check_finite(model: list | None, optimizer, what: str) -> None:
 
 
 def check_finite_here(model: list | None, optimizer, what: str, rank: int) -> None:
-    """This process alone (a snapshot save's fork, which has no group of the parent's to agree in)."""
+    """This process alone (an async save's fork, which has no group of the parent's to agree in)."""
     name = first_non_finite(model, optimizer)
     if name is not None:
         raise non_finite_error(what, rank, name)

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from verl.models.support import megatron_moe_layers
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs, read_tracker
 from verl.utils.checkpoint.names import CONTENTS_FILENAME, STEP_DIR_FORMAT, TRANSFORMER_CONFIG_FILENAME
+from verl.utils.fs import fsync_path
 
 MANIFEST_FILENAME = "manifest.json"
 COMMIT_MARK_FILENAME = "committed.json"  # our commit step's mark: a step with it must have a whole manifest
@@ -60,14 +61,19 @@ def file_checksum(path: str) -> str:
     return f"crc32:{crc:08x}"
 
 
-def _step_files(step_path: str) -> list[str]:
-    """Every file of the step but the manifest itself, relative to it."""
+def files_under(step_path: str, directories: list[str]) -> list[str]:
+    """Every file below ``directories`` (paths inside ``step_path``), relative to ``step_path``, sorted."""
     return sorted(
         os.path.relpath(os.path.join(root, name), step_path)
-        for root, _, names in os.walk(step_path)
+        for directory in directories
+        for root, _, names in os.walk(directory)
         for name in names
-        if name != MANIFEST_FILENAME
     )
+
+
+def _step_files(step_path: str) -> list[str]:
+    """Every file of the step but the manifest itself, relative to it."""
+    return [r for r in files_under(step_path, [step_path]) if os.path.basename(r) != MANIFEST_FILENAME]
 
 
 def _checksums(paths: list[str]) -> list[str]:
@@ -111,18 +117,8 @@ def read_saved_layout(step_path: str) -> dict | None:
 def fsync_tree(path: str) -> None:
     """Flush every file and directory under ``path`` to disk, so a rename commits durable data."""
     for root, dirs, names in os.walk(path):
-        for name in names:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        for name in [*dirs, "."]:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        for name in [*names, *dirs, "."]:
+            fsync_path(os.path.join(root, name))
 
 
 def _read_json(path: str, what: str) -> dict:

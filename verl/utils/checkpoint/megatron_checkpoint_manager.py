@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DistributedC
 from verl.utils.checkpoint import finite, sealing, snapshot_save
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get
 from verl.utils.checkpoint.commit import current_parallel_layout
-from verl.utils.checkpoint.integrity import CheckpointError, read_saved_layout
+from verl.utils.checkpoint.integrity import CheckpointError, files_under, read_saved_layout
 from verl.utils.checkpoint.megatron_optimizer_state import (
     initialize_distributed_optimizer_state,
     optimizer_state_from_loaded,
@@ -498,7 +498,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if save.mode is not AsyncMode.SYNC:
             return
         directories = [_DIST_CHECKPOINT_PATHS[content](save.local_path) for content in self._dist_contents()]
-        relpaths = sealing.files_under(save.local_path, directories)
+        relpaths = files_under(save.local_path, directories)
         sizes = [os.path.getsize(os.path.join(save.local_path, r)) for r in relpaths]
         save.sealer = sealing.Sealer(save.local_path)
         save.sealer.seal(sealing.share_of(relpaths, sizes, self.rank, self.world_size))

@@ -13,6 +13,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from verl.utils.checkpoint.integrity import file_checksum
+from verl.utils.fs import fsync_path
 
 
 def share_of(relpaths: list[str], sizes: list[int], rank: int, world_size: int) -> list[str]:
@@ -28,23 +29,10 @@ def share_of(relpaths: list[str], sizes: list[int], rank: int, world_size: int) 
     return mine
 
 
-def files_under(step_path: str, directories: list[str]) -> list[str]:
-    """Every file below ``directories`` (paths inside ``step_path``), relative to ``step_path``, sorted."""
-    found = []
-    for directory in directories:
-        for root, _, names in os.walk(directory):
-            found += [os.path.relpath(os.path.join(root, name), step_path) for name in names]
-    return sorted(found)
-
-
 def checksum_and_sync(path: str) -> str:
     """The file's CRC-32, then an fsync of it: read from the page cache first, written back while others hash."""
     checksum = file_checksum(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
     return checksum
 
 
