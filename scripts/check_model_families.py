@@ -1,4 +1,4 @@
-"""Run verl.models.family_check (parity with transformers in fp32, bit-exact HF export, bit-exact resume)
+"""Run tests.family_check (parity with transformers in fp32, bit-exact HF export, bit-exact resume)
 for tiny models of the supported families at a chosen layout, outside the test suite: the PP4 EP2 TP2
 ETP2 runs (16 ranks) and the transformers-5 venv (scripts/check_transformers5.sh). Prints one JSON line
 per family and appends it to --json; exits 1 if any family fails. Results: docs/models.md.
@@ -13,8 +13,11 @@ import dataclasses
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.family_check
 
 # name -> (tiny model kind, config overrides); the names of tests/test_model_families.py's cases
 FAMILIES = {
@@ -41,7 +44,7 @@ def main() -> int:
     import torch
     import transformers
 
-    from verl.models.family_check import run_family_check
+    from tests.family_check import run_family_check
     from verl.models.tiny import make_tiny_hf_model
     from verl.utils.megatron.parallel import ParallelSizes
 

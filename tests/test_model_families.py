@@ -1,4 +1,4 @@
-"""Every supported family trains the model transformers runs (verl.models.family_check): Megatron's log-probs
+"""Every supported family trains the model transformers runs (tests.family_check): Megatron's log-probs
 equal transformers' in fp32, the HF export is complete and bit-exact, and a saved step resumes bit-exactly;
 at TP2 with EP2 for the MoE families (2 ranks), Qwen3-MoE with dense layers mixed in at TP2 PP2 EP2 (4
 ranks), Mixtral through the CLI on 8 ranks. The refused configs fail before anything is built, naming the
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from verl.models.family_check import FP32_LOG_PROB_TOLERANCE, hf_state, run_family_check
+from tests.family_check import FP32_LOG_PROB_TOLERANCE, hf_state, run_family_check
 from verl.models.support import SUPPORTED_MODEL_TYPES, hf_config_problems, moe_layer_pattern, rope_theta
 from verl.models.tiny import make_tiny_hf_model, tiny_hf_config
 from verl.utils.megatron.parallel import ParallelSizes, num_routed_experts

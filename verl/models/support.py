@@ -99,16 +99,6 @@ def moe_layer_pattern(hf_config: Any) -> list[int]:
     return [int(i not in dense_only and (i + 1) % step == 0) for i in range(num_layers)]
 
 
-def megatron_moe_layers(moe_layer_freq: int | list[int], num_layers: int, num_moe_experts: int | None) -> list[int]:
-    """megatron's MoE/dense pattern, one entry per layer (1: MoE), as its layer spec reads ``moe_layer_freq``
-    (an int N: every N-th layer from the first; a list: as given); all 0 without experts."""
-    if not num_moe_experts:
-        return [0] * num_layers
-    if isinstance(moe_layer_freq, int):
-        return [int(i % moe_layer_freq == 0) for i in range(num_layers)]
-    return list(moe_layer_freq)
-
-
 def hf_config_problems(hf_config: Any) -> list[str]:
     """Every reason the bridge cannot build exactly the model transformers runs for this config; [] if none.
 

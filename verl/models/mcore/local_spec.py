@@ -15,7 +15,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from verl.models.mcore.norm import RMSNorm
-from verl.models.support import megatron_moe_layers
+from verl.utils.megatron.layer_pattern import megatron_moe_layers
 
 _NORM_FIELDS = ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm")
 

@@ -18,10 +18,10 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from verl.models.support import megatron_moe_layers
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs, read_tracker
 from verl.utils.checkpoint.names import CONTENTS_FILENAME, STEP_DIR_FORMAT, TRANSFORMER_CONFIG_FILENAME
 from verl.utils.fs import fsync_path
+from verl.utils.megatron.layer_pattern import megatron_moe_layers
 
 MANIFEST_FILENAME = "manifest.json"
 COMMIT_MARK_FILENAME = "committed.json"  # our commit step's mark: a step with it must have a whole manifest
