@@ -24,7 +24,13 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool, WorkerGroupError
 from verl.trainer.run_control import resume_command
 from verl.trainer.validation import ConfigError, check_config, find_resume_step
-from verl.utils.checkpoint.dir_lock import LOCK_FILENAME, CheckpointDirBusyError, lock_checkpoint_dir, read_lock_holder
+from verl.utils.checkpoint.dir_lock import (
+    LOCK_FILENAME,
+    CheckpointDirBusyError,
+    UnsafeLockFileError,
+    lock_checkpoint_dir,
+    read_lock_holder,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(REPO / "verl" / "trainer" / "config")
@@ -71,6 +77,28 @@ def test_a_filesystem_without_locks_is_reported_not_fatal(tmp_path, monkeypatch)
     lock = lock_checkpoint_dir(str(tmp_path / "ckpt"))
     assert not lock.held
     assert "does not support file locks" in lock.warning and "No locks available" in lock.warning
+
+
+def test_a_symlink_where_the_lock_should_be_is_refused_and_its_target_untouched(tmp_path):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (directory / LOCK_FILENAME).symlink_to(victim)
+    with pytest.raises(UnsafeLockFileError) as refused:
+        lock_checkpoint_dir(str(directory))
+    assert str(directory / LOCK_FILENAME) in str(refused.value) and "symlink" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert victim.read_text() == "precious\n"
+    assert read_lock_holder(str(directory)) == {}
+
+
+def test_a_lock_path_that_is_not_a_regular_file_is_refused(tmp_path):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    os.mkfifo(directory / LOCK_FILENAME)
+    with pytest.raises(UnsafeLockFileError, match="not a regular file"):
+        lock_checkpoint_dir(str(directory))
 
 
 def test_mistyped_keys_are_one_line_each_not_a_traceback(tmp_path):

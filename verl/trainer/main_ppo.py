@@ -41,7 +41,7 @@ from verl.trainer.validation import (
     parallel_sizes,
     world_size,
 )
-from verl.utils.checkpoint.dir_lock import CheckpointDirBusyError, DirLock
+from verl.utils.checkpoint.dir_lock import DirLock, DirLockError
 from verl.utils.logging_utils import silence_library_notices
 from verl.workers.config import MegatronActorConfigs, build_megatron_actor_configs
 
@@ -193,7 +193,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
         plan = prepare(config)
     except ConfigError as err:
         _exit_config_error(err)
-    except CheckpointDirBusyError as err:
+    except DirLockError as err:
         print(f"[main_ppo] {err}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CONFIG_ERROR) from None
     total = plan.data.total_training_steps

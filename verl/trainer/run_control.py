@@ -38,7 +38,7 @@ def writes_to_output_dir(config: Any) -> bool:
 def take_writer_lock(config: Any) -> DirLock | None:
     """The writer lock of ``trainer.default_local_dir`` when the run writes there (None otherwise).
 
-    Raises ``CheckpointDirBusyError`` when another run holds it; prints a warning when the filesystem has no locks.
+    Raises ``CheckpointDirBusyError`` when another run holds it, ``UnsafeLockFileError`` when the lock path is a symlink; prints a warning when the filesystem has no locks.
     """
     if not writes_to_output_dir(config):
         return None

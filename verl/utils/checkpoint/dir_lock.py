@@ -7,6 +7,10 @@ however it dies (SIGKILL, OOM killer): there is never a stale lock to clean up. 
 holder's pid, host and command so that a refused run can say who is writing. Readers
 (``python -m verl.model_merger verify``) take no lock.
 
+The lock file is opened with ``O_NOFOLLOW`` and must be a regular file: anyone who can write a shared
+checkpoint directory could otherwise plant a symlink there and have the next run overwrite its target
+with the holder's JSON; such a lock path is refused, naming it, and its target is left untouched.
+
 The descriptor is close-on-exec, so processes the run execs (Ray's raylet, GCS, workers) do not hold the
 lock; a child forked without exec would keep it until it exits.
 """
@@ -18,6 +22,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +30,22 @@ from dataclasses import dataclass
 LOCK_FILENAME = ".verl_writer.lock"
 
 
-class CheckpointDirBusyError(RuntimeError):
+class DirLockError(RuntimeError):
+    """The writer lock of a checkpoint directory cannot be taken; the message says why and what to do."""
+
+
+class UnsafeLockFileError(DirLockError):
+    """The lock path is a symlink or not a regular file: writing the holder record there would write elsewhere."""
+
+    def __init__(self, lock_path: str, what: str) -> None:
+        self.lock_path = lock_path
+        super().__init__(
+            f"{lock_path} is {what}, not the regular lock file a run writes; refusing to follow it (the next write "
+            "would land on whatever it points to). Remove it if nothing should be there, then start the run again."
+        )
+
+
+class CheckpointDirBusyError(DirLockError):
     """Another live process holds the directory's writer lock; ``holder`` is what it wrote into the lock file."""
 
     def __init__(self, directory: str, lock_path: str, holder: dict) -> None:
@@ -78,7 +98,7 @@ def lock_checkpoint_dir(directory: str) -> DirLock:
     created = not os.path.isdir(directory)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, LOCK_FILENAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = _open_lock_file(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -105,8 +125,8 @@ def read_lock_holder(directory: str) -> dict:
     """What the current or last holder of ``directory``'s lock wrote (empty when there is no lock file)."""
     path = os.path.join(os.path.abspath(os.path.expanduser(directory)), LOCK_FILENAME)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        fd = _open_lock_file(path, os.O_RDONLY)
+    except (OSError, UnsafeLockFileError):
         return {}
     try:
         return _read_holder(fd)
@@ -118,6 +138,20 @@ def describe_holder(holder: dict) -> str:
     if "pid" not in holder:
         return "holder unknown: its lock file is empty, it may be starting"
     return f"pid {holder['pid']} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+
+
+def _open_lock_file(path: str, flags: int) -> int:
+    """``path`` opened without following a symlink; raises ``UnsafeLockFileError`` for a link or a non-regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeLockFileError(path, f"a symlink to {os.readlink(path)!r}") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeLockFileError(path, "not a regular file")
+    return fd
 
 
 def _read_holder(fd: int) -> dict:
