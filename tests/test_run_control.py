@@ -109,8 +109,9 @@ def test_mistyped_keys_are_one_line_each_not_a_traceback(tmp_path):
     ]
 
 
-def test_a_binary_tracker_is_named(tmp_path):
-    (tmp_path / TRACKER).write_bytes(b"\xff\xfe3\n")
+@pytest.mark.parametrize("content", [b"\xff\xfe3\n", "\u00b2\n".encode(), b"7" * 5000, b"-3"], ids=["binary", "superscript", "5000-digits", "negative"])
+def test_a_corrupt_tracker_is_named(tmp_path, content):
+    (tmp_path / TRACKER).write_bytes(content)
     with pytest.raises(ConfigError) as err:
         find_resume_step(_config(f"trainer.default_local_dir={tmp_path}"))
     assert f"checkpoint tracker {tmp_path / TRACKER} is corrupt" in str(err.value)

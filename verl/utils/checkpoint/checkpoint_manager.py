@@ -178,6 +178,9 @@ def get_checkpoint_tracker_filename(root_path: str) -> str:
     return os.path.join(root_path, TRACKER_FILENAME)
 
 
+MAX_STEP_DIGITS = 18  # any step a run reaches; fits an int64
+
+
 def read_tracker(root_path: str) -> int | None:
     """The step the tracker under ``root_path`` names; None without a tracker; ValueError when corrupt."""
     tracker = get_checkpoint_tracker_filename(root_path)
@@ -188,7 +191,9 @@ def read_tracker(root_path: str) -> int | None:
             text = handle.read().strip()
     except UnicodeDecodeError as exc:
         raise ValueError(f"checkpoint tracker {tracker} is corrupt: expected a step number, found non-text bytes ({exc.reason} at byte {exc.start})") from exc
-    if not text.isdigit():
+    # ASCII digits only, and few of them: str.isdigit admits '²', which int() refuses, and int() refuses
+    # 4301+ digits with a message that names no file.
+    if not (text.isascii() and text.isdigit() and len(text) <= MAX_STEP_DIGITS):
         raise ValueError(f"checkpoint tracker {tracker} is corrupt: expected a step number, found {text[:50]!r}")
     return int(text)
 
