@@ -81,7 +81,7 @@ def read_committed_step(directory: str) -> tuple[int | None, str]:
         return None, f"no step is committed yet ({tracker} does not exist)"
     except OSError as exc:
         return None, f"the tracker {tracker} is unreadable ({exc.strerror})"
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # isdigit alone admits "²", which int() refuses
         return None, f"the tracker {tracker} is corrupt ({text[:20]!r})"
     return int(text), f"step {int(text)} is committed (tracker {tracker})"
 
