@@ -166,7 +166,8 @@ class MegatronActor:
         except CheckpointError as exc:
             self._uncommitted = None
             commit.discard_staging(local_path)
-            raise CheckpointError(f"{exc}. Nothing was committed; the previous checkpoint and the tracker are unchanged.") from exc
+            # the same class (e.g. HFCheckpointIncompleteError), so callers can still tell the failures apart
+            raise type(exc)(f"{exc}. Nothing was committed; the previous checkpoint and the tracker are unchanged.") from exc
         except BaseException:
             self._uncommitted = None
             commit.discard_staging(local_path)

@@ -173,7 +173,7 @@ def check_before_load(manager: BaseCheckpointManager, local_path: str) -> None:
     def check() -> str | None:
         try:
             _check_step(manager, local_path)
-        except (CheckpointError, FileNotFoundError, HFCheckpointIncompleteError) as exc:
+        except (CheckpointError, FileNotFoundError) as exc:
             return f"{type(exc).__name__}: {exc}"
         return None
 

@@ -14,11 +14,13 @@ from glob import glob
 
 import torch
 
+from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.names import INDEX_FILENAME
 
 
-class HFCheckpointIncompleteError(RuntimeError):
-    """The HF folder is missing tensors, has unexpected ones, or has tensors of the wrong shape."""
+class HFCheckpointIncompleteError(CheckpointError):
+    """The HF folder is missing tensors, has unexpected ones, or has tensors of the wrong shape: a damaged
+    checkpoint like any other, so every ``except CheckpointError`` (the rank's discard, the verifier) takes it."""
 
 
 @dataclasses.dataclass
