@@ -403,7 +403,7 @@ def _delete_metadata(step):
 
 def _manifest_names_absent_file(step):
     manifest = json.loads(open(os.path.join(step, "manifest.json")).read())
-    manifest["files"]["extra/dist_ckpt/__9_0.distcp"] = 123
+    manifest["files"]["extra/dist_ckpt/__9_0.distcp"] = {"size": 123, "checksum": "crc32:00000000"}
     open(os.path.join(step, "manifest.json"), "w").write(json.dumps(manifest))
     return "extra/dist_ckpt/__9_0.distcp is missing"
 
@@ -472,6 +472,57 @@ def _manifest_lists_no_files(step):
     return "optimizer/dist_ckpt/.metadata is missing from the manifest"
 
 
+def _edit_manifest(step: str, edit) -> None:
+    path = os.path.join(step, "manifest.json")
+    manifest = json.loads(open(path).read())
+    edit(manifest)
+    open(path, "w").write(json.dumps(manifest))
+
+
+def _manifest_without_checksums(step):
+    """A version-2 manifest with sizes only: it would let any bytes of the right length through."""
+    _edit_manifest(step, lambda m: m.update(files={name: {"size": e["size"]} for name, e in m["files"].items()}))
+    return "needs an integer 'size' and a 'checksum'"
+
+
+def _manifest_of_version_1(step):
+    _edit_manifest(step, lambda m: m.update(format_version=1, files={name: e["size"] for name, e in m["files"].items()}))
+    return "format_version 1; this package writes and accepts only 2"
+
+
+def _unlisted_file(step):
+    extra = os.path.join(step, "optimizer", "dist_ckpt", "__7_0.distcp")
+    open(extra, "wb").write(b"planted")
+    return f"{extra} is not listed in"
+
+
+def _entry_outside_the_step(step):
+    outside = os.path.join(os.path.dirname(os.path.dirname(step)), "outside.txt")
+    open(outside, "w").write("not part of the step")
+    from verl.utils.checkpoint.integrity import file_checksum
+
+    entry = {"size": os.path.getsize(outside), "checksum": file_checksum(outside)}
+    _edit_manifest(step, lambda m: m["files"].update({"../../outside.txt": entry}))
+    return "entry '../../outside.txt' lies outside the step"
+
+
+def _json_of_the_wrong_type(name: str, value: str, named: str):
+    def corrupt(step):
+        open(os.path.join(step, name), "w").write(value)
+        return f"{os.path.join(step, name)} ({named}) holds a JSON"
+
+    corrupt.__name__ = f"_{name.split('.')[0]}_is_{value.strip('[]{}') or 'empty'}"
+    return corrupt
+
+
+def _contents_entry_not_an_object(step):
+    path = os.path.join(step, "ckpt_contents.json")
+    contents = json.loads(open(path).read())
+    contents["contents"]["optimizer"] = 3
+    open(path, "w").write(json.dumps(contents))
+    return "'contents' must be an object of content -> {path, format}"
+
+
 CORRUPTIONS = [
     _flip_optimizer_shard,
     _flip_rng_shard,
@@ -485,6 +536,15 @@ CORRUPTIONS = [
     _corrupt_contents,
     _missing_manifest,
     _step_is_a_file,
+    _manifest_without_checksums,
+    _manifest_of_version_1,
+    _unlisted_file,
+    _entry_outside_the_step,
+    _json_of_the_wrong_type("manifest.json", "null", "manifest"),
+    _json_of_the_wrong_type("manifest.json", "[]", "manifest"),
+    _json_of_the_wrong_type("ckpt_contents.json", "7", "checkpoint contents"),
+    _json_of_the_wrong_type("committed.json", "[1]", "commit mark"),
+    _contents_entry_not_an_object,
 ]
 
 
@@ -499,6 +559,15 @@ def test_bad_checkpoint_gets_a_clear_error_and_nothing_is_deleted(base_root, tmp
     with pytest.raises(CheckpointError):
         find_resume_checkpoint(root)  # a resume refuses the damaged tracked step too
     assert _files(root) == before
+
+
+def test_a_step_linked_under_another_number_is_refused(base_root, tmp_path):
+    """``global_step_9 -> global_step_1`` with the tracker at 9: the commit mark says 1, so it is not step 9."""
+    root = _copy_run(base_root, tmp_path)
+    os.symlink("global_step_1", os.path.join(root, "global_step_9"))
+    atomic_write_text(get_checkpoint_tracker_filename(root), "9")
+    with pytest.raises(CheckpointError, match=r"committed.json says step 1, but the step lies in .*global_step_9"):
+        find_resume_checkpoint(root)
 
 
 def test_a_check_without_checksums_reads_sizes_only(base_root, tmp_path):

@@ -13,20 +13,22 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs, read_tracker
-from verl.utils.checkpoint.names import CONTENTS_FILENAME, STEP_DIR_FORMAT, TRANSFORMER_CONFIG_FILENAME
+from verl.utils.checkpoint.names import CONTENTS_FILENAME, STEP_DIR_FORMAT, STEP_DIR_RE, TRANSFORMER_CONFIG_FILENAME
 from verl.utils.fs import fsync_path
 from verl.utils.megatron.layer_pattern import megatron_moe_layers
 
 MANIFEST_FILENAME = "manifest.json"
 COMMIT_MARK_FILENAME = "committed.json"  # our commit step's mark: a step with it must have a whole manifest
 STAGING_SUFFIX = ".incomplete"
-FORMAT_VERSION = 2  # 2: each file's size and content checksum; 1: sizes only
+FORMAT_VERSION = 2  # each file's size and content checksum (1, sizes only, is refused: it cannot vouch for bytes)
+_CHECKSUM_RE = re.compile(r"crc32:[0-9a-f]{8}")
 _CHECKSUM_CHUNK = 8 << 20
 # TransformerConfig fields that make two models incompatible (a checkpoint of one cannot load into the other).
 MODEL_IDENTITY_FIELDS = (
@@ -73,7 +75,7 @@ def files_under(step_path: str, directories: list[str]) -> list[str]:
 
 def _step_files(step_path: str) -> list[str]:
     """Every file of the step but the manifest itself, relative to it."""
-    return [r for r in files_under(step_path, [step_path]) if os.path.basename(r) != MANIFEST_FILENAME]
+    return [r for r in files_under(step_path, [step_path]) if r != MANIFEST_FILENAME]
 
 
 def _checksums(paths: list[str]) -> list[str]:
@@ -122,13 +124,24 @@ def fsync_tree(path: str) -> None:
 
 
 def _read_json(path: str, what: str) -> dict:
+    """The JSON object in ``path``; CheckpointError naming the file when it is missing, unreadable or not an
+    object (``null``, a list or a number would otherwise fail later with a bare Python traceback)."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path} is missing: the checkpoint is not complete (interrupted save?) or was damaged")
     try:
         with open(path) as handle:
-            return json.load(handle)
+            data = json.load(handle)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} ({what}) is unreadable: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} ({what}) holds a JSON {_json_type(data)}, not the object a save writes: the file was damaged or replaced")
+    return data
+
+
+def _json_type(value) -> str:
+    """JSON's own name for the type of a decoded value."""
+    names = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
+    return names.get(type(value), type(value).__name__)
 
 
 def read_ckpt_contents(step_path: str) -> dict:
@@ -137,28 +150,44 @@ def read_ckpt_contents(step_path: str) -> dict:
         raise FileNotFoundError(f"checkpoint {step_path} does not exist")
     if not os.path.isdir(step_path):
         raise CheckpointError(f"checkpoint {step_path} is not a directory")
-    return _read_json(os.path.join(step_path, CONTENTS_FILENAME), "checkpoint contents")
+    path = os.path.join(step_path, CONTENTS_FILENAME)
+    data = _read_json(path, "checkpoint contents")
+    contents = data.get("contents")
+    well_formed = isinstance(contents, dict) and all(
+        isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("format"), str) for entry in contents.values()
+    )
+    if not well_formed:
+        raise CheckpointError(f"{path}: 'contents' must be an object of content -> {{path, format}}, found {contents!r:.200}; the file was damaged or replaced")
+    return data
 
 
 def verify_manifest(step_path: str, required: bool = True, checksums: bool = True) -> bool:
-    """Every file the manifest lists exists with its recorded size and, with ``checksums``, content checksum;
-    False when the step has neither our commit mark nor a manifest and ``required`` is False (an upstream step).
-    ``checksums=False`` is for a caller that has just hashed these very bytes (one read of the step, not two)."""
-    unmarked = not os.path.exists(os.path.join(step_path, COMMIT_MARK_FILENAME))
-    if not required and unmarked and not os.path.exists(os.path.join(step_path, MANIFEST_FILENAME)):
+    """The manifest covers the step: every file it lists lies inside the step with its recorded size and, with
+    ``checksums``, content checksum; every file of the step is listed; the commit mark names the step of the
+    directory. False when the step has neither our commit mark nor a manifest and ``required`` is False (an
+    upstream step). ``checksums=False`` is for a caller that has just hashed these very bytes (one read, not two)."""
+    mark_path = os.path.join(step_path, COMMIT_MARK_FILENAME)
+    if not required and not os.path.exists(mark_path) and not os.path.exists(os.path.join(step_path, MANIFEST_FILENAME)):
         return False
-    manifest = _read_json(os.path.join(step_path, MANIFEST_FILENAME), "manifest")
-    files = manifest.get("files", {})
-    problems = [f"{os.path.join(step_path, f)} is missing from the manifest" for f in _required_files(step_path, files)]
+    manifest_path = os.path.join(step_path, MANIFEST_FILENAME)
+    manifest = _read_json(manifest_path, "manifest")
+    entries, problems = _manifest_entries(step_path, manifest_path, manifest)
+    problems += _commit_mark_problems(step_path, mark_path)
+    problems += [f"{os.path.join(step_path, f)} is missing from the manifest" for f in _required_files(step_path, entries)]
+    listed = {os.path.normpath(relative) for relative in entries}
+    problems += [
+        f"{os.path.join(step_path, r)} is not listed in {manifest_path} (added after the save?); remove it or restore the step"
+        for r in _step_files(step_path)
+        if os.path.normpath(r) not in listed
+    ]
     to_hash = []
-    for relative, entry in files.items():
+    for relative, (size, checksum) in entries.items():
         full = os.path.join(step_path, relative)
-        size, checksum = (entry.get("size"), entry.get("checksum")) if isinstance(entry, dict) else (entry, None)
         if not os.path.isfile(full):
             problems.append(f"{full} is missing")
         elif os.path.getsize(full) != size:
             problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest says {size} (truncated or overwritten)")
-        elif checksum is not None and checksums:
+        elif checksums:
             to_hash.append((full, checksum))
     for (full, want), got in zip(to_hash, _checksums([f for f, _ in to_hash]), strict=True):
         if got != want:
@@ -168,12 +197,60 @@ def verify_manifest(step_path: str, required: bool = True, checksums: bool = Tru
     return True
 
 
-def _required_files(step_path: str, files: dict) -> list[str]:
+def _manifest_entries(step_path: str, manifest_path: str, manifest: dict) -> tuple[dict[str, tuple[int, str]], list[str]]:
+    """The manifest's well-formed entries (relative path -> size, checksum) and a line per entry that is not:
+    a manifest that may leave out checksums, or name paths outside the step, could be made to vouch for anything."""
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        return {}, [
+            f"{manifest_path}: format_version {version!r}; this package writes and accepts only {FORMAT_VERSION} (a size "
+            "and a checksum for every file), so this manifest cannot vouch for the step's bytes"
+        ]
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return {}, [f"{manifest_path}: 'files' is a JSON {_json_type(files)}, not an object of file -> size and checksum"]
+    root = os.path.realpath(step_path)
+    entries, problems = {}, []
+    for relative, entry in files.items():
+        size, checksum = (entry.get("size"), entry.get("checksum")) if isinstance(entry, dict) else (None, None)
+        if not _inside(root, step_path, relative):
+            problems.append(f"{manifest_path}: entry {relative!r} lies outside the step {step_path}")
+        elif type(size) is not int or size < 0 or not (isinstance(checksum, str) and _CHECKSUM_RE.fullmatch(checksum)):
+            problems.append(f"{manifest_path}: entry {relative!r} needs an integer 'size' and a 'checksum' (crc32:<8 hex>), found {entry!r}")
+        else:
+            entries[relative] = (size, checksum)
+    return entries, problems
+
+
+def _inside(root: str, step_path: str, relative: str) -> bool:
+    """Whether ``relative`` names a path inside the step (``root`` its real path), links resolved."""
+    try:
+        return not os.path.isabs(relative) and os.path.commonpath([root, os.path.realpath(os.path.join(step_path, relative))]) == root
+    except (TypeError, ValueError):  # not a string, or an embedded NUL
+        return False
+
+
+def _commit_mark_problems(step_path: str, mark_path: str) -> list[str]:
+    """The commit mark exists and names the step of the directory it lies in (a step directory symlinked or
+    renamed under another number is not the step its tracker asks for)."""
+    try:
+        mark = _read_json(mark_path, "commit mark")
+    except CheckpointError as exc:
+        return [str(exc)]
+    marked = mark.get("global_step")
+    match = STEP_DIR_RE.match(os.path.basename(os.path.dirname(os.path.abspath(step_path))))
+    if type(marked) is not int:
+        return [f"{mark_path}: 'global_step' is {marked!r}, not a step number"]
+    if match and int(match.group(1)) != marked:
+        return [f"{mark_path} says step {marked}, but the step lies in {os.path.dirname(os.path.abspath(step_path))}: a step directory renamed or linked under another number"]
+    return []
+
+
+def _required_files(step_path: str, files: dict[str, tuple[int, str]]) -> list[str]:
     """What a step of its contents must hold (per ckpt_contents.json) and the manifest does not list."""
-    contents_path = os.path.join(step_path, CONTENTS_FILENAME)
-    if not os.path.isfile(contents_path):
+    if not os.path.isfile(os.path.join(step_path, CONTENTS_FILENAME)):
         return []
-    contents = _read_json(contents_path, "checkpoint contents").get("contents", {})
+    contents = read_ckpt_contents(step_path)["contents"]
     required = [CONTENTS_FILENAME]
     for name, entry in contents.items():
         if entry.get("format") == "megatron_dist_checkpoint" and name in ("model", "optimizer", "rng_state"):
