@@ -879,3 +879,32 @@ def test_a_background_writer_dies_with_its_rank(tmp_path):
     if survived:
         writer.kill()
     assert not survived, "the forked writer outlived its killed rank"
+
+
+def _resume_config(root: str):
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "verl", "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_megatron_trainer", overrides=[f"trainer.default_local_dir={root}"])
+
+
+@pytest.mark.parametrize("damage", ["none", "truncated", "not_a_zip"])
+def test_the_data_position_is_checked_before_any_rank_starts(base_root, tmp_path, damage):
+    """``global_step_N/data.pt`` lies outside the actor's manifest: the pre-start check reads it whole, or a
+    truncated one would fail only after every rank had loaded the step."""
+    from verl.trainer.validation import ConfigError, find_resume_step
+
+    root = _copy_run(base_root, tmp_path)
+    data = os.path.join(root, "global_step_1", "data.pt")
+    torch.save({"epoch": 0, "position": 64, "order": torch.arange(512)}, data)
+    if damage == "truncated":
+        os.truncate(data, os.path.getsize(data) // 2)
+    elif damage == "not_a_zip":
+        open(data, "wb").write(b"\0" * 100)
+    config = _resume_config(root)
+    if damage == "none":
+        assert find_resume_step(config) == (1, os.path.join(root, "global_step_1"))
+        return
+    with pytest.raises(ConfigError, match=re.escape(f"{data} is damaged")):
+        find_resume_step(config)

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -565,11 +566,27 @@ def find_resume_step(config: Any, model_path: str | None = None) -> tuple[int, s
     now_do = bool(config.actor_rollout_ref.actor.megatron.use_distributed_optimizer)
     if "optimizer" in load and saved_do is not None and saved_do != now_do:
         problems.append(f"{step_dir}/actor optimizer state was saved with use_distributed_optimizer={saved_do}; set {_MEGATRON}use_distributed_optimizer={saved_do} or drop 'optimizer' from {_CHECKPOINT}load_contents")
-    if not os.path.isfile(os.path.join(step_dir, DATA_STATE_FILENAME)):
-        problems.append(f"{step_dir} has no {DATA_STATE_FILENAME} (the data position; written by the GRPO trainer before the tracker): it was not saved by this trainer; set trainer.resume_mode=disable or choose another step")
+    problems += _data_state_problems(step_dir)
     if problems:
         raise ConfigError(problems)
     return step, step_dir
+
+
+def _data_state_problems(step_dir: str) -> list[str]:
+    """``data.pt`` (the data position) exists and is whole. It lies outside the actor's manifest, so without
+    this a truncated or flipped one would fail only after every rank had loaded, with a zip traceback: torch
+    saves it as a zip archive, whose per-member CRC-32 ``testzip`` checks without importing torch."""
+    path = os.path.join(step_dir, DATA_STATE_FILENAME)
+    if not os.path.isfile(path):
+        return [f"{step_dir} has no {DATA_STATE_FILENAME} (the data position; written by the GRPO trainer before the tracker): it was not saved by this trainer; set trainer.resume_mode=disable or choose another step"]
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as exc:
+        damaged = f"unreadable ({exc})"
+    if damaged is None:
+        return []
+    return [f"{path} is damaged (truncated or changed since the save: {damaged}); restore it, or resume an earlier step with trainer.resume_mode=resume_path trainer.resume_from_path=<its global_step_N>"]
 
 
 def model_identity(model_path: str) -> tuple[Any, Any]:
