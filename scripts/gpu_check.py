@@ -134,6 +134,7 @@ def _actor(ctx: Context, **settings):
 class Context:
     device: str
     work: Path
+    torch_compile: str = ""
     model_path: str = ""
     saved: dict = dataclasses.field(default_factory=dict)  # what the save row left for the rows after it
 
@@ -161,6 +162,7 @@ def check_environment(ctx: Context) -> tuple[bool, dict]:
         "megatron_core_from": _installed_in(megatron.core),
         "transformers_from": _installed_in(transformers),
         "transformer_engine": importlib.util.find_spec("transformer_engine") is not None,
+        "torch_compile": ctx.torch_compile,
     }
     if ctx.device == "cuda":
         numbers["gpu"] = torch.cuda.get_device_name()
@@ -376,14 +378,26 @@ def table(rows: list[dict], by_version: bool = False) -> str:
     return "\n".join(lines)
 
 
-def run_checks(device: str, work: Path) -> list[Row]:
+def missing_compile_toolchain() -> str | None:
+    """What torch.compile's CUDA backend lacks here, if anything: triton builds its launcher with a C compiler
+    against Python's headers (megatron's fused bias-dropout-add and SwiGLU are torch.compile'd)."""
+    import sysconfig
+
+    if not any(shutil.which(name) for name in ("cc", "gcc", "clang")):
+        return "no C compiler"
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        return "no Python.h"
+    return None
+
+
+def run_checks(device: str, work: Path, torch_compile: str) -> list[Row]:
     from verl.models.tiny import make_tiny_hf_model
     from verl.utils.distributed import find_free_port, init_rank
     from verl.utils.megatron.parallel import ParallelSizes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     init_rank(0, 1, ParallelSizes(), seed=1234, timeout_s=300.0)
-    ctx = Context(device=device, work=work, model_path=make_tiny_hf_model(str(work / "tiny_moe"), kind="moe"))
+    ctx = Context(device=device, work=work, torch_compile=torch_compile, model_path=make_tiny_hf_model(str(work / "tiny_moe"), kind="moe"))
     rows = []
     for name, check in CHECKS:
         start = time.monotonic()
@@ -420,6 +434,7 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), help="cuda: NCCL on GPU 0; cpu: gloo, CUDA hidden")
     parser.add_argument("--out", type=Path, help="folder for result.json and result.md")
     parser.add_argument("--work", type=Path, help="folder for the model and checkpoints (default: a temp folder, removed)")
+    parser.add_argument("--no-table", action="store_true", help="do not print the table (gpu_check.sh prints one of all runs)")
     parser.add_argument("--summarize", type=Path, metavar="DIR", help="print one table of DIR/*/result.json and exit")
     args = parser.parse_args()
     if args.summarize is not None:
@@ -428,6 +443,12 @@ def main() -> int:
         parser.error("--device and --out are required (or --summarize DIR)")
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: this run must not see a GPU
+        torch_compile = "off (the CPU runtime disables it)"
+    elif (missing := missing_compile_toolchain()) is not None:
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"  # megatron's fused kernels then run eagerly instead of failing to build
+        torch_compile = f"off ({missing})"
+    else:
+        torch_compile = "on"
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -436,7 +457,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="verl_gpu_check."))
     try:
-        rows = run_checks(args.device, work)
+        rows = run_checks(args.device, work, torch_compile)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -445,7 +466,8 @@ def main() -> int:
     (args.out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     text = table(result["rows"])
     (args.out / "result.md").write_text(text + "\n")
-    print(text)
+    if not args.no_table:
+        print(text)
     return 0 if all(row.ok for row in rows) else 1
 
 

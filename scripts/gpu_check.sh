@@ -64,7 +64,7 @@ for wheel in "${MEGATRON[@]}"; do
   install "$target" "${OTHERS[@]}" "$wheel"
   echo "[gpu_check] megatron-core $version: installed into $target"
   PYTHONPATH="$target:$PWD$SITE" "$PY" "${FLAGS[@]}" scripts/gpu_check.py --device "$DEVICE" \
-    --out "$OUT/megatron-core-$version" --work "$WORK/run-$version" || status=1
+    --out "$OUT/megatron-core-$version" --work "$WORK/run-$version" --no-table || status=1
 done
 "$PY" scripts/gpu_check.py --summarize "$OUT" || status=1
 exit $status

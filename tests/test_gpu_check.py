@@ -59,3 +59,16 @@ def test_the_check_passes_on_cpu_from_the_bundle(bundle, tmp_path):
         assert rows["save while offloaded"]["numbers"]["config_on_disk_at_hf_weights"] is True
         assert rows["async save DO=True"]["numbers"]["pending"] is True
     assert completed.returncode == 0, completed.stderr[-4000:]
+
+
+def test_cuda_without_a_gpu_and_a_missing_bundle_are_refused_in_one_line(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+    refused = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cuda", "--out", str(tmp_path / "o")],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2 and "torch sees no CUDA device" in refused.stderr, refused.stderr
+    assert not (tmp_path / "o").exists()
+    empty = tmp_path / "empty_bundle"
+    empty.mkdir()
+    missing = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cuda", "--out", str(tmp_path / "p"), "--bundle", str(empty)],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert missing.returncode == 2 and "python scripts/gpu_bundle.py" in missing.stderr, missing.stderr
