@@ -1,0 +1,475 @@
+"""The CUDA path on one rank, without Ray: fix 1, a save in the worker's order, its HF export, loads (docs/gpu.md).
+
+Everything else in the project runs on CPU ranks over gloo. This joins a one-rank process group (NCCL on
+``--device cuda``, gloo on ``--device cpu``), builds the embedded tiny Qwen3-MoE through the bridge into
+Megatron DDP with megatron's optimizer (the project's ``MegatronActor``), and runs one row per check:
+
+- ``environment``: the device, the backend and the versions imported (megatron-core from where);
+- ``offload DO=False`` / ``offload DO=True``: ``get_megatron_module_device`` resident / offloaded / reloaded,
+  offload and reload of the model and the optimizer, every byte back, the next step trains; on CUDA the
+  allocated and peak memory (``torch.cuda.max_memory_allocated``) of each phase, and what the offload freed;
+- ``save while offloaded``: the worker's order (query the device of the offloaded model, reload it, save through
+  ``MegatronCheckpointManager`` + the commit step, offload again), with fix 2's order seen through the manager's
+  public ``on_save_phase`` hook: the HF config and tokenizer are on disk when the HF weight save starts;
+- ``hf export``: the project's ``verify_hf_checkpoint`` on the export, and transformers' logits on the device
+  equal Megatron's;
+- ``dist-ckpt load``: a fresh model and optimizer load ``model/dist_ckpt`` + the optimizer bit for bit;
+- ``async save``: an ``async_save`` with the distributed optimizer returns before the write, training goes on,
+  the finalize commits it, and a fresh model loads the state as of the save, bit for bit.
+
+    python scripts/gpu_check.py --device cuda --out DIR     # DIR/result.json and result.md; exit 1 on a failure
+    python scripts/gpu_check.py --summarize DIR             # one table of DIR/*/result.json (scripts/gpu_check.sh)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+MIB = 2**20
+FREED_SHARE = 0.9  # an offload on CUDA must free at least this share of the bytes it moves (and a reload take them back)
+LOGITS_TOLERANCE = 1e-4
+
+
+@dataclasses.dataclass
+class Row:
+    check: str
+    ok: bool
+    numbers: dict
+    error: str | None = None
+
+
+class Memory:
+    """Per phase: on CUDA the allocated bytes after it and its peak (``max_memory_allocated``, reset at its start);
+    on the CPU the process's resident set after it."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.cuda = device == "cuda"
+        self.numbers: dict[str, float] = {}
+
+    def allocated(self) -> int:
+        return self.torch.cuda.memory_allocated() if self.cuda else 0
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+        yield
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.numbers[f"{name}_peak_mib"] = self.torch.cuda.max_memory_allocated() / MIB
+            self.numbers[f"{name}_alloc_mib"] = self.torch.cuda.memory_allocated() / MIB
+        else:
+            import psutil
+
+            self.numbers[f"{name}_rss_mib"] = psutil.Process().memory_info().rss / MIB
+
+
+def _batches(ctx: Context, seed: int) -> list:
+    """Two microbatches on the compute device (the project's Megatron forward leaves inputs where they are)."""
+    import torch
+
+    data = torch.randint(4, 90, (4, 17), generator=torch.Generator().manual_seed(seed)).to(ctx.device)
+    return [data[:2], data[2:]]
+
+
+def _bits(tensor):
+    import torch
+
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().clone()
+
+
+def _state_bits(actor) -> dict:
+    """Bytes of every parameter and of every optimizer-state tensor, in parameter order (stable across models)."""
+    import torch
+
+    bits = {name: _bits(value) for name, value in actor.parameters_snapshot().items()}
+    for o, opt in enumerate(actor.optimizer.chained_optimizers):
+        for g, group in enumerate(opt.optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                for key, value in sorted(opt.optimizer.state.get(param, {}).items()):
+                    if torch.is_tensor(value):
+                        bits[f"optimizer{o}.group{g}.{i}.{key}"] = _bits(value)
+    return bits
+
+
+def _grad_bits(actor) -> dict:
+    return {f"{i}.{n}": _bits(p.main_grad) for i, chunk in enumerate(actor.model) for n, p in chunk.named_parameters()}
+
+
+def _differing(before: dict, after: dict) -> list[str]:
+    if before.keys() != after.keys():
+        return sorted(set(before) ^ set(after))
+    import torch
+
+    return [name for name in before if not torch.equal(before[name], after[name])]
+
+
+def _actor(ctx: Context, **settings):
+    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+
+    manager_cls = settings.pop("manager_cls", None)
+    kwargs = {"manager_cls": manager_cls} if manager_cls is not None else {}
+    return MegatronActor(ActorSettings(model_path=ctx.model_path, **settings), **kwargs)
+
+
+@dataclasses.dataclass
+class Context:
+    device: str
+    work: Path
+    torch_compile: str = ""
+    model_path: str = ""
+    saved: dict = dataclasses.field(default_factory=dict)  # what the save row left for the rows after it
+
+
+# --------------------------------------------------------------------------------------------- the checks
+
+
+def _installed_in(package) -> str:
+    """The sys.path entry a top-level package was imported from."""
+    return str(Path(package.__file__).parents[len(package.__name__.split("."))])
+
+
+def check_environment(ctx: Context) -> tuple[bool, dict]:
+    import megatron.core
+    import torch
+    import transformers
+
+    from verl.utils.device import get_device_name
+
+    numbers = {
+        "device": get_device_name(),
+        "backend": torch.distributed.get_backend(),
+        "python": ".".join(map(str, sys.version_info[:3])),
+        **{name: importlib.metadata.version(name) for name in ("torch", "megatron-core", "mbridge", "transformers")},
+        "megatron_core_from": _installed_in(megatron.core),
+        "transformers_from": _installed_in(transformers),
+        "transformer_engine": importlib.util.find_spec("transformer_engine") is not None,
+        "torch_compile": ctx.torch_compile,
+    }
+    if ctx.device == "cuda":
+        numbers["gpu"] = torch.cuda.get_device_name()
+    expected_backend = "nccl" if ctx.device == "cuda" else "gloo"
+    return numbers["device"] == ctx.device and numbers["backend"] == expected_backend, numbers
+
+
+def check_offload(ctx: Context, use_distributed_optimizer: bool) -> tuple[bool, dict]:
+    """Fix 1: where the model is, offload and reload of model + optimizer, nothing lost, training goes on."""
+    from verl.utils import megatron_utils as mu
+
+    memory = Memory(ctx.device)
+    with memory.phase("build"):
+        actor = _actor(ctx, use_distributed_optimizer=use_distributed_optimizer, save_contents=("model", "optimizer", "extra"))
+    with memory.phase("train"):
+        actor.train_step(_batches(ctx, 0))
+    model, optimizer = actor.model, actor.optimizer
+    before, grads = _state_bits(actor), _grad_bits(actor)
+    storages = mu.describe_megatron_storages(model, optimizer)
+    moved = sum(s.nbytes for s in storages if s.resident)
+    states = {"resident": (mu.get_megatron_module_device(model), mu.is_megatron_module_offloaded(model))}
+    allocated = {"resident": memory.allocated()}
+    with memory.phase("offload"):
+        mu.offload_megatron_model_to_cpu(model)
+        mu.offload_megatron_optimizer(optimizer)
+    states["offloaded"] = (mu.get_megatron_module_device(model), mu.is_megatron_module_offloaded(model))
+    allocated["offloaded"] = memory.allocated()
+    none_resident = not any(s.resident for s in mu.describe_megatron_storages(model, optimizer))
+    with memory.phase("reload"):
+        mu.load_megatron_model_to_gpu(model)
+        mu.load_megatron_optimizer(optimizer)
+    states["reloaded"] = (mu.get_megatron_module_device(model), mu.is_megatron_module_offloaded(model))
+    allocated["reloaded"] = memory.allocated()
+    all_resident = all(s.resident for s in mu.describe_megatron_storages(model, optimizer))
+    differing = _differing(before, _state_bits(actor)) + _differing(grads, _grad_bits(actor))
+    with memory.phase("train2"):
+        loss = actor.train_step(_batches(ctx, 1))["loss"]
+    numbers = {
+        "device": "/".join(f"{state[0]}{'(offloaded)' if state[1] else ''}" for state in states.values()),
+        "storages": len(storages),
+        "moved_mib": moved / MIB,
+        "bytes_differing": len(differing),
+        "next_loss": loss,
+        **memory.numbers,
+    }
+    ok = (
+        states["resident"] == (ctx.device, False)
+        and states["offloaded"] == ("cpu", True)
+        and states["reloaded"] == (ctx.device, False)
+        and none_resident
+        and all_resident
+        and not differing
+        and math.isfinite(loss)
+    )
+    if memory.cuda:
+        freed, retaken = allocated["resident"] - allocated["offloaded"], allocated["reloaded"] - allocated["offloaded"]
+        numbers.update(freed_mib=freed / MIB, retaken_mib=retaken / MIB)
+        numbers.update(_pinned_host_mib())
+        ok = ok and freed >= FREED_SHARE * moved and retaken >= FREED_SHARE * moved
+    return ok, numbers
+
+
+def _pinned_host_mib() -> dict:
+    """The pinned host memory torch's host allocator holds (the offload's host copies), where torch reports it."""
+    import torch
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    try:
+        found = stats() if stats is not None else {}
+    except RuntimeError:  # a torch without the host allocator's statistics
+        return {}
+    return {f"pinned_{key.split('.')[0]}_mib": found[key] / MIB for key in ("allocated_bytes.current", "reserved_bytes.current") if key in found}
+
+
+def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
+    """The worker's save: the offloaded model's device query, reload, save + commit, offload again; fix 2's order."""
+    import torch
+
+    from verl.utils import megatron_utils as mu
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+
+    seen: list[tuple[str, bool]] = []
+
+    class PhaseObserver(MegatronCheckpointManager):
+        """Notes, at each phase's start, whether the HF config and tokenizer are already in the staging folder."""
+
+        def on_save_phase(self, phase: str) -> None:
+            hf = Path(mu.get_hf_model_checkpoint_path(self.last_save.local_path))
+            seen.append((phase, (hf / "config.json").exists() and (hf / "tokenizer_config.json").exists()))
+            super().on_save_phase(phase)
+
+    memory = Memory(ctx.device)
+    actor = _actor(
+        ctx, use_dist_checkpointing=True, save_contents=("model", "optimizer", "extra", "hf_model"), manager_cls=PhaseObserver
+    )
+    actor.train_step(_batches(ctx, 0))
+    tokens = torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(3))
+    ctx.saved.update(bits=_state_bits(actor), logits=actor.logits(tokens.to(ctx.device)).cpu(), tokens=tokens)
+    mu.offload_megatron_model_to_cpu(actor.model)
+    mu.offload_megatron_optimizer(actor.optimizer)
+    queried = mu.get_megatron_module_device(actor.model)  # fix 1: safe on an offloaded model, and "cpu" there
+    mu.load_megatron_model_to_gpu(actor.model, load_grad=False)
+    mu.load_megatron_optimizer(actor.optimizer)
+    path = str(ctx.work / "checkpoints" / "global_step_1" / "actor")
+    with memory.phase("save"):
+        pending = actor.save_checkpoint(path, global_step=1)
+    mu.offload_megatron_model_to_cpu(actor.model)
+    mu.offload_megatron_optimizer(actor.optimizer)
+    offloaded_after = mu.is_megatron_module_offloaded(actor.model)
+    ctx.saved["path"] = path
+    phases = [phase for phase, _ in seen]
+    config_before_weights = dict(seen).get("hf_weights", False)
+    report = actor.checkpoint_manager.last_save
+    numbers = {
+        "queried_while_offloaded": queried,
+        "phases": ">".join(phases),
+        "config_on_disk_at_hf_weights": config_before_weights,
+        "offloaded_after": offloaded_after,
+        **{f"{k}_s": v for k, v in report.phase_seconds.items()},
+        **memory.numbers,
+    }
+    ordered = "hf_config" in phases and "hf_weights" in phases and phases.index("hf_config") < phases.index("hf_weights")
+    committed = (Path(path) / "manifest.json").exists() and not Path(path + ".incomplete").exists()
+    ok = queried == "cpu" and not pending and ordered and config_before_weights and offloaded_after and committed
+    return ok, numbers
+
+
+def check_hf_export(ctx: Context) -> tuple[bool, dict]:
+    """The export holds every tensor its config implies (verify_hf_checkpoint), and transformers on the device
+    computes Megatron's logits from it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
+    from verl.utils.megatron_utils import get_hf_model_checkpoint_path
+
+    hf = get_hf_model_checkpoint_path(ctx.saved["path"])
+    report = verify_hf_checkpoint(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).to(ctx.device).eval()
+    with torch.no_grad():
+        logits = model(ctx.saved["tokens"].to(ctx.device)).logits.float().cpu()
+    gap = (logits - ctx.saved["logits"]).abs().max().item()
+    numbers = {"verified": report.describe().split(": ", 1)[-1], "tensors": report.expected, "logits_gap": gap}
+    return report.ok and gap <= LOGITS_TOLERANCE, numbers
+
+
+def check_dist_checkpoint_load(ctx: Context) -> tuple[bool, dict]:
+    """A fresh model and optimizer load model/dist_ckpt and optimizer/dist_ckpt: every byte as saved."""
+    fresh = _actor(ctx, use_dist_checkpointing=True, save_contents=("model", "optimizer", "extra", "hf_model"),
+                   load_contents=("model", "optimizer", "extra"))  # fmt: skip
+    differed = len(_differing(ctx.saved["bits"], _state_bits(fresh)))
+    start = time.monotonic()
+    fresh.load_checkpoint(ctx.saved["path"])
+    seconds = time.monotonic() - start
+    differing = _differing(ctx.saved["bits"], _state_bits(fresh))
+    numbers = {"tensors": len(ctx.saved["bits"]), "differing_before_load": differed, "differing_after_load": len(differing),
+               "load_s": seconds}  # fmt: skip
+    return differed > 0 and not differing, numbers
+
+
+def check_async_save(ctx: Context) -> tuple[bool, dict]:
+    """async_save with the distributed optimizer: returns pending, a training step runs during the write, the
+    finalize commits, and a fresh model loads the state of the moment of the save."""
+    contents = {"save_contents": ("model", "optimizer", "extra", "hf_model"), "use_dist_checkpointing": True}
+    actor = _actor(ctx, use_distributed_optimizer=True, async_save=True, **contents)
+    actor.train_step(_batches(ctx, 0))
+    expected = _state_bits(actor)
+    path = str(ctx.work / "checkpoints" / "global_step_2" / "actor")
+    pending = actor.save_checkpoint(path, global_step=2)
+    report = actor.checkpoint_manager.last_save
+    actor.train_step(_batches(ctx, 1))  # changes every parameter while the write runs
+    start = time.monotonic()
+    committed = actor.finalize_checkpoint(blocking=True)
+    finalize_s = time.monotonic() - start
+    fresh = _actor(ctx, use_distributed_optimizer=True, load_contents=("model", "optimizer", "extra"), **contents)
+    fresh.load_checkpoint(path)
+    differing = _differing(expected, _state_bits(fresh))
+    numbers = {"mode": report.mode.value, "pending": pending, "blocked_s": report.blocked_seconds, "finalize_s": finalize_s,
+               "differing_after_load": len(differing), "tensors": len(expected)}  # fmt: skip
+    return pending and committed == path and not differing, numbers
+
+
+CHECKS: list[tuple[str, Callable[[Context], tuple[bool, dict]]]] = [
+    ("environment", check_environment),
+    ("offload DO=False", lambda ctx: check_offload(ctx, False)),
+    ("offload DO=True", lambda ctx: check_offload(ctx, True)),
+    ("save while offloaded", check_save_while_offloaded),
+    ("hf export", check_hf_export),
+    ("dist-ckpt load", check_dist_checkpoint_load),
+    ("async save DO=True", check_async_save),
+]
+
+
+# --------------------------------------------------------------------------------------------- driver
+
+
+def _format(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def table(rows: list[dict], by_version: bool = False) -> str:
+    """The markdown table: one line per check (``by_version``: first the row's megatron-core version)."""
+    head = (["megatron-core"] if by_version else []) + ["check", "result", "numbers"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        numbers = ", ".join(f"{k}={_format(v)}" for k, v in row["numbers"].items())
+        if row.get("error"):
+            numbers = (numbers + "; " if numbers else "") + "error: " + row["error"]
+        cells = ([row["megatron_core"]] if by_version else []) + [row["check"], "pass" if row["ok"] else "FAIL", numbers]
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
+    return "\n".join(lines)
+
+
+def missing_compile_toolchain() -> str | None:
+    """What torch.compile's CUDA backend lacks here, if anything: triton builds its launcher with a C compiler
+    against Python's headers (megatron's fused bias-dropout-add and SwiGLU are torch.compile'd)."""
+    import sysconfig
+
+    if not any(shutil.which(name) for name in ("cc", "gcc", "clang")):
+        return "no C compiler"
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        return "no Python.h"
+    return None
+
+
+def run_checks(device: str, work: Path, torch_compile: str) -> list[Row]:
+    from verl.models.tiny import make_tiny_hf_model
+    from verl.utils.distributed import find_free_port, init_rank
+    from verl.utils.megatron.parallel import ParallelSizes
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    init_rank(0, 1, ParallelSizes(), seed=1234, timeout_s=300.0)
+    ctx = Context(device=device, work=work, torch_compile=torch_compile, model_path=make_tiny_hf_model(str(work / "tiny_moe"), kind="moe"))
+    rows = []
+    for name, check in CHECKS:
+        start = time.monotonic()
+        try:
+            ok, numbers = check(ctx)
+            row = Row(name, bool(ok), numbers)
+        except Exception as exc:  # noqa: BLE001 - a failed check is a row; the rest still run
+            last = traceback.extract_tb(exc.__traceback__)[-1]
+            row = Row(name, False, {}, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+                                       f"({Path(last.filename).name}:{last.lineno})")  # fmt: skip
+            traceback.print_exc()
+        row.numbers["seconds"] = time.monotonic() - start
+        rows.append(row)
+        print(f"[gpu_check] {name}: {'pass' if row.ok else 'FAIL'}", flush=True)
+    return rows
+
+
+def summarize(root: Path) -> int:
+    """One table of every ``root/*/result.json`` (one per megatron-core version), written as summary.md/json."""
+    results = [json.loads(p.read_text()) for p in sorted(root.glob("*/result.json"))]
+    if not results:
+        print(f"gpu_check: no */result.json under {root}; run scripts/gpu_check.sh", file=sys.stderr)
+        return 2
+    rows = [dict(row, megatron_core=result["megatron_core"]) for result in results for row in result["rows"]]
+    text = table(rows, by_version=True)
+    (root / "summary.md").write_text(text + "\n")
+    (root / "summary.json").write_text(json.dumps({"results": results}, indent=2) + "\n")
+    print(text)
+    return 0 if rows and all(row["ok"] for row in rows) else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="cuda: NCCL on GPU 0; cpu: gloo, CUDA hidden")
+    parser.add_argument("--out", type=Path, help="folder for result.json and result.md")
+    parser.add_argument("--work", type=Path, help="folder for the model and checkpoints (default: a temp folder, removed)")
+    parser.add_argument("--no-table", action="store_true", help="do not print the table (gpu_check.sh prints one of all runs)")
+    parser.add_argument("--summarize", type=Path, metavar="DIR", help="print one table of DIR/*/result.json and exit")
+    args = parser.parse_args()
+    if args.summarize is not None:
+        return summarize(args.summarize)
+    if args.device is None or args.out is None:
+        parser.error("--device and --out are required (or --summarize DIR)")
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: this run must not see a GPU
+        torch_compile = "off (the CPU runtime disables it)"
+    elif (missing := missing_compile_toolchain()) is not None:
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"  # megatron's fused kernels then run eagerly instead of failing to build
+        torch_compile = f"off ({missing})"
+    else:
+        torch_compile = "on"
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: --device cuda, but torch sees no CUDA device; run on a GPU host or pass --device cpu", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="verl_gpu_check."))
+    try:
+        rows = run_checks(args.device, work, torch_compile)
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    result = {"device": args.device, "megatron_core": importlib.metadata.version("megatron-core"),
+              "rows": [dataclasses.asdict(row) for row in rows]}  # fmt: skip
+    (args.out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    text = table(result["rows"])
+    (args.out / "result.md").write_text(text + "\n")
+    if not args.no_table:
+        print(text)
+    return 0 if all(row.ok for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
