@@ -95,10 +95,13 @@ def test_parallel_export_is_bit_identical_to_mbridge(tiny_moe_path, tmp_path, si
         assert name in load_file(os.path.join(fast_dir, file)), name
     assert len(set(weight_map.values())) == world
 
-    # transformers loads it, and gets the source weights.
+    # transformers loads it, and gets the source weights (compared as it saves them: transformers 5 holds the
+    # experts fused in memory and writes them one tensor per expert, as the files above are).
     model = AutoModelForCausalLM.from_pretrained(fast_dir, dtype=torch.float32)
-    original = _tensors(tiny_moe_path)
-    for name, tensor in model.state_dict().items():
+    model.save_pretrained(str(tmp_path / "reloaded"))
+    original, reloaded = _tensors(tiny_moe_path), _tensors(str(tmp_path / "reloaded"))
+    assert set(reloaded) == set(original)
+    for name, tensor in reloaded.items():
         assert torch.equal(tensor, original[name]), name
 
 

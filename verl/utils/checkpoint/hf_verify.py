@@ -54,18 +54,42 @@ class HFVerifyReport:
 
 
 def expected_hf_tensors(hf_config) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the tensors ``save_pretrained`` would write for this config."""
+    """Names and shapes of the tensors ``save_pretrained`` would write for this config.
+
+    transformers 5 fuses MoE experts in memory (``experts.gate_up_proj`` [E, 2I, H]) but writes one tensor per
+    expert, as 4.x and the bridge do: the model's own save-time conversion, applied here to the meta state,
+    gives the names the files hold, still from the config alone.
+    """
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_utils import no_init_weights
 
     # Weight initialisation on the meta device computes nothing but still walks every module: ~90% of
     # the time for a MoE with hundreds of experts. Shapes do not depend on it.
-    with torch.device("meta"), no_init_weights():
+    with torch.device("meta"), _no_init_weights():
         model = AutoModelForCausalLM.from_config(hf_config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    state = model.state_dict()
     if getattr(hf_config, "tie_word_embeddings", False):
-        expected.pop("lm_head.weight", None)
-    return expected
+        state.pop("lm_head.weight", None)
+    return {name: tuple(t.shape) for name, t in _as_saved(model, state).items()}
+
+
+def _no_init_weights():
+    """transformers' context that skips weight initialisation (``transformers.initialization`` from 5.0,
+    ``transformers.modeling_utils`` before)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def _as_saved(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` under the names and shapes ``save_pretrained`` writes: transformers 5's
+    ``core_model_loading.revert_weight_conversion`` (what its save calls); 4.x converts nothing."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return state
+    return revert_weight_conversion(model, dict(state))
 
 
 def read_saved_tensors(path: str) -> tuple[dict[str, tuple[int, ...]], list[str]]:
