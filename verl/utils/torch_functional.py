@@ -13,9 +13,10 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    """Sum of ``values`` where ``mask`` is set; masked-out entries are dropped (a NaN there does not leak)."""
-    valid = torch.where(mask.bool(), values, torch.zeros_like(values))
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """Sum of ``values * mask`` (a weighted mask weighs, as upstream); masked-out entries are dropped first, so
+    a NaN there does not leak."""
+    valid = torch.where(mask.bool(), values, torch.zeros_like(values)) * mask
     return valid.sum() if axis is None else valid.sum(dim=axis)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from verl.utils.torch_functional import masked_mean, masked_sum
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 # Upstream clamps log(ratio) so one wild token cannot overflow exp().
 _LOG_RATIO_BOUND = 20.0
 # upstream's kl_penalty names (aliases share an estimator); a trailing "+" takes k2's gradient (below).
@@ -57,20 +57,50 @@ def compute_grpo_outcome_advantage(
     return advantages, advantages
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
-    """Reduce a ``[batch, response_len]`` loss to a scalar.
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: int | torch.Tensor | None = None,
+    global_batch_size: int | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
+    """Reduce one micro-batch's ``[batch, response_len]`` loss to a scalar, upstream's aggregation exactly.
 
-    token-mean: mean over all valid tokens; seq-mean-token-sum: mean over sequences of each one's token sum;
-    seq-mean-token-mean: mean over sequences of each one's token mean (sequences with no valid token skipped).
+    The global-batch denominators (``batch_num_tokens``: valid tokens, ``global_batch_size``: sequences with at
+    least one valid token) default to this micro-batch's own and must be given when ``dp_size > 1``; the result
+    is scaled by ``dp_size`` so the data-parallel mean of the ranks' losses is the global aggregate.
+
+    token-mean: token sum / ``batch_num_tokens``; token-sum: token sum; seq-mean-token-sum: sum over sequences
+    of each one's token sum / ``global_batch_size``; seq-mean-token-sum-norm: that / ``loss_scale_factor``
+    (default: ``response_len``); seq-mean-token-mean: sum over sequences of each one's token mean /
+    ``global_batch_size``. Fully masked rows add nothing and are not counted; an all-masked micro-batch with
+    the default denominators gives NaN (0 / 0), as upstream. Masked-out entries never leak, even NaN.
     """
     if loss_agg_mode == "token-mean":
-        return masked_mean(loss_mat, loss_mask)
-    if loss_agg_mode == "seq-mean-token-sum":
-        return masked_sum(loss_mat, loss_mask, axis=-1).mean()
-    if loss_agg_mode == "seq-mean-token-mean":
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("agg_loss(token-mean): pass the global batch_num_tokens when dp_size > 1")
+            batch_num_tokens = loss_mask.sum()
+        return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+    if loss_agg_mode == "token-sum":
+        # DDP averages gradients over ranks: scaling each rank's sum by dp_size makes the mean the global sum.
+        return masked_sum(loss_mat, loss_mask) * dp_size
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
         tokens = loss_mask.sum(dim=-1)
-        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1) / (tokens + 1e-8)
-        return masked_mean(seq_losses, tokens > 0)
+        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
+        if loss_agg_mode == "seq-mean-token-mean":
+            seq_losses = seq_losses / (tokens + 1e-8)
+        seq_mask = (tokens > 0).to(seq_losses.dtype)
+        if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError(f"agg_loss({loss_agg_mode}): pass the global_batch_size when dp_size > 1")
+            global_batch_size = seq_mask.sum()
+        loss = masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return loss
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; use one of {', '.join(LOSS_AGG_MODES)}")
 
 
