@@ -30,12 +30,14 @@ def compute_grpo_outcome_advantage(
     index: np.ndarray | Sequence,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
+    config: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outcome advantages normalised within each group of responses to the same prompt.
 
     A row's score is the sum of its token rewards; rows sharing ``index[i]`` form a group; the score minus the
     group mean (divided by the group's unbiased std + ``epsilon`` when ``norm_adv_by_std_in_grpo``) is
     broadcast over the response tokens and masked. A group of one has mean 0 and std 1, as upstream.
+    ``config`` (upstream's ``AlgoConfig``, which every registered estimator takes) is not read, as upstream.
     Returns ``(advantages, returns)``, which are equal for GRPO.
     """
     scores = token_level_rewards.sum(dim=-1)
@@ -142,20 +144,25 @@ def compute_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    cliprange: float = 0.2,
+    cliprange: float | None = None,
     cliprange_low: float | None = None,
     cliprange_high: float | None = None,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Upstream's vanilla PPO-clip loss: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, the fractions and
-    the KL averaged over valid tokens. ``cliprange_low``/``cliprange_high`` default to ``cliprange``."""
+    the KL averaged over valid tokens. ``cliprange_low``/``cliprange_high`` default to ``cliprange``, which has
+    no default (as upstream): a bound left unset is refused."""
+    cliprange_low = cliprange if cliprange_low is None else cliprange_low
+    cliprange_high = cliprange if cliprange_high is None else cliprange_high
+    if cliprange_low is None or cliprange_high is None:
+        raise TypeError("compute_policy_loss needs a clip range: pass cliprange (or both cliprange_low and cliprange_high)")
     per_token = policy_loss_per_token(
         old_log_prob,
         log_prob,
         advantages,
-        cliprange_low=cliprange if cliprange_low is None else cliprange_low,
-        cliprange_high=cliprange if cliprange_high is None else cliprange_high,
+        cliprange_low=cliprange_low,
+        cliprange_high=cliprange_high,
         clip_ratio_c=clip_ratio_c,
     )
     pg_loss = agg_loss(per_token["pg_losses"], response_mask, loss_agg_mode)
