@@ -9,6 +9,7 @@ import torch
 
 from verl.single_controller.base.decorator import Dispatch, register, registered_methods
 from verl.single_controller.base.worker import Worker
+from verl.trainer.main_ppo import run_ppo
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, compute_policy_loss
 from verl.utils import fs
 from verl.utils.megatron.optimizer import init_megatron_optim_config
@@ -149,3 +150,8 @@ def test_remote_paths_are_refused_without_a_backend(tmp_path):
     (tmp_path / "m" / "f").write_text("x")
     fs.copy(str(tmp_path / "m"), str(tmp_path / "n"))
     assert (tmp_path / "n" / "f").read_text() == "x"
+
+
+def test_run_ppo_refuses_a_task_runner_class():
+    with pytest.raises(NotImplementedError, match="no TaskRunner"):
+        run_ppo({}, task_runner_class=type("Runner", (), {}))

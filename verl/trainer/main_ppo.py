@@ -171,7 +171,13 @@ def ray_init_kwargs(config: Any) -> dict:
     return kwargs
 
 
-def run_ppo(config) -> None:
+def run_ppo(config, task_runner_class: type | None = None) -> None:
+    """Validate ``config``, start Ray and the ranks, train. ``task_runner_class`` is upstream's hook for a
+    recipe's own TaskRunner; this trainer has no TaskRunner, so one is refused before anything starts."""
+    if task_runner_class is not None:
+        raise NotImplementedError(
+            f"run_ppo(task_runner_class={task_runner_class!r}): this package has no TaskRunner to replace; call run_ppo(config)"
+        )
     silence_library_notices()
     stops = StopSignals()
     stops.install()
