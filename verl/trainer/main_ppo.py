@@ -215,7 +215,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
 
     from verl.single_controller.ray import WorkerGroupError
     from verl.trainer.ppo.log_prob_parity import LogProbParityError
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.ray_trainer import MegatronGRPOTrainer
 
     started = _init_ray(config)
     stops.install()  # ray.init replaced the SIGTERM handler with one that tears Ray down under this process
@@ -227,7 +227,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
             if problems:
                 _exit_config_error(ConfigError(problems))
         _print_plan(config, plan, device)
-        trainer = RayPPOTrainer(
+        trainer = MegatronGRPOTrainer(
             config, plan.model_path, device, plan.resume, actor_configs=plan.actor_configs, data=plan.data, tokenizer=plan.tokenizer
         )
         progress["trainer"] = trainer
