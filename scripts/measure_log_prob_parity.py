@@ -41,14 +41,14 @@ def _measure(model_path: str, dtype_name: str, rows: int, seeds: int) -> dict:
     from verl.models.mcore.parallel_hf_save import gather_hf_weights
     from verl.workers.actor.megatron_actor import MegatronPPOActor, PPOActorSettings
     from verl.workers.megatron_rank import ActorSettings, MegatronActor
-    from verl.workers.rollout.hf_rollout import HFRollout, RolloutSettings
+    from verl.workers.rollout.hf_rollout import InMemoryHFRollout, RolloutSettings
 
     dtype = getattr(torch, dtype_name)
     actor = MegatronActor(ActorSettings(model_path=model_path, dtype=dtype))
     ppo = MegatronPPOActor(PPOActorSettings(response_length=RESPONSE_LENGTH, micro_batch_size=rows), actor.model, actor.optimizer, actor.scheduler)
     rank0 = torch.distributed.get_rank() == 0
     tokenizer = actor.tokenizer
-    rollout = HFRollout(actor.hf_config, RolloutSettings(RESPONSE_LENGTH), tokenizer.eos_token_id, tokenizer.pad_token_id, dtype=dtype) if rank0 else None
+    rollout = InMemoryHFRollout(actor.hf_config, RolloutSettings(RESPONSE_LENGTH), tokenizer.eos_token_id, tokenizer.pad_token_id, dtype=dtype) if rank0 else None
     weights = gather_hf_weights(actor.bridge, actor.model, receivers=[0])
     if rollout is not None:
         rollout.load_weights(weights.items())

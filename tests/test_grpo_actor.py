@@ -35,14 +35,14 @@ def _rollout_on_rank0(actor, rollout, prompts: torch.Tensor, seed: int) -> dict:
 
 
 def _logprob_agreement(model_path: str) -> dict:
-    from verl.workers.rollout.hf_rollout import HFRollout, RolloutSettings
+    from verl.workers.rollout.hf_rollout import InMemoryHFRollout, RolloutSettings
 
     temperature = 0.9
     actor, ppo = _build(model_path, temperature=temperature)
     rollout = None
     if torch.distributed.get_rank() == 0:
         tok = actor.tokenizer
-        rollout = HFRollout(actor.hf_config, RolloutSettings(RESPONSE_LEN, temperature=temperature, top_p=0.9), tok.eos_token_id, tok.pad_token_id)
+        rollout = InMemoryHFRollout(actor.hf_config, RolloutSettings(RESPONSE_LEN, temperature=temperature, top_p=0.9), tok.eos_token_id, tok.pad_token_id)
     prompts = _prompts(8)
     report = {}
     for phase in ("initial", "after_update"):
@@ -180,13 +180,13 @@ def _left_padded(rows: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _padded_parity(model_path: str) -> dict:
-    from verl.workers.rollout.hf_rollout import HFRollout, RolloutSettings
+    from verl.workers.rollout.hf_rollout import InMemoryHFRollout, RolloutSettings
 
     actor, ppo = _build(model_path, micro_batch_size=4)
     rollout = None
     if torch.distributed.get_rank() == 0:
         tok = actor.tokenizer
-        rollout = HFRollout(actor.hf_config, RolloutSettings(RESPONSE_LEN), tok.eos_token_id, tok.pad_token_id)
+        rollout = InMemoryHFRollout(actor.hf_config, RolloutSettings(RESPONSE_LEN), tok.eos_token_id, tok.pad_token_id)
     prompts, prompt_mask = _left_padded(8, longest=10)
     from verl.models.mcore.parallel_hf_save import gather_hf_weights
 

@@ -220,17 +220,81 @@ def test_compute_policy_loss_reductions():
     # padding must not matter, even a NaN under the mask
     new_nan = new.clone()
     new_nan[2, 4] = float("nan")
-    torch.testing.assert_close(compute_policy_loss(old, new_nan, adv, mask)[0], pg_loss)
+    torch.testing.assert_close(compute_policy_loss(old, new_nan, adv, mask, cliprange=0.2)[0], pg_loss)
 
 
 def test_agg_loss_modes():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     assert agg_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
-    assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4 + 0) / 3)
+    # the fully masked row is neither summed nor counted (upstream's rule)
+    assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
     assert agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)  # empty row skipped
     with pytest.raises(ValueError, match="token-mean"):
-        agg_loss(loss, mask, "token-sum")
+        agg_loss(loss, mask, "token-avg")
+
+
+# loss and mask with a fully masked middle row; every expected value below is worked by hand
+_AGG_LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+_AGG_MASK = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+
+
+@pytest.mark.parametrize(
+    ("mode", "kwargs", "expected"),
+    [
+        ("token-mean", {}, (1 + 2 + 7 + 8 + 9) / 5),  # 27 / 5 valid tokens
+        ("token-sum", {}, 27.0),
+        ("seq-mean-token-sum", {}, (3 + 24) / 2),  # 13.5: two rows with a valid token, not three (9.0)
+        ("seq-mean-token-sum-norm", {}, (3 + 24) / 2 / 3),  # divided by the response length
+        ("seq-mean-token-sum-norm", {"loss_scale_factor": 9}, (3 + 24) / 2 / 9),
+        ("seq-mean-token-mean", {}, (3 / 2 + 24 / 3) / 2),  # 4.75
+        # rank 0 of 2: the global denominators, times dp_size
+        ("token-mean", {"dp_size": 2, "batch_num_tokens": 10}, 27 / 10 * 2),
+        ("token-sum", {"dp_size": 2}, 27 * 2),
+        ("seq-mean-token-sum", {"dp_size": 2, "global_batch_size": 4}, 27 / 4 * 2),
+        ("seq-mean-token-sum-norm", {"dp_size": 2, "global_batch_size": 4}, 27 / 4 * 2 / 3),
+        ("seq-mean-token-mean", {"dp_size": 2, "global_batch_size": 4}, 9.5 / 4 * 2),
+    ],
+)
+def test_agg_loss_hand_computed(mode, kwargs, expected):
+    assert agg_loss(_AGG_LOSS, _AGG_MASK, mode, **kwargs).item() == pytest.approx(expected)
+    poisoned = _AGG_LOSS.clone()
+    poisoned[1, 1] = float("nan")  # under the mask: must not leak
+    assert agg_loss(poisoned, _AGG_MASK, mode, **kwargs).item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"])
+def test_agg_loss_needs_global_denominator_beyond_one_rank(mode):
+    with pytest.raises(ValueError, match="dp_size > 1"):
+        agg_loss(_AGG_LOSS, _AGG_MASK, mode, dp_size=2)
+
+
+@pytest.mark.parametrize(
+    ("mode", "denominators"),
+    [
+        ("token-mean", {"batch_num_tokens": 5}),
+        ("token-sum", {}),
+        ("seq-mean-token-sum", {"global_batch_size": 2}),
+        ("seq-mean-token-sum-norm", {"global_batch_size": 2}),
+        ("seq-mean-token-mean", {"global_batch_size": 2}),
+    ],
+)
+def test_agg_loss_rank_mean_is_global_aggregate(mode, denominators):
+    """Rows 0-1 on rank 0 (one of them fully masked), row 2 on rank 1: the ranks' mean is the whole batch's."""
+    ranks = [slice(0, 2), slice(2, 3)]
+    per_rank = [agg_loss(_AGG_LOSS[r], _AGG_MASK[r], mode, dp_size=2, **denominators) for r in ranks]
+    torch.testing.assert_close(torch.stack(per_rank).mean(), agg_loss(_AGG_LOSS, _AGG_MASK, mode))
+
+
+def test_agg_loss_all_masked_and_weighted_masks():
+    empty = torch.zeros_like(_AGG_MASK)
+    assert agg_loss(_AGG_LOSS, empty, "token-sum").item() == 0.0
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        assert math.isnan(agg_loss(_AGG_LOSS, empty, mode).item())  # 0 / 0, as upstream
+    weights = torch.tensor([[0.5, 1.0, 0.0], [0.0, 0.0, 0.0], [2.0, 0.0, 1.0]])
+    # a weighted mask weighs each token and counts as its weight in token-mean
+    assert agg_loss(_AGG_LOSS, weights, "token-sum").item() == pytest.approx(0.5 + 2 + 14 + 9)
+    assert agg_loss(_AGG_LOSS, weights, "token-mean").item() == pytest.approx((0.5 + 2 + 14 + 9) / 4.5)
 
 
 # ---------------------------------------------------------------- torch_functional

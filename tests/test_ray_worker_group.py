@@ -9,7 +9,14 @@ import ray
 
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.base.megatron.worker import MegatronWorker
-from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool, WorkerGroupError
+from verl.single_controller.base.worker import Worker
+from verl.single_controller.ray import (
+    MegatronRayWorkerGroup,
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    WorkerGroupError,
+)
 from verl.utils.logging_utils import silence_library_notices
 from verl.utils.megatron.parallel import ParallelSizes
 
@@ -54,9 +61,55 @@ def local_ray():
     ray.shutdown()
 
 
+class EnvWorker(Worker):
+    """A plain rank (no torch.distributed): answers what its environment holds."""
+
+    def getenv(self, key: str, suffix: str = "") -> str:
+        return os.environ.get(key, "unset") + suffix
+
+    @register()
+    def tagged(self, tag: str) -> tuple:
+        return self.rank, tag
+
+
+def test_resource_pool_has_upstreams_defaults():
+    pool = RayResourcePool([2, 2])
+    assert pool.use_gpu is True and pool.max_colocate_count == 10 and not pool.detached
+    assert pool.accelerator_type is None and pool.store == [2, 2] and pool.world_size == 4
+    assert len(pool.name_prefix) == 6 and pool.name_prefix != RayResourcePool([1]).name_prefix  # random
+    with pytest.raises(ValueError, match="max_colocate_count"):
+        RayResourcePool([1], max_colocate_count=0)
+
+
+def test_worker_group_upstream_surface(local_ray):
+    """worker_env, name_prefix, execute_all* (refs / values, list splitting), a bare @register() (ALL_TO_ALL),
+    a second group colocated on the same pool, and attaching to running actors by name."""
+    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=2)
+    group = RayWorkerGroup(pool, RayClassWithInitArgs(EnvWorker), name_prefix="envwg", worker_env={"MY_KEY": "v"})
+    try:
+        assert group.execute_all_sync("getenv", "MY_KEY") == ["v", "v"]
+        assert group.execute_all_sync("getenv", "RAY_LOCAL_WORLD_SIZE") == ["2", "2"]
+        assert group.execute_all_sync("getenv", "WG_PREFIX") == ["envwg", "envwg"]
+        refs = group.execute_all("getenv", "RANK")
+        assert all(isinstance(ref, ray.ObjectRef) for ref in refs) and ray.get(refs) == ["0", "1"]
+        assert group.execute_all_sync("getenv", ["RANK", "WORLD_SIZE"], suffix=["!", "?"]) == ["0!", "2?"]
+        assert ray.get(group.execute_rank_zero("getenv", "RANK")) == "0"
+        assert group.tagged(["a", "b"]) == [(0, "a"), (1, "b")]
+        assert group.worker_names == ["envwgEnvWorker_0:0", "envwgEnvWorker_0:1"]
+        with pytest.raises(ValueError, match=r"protected system env \['WORLD_SIZE'\]"):
+            RayWorkerGroup(pool, RayClassWithInitArgs(EnvWorker), worker_env={"WORLD_SIZE": "100"})
+        colocated = RayWorkerGroup(pool, RayClassWithInitArgs(EnvWorker))  # the pool's second share
+        assert colocated.execute_all_sync("getenv", "RANK") == ["0", "1"]
+        attached = RayWorkerGroup(worker_names=group.worker_names, ray_cls_with_init=RayClassWithInitArgs(EnvWorker))
+        assert attached.execute_all_sync("getenv", "MY_KEY") == ["v", "v"]
+        assert attached.tagged(["x", "y"]) == [(0, "x"), (1, "y")]
+    finally:
+        group.shutdown()
+
+
 def _group(world: int, **kwargs) -> MegatronRayWorkerGroup:
     return MegatronRayWorkerGroup(
-        RayResourcePool([world], name_prefix="probe"), RayClassWithInitArgs(ProbeWorker, **kwargs), init_timeout_s=180
+        RayResourcePool([world], use_gpu=False, name_prefix="probe"), RayClassWithInitArgs(ProbeWorker, **kwargs), init_timeout_s=180
     )
 
 
@@ -124,7 +177,7 @@ def test_actor_worker_async_save_is_pending_until_finalized(local_ray, tiny_moe_
         config = OmegaConf.to_container(compose(config_name="ppo_megatron_trainer", overrides=overrides).actor_rollout_ref, resolve=True)
     config["model"]["path"] = tiny_moe_path
     group = MegatronRayWorkerGroup(
-        RayResourcePool([2], name_prefix="async_actor"), RayClassWithInitArgs(ActorRolloutRefWorker, config=config), init_timeout_s=180
+        RayResourcePool([2], use_gpu=False, name_prefix="async_actor"), RayClassWithInitArgs(ActorRolloutRefWorker, config=config), init_timeout_s=180
     )
     try:
         import torch

@@ -55,6 +55,15 @@ def test_parquet_rows_tokenize_truncate_and_filter(tmp_path):
     assert truncate(list(range(10)), 4, "middle") == [0, 1, 8, 9] and truncate(list(range(10)), 4, "right") == [0, 1, 2, 3]
 
 
+def test_upstream_constructor_keywords(tmp_path):
+    tok = build_tokenizer()
+    path = write_rlhf_parquet([_row("2+2=")], str(tmp_path / "t.parquet"))
+    one = RLHFDataset(data_files=path, tokenizer=tok, config=DATA, processor=None, max_samples=-1)  # a single path
+    assert one.files == [path] and len(one) == 1
+    with pytest.raises(NotImplementedError, match="processor"):
+        RLHFDataset(path, tok, DATA, processor=object())
+
+
 def test_schema_problems_name_file_and_column(tmp_path):
     path = write_rlhf_parquet([{"question": "x", "data_source": "d"}], str(tmp_path / "bad.parquet"))
     (problem,) = parquet_problems([path, str(tmp_path / "none.parquet")][:1], "data.train_files", "prompt", "data_source")

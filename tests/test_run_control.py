@@ -127,7 +127,7 @@ def test_the_resume_command_keeps_the_overrides_and_resumes():
 def test_a_killed_rank_is_blamed_not_the_echo_on_rank_0():
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
     try:
-        group = MegatronRayWorkerGroup(RayResourcePool([2], name_prefix="die"), RayClassWithInitArgs(DyingWorker), init_timeout_s=180)
+        group = MegatronRayWorkerGroup(RayResourcePool([2], use_gpu=False, name_prefix="die"), RayClassWithInitArgs(DyingWorker), init_timeout_s=180)
         with pytest.raises(WorkerGroupError) as err:
             group.die_on([1, 1])
     finally:

@@ -37,12 +37,14 @@ class BaseConfig(collections.abc.Mapping):
         return getattr(self, key, default)
 
     def __getitem__(self, key: str) -> Any:
+        """``cfg[key]`` is ``cfg.key``: an absent key raises AttributeError, as upstream."""
         if not isinstance(key, str):
             raise TypeError(f"{type(self).__name__} keys are field names (str), got {key!r}")
-        try:
-            return getattr(self, key)
-        except AttributeError:
-            raise KeyError(key) from None
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        # Mapping's own __contains__ expects a KeyError from __getitem__; the AttributeError would escape it.
+        return isinstance(key, str) and hasattr(self, key)
 
     def __iter__(self) -> Iterator[str]:
         return (f.name for f in dataclasses.fields(self))

@@ -171,7 +171,13 @@ def ray_init_kwargs(config: Any) -> dict:
     return kwargs
 
 
-def run_ppo(config) -> None:
+def run_ppo(config, task_runner_class: type | None = None) -> None:
+    """Validate ``config``, start Ray and the ranks, train. ``task_runner_class`` is upstream's hook for a
+    recipe's own TaskRunner; this trainer has no TaskRunner, so one is refused before anything starts."""
+    if task_runner_class is not None:
+        raise NotImplementedError(
+            f"run_ppo(task_runner_class={task_runner_class!r}): this package has no TaskRunner to replace; call run_ppo(config)"
+        )
     silence_library_notices()
     stops = StopSignals()
     stops.install()
@@ -209,7 +215,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
 
     from verl.single_controller.ray import WorkerGroupError
     from verl.trainer.ppo.log_prob_parity import LogProbParityError
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.ray_trainer import MegatronGRPOTrainer
 
     started = _init_ray(config)
     stops.install()  # ray.init replaced the SIGTERM handler with one that tears Ray down under this process
@@ -221,7 +227,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
             if problems:
                 _exit_config_error(ConfigError(problems))
         _print_plan(config, plan, device)
-        trainer = RayPPOTrainer(
+        trainer = MegatronGRPOTrainer(
             config, plan.model_path, device, plan.resume, actor_configs=plan.actor_configs, data=plan.data, tokenizer=plan.tokenizer
         )
         progress["trainer"] = trainer

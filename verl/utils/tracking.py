@@ -70,23 +70,32 @@ class Tracking:
             wandb.init(project=project_name, name=experiment_name, entity=os.environ.get("WANDB_ENTITY"), config=dict(config or {}))
             self.wandb = wandb
 
-    def log(self, data: Mapping[str, Any], step: int) -> None:
-        if "file" in self.backends:
+    def log(self, data: Mapping[str, Any], step: int, backend: Iterable[str] | None = None) -> None:
+        """Log one step's metrics to every backend, or only to those named in ``backend`` (upstream's filter)."""
+        if backend is None:
+            backends = self.backends
+        else:
+            names = {backend} if isinstance(backend, str) else set(backend)
+            backends = [name for name in self.backends if name in names]
+        if "file" in backends:
             os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
             with open(self.metrics_path, "a") as handle:
                 handle.write(json.dumps({**data, "time": time.time()}) + "\n")
-        scalars = scalar_metrics(data) if self.writer is not None or self.wandb is not None else {}
-        if self.writer is not None:
+        writer = self.writer if "tensorboard" in backends else None
+        run = self.wandb if "wandb" in backends else None
+        scalars = scalar_metrics(data) if writer is not None or run is not None else {}
+        if writer is not None:
             for key, value in scalars.items():
-                self.writer.add_scalar(key, value, step)
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=step)
+                writer.add_scalar(key, value, step)
+        if run is not None:
+            run.log(scalars, step=step)
 
-    def finish(self) -> None:
-        """Flush and close every backend; a second call does nothing."""
+    def finish(self, exit_code: int = 0) -> None:
+        """Flush and close every backend (wandb records ``exit_code``, non-zero marks the run failed); a
+        second call does nothing."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
         if self.wandb is not None:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=exit_code)
             self.wandb = None

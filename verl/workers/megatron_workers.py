@@ -128,7 +128,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         import torch
 
         from verl.utils.device import get_device_name
-        from verl.workers.rollout.hf_rollout import HFRollout, RolloutSettings
+        from verl.workers.rollout.hf_rollout import InMemoryHFRollout, RolloutSettings
 
         flags: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(flags, self._is_output_rank())
@@ -136,7 +136,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         if not self._is_output_rank():
             return
         rollout, tokenizer = self.config["rollout"], self.actor.tokenizer
-        self.rollout = HFRollout(
+        self.rollout = InMemoryHFRollout(
             self.actor.hf_config,
             RolloutSettings(
                 response_length=int(rollout["response_length"]),

@@ -19,8 +19,9 @@ class Dispatch(enum.Enum):
     MEGATRON_COMPUTE = "megatron_compute"
 
 
-def register(dispatch_mode: Dispatch = Dispatch.ONE_TO_ALL) -> Callable:
-    """Mark a worker method as callable on the whole group; the worker group binds it by name."""
+def register(dispatch_mode: Dispatch = Dispatch.ALL_TO_ALL) -> Callable:
+    """Mark a worker method as callable on the whole group; the worker group binds it by name.
+    The default is upstream's, ALL_TO_ALL (one argument entry per rank)."""
     if not isinstance(dispatch_mode, Dispatch):
         raise TypeError(f"dispatch_mode must be a Dispatch, got {dispatch_mode!r}")
 

@@ -11,7 +11,11 @@ import socket
 
 
 class Worker:
-    def __init__(self) -> None:
+    def __init__(self, cuda_visible_devices: str | None = None) -> None:
+        """``cuda_visible_devices``: when given, exported as ``CUDA_VISIBLE_DEVICES`` for this process (upstream's
+        override of what the resource manager assigned)."""
+        if cuda_visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(cuda_visible_devices)
         missing = [key for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
         if missing:
             raise RuntimeError(f"worker started without {missing} in its environment; start it through a worker group")

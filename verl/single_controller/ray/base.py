@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import re
+import string
 import time
 from typing import Any
 
@@ -44,46 +46,79 @@ class WorkerGroupError(RuntimeError):
 
 
 class RayResourcePool:
-    """Where the ranks go: ``process_on_nodes[i]`` ranks on node i.
+    """Where the ranks go: ``process_on_nodes[i]`` ranks on node i, one placement group per node (upstream's
+    signature and defaults: ``use_gpu=True``, a random ``name_prefix``).
 
-    ``cpus_per_process=None``: one CPU per rank where the smallest node has that many, else that node's
-    CPUs shared evenly (fractional Ray resources), so the ranks of a node always fit on it.
+    Each rank's bundle holds one GPU (``use_gpu``) and ``cpus_per_process`` CPUs; ``None``: one CPU per rank
+    where the smallest node has that many, else that node's CPUs shared evenly (fractional Ray resources), so
+    the ranks of a node always fit on it. Up to ``max_colocate_count`` worker groups can share the pool: each
+    actor takes that fraction of its bundle. ``detached``: the placement groups outlive the driver;
+    ``accelerator_type``: a Ray custom resource (e.g. ``accelerator_type:H100``) each bundle also asks for.
     """
 
     def __init__(
         self,
-        process_on_nodes: list[int],
-        use_gpu: bool = False,
+        process_on_nodes: list[int] | None = None,
+        use_gpu: bool = True,
+        name_prefix: str | None = None,
+        max_colocate_count: int = 10,
+        detached: bool = False,
+        accelerator_type: str | None = None,
+        *,
         cpus_per_process: float | None = None,
-        name_prefix: str = "verl",
     ) -> None:
         if not process_on_nodes or any(n < 1 for n in process_on_nodes):
             raise ValueError(f"process_on_nodes must list at least one rank per node, got {process_on_nodes}")
+        if max_colocate_count < 1:
+            raise ValueError(f"max_colocate_count must be >= 1, got {max_colocate_count}")
         self.process_on_nodes = list(process_on_nodes)
         self.use_gpu = use_gpu
+        self.name_prefix = _random_prefix() if name_prefix is None else name_prefix
+        self.max_colocate_count = max_colocate_count
+        self.detached = detached
+        self.accelerator_type = accelerator_type
         self.cpus_per_process = cpus_per_process
-        self.name_prefix = name_prefix
         self.pgs: list[PlacementGroup] = []
 
     @property
     def world_size(self) -> int:
         return sum(self.process_on_nodes)
 
+    @property
+    def store(self) -> list[int]:
+        """Ranks per node (upstream's name)."""
+        return list(self.process_on_nodes)
+
     def bundle(self) -> dict[str, float]:
+        """One rank's placement-group bundle; its CPUs split evenly into ``max_colocate_count`` actor shares."""
         cpus = self.cpus_per_process
         if cpus is None:
             cpus = _default_cpus_per_process(max(self.process_on_nodes), self.use_gpu)
-        bundle = {"CPU": cpus}
+        # Ray counts resources in 1e-4 units: round down to a whole number of units per colocated actor.
+        units = max(1, int(round(cpus * 10_000)) // self.max_colocate_count)
+        bundle = {"CPU": units * self.max_colocate_count / 10_000}
         if self.use_gpu:
             bundle["GPU"] = 1
+        if self.accelerator_type is not None:
+            bundle[self.accelerator_type] = 1e-4
         return bundle
 
-    def get_placement_groups(self, timeout_s: float = 300.0) -> list[PlacementGroup]:
+    def actor_resources(self) -> dict[str, float]:
+        """What one actor takes of its bundle: ``1 / max_colocate_count`` of its CPUs and GPU."""
+        bundle = self.bundle()
+        share = {"num_cpus": round(bundle["CPU"] / self.max_colocate_count, 4)}
+        share["num_gpus"] = int(10_000 / self.max_colocate_count) / 10_000 if self.use_gpu else 0
+        return share
+
+    def get_placement_groups(self, strategy: str = "STRICT_PACK", timeout_s: float = 300.0) -> list[PlacementGroup]:
         if self.pgs:
             return self.pgs
         bundle = self.bundle()
+        lifetime = "detached" if self.detached else None
         self.pgs = [
-            placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_PACK", name=f"{self.name_prefix}_node{index}")
+            placement_group(
+                [dict(bundle) for _ in range(count)], strategy=strategy, name=f"{self.name_prefix}_node{index}", lifetime=lifetime
+            )
             for index, count in enumerate(self.process_on_nodes)
         ]
         _, not_ready = ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs), timeout=timeout_s)
@@ -92,8 +127,8 @@ class RayResourcePool:
             self.remove()
             raise WorkerGroupError(
                 f"could not place {self.world_size} ranks ({self.process_on_nodes} per node, each {bundle}) within "
-                f"{timeout_s:.0f}s; the cluster holds {available}. Set trainer.nnodes / trainer.n_gpus_per_node to "
-                "what the cluster has."
+                f"{timeout_s:.0f}s; the cluster holds {available}. Set trainer.nnodes / trainer.n_gpus_per_node "
+                "(and trainer.device) to what the cluster has."
             )
         return self.pgs
 
@@ -104,6 +139,11 @@ class RayResourcePool:
             except Exception:  # noqa: BLE001 - best effort during teardown
                 pass
         self.pgs = []
+
+
+def _random_prefix(length: int = 6) -> str:
+    """Upstream's default name prefix: random letters, so groups started side by side never share a name."""
+    return "".join(random.choices(string.ascii_lowercase, k=length))
 
 
 def _default_cpus_per_process(ranks_per_node: int, use_gpu: bool) -> float:
@@ -133,67 +173,125 @@ def _node_ip_and_free_port() -> tuple[str, int]:
     return ip, get_free_port(ip)
 
 
+# Set by the group for every rank; a ``worker_env`` may not override them (upstream refuses the same way).
+PROTECTED_WORKER_ENV = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "WG_PREFIX", "WG_BACKEND", "RAY_LOCAL_WORLD_SIZE",
+)
+
+
 class RayWorkerGroup:
-    """One Ray actor per rank of ``resource_pool``; methods registered on the worker class become group calls."""
+    """One Ray actor per rank of ``resource_pool``; methods registered on the worker class become group calls.
+
+    Upstream's signature: ``bin_pack`` (STRICT_PACK, else PACK placement), ``name_prefix`` (actor names
+    ``<prefix><Class>_<node>:<local rank>``, random by default), ``detached`` (actors outlive the driver),
+    ``worker_names`` / ``worker_handles`` (attach to running actors instead of starting them, with
+    ``resource_pool=None``), and ``worker_env`` (extra environment for every rank). This package adds
+    ``init_timeout_s`` (the ranks' constructors must all answer within it) and ``failure_grace_s``.
+    """
 
     def __init__(
         self,
-        resource_pool: RayResourcePool,
-        ray_cls_with_init: RayClassWithInitArgs,
-        env_vars: dict[str, str] | None = None,
-        init_timeout_s: float = 300.0,
+        resource_pool: RayResourcePool | None = None,
+        ray_cls_with_init: RayClassWithInitArgs | None = None,
+        bin_pack: bool = True,
+        name_prefix: str | None = None,
+        detached: bool = False,
+        worker_names: list[str] | None = None,
+        worker_handles: list[ray.actor.ActorHandle] | None = None,
+        ray_wait_register_center_timeout: int = 300,
+        *,
+        worker_env: dict[str, str] | None = None,
+        init_timeout_s: float | None = None,
         failure_grace_s: float = 3.0,
     ) -> None:
+        worker_env = dict(worker_env or {})
+        protected = sorted(set(worker_env) & set(PROTECTED_WORKER_ENV))
+        if protected:
+            raise ValueError(f"worker_env cannot override protected system env {protected}; drop those keys")
+        attach = resource_pool is None
+        if attach and not (worker_names or worker_handles):
+            raise ValueError("RayWorkerGroup needs a resource_pool, or worker_names / worker_handles to attach to")
         self.resource_pool = resource_pool
         self.ray_cls_with_init = ray_cls_with_init
+        self.name_prefix = _random_prefix() if name_prefix is None else name_prefix
+        self.detached = detached
+        self.customized_worker_env = worker_env
         self.failure_grace_s = failure_grace_s
+        timeout = float(ray_wait_register_center_timeout if init_timeout_s is None else init_timeout_s)
         self._workers: list[ray.actor.ActorHandle] = []
+        self._worker_names: list[str] = []
         self._node_pids: list[tuple[str, int]] = []
         self._alive = False
         try:
-            self._start(env_vars or {}, init_timeout_s)
+            if attach:
+                self._attach(worker_names, worker_handles, timeout)
+            else:
+                self._start(worker_env, timeout, "STRICT_PACK" if bin_pack else "PACK")
         except BaseException:
             self.shutdown()
             raise
-        self._bind_worker_methods(ray_cls_with_init.user_cls)
+        if ray_cls_with_init is not None:
+            self._bind_worker_methods(ray_cls_with_init.user_cls)
 
     # ------------------------------------------------------------------ start
 
-    def _start(self, env_vars: dict[str, str], init_timeout_s: float) -> None:
-        pgs = self.resource_pool.get_placement_groups(timeout_s=init_timeout_s)
-        bundle = self.resource_pool.bundle()
+    def _start(self, worker_env: dict[str, str], init_timeout_s: float, strategy: str) -> None:
+        if self.ray_cls_with_init is None:
+            raise ValueError("RayWorkerGroup(resource_pool=...) needs ray_cls_with_init: the worker class to start")
+        pool = self.resource_pool
+        pgs = pool.get_placement_groups(strategy=strategy, timeout_s=init_timeout_s)
+        resources = pool.actor_resources()
         master_addr, master_port = self._master_addr_port(pgs[0])
-        world_size = self.resource_pool.world_size
+        cls = self.ray_cls_with_init
+        class_name = cls.user_cls.__name__
         rank = 0
-        for pg, local_world_size in zip(pgs, self.resource_pool.process_on_nodes, strict=True):
+        for node, (pg, local_world_size) in enumerate(zip(pgs, pool.process_on_nodes, strict=True)):
             for local_rank in range(local_world_size):
                 env = {
                     **DEFAULT_WORKER_ENV,
-                    **{k: str(v) for k, v in env_vars.items()},
+                    **{k: str(v) for k, v in worker_env.items()},
                     "RANK": str(rank),
-                    "WORLD_SIZE": str(world_size),
+                    "WORLD_SIZE": str(pool.world_size),
                     "LOCAL_RANK": str(local_rank),
                     "LOCAL_WORLD_SIZE": str(local_world_size),
+                    "RAY_LOCAL_WORLD_SIZE": str(local_world_size),
                     "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port),
+                    "WG_PREFIX": self.name_prefix,
+                    "WG_BACKEND": "ray",
                 }
+                name = f"{self.name_prefix}{class_name}_{node}:{local_rank}"
                 options = {
-                    "num_cpus": bundle["CPU"],
-                    "num_gpus": bundle.get("GPU", 0),
+                    **resources,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=local_rank
                     ),
                     "runtime_env": {"env_vars": env},
                     "max_restarts": 0,
+                    "name": name,
                 }
-                cls = self.ray_cls_with_init
+                if self.detached:
+                    options["lifetime"] = "detached"
                 self._workers.append(cls.remote_cls.options(**options).remote(*cls.args, **cls.kwargs))
+                self._worker_names.append(name)
                 rank += 1
         self._alive = True
         # The constructors join the process group together: wait for all of them, failing fast.
         self._node_pids = self.get(
             [worker.get_node_and_pid.remote() for worker in self._workers], timeout_s=init_timeout_s
         )
+
+    def _attach(self, worker_names: list[str] | None, worker_handles: list | None, timeout_s: float) -> None:
+        """Use running actors (e.g. a detached group's) by handle or by name, in rank order."""
+        if worker_handles:
+            self._workers = list(worker_handles)
+            self._worker_names = list(worker_names or [])
+        else:
+            self._workers = [ray.get_actor(name) for name in worker_names]
+            self._worker_names = list(worker_names)
+        self._alive = True
+        self._node_pids = self.get([worker.get_node_and_pid.remote() for worker in self._workers], timeout_s=timeout_s)
 
     @staticmethod
     def _master_addr_port(pg: PlacementGroup) -> tuple[str, int]:
@@ -229,33 +327,69 @@ class RayWorkerGroup:
     def workers(self) -> list:
         return list(self._workers)
 
+    @property
+    def worker_names(self) -> list[str]:
+        """The actors' Ray names, in rank order (attach another group to them with ``worker_names=``)."""
+        return list(self._worker_names)
+
     def dispatch(self, method: str, mode: Dispatch, *args: Any, **kwargs: Any) -> list:
+        """A registered method's call: ONE_TO_ALL sends the same arguments to every rank, ALL_TO_ALL one list
+        entry per rank; every rank's result, in rank order."""
         if mode is Dispatch.ONE_TO_ALL:
-            return self.execute_all(method, *args, **kwargs)
+            n = self.world_size
+            return self._call_per_rank(method, [args] * n, [kwargs] * n)
         if mode is Dispatch.ALL_TO_ALL:
             return self.execute_per_rank(method, *args, **kwargs)
         raise NotImplementedError(f"{type(self).__name__} has no dispatch for {mode}")
 
-    def execute_all_async(self, method: str, *args: Any, **kwargs: Any) -> list:
-        """Call ``method(*args, **kwargs)`` on every rank; the object refs, in rank order."""
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list:
+        """Call ``method_name`` on every rank; the object refs, in rank order. As upstream: when every argument
+        is a list of ``world_size`` entries, rank r gets the r-th entries, else every rank gets them all."""
         self._check_alive()
-        return [getattr(worker, method).remote(*args, **kwargs) for worker in self._workers]
+        n = self.world_size
+        values = (*args, *kwargs.values())
+        if all(isinstance(v, list) and len(v) == n for v in values):
+            per_rank_args = [tuple(a[r] for a in args) for r in range(n)]
+            per_rank_kwargs = [{k: v[r] for k, v in kwargs.items()} for r in range(n)]
+        else:
+            per_rank_args, per_rank_kwargs = [args] * n, [kwargs] * n
+        return self._refs_per_rank(method_name, per_rank_args, per_rank_kwargs)
 
-    def execute_all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
-        """Call ``method`` with the same arguments on every rank; every rank's result, in rank order."""
-        return self.get(self.execute_all_async(method, *args, **kwargs), timeout_s=timeout_s)
+    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list:
+        """Upstream's alias of ``execute_all_async``: the object refs (``execute_all_sync`` waits for them)."""
+        return self.execute_all_async(method_name, *args, **kwargs)
+
+    def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list:
+        """``execute_all_async``, waited for: every rank's result in rank order; a failure stops the group."""
+        return self.get(self.execute_all_async(method_name, *args, **kwargs))
+
+    def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        self._check_alive()
+        return getattr(self._workers[0], method_name).remote(*args, **kwargs)
+
+    def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        return self.get([self.execute_rank_zero_async(method_name, *args, **kwargs)])[0]
+
+    def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        """Upstream's alias of ``execute_rank_zero_async``."""
+        return self.execute_rank_zero_async(method_name, *args, **kwargs)
 
     def execute_per_rank(self, method: str, *args: list, timeout_s: float | None = None, **kwargs: list) -> list:
         """Every argument is a list with one entry per rank; rank r is called with the r-th entries."""
-        self._check_alive()
         for value in (*args, *kwargs.values()):
             if not isinstance(value, (list, tuple)) or len(value) != self.world_size:
                 raise ValueError(f"{method}: every argument must be a list of {self.world_size} entries (one per rank)")
-        refs = [
-            getattr(worker, method).remote(*(a[r] for a in args), **{k: v[r] for k, v in kwargs.items()})
-            for r, worker in enumerate(self._workers)
-        ]
-        return self.get(refs, timeout_s=timeout_s)
+        n = self.world_size
+        per_rank_args = [tuple(a[r] for a in args) for r in range(n)]
+        per_rank_kwargs = [{k: v[r] for k, v in kwargs.items()} for r in range(n)]
+        return self._call_per_rank(method, per_rank_args, per_rank_kwargs, timeout_s)
+
+    def _refs_per_rank(self, method: str, args: list[tuple], kwargs: list[dict]) -> list:
+        self._check_alive()
+        return [getattr(w, method).remote(*a, **k) for w, a, k in zip(self._workers, args, kwargs, strict=True)]
+
+    def _call_per_rank(self, method: str, args: list[tuple], kwargs: list[dict], timeout_s: float | None = None) -> list:
+        return self.get(self._refs_per_rank(method, args, kwargs), timeout_s=timeout_s)
 
     def get(self, refs: list, timeout_s: float | None = None) -> list:
         """Wait for every ref (one per rank); on the first failure stop the group and raise ``WorkerGroupError``.
@@ -333,7 +467,8 @@ class RayWorkerGroup:
         self._workers = []
         self._node_pids = []
         self._alive = False
-        self.resource_pool.remove()
+        if self.resource_pool is not None:
+            self.resource_pool.remove()
 
     def __enter__(self) -> RayWorkerGroup:
         return self

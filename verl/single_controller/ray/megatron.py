@@ -16,7 +16,7 @@ class MegatronRayWorkerGroup(RayWorkerGroup):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.rank_info: list[dict] = self.execute_all("get_megatron_rank_info")
+        self.rank_info: list[dict] = self.execute_all_sync("get_megatron_rank_info")
         self.dp_size = self.rank_info[0]["dp_size"]
         self.tp_size = self.rank_info[0]["tp_size"]
         self.pp_size = self.rank_info[0]["pp_size"]

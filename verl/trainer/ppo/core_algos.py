@@ -14,7 +14,7 @@ import torch
 
 from verl.utils.torch_functional import masked_mean, masked_sum
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 # Upstream clamps log(ratio) so one wild token cannot overflow exp().
 _LOG_RATIO_BOUND = 20.0
 # upstream's kl_penalty names (aliases share an estimator); a trailing "+" takes k2's gradient (below).
@@ -30,12 +30,14 @@ def compute_grpo_outcome_advantage(
     index: np.ndarray | Sequence,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
+    config: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outcome advantages normalised within each group of responses to the same prompt.
 
     A row's score is the sum of its token rewards; rows sharing ``index[i]`` form a group; the score minus the
     group mean (divided by the group's unbiased std + ``epsilon`` when ``norm_adv_by_std_in_grpo``) is
     broadcast over the response tokens and masked. A group of one has mean 0 and std 1, as upstream.
+    ``config`` (upstream's ``AlgoConfig``, which every registered estimator takes) is not read, as upstream.
     Returns ``(advantages, returns)``, which are equal for GRPO.
     """
     scores = token_level_rewards.sum(dim=-1)
@@ -57,20 +59,50 @@ def compute_grpo_outcome_advantage(
     return advantages, advantages
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
-    """Reduce a ``[batch, response_len]`` loss to a scalar.
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: int | torch.Tensor | None = None,
+    global_batch_size: int | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
+    """Reduce one micro-batch's ``[batch, response_len]`` loss to a scalar, upstream's aggregation exactly.
 
-    token-mean: mean over all valid tokens; seq-mean-token-sum: mean over sequences of each one's token sum;
-    seq-mean-token-mean: mean over sequences of each one's token mean (sequences with no valid token skipped).
+    The global-batch denominators (``batch_num_tokens``: valid tokens, ``global_batch_size``: sequences with at
+    least one valid token) default to this micro-batch's own and must be given when ``dp_size > 1``; the result
+    is scaled by ``dp_size`` so the data-parallel mean of the ranks' losses is the global aggregate.
+
+    token-mean: token sum / ``batch_num_tokens``; token-sum: token sum; seq-mean-token-sum: sum over sequences
+    of each one's token sum / ``global_batch_size``; seq-mean-token-sum-norm: that / ``loss_scale_factor``
+    (default: ``response_len``); seq-mean-token-mean: sum over sequences of each one's token mean /
+    ``global_batch_size``. Fully masked rows add nothing and are not counted; an all-masked micro-batch with
+    the default denominators gives NaN (0 / 0), as upstream. Masked-out entries never leak, even NaN.
     """
     if loss_agg_mode == "token-mean":
-        return masked_mean(loss_mat, loss_mask)
-    if loss_agg_mode == "seq-mean-token-sum":
-        return masked_sum(loss_mat, loss_mask, axis=-1).mean()
-    if loss_agg_mode == "seq-mean-token-mean":
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("agg_loss(token-mean): pass the global batch_num_tokens when dp_size > 1")
+            batch_num_tokens = loss_mask.sum()
+        return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+    if loss_agg_mode == "token-sum":
+        # DDP averages gradients over ranks: scaling each rank's sum by dp_size makes the mean the global sum.
+        return masked_sum(loss_mat, loss_mask) * dp_size
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
         tokens = loss_mask.sum(dim=-1)
-        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1) / (tokens + 1e-8)
-        return masked_mean(seq_losses, tokens > 0)
+        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
+        if loss_agg_mode == "seq-mean-token-mean":
+            seq_losses = seq_losses / (tokens + 1e-8)
+        seq_mask = (tokens > 0).to(seq_losses.dtype)
+        if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError(f"agg_loss({loss_agg_mode}): pass the global_batch_size when dp_size > 1")
+            global_batch_size = seq_mask.sum()
+        loss = masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return loss
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; use one of {', '.join(LOSS_AGG_MODES)}")
 
 
@@ -112,20 +144,25 @@ def compute_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    cliprange: float = 0.2,
+    cliprange: float | None = None,
     cliprange_low: float | None = None,
     cliprange_high: float | None = None,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Upstream's vanilla PPO-clip loss: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, the fractions and
-    the KL averaged over valid tokens. ``cliprange_low``/``cliprange_high`` default to ``cliprange``."""
+    the KL averaged over valid tokens. ``cliprange_low``/``cliprange_high`` default to ``cliprange``, which has
+    no default (as upstream): a bound left unset is refused."""
+    cliprange_low = cliprange if cliprange_low is None else cliprange_low
+    cliprange_high = cliprange if cliprange_high is None else cliprange_high
+    if cliprange_low is None or cliprange_high is None:
+        raise TypeError("compute_policy_loss needs a clip range: pass cliprange (or both cliprange_low and cliprange_high)")
     per_token = policy_loss_per_token(
         old_log_prob,
         log_prob,
         advantages,
-        cliprange_low=cliprange if cliprange_low is None else cliprange_low,
-        cliprange_high=cliprange if cliprange_high is None else cliprange_high,
+        cliprange_low=cliprange_low,
+        cliprange_high=cliprange_high,
         clip_ratio_c=clip_ratio_c,
     )
     pg_loss = agg_loss(per_token["pg_losses"], response_mask, loss_agg_mode)

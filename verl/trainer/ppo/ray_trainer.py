@@ -1,6 +1,6 @@
 """The GRPO trainer on the driver: rollout, reward, advantages, update, periodic saves, resume.
 
-One step (``RayPPOTrainer.fit``):
+One step (``MegatronGRPOTrainer.fit``):
 
 1. the next ``data.train_batch_size`` prompts of ``data.train_files`` (parquet in upstream's RLHFDataset format;
    the embedded task is written as such a file first: ``verl.trainer.data_plan``), left-padded to the run's one
@@ -64,7 +64,11 @@ def sampling_seed(data_seed: int, step: int, dp_rank: int) -> int:
     return (data_seed * 1_000_003 + step) * 1009 + dp_rank
 
 
-class RayPPOTrainer:
+class MegatronGRPOTrainer:
+    """The GRPO driver over one Megatron worker group. Not upstream's ``RayPPOTrainer`` (built from
+    ``role_worker_mapping`` and a ``resource_pool_manager``): named apart so an upstream caller fails on the
+    import instead of getting a different API under the same name."""
+
     def __init__(
         self,
         config: Any,

@@ -114,13 +114,27 @@ class RLHFDataset:
     """The tokenized prompts of ``files``: each row ``{"input_ids", "data_source", "ground_truth",
     "extra_info", "index", "raw_prompt"}``.
 
-    ``data`` is the ``data`` config node (``prompt_key``, ``reward_fn_key``, ``max_prompt_length``,
-    ``filter_overlong_prompts``, ``truncation``, ``apply_chat_template_kwargs``). ``filtered`` and
-    ``truncated`` count what the length rules did, for the start-up report.
+    Upstream's constructor signature: ``data_files`` (one path or a list), ``config`` the ``data`` config node
+    (``prompt_key``, ``reward_fn_key``, ``max_prompt_length``, ``filter_overlong_prompts``, ``truncation``,
+    ``apply_chat_template_kwargs``), ``processor`` (multimodal; refused here), ``max_samples``; ``key`` names
+    the config key in error messages. ``filtered`` and ``truncated`` count what the length rules did, for the
+    start-up report.
     """
 
-    def __init__(self, files: Sequence[str], tokenizer: Any, data: Mapping[str, Any], max_samples: int = -1, key: str = "data.train_files") -> None:
-        self.files = list(files)
+    def __init__(
+        self,
+        data_files: str | Sequence[str],
+        tokenizer: Any,
+        config: Mapping[str, Any],
+        processor: Any = None,
+        max_samples: int = -1,
+        *,
+        key: str = "data.train_files",
+    ) -> None:
+        if processor is not None:
+            raise NotImplementedError(f"{key}: multimodal prompts (a processor) are not supported here; pass processor=None")
+        self.files = [data_files] if isinstance(data_files, str) else list(data_files)
+        data = config
         prompt_key, source_key = str(data["prompt_key"]), str(data["reward_fn_key"])
         max_length, truncation = int(data["max_prompt_length"]), str(data["truncation"])
         drop_long = bool(data["filter_overlong_prompts"])

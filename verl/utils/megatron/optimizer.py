@@ -13,18 +13,26 @@ set instead of on an assertion inside Megatron.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
+
+# Only the names upstream's module imports at load time, so code (and upstream's tests) that stands in for
+# these two megatron modules imports this one the same way.
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer as _megatron_get_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "MuonUnavailableError",
     "init_megatron_optim_config",
     "get_megatron_optimizer",
     "get_megatron_optimizer_param_scheduler",
@@ -42,6 +50,10 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
     return getattr(config, key, default)
 
 
+class MuonUnavailableError(NotImplementedError, ValueError):
+    """``optimizer: muon`` without a Muon build: upstream raises ValueError, this package always refuses Muon."""
+
+
 def init_megatron_optim_config(
     optim_config: dict,
     use_distributed_optimizer: bool = True,
@@ -55,21 +67,22 @@ def init_megatron_optim_config(
     """
     algorithm = str(_get(optim_config, "optimizer", "adam")).lower()
     if algorithm not in ("adam", "sgd"):
-        raise NotImplementedError(
-            f"optim.optimizer={algorithm!r}: only Megatron's 'adam' and 'sgd' are built here "
-            "(upstream's Muon path needs an emerging-optimizers build of megatron-core)"
+        raise MuonUnavailableError(
+            f"optim.optimizer={algorithm!r}: only Megatron's 'adam' and 'sgd' are built here (upstream's Muon "
+            "path needs a megatron-core build with emerging_optimizers support); set optim.optimizer=adam"
         )
-    beta1, beta2 = tuple(_get(optim_config, "betas", (0.9, 0.999)))
     args: dict[str, Any] = {
         "optimizer": algorithm,
         "lr": float(_get(optim_config, "lr")),
         "min_lr": float(_get(optim_config, "min_lr", 0.0)),
         "clip_grad": float(_get(optim_config, "clip_grad", 1.0)),
         "weight_decay": float(_get(optim_config, "weight_decay", 0.01)),
-        "adam_beta1": float(beta1),
-        "adam_beta2": float(beta2),
         "use_distributed_optimizer": use_distributed_optimizer,
     }
+    if "adam_beta1" in {f.name for f in dataclasses.fields(OptimizerConfig)}:
+        # every megatron-core has them; a stand-in OptimizerConfig may not
+        beta1, beta2 = tuple(_get(optim_config, "betas", (0.9, 0.999)))
+        args.update(adam_beta1=float(beta1), adam_beta2=float(beta2))
     if fp16:
         # Megatron's fp16 path: dynamic loss scaling from 2**15, as upstream configures it.
         args.update(

@@ -22,7 +22,13 @@ class RolloutSettings:
     do_sample: bool = True
 
 
-class HFRollout:
+class InMemoryHFRollout:
+    """transformers' ``generate`` on an HF model whose weights the actor writes in memory.
+
+    Not upstream's ``HFRollout`` (built from ``(module, config)``, ``generate_sequences(DataProto)``): named
+    apart so an upstream caller fails on the import instead of getting a different API under the same name.
+    """
+
     def __init__(
         self, hf_config, settings: RolloutSettings, eos_token_id: int, pad_token_id: int, device: str = "cpu",
         dtype: torch.dtype = torch.float32,
