@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The bridge adapter on transformers 5 (issue 16): verl 0.9.1 asks for transformers >= 5.5.3, while this
-# project pins 4.57. Makes a separate venv OUTSIDE the repository (default /work/tf5-venv, or $TF5_VENV)
+# project pins 4.57. Makes a separate venv OUTSIDE the repository (default ~/.cache/verl-tf5-venv, or $TF5_VENV)
 # with requirements.txt's stack but transformers >= 5.5, then runs scripts/check_model_families.py there:
 # every family's Megatron log-probs against transformers 5's in fp32 and the HF round trip (load through
 # the bridge, export, bit-exact), on 1 rank and at TP2 EP2. Results: docs/models.md ("transformers 5").
@@ -8,7 +8,7 @@
 #   scripts/check_transformers5.sh [--json FILE]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${TF5_VENV:-/work/tf5-venv}"
+VENV="${TF5_VENV:-$HOME/.cache/verl-tf5-venv}"
 case "$(realpath -m "$VENV")" in "$(pwd)"/*) echo "TF5_VENV must lie outside the repository" >&2; exit 2 ;; esac
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"

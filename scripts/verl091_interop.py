@@ -43,7 +43,7 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_VERL091_PYTHON = os.environ.get("VERL091_PYTHON", "/work/verl091-venv/bin/python")
+DEFAULT_VERL091_PYTHON = os.environ.get("VERL091_PYTHON", os.path.expanduser("~/.cache/verl091-venv/bin/python"))
 RECORD_FORMAT = "verl091-interop/1"
 
 # The fixture model: small enough that two checkpoints and their records stay well under 5 MB.
