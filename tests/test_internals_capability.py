@@ -270,10 +270,17 @@ def _snapshot_fallbacks(root: str) -> dict:
         request.execute_sync()
     report = {"reusable": megatron_core.save_plan_is_reusable(strategy)}
     removal = pytest.MonkeyPatch()
-    for internal in (*megatron_core.PLAN_CACHE[:2], megatron_core.WRITER_WRITE, megatron_core.SAVE_CONFIG):
+    snapshot_reads = (
+        *megatron_core.PLAN_CACHE,
+        megatron_core.WRITER_WRITE,
+        megatron_core.WRITER_FINISH,
+        megatron_core.CHECKPOINTING_CONFIG,
+        megatron_core.SAVE_CONFIG,
+    )
+    for internal in snapshot_reads:
         in_strategy = internal in megatron_core.PLAN_CACHE
         owner, name = (strategy, internal.path.rsplit(".", 1)[1]) if in_strategy else _module_and_name(internal)
-        removal.delattr(owner, name)
+        _remove(removal, owner, name)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             reusable = megatron_core.save_plan_is_reusable(strategy)
@@ -286,7 +293,7 @@ def _snapshot_fallbacks(root: str) -> dict:
 def test_snapshot_save_falls_back_to_the_background_write_when_what_it_reads_is_gone(tmp_path):
     report = run_on_ranks(_snapshot_fallbacks, 1, ParallelSizes(), args=(str(tmp_path),))[0]
     assert report.pop("reusable") and report.pop("reusable_after")
-    assert len(report) == 4
+    assert len(report) == len(megatron_core.PLAN_CACHE) + 4
     for name, (reusable, messages) in report.items():
         assert not reusable, name
         assert len(messages) == 1 and name in messages[0] and "snapshot save is off" in messages[0]
