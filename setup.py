@@ -1,12 +1,26 @@
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 here = Path(__file__).parent
+
+# The releases declared for the three dependencies whose private internals verl reads (verl/utils/internals
+# checks each where it is first used). requirements.txt pins the exact stack the CPU suite runs, which the
+# scripts install; verl.utils.internals.TESTED names the releases tested, and docs/cpu.md ("The stack") both.
+DECLARED = {"torch": ">=2.11,<2.14", "megatron-core": ">=0.16.1,<0.19", "mbridge": ">=0.15.1,<0.16"}
+
+
+def _requirement(line: str) -> str:
+    """A requirements.txt line as install_requires has it: a declared range in place of the exact pin."""
+    name = re.match(r"[A-Za-z0-9_.-]+", line).group(0)
+    return name + DECLARED[name] if name in DECLARED else line
+
+
 requirements = [
-    line.strip()
+    _requirement(line.split("#")[0].strip())
     for line in (here / "requirements.txt").read_text().splitlines()
-    if line.strip() and not line.startswith("#")
+    if line.split("#")[0].strip()
 ]
 
 setup(

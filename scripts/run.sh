@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
-python -m pip install -q -e .
+python -m pip install -q -r requirements.txt -e .  # the tested stack (setup.py declares ranges)
 exec python -m verl.trainer.main_ppo "$@"

@@ -95,19 +95,12 @@ class ForkedRankComm(RankComm):
 
 def forked_groups_possible() -> bool:
     """Whether ``ForkedRankComm`` can form: the default group met through a TCP store (env:// or tcp://)."""
-    return dist.is_initialized() and isinstance(_default_tcp_store(), dist.TCPStore)
-
-
-def _default_tcp_store() -> dist.Store:
-    store = torch_internals.default_store()
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
+    return dist.is_initialized() and torch_internals.default_store_address() is not None
 
 
 def _new_store_client(timeout: datetime.timedelta) -> dist.TCPStore:
     """A connection of our own to the TCP store behind the default group (the parent's is not ours)."""
-    store = _default_tcp_store()
-    if not isinstance(store, dist.TCPStore):
-        raise RuntimeError(f"a forked process group needs the default group to meet through a TCPStore, not {type(store).__name__}")
-    return dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout, wait_for_workers=False)
+    address = torch_internals.default_store_address()
+    if address is None:
+        raise RuntimeError("a forked process group needs the default group to meet through a TCPStore (env:// or tcp://)")
+    return dist.TCPStore(*address, is_master=False, timeout=timeout, wait_for_workers=False)

@@ -39,7 +39,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,7 +47,6 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor, apply_factories
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
@@ -75,6 +74,9 @@ from verl.utils.megatron_utils import (
     get_transformer_config_checkpoint_path,
 )
 from verl.utils.rank_comm import ForkedRankComm, forked_groups_possible
+
+if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 CKPT_CONTENTS_SCHEMA_VERSION = 2  # upstream's ckpt_contents.json schema
 RANK_RNG_STATE_KEY = "rank_rng_state"  # ours, beside upstream's rng_state in extra/dist_ckpt
@@ -223,7 +225,7 @@ def _in_one_fork(requests: list[AsyncRequest]) -> AsyncRequest:
         snapshot_save.fail_when_a_writer_dies(snapshot_save.report_to_stderr)
         writes()
 
-    return AsyncRequest(run if writes else None, (), [fn for request in requests for fn in request.finalize_fns])
+    return megatron_core.async_request(run if writes else None, (), [fn for request in requests for fn in request.finalize_fns])
 
 
 class MegatronCheckpointManager(BaseCheckpointManager):
@@ -287,9 +289,10 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self.peft_cls = peft_cls
         self.async_save = bool(config_get(checkpoint_config, "async_save", False))
         self._check_bridge_for_hf_contents()
-        # Not persistent: each save forks its writer, whose copy-on-write image of this process is the
-        # snapshot of the tensors (on CPU megatron's "copy to host" returns the live tensors themselves).
-        self._async_queue = AsyncCallsQueue(persistent=False)
+        # Made at the first async save (megatron_core.async_calls_queue). Not persistent: each save forks its
+        # writer, whose copy-on-write image of this process is the snapshot of the tensors (on CPU megatron's
+        # "copy to host" returns the live tensors themselves).
+        self._async_queue = None
         self._pending: SaveReport | None = None
         self.last_save: SaveReport | None = None  # the latest save's report (public: tests and the benchmark read it)
         self._save_strategies: dict[str, tuple[tuple, TorchDistSaveShardedStrategy]] = {}
@@ -521,6 +524,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
 
     def _continue_in_background(self, save: SaveReport, request: AsyncRequest) -> SaveReport:
         """Fork the background part and give training back; ``finalize_async_save`` completes the save."""
+        if self._async_queue is None:
+            self._async_queue = megatron_core.async_calls_queue()
         self._timed("fork", self._async_queue.schedule_async_request, request)
         self._pending = save
         save.blocked_seconds = time.monotonic() - save.started
@@ -734,7 +739,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self._forked_saves += 1
         hf_group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if save.hf_weights_in_background else None
         job = functools.partial(self._save_in_fork, save, write_dist, hf_group)
-        return AsyncRequest(
+        return megatron_core.async_request(
             functools.partial(snapshot_save.run_and_record, save.local_path, self.rank, job, snapshot_save.forking_pid()),
             (),
             [functools.partial(self._finish_forked_save, save.local_path), *finalize_planned],

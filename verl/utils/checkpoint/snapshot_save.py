@@ -51,7 +51,8 @@ def write_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, state: dict, p
     is the parent's part: ``finish_dist_checkpoint``.
     """
     request = dist_checkpointing.save(
-        state, path, sharded_strategy=strategy, validate_access_integrity=False, async_sharded_save=True, content_metadata=content_metadata
+        state, path, sharded_strategy=strategy, validate_access_integrity=False, async_sharded_save=True, content_metadata=content_metadata,
+        **megatron_core.async_save_options(),
     )
     if request.async_fn is None:
         return []  # nothing of this checkpoint is written by this rank

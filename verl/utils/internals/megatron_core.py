@@ -1,52 +1,191 @@
-"""The private megatron-core internals this package touches, for megatron-core 0.16.1 only (``require_version``).
+"""The private megatron-core internals this package touches, each checked where first used (``Internal``).
 
-Three groups: the dist-checkpoint save plan cache and async request layout (the snapshot save plans and
-writes in a forked process), the distributed optimizer's state initialiser (a load into an optimizer that
-never stepped), and the module-level helpers the CPU runtime replaces. Contract: tests/test_internals_contract.py.
+Three groups: the dist-checkpoint save plan cache and async request layout (the background write and the
+snapshot save, which plans and writes in a forked process), the distributed optimizer's state initialiser
+(a load into an optimizer that never stepped), and the module-level helpers the CPU runtime replaces.
+megatron is imported only inside the functions, so a moved module fails the feature that needs it, not
+the import of verl. Where megatron-core releases differ (0.18: ``dist_checkpointing.save``'s
+``async_strategy``, upstream verl #8000; ``ModelType.encoder_and_decoder`` gone, #6927, which verl never
+reads), the function takes whichever exists. Contract: tests/test_internals_contract.py.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.tensor_parallel import mappings
-from megatron.core.tensor_parallel import random as mcore_random
-from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-from verl.utils.internals import require_version
+from verl.utils.internals import Internal, InternalsChangedError, warn_if_untested
 
-WRITTEN_FOR = "0.16.1"
-require_version("megatron-core", WRITTEN_FOR, __name__)
+if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+warn_if_untested("megatron-core")
+
+MC = "megatron-core"
+_ASYNC = "megatron.core.dist_checkpointing.strategies.async_utils"
+_WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync"
+_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch:TorchDistSaveShardedStrategy"
+_BACKGROUND = "checkpoint.async_save (the background write and the snapshot save)"
+_SNAPSHOT = "the snapshot save"
+_CPU = "the CPU runtime"
 
 # FileSystemWriterAsync.get_save_function_and_args: async_fn_args = [rank, write_buckets, results_queue]
 WRITE_BUCKETS_ARG = 1
 RESULTS_QUEUE_ARG = 2
 
+ASYNC_CALLS_QUEUE = Internal(MC, f"{_ASYNC}:AsyncCallsQueue", _BACKGROUND, params=("persistent",), exact=False)
+ASYNC_REQUEST = Internal(
+    MC, f"{_ASYNC}:AsyncRequest", _BACKGROUND, params=("async_fn", "async_fn_args", "finalize_fns"), exact=False
+)
+WRITER_WRITE = Internal(
+    MC,
+    f"{_WRITER}.write_preloaded_data_multiproc",
+    f"{_BACKGROUND}: async_fn_args by position",
+    params=("transform_list", "use_msc", "rank", "write_buckets", "global_results_queue"),
+)
+WRITER_FINISH = Internal(MC, f"{_WRITER}.finish", f"{_SNAPSHOT}'s .metadata", params=("self", "metadata", "results"))
+CHECKPOINTING_CONFIG = Internal(
+    MC,
+    "megatron.core.dist_checkpointing.core:CheckpointingConfig",
+    f"{_SNAPSHOT}'s metadata.json",
+    params=("sharded_backend", "sharded_backend_version"),
+    exact=False,
+)
+SAVE_CONFIG = Internal(
+    MC,
+    "megatron.core.dist_checkpointing.core:save_config",
+    f"{_SNAPSHOT}'s metadata.json",
+    params=("config", "checkpoint_dir"),
+)
+# Set on each strategy by its constructor (``cached_metadata=True``): read from the instance.
+PLAN_CACHE = tuple(
+    Internal(MC, f"{_STRATEGY}.{name}", _SNAPSHOT)
+    for name in ("validated_cache_reuse", "cached_central_plan", "cached_global_metadata", "backend", "version")
+)
+DUMMY_OPTIMIZER_STATE = Internal(
+    MC,
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values",
+    "a load into a distributed optimizer that never stepped",
+    params=("self",),
+)
+_RANDOM = "megatron.core.tensor_parallel.random"
+GET_CUDA_RNG_STATE = Internal(MC, f"{_RANDOM}:_get_cuda_rng_state", _CPU, params=("device", "clone", "graph_safe"))
+SET_CUDA_RNG_STATE = Internal(MC, f"{_RANDOM}:_set_cuda_rng_state", _CPU, params=("new_state", "device", "graph_safe"))
+_MAPPINGS = "megatron.core.tensor_parallel.mappings"
+GATHER_FIRST_DIM = Internal(
+    MC,
+    f"{_MAPPINGS}:_gather_along_first_dim",
+    _CPU,
+    params=("input_", "group", "output_split_sizes", "use_global_buffer"),
+)
+REDUCE_SCATTER_FIRST_DIM = Internal(
+    MC,
+    f"{_MAPPINGS}:_reduce_scatter_along_first_dim",
+    _CPU,
+    params=("input_", "group", "input_split_sizes", "use_global_buffer"),
+)
+SPLIT_SIZES_TO_HOST = tuple(
+    Internal(
+        MC,
+        f"megatron.core.transformer.moe.{module}:maybe_move_tensor_to_cpu",
+        _CPU,
+        params=("tensor", "as_numpy", "record_stream"),
+    )
+    for module in ("moe_utils", "token_dispatcher")
+)
+INTERNALS = (
+    ASYNC_CALLS_QUEUE,
+    ASYNC_REQUEST,
+    WRITER_WRITE,
+    WRITER_FINISH,
+    CHECKPOINTING_CONFIG,
+    SAVE_CONFIG,
+    DUMMY_OPTIMIZER_STATE,
+    GET_CUDA_RNG_STATE,
+    SET_CUDA_RNG_STATE,
+    GATHER_FIRST_DIM,
+    REDUCE_SCATTER_FIRST_DIM,
+    *SPLIT_SIZES_TO_HOST,
+)  # those read from a module; PLAN_CACHE is read from a strategy
+
+
+def _setattr(internal: Internal, value: Any) -> None:
+    """Replace a module-level internal (already checked) by ``value``."""
+    module_name, _, name = internal.path.partition(":")
+    setattr(importlib.import_module(module_name), name, value)
+
 
 # ---------------------------------------------------------------- dist checkpointing
+
+
+def async_calls_queue() -> AsyncCallsQueue:
+    """A non-persistent ``AsyncCallsQueue`` (each request forks its writer), made at a manager's first async save."""
+    return ASYNC_CALLS_QUEUE.get()(persistent=False)
+
+
+def async_request(async_fn: Callable | None, async_fn_args: tuple, finalize_fns: list[Callable]) -> AsyncRequest:
+    """megatron's ``AsyncRequest``: what the queue forks (``async_fn``) and then finalizes in the rank."""
+    return ASYNC_REQUEST.get()(async_fn, async_fn_args, finalize_fns)
+
+
+def async_save_options() -> dict[str, Any]:
+    """Extra keywords for an async ``dist_checkpointing.save``: ``async_strategy="mcore"`` where the installed
+    release has that parameter (megatron-core 0.18 defaults it to ``"nvrx"``, nvidia-resiliency-ext's writer:
+    upstream verl #8000), since the background write and the snapshot save read megatron's built-in request
+    layout; none where it is absent (0.16.1, whose only async writer is that one)."""
+    from megatron.core import dist_checkpointing
+
+    return (
+        {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters else {}
+    )
+
+
+def _checked_layout(request: AsyncRequest) -> None:
+    """The torch_dist request's ``async_fn`` takes (rank, write_buckets, results_queue) at the positions read."""
+    params = tuple(inspect.signature(request.async_fn).parameters)
+    if params[WRITE_BUCKETS_ARG : RESULTS_QUEUE_ARG + 1] != ("write_buckets", "global_results_queue"):
+        raise WRITER_WRITE.changed(
+            f"left the request's async_fn taking {params} (write_buckets, results queue by position)"
+        )
 
 
 def save_plan_is_reusable(strategy: TorchDistSaveShardedStrategy | None) -> bool:
     """Whether ``strategy`` plans its next save with no collective: ``validated_cache_reuse`` (the central
     plan was the same on two saves) and ``cached_central_plan``, set by ``cached_metadata=True``. Only then
-    can a forked process, which has no process group of the rank, plan alone."""
-    return strategy is not None and bool(strategy.validated_cache_reuse) and strategy.cached_central_plan is not None
+    can a forked process, which has no process group of the rank, plan alone.
+
+    Where the plan cache or the writer's layout the snapshot save reads is gone or changed, False with a
+    warning naming it: the manager then keeps the public path, megatron's own async save (planned in the
+    rank, written in the background)."""
+    if strategy is None:
+        return False
+    try:
+        for internal in PLAN_CACHE:
+            internal.get(strategy)
+        for internal in (WRITER_WRITE, WRITER_FINISH, CHECKPOINTING_CONFIG, SAVE_CONFIG):
+            internal.get()
+    except InternalsChangedError as exc:
+        warnings.warn(f"{exc} The snapshot save is off; async saves are planned in the rank.", stacklevel=2)
+        return False
+    return bool(strategy.validated_cache_reuse) and strategy.cached_central_plan is not None
 
 
 def write_buckets(request: AsyncRequest) -> list:
     """The write buckets (one per writer process) in a torch_dist request's ``async_fn_args``, by position."""
+    _checked_layout(request)
     return request.async_fn_args[WRITE_BUCKETS_ARG]
 
 
 def results_queue(request: AsyncRequest) -> Any:
     """The queue a torch_dist request's writers report their write results to (``async_fn_args``, by position)."""
+    _checked_layout(request)
     return request.async_fn_args[RESULTS_QUEUE_ARG]
 
 
@@ -55,6 +194,7 @@ def preloaded_args(request: AsyncRequest) -> tuple:
     megatron's own ``AsyncRequest.execute_sync`` does, for a caller that runs several requests in one process."""
     args = list(request.async_fn_args)
     if request.preload_fn is not None:
+        _checked_layout(request)
         args[WRITE_BUCKETS_ARG] = request.preload_fn()
     return tuple(args)
 
@@ -63,8 +203,13 @@ def write_checkpoint_metadata(strategy: TorchDistSaveShardedStrategy, path: str,
     """Rank 0: ``.metadata`` from the strategy's ``cached_global_metadata`` (the plan's global metadata) and
     every rank's write results, then ``metadata.json`` from its ``backend`` / ``version``: what megatron's
     finalize does after a gather over the default group, which a forked save's parent does instead."""
-    FileSystemWriterAsync(path).finish(strategy.cached_global_metadata, all_results)
-    save_config(CheckpointingConfig(strategy.backend, strategy.version), path)
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    WRITER_FINISH.get()
+    config_class, save_config = CHECKPOINTING_CONFIG.get(), SAVE_CONFIG.get()  # all checked before writing
+    metadata, backend, version = (PLAN_CACHE[i].get(strategy) for i in (2, 3, 4))
+    FileSystemWriterAsync(path).finish(metadata, all_results)
+    save_config(config_class(backend, version), path)
 
 
 # ---------------------------------------------------------------- optimizer
@@ -73,8 +218,8 @@ def write_checkpoint_metadata(strategy: TorchDistSaveShardedStrategy, path: str,
 def init_distributed_optimizer_state(optimizer: DistributedOptimizer) -> None:
     """``DistributedOptimizer._init_optimizer_states_with_dummy_values``: creates the Adam state its
     ``load_state_dict`` reads, which an optimizer that never stepped lacks (megatron calls it itself only on
-    its Megatron-FSDP load path)."""
-    optimizer._init_optimizer_states_with_dummy_values()
+    its Megatron-FSDP load path). No public path makes that state without stepping."""
+    DUMMY_OPTIMIZER_STATE.get(type(optimizer))(optimizer)
 
 
 # ---------------------------------------------------------------- the CPU runtime's replacements
@@ -83,14 +228,15 @@ def init_distributed_optimizer_state(optimizer: DistributedOptimizer) -> None:
 def replace_cuda_rng_state(get_state: Callable[[], torch.Tensor], set_state: Callable[[torch.Tensor], None]) -> None:
     """``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``: the RNG tracker forks and
     restores the CUDA generator through these module-level helpers, which patching ``torch.cuda`` misses."""
-    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: get_state()
-    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: set_state(new_state)
+    GET_CUDA_RNG_STATE.get(), SET_CUDA_RNG_STATE.get()
+    _setattr(GET_CUDA_RNG_STATE, lambda device="cuda", clone=False, graph_safe=False: get_state())
+    _setattr(SET_CUDA_RNG_STATE, lambda new_state, device=-1, graph_safe=False: set_state(new_state))
 
 
 def first_dim_collectives() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
     """``tensor_parallel.mappings._gather_along_first_dim`` and ``_reduce_scatter_along_first_dim`` as
     installed now: the MoE dispatcher's (possibly uneven) gather and reduce-scatter over a TP group."""
-    return mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    return GATHER_FIRST_DIM.get(), REDUCE_SCATTER_FIRST_DIM.get()
 
 
 def replace_first_dim_collectives(
@@ -98,19 +244,24 @@ def replace_first_dim_collectives(
 ) -> None:
     """Install replacements for the two ``first_dim_collectives`` (same parameters); the dispatcher calls
     them through the module, so the module attribute is the only place to reach them."""
-    mappings._gather_along_first_dim = gather
-    mappings._reduce_scatter_along_first_dim = reduce_scatter
+    first_dim_collectives()
+    _setattr(GATHER_FIRST_DIM, gather)
+    _setattr(REDUCE_SCATTER_FIRST_DIM, reduce_scatter)
 
 
 def replace_split_sizes_to_host(move: Callable[..., Any]) -> None:
     """``maybe_move_tensor_to_cpu`` as ``moe_utils`` and ``token_dispatcher`` (which imported it by name)
     see it: the alltoall dispatcher moves its split sizes to host numpy arrays only when they are CUDA tensors."""
-    moe_utils.maybe_move_tensor_to_cpu = move
-    token_dispatcher.maybe_move_tensor_to_cpu = move
+    for internal in SPLIT_SIZES_TO_HOST:
+        internal.get()
+    for internal in SPLIT_SIZES_TO_HOST:
+        _setattr(internal, move)
 
 
 def define_missing_te_general_gemm() -> None:
     """megatron-core 0.16.1 leaves ``moe_utils.te_general_gemm`` undefined without TransformerEngine, and
     routing reads it (NameError); None makes routing take its torch path (``if te_general_gemm is not None``)."""
+    from megatron.core.transformer.moe import moe_utils
+
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None

@@ -1,39 +1,77 @@
-"""The private torch internals this package touches, for torch 2.13.0 only (``require_version``).
+"""The private torch internals this package touches, each checked where first used (``Internal``).
 
-Each function names the internal it reads and why no public API serves. Contract: tests/test_internals_contract.py.
+Each function names the internal it reads, why no public API serves, and what happens where it is gone:
+a fallback through a public path, or an ``InternalsChangedError`` for that feature only.
+Contract: tests/test_internals_contract.py.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import torch.distributed as dist
 
-from verl.utils.internals import require_version
+from verl.utils.internals import Internal, InternalsChangedError, warn_if_untested
 
-WRITTEN_FOR = "2.13.0"
-require_version("torch", WRITTEN_FOR, __name__)
+warn_if_untested("torch")
+
+DYNAMO_DISABLE = Internal("torch", "torch._dynamo.config:disable", "the CPU runtime's switch-off of torch.compile")
+DEFAULT_STORE = Internal(
+    "torch", "torch.distributed.distributed_c10d:_get_default_store", "the forked processes' gloo group", params=()
+)
+STORAGE_CDATA = Internal("torch", "torch:UntypedStorage._cdata", "fix 1's offload (a storage's identity)")
+ALLOCATOR_SETTINGS = Internal(
+    "torch", "torch.cuda.memory:_set_allocator_settings", "set_expandable_segments (CUDA)", params=("env",)
+)
+INTERNALS = (DYNAMO_DISABLE, DEFAULT_STORE, STORAGE_CDATA, ALLOCATOR_SETTINGS)
 
 
 def disable_dynamo() -> None:
     """``torch._dynamo.config.disable = True``: megatron's ``jit_fuser`` is ``torch.compile``, and on a CPU
     host inductor spends minutes compiling C++ for kernels that run in microseconds eagerly; there is no
-    public switch that reaches decorators applied at megatron's import."""
+    public switch that reaches decorators applied at megatron's import. Where the switch is gone, a warning
+    names the public one read at start, ``TORCH_COMPILE_DISABLE=1`` (unless it is set): compiled kernels
+    are correct, only slow to build."""
+    try:
+        DYNAMO_DISABLE.get()
+    except InternalsChangedError as exc:
+        if os.environ.get("TORCH_COMPILE_DISABLE") != "1":
+            warnings.warn(f"{exc} torch.compile stays on; set TORCH_COMPILE_DISABLE=1 at start instead.", stacklevel=2)
+        return
     torch._dynamo.config.disable = True
 
 
-def default_store() -> dist.Store:
-    """``distributed_c10d._get_default_store()``: the store the default group met through, which a forked
-    process connects to again to form its own group (``rank_comm.ForkedRankComm``); torch has no public getter."""
-    return dist.distributed_c10d._get_default_store()
+def default_store_address() -> tuple[str, int] | None:
+    """(host, port) of the TCP store the default group met through, which a forked process connects to again
+    to form its own group (``rank_comm.ForkedRankComm``); None when it met through another kind of store.
+
+    Reads ``distributed_c10d._get_default_store()`` (torch has no public getter) and unwraps its
+    ``PrefixStore``s. Where that internal is gone or changed, falls back, with a warning, to the public
+    env:// rendezvous address ``MASTER_ADDR`` / ``MASTER_PORT`` (what torchrun, the Ray workers and
+    ``run_on_ranks`` set); None when they are unset."""
+    try:
+        store = DEFAULT_STORE.get()()
+    except InternalsChangedError as exc:
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            return None
+        warnings.warn(f"{exc} Using the env:// rendezvous address MASTER_ADDR:MASTER_PORT instead.", stacklevel=2)
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return (store.host, store.port) if isinstance(store, dist.TCPStore) else None
 
 
 def storage_id(tensor: torch.Tensor) -> int:
     """``untyped_storage()._cdata``: the identity of a tensor's storage, shared by all its views and stable
-    when the storage is resized to 0 and back (offload); ``data_ptr()`` changes on resize."""
-    return tensor.untyped_storage()._cdata
+    when the storage is resized to 0 and back (offload); the public ``data_ptr()`` changes on resize, so
+    there is no fallback: without it the offload raises ``InternalsChangedError``."""
+    return STORAGE_CDATA.get(tensor.untyped_storage())
 
 
 def set_allocator_expandable_segments(enable: bool) -> None:
     """``torch.cuda.memory._set_allocator_settings``: expandable segments on or off at run time (upstream
-    verl's ``set_expandable_segments``); the public ``PYTORCH_CUDA_ALLOC_CONF`` is read only at start."""
-    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enable}")
+    verl's ``set_expandable_segments``); the public ``PYTORCH_CUDA_ALLOC_CONF`` is read only at start, so
+    without the internal this raises ``InternalsChangedError``."""
+    ALLOCATOR_SETTINGS.get()(f"expandable_segments:{enable}")

@@ -2,7 +2,8 @@
 
 The checkpoint manager calls these two functions (and tests may patch them): one place decides
 the strategies. Beyond upstream's arguments the save takes a ``sharded_strategy`` the caller keeps
-across saves (megatron then reuses its validated save plan) and whether to validate access integrity.
+across saves (megatron then reuses its validated save plan) and whether to validate access integrity;
+an async save asks for megatron's built-in writer where the release offers others (``async_save_options``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+from verl.utils.internals import megatron_core
 
 
 def save_dist_checkpointing(
@@ -33,6 +36,7 @@ def save_dist_checkpointing(
         async_sharded_save=async_save,
         validate_access_integrity=validate_access_integrity,
         content_metadata=content_metadata,
+        **(megatron_core.async_save_options() if async_save else {}),
     )
 
 
