@@ -43,9 +43,6 @@ if [ "$DEVICE" = cpu ]; then
   FLAGS=(-S)
   SITE=":$WORK/site"
 fi
-# Until verl/utils/internals checks capabilities instead of versions: torch 2.11 and megatron-core 0.18 are not
-# the releases the adapters name, and the check is there to find out whether they work.
-export VERL_SKIP_INTERNALS_VERSION_CHECK=1
 # install TARGET WHEEL...: pip without an index; a python without pip gets the wheels unpacked, which is all pip
 # does with these (no scripts, no compiled steps).
 install() {
