@@ -16,6 +16,7 @@ import torch
 
 from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.names import INDEX_FILENAME
+from verl.utils.internals import transformers as transformers_internals
 
 
 class HFCheckpointIncompleteError(CheckpointError):
@@ -64,32 +65,12 @@ def expected_hf_tensors(hf_config) -> dict[str, tuple[int, ...]]:
 
     # Weight initialisation on the meta device computes nothing but still walks every module: ~90% of
     # the time for a MoE with hundreds of experts. Shapes do not depend on it.
-    with torch.device("meta"), _no_init_weights():
+    with torch.device("meta"), transformers_internals.no_init_weights():
         model = AutoModelForCausalLM.from_config(hf_config)
     state = model.state_dict()
     if getattr(hf_config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    return {name: tuple(t.shape) for name, t in _as_saved(model, state).items()}
-
-
-def _no_init_weights():
-    """transformers' context that skips weight initialisation (``transformers.initialization`` from 5.0,
-    ``transformers.modeling_utils`` before)."""
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:
-        from transformers.modeling_utils import no_init_weights
-    return no_init_weights()
-
-
-def _as_saved(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` under the names and shapes ``save_pretrained`` writes: transformers 5's
-    ``core_model_loading.revert_weight_conversion`` (what its save calls); 4.x converts nothing."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return state
-    return revert_weight_conversion(model, dict(state))
+    return {name: tuple(t.shape) for name, t in transformers_internals.as_saved(model, state).items()}
 
 
 def read_saved_tensors(path: str) -> tuple[dict[str, tuple[int, ...]], list[str]]:

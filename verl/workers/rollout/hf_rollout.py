@@ -13,6 +13,8 @@ from collections.abc import Iterable
 
 import torch
 
+from verl.utils.internals import transformers as transformers_internals
+
 
 @dataclasses.dataclass
 class RolloutSettings:
@@ -40,7 +42,10 @@ class InMemoryHFRollout:
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.module = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device).eval()
-        self._parameters = dict(self.module.named_parameters())
+        # Keyed by the names the actor exports (the HF files'): on transformers 5 a fused expert parameter is
+        # reached through per-expert views of it.
+        own = {name: param.detach() for name, param in self.module.named_parameters()}
+        self._parameters = transformers_internals.as_saved(self.module, own)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy ``(hf_name, tensor)`` pairs into the model; every parameter must arrive exactly once."""

@@ -1,0 +1,57 @@
+"""The names the HF files hold, on transformers 4.57 and 5.x alike (verl.utils.internals.transformers).
+
+transformers 5 keeps a MoE layer's experts fused in memory and writes them one tensor per expert; the HF
+export check and the rollout's in-memory weight sync must both work in the files' names on either release.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from verl.models.tiny import tiny_hf_config
+from verl.utils.checkpoint.hf_verify import expected_hf_tensors
+from verl.utils.internals import InternalsChangedError
+from verl.utils.internals import transformers as transformers_internals
+from verl.workers.rollout.hf_rollout import InMemoryHFRollout, RolloutSettings
+
+
+def _files(path: str) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def test_the_expected_tensors_are_the_ones_the_files_hold(tiny_moe_path):
+    files = _files(tiny_moe_path)
+    expected = expected_hf_tensors(tiny_hf_config("moe"))
+    assert expected == {name: tuple(t.shape) for name, t in files.items()}
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in expected
+
+
+def test_the_rollout_takes_the_files_tensors_and_runs_the_model_transformers_loads(tiny_moe_path):
+    from transformers import AutoModelForCausalLM
+
+    rollout = InMemoryHFRollout(tiny_hf_config("moe"), RolloutSettings(response_length=4), eos_token_id=2, pad_token_id=0)
+    files = _files(tiny_moe_path)
+    assert rollout.load_weights(files.items()) == len(files)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_moe_path, dtype=torch.float32).eval()
+    ours, theirs = rollout.module.state_dict(), reference.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    tokens = torch.randint(4, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the same weights; the attention kernel chosen may differ between the two builds
+        torch.testing.assert_close(rollout.module(tokens).logits, reference(tokens).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(not transformers_internals.converts_weights_on_save(), reason="transformers 4.x converts no weight names (the 4.57 leg)")
+def test_the_save_conversion_gone_fails_the_export_check_naming_it(monkeypatch):
+    import transformers.core_model_loading as core_model_loading
+
+    monkeypatch.delattr(core_model_loading, "revert_weight_conversion")
+    with pytest.raises(InternalsChangedError, match=r"transformers\.core_model_loading\.revert_weight_conversion is missing"):
+        expected_hf_tensors(tiny_hf_config("moe"))
