@@ -855,6 +855,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
 
     def _load_optimizer(self, local_path: str, model_state: dict, metadata: dict) -> None:
         path = _dist_dir(local_path, "optimizer")
+        built_bounds = [(group.get("max_lr"), group.get("min_lr")) for group in self.optimizer.param_groups]
         if self.use_distributed_optimizer:
             initialize_distributed_optimizer_state(self.optimizer)
         request = self._build_optimizer_state_dict(model_state, metadata, is_loading=True)
@@ -867,10 +868,44 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             restore_adam_steps(self.optimizer, loaded["optimizer"])
         else:
             self.optimizer.load_state_dict(optimizer_state_from_loaded(request["optimizer"], loaded["optimizer"]))
-        if self.use_checkpoint_opt_param_scheduler and self.lr_scheduler is not None:
+        if self.lr_scheduler is not None:
             if "lr_scheduler" not in loaded:
-                raise CheckpointError(f"{path} holds no lr_scheduler state")
-            self.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
+                raise CheckpointError(
+                    f"{path} holds no lr_scheduler state, so a resume would restart the LR schedule; resume from a "
+                    "step saved with a scheduler, or leave 'optimizer' out of checkpoint.load_contents"
+                )
+            self._load_lr_scheduler(loaded["lr_scheduler"], built_bounds)
+
+    def _load_lr_scheduler(self, state: dict, built_bounds: list[tuple]) -> None:
+        """Restore the schedule's position on every load (upstream loads it only with
+        ``use_checkpoint_opt_param_scheduler``, so a resume restarts warmup and decay: verl #7953).
+
+        The flag keeps upstream's meaning, megatron's: True takes the schedule's settings (max/min LR, warmup,
+        decay steps and style, weight-decay increment) from the checkpoint, False keeps this run's (the config's).
+        megatron 0.16 reads max/min LR from each parameter group (``built_bounds``: as this run's optimizer was
+        built; the optimizer's load may have replaced them with the saved groups'), so they follow the same choice:
+        a group at this run's scheduler bounds gets the chosen ones, a group of its own (a decoupled LR) keeps
+        this run's. megatron's ``load_state_dict`` adds the saved step count to the scheduler's own, so it is reset
+        first: a load sets the position, also into a scheduler that already stepped."""
+        scheduler = self.lr_scheduler
+        if not hasattr(scheduler, "override_opt_param_scheduler"):  # not megatron's: its own load_state_dict
+            scheduler.load_state_dict(state)
+            return
+        flags = (scheduler.use_checkpoint_opt_param_scheduler, scheduler.override_opt_param_scheduler)
+        configured = (scheduler.max_lr, scheduler.min_lr)
+        from_checkpoint = self.use_checkpoint_opt_param_scheduler
+        scheduler.use_checkpoint_opt_param_scheduler, scheduler.override_opt_param_scheduler = from_checkpoint, not from_checkpoint
+        scheduler.num_steps = 0
+        try:
+            scheduler.load_state_dict(state)
+        finally:
+            scheduler.use_checkpoint_opt_param_scheduler, scheduler.override_opt_param_scheduler = flags
+        chosen = (scheduler.max_lr, scheduler.min_lr)
+        for group, bounds in zip(self.optimizer.param_groups, built_bounds, strict=True):
+            for key, built, run_value, value in zip(("max_lr", "min_lr"), bounds, configured, chosen, strict=True):
+                if built is not None:
+                    group[key] = value if built == run_value else built
+        scheduler.step(increment=0)  # the groups' LR and weight decay at the restored position
 
     def _load_extra(self, local_path: str) -> None:
         """Each rank's own RNG streams when the step is ours and of this exact layout; upstream's per-(PP, TP)
