@@ -84,3 +84,24 @@ def test_the_schedule_resumes_mid_warmup_and_mid_decay_whatever_the_flag(tiny_de
     # False: this config's settings, at the checkpoint's position (not from step 0)
     lrs, max_lr = report["from_checkpoint=False"]
     assert (lrs, max_lr) == (report["changed_schedule"][4:], 2e-3)
+
+
+UPSTREAM_STEP = os.path.join(os.path.dirname(__file__), "fixtures", "verl091", "tp1_pp1_ep1", "global_step_2")
+
+
+def test_a_resume_that_changes_the_schedule_length_is_warned_about_naming_both_keys():
+    from verl.trainer.validation import schedule_length_warning
+
+    # verl 0.9.1 saved this step from a 10-step cosine schedule with lr_decay_steps unset
+    def optim(**changes) -> McoreOptimizerConfig:
+        return McoreOptimizerConfig(**{"lr": 1e-2, "lr_decay_style": "cosine", "total_training_steps": 10, **changes})
+
+    assert schedule_length_warning(UPSTREAM_STEP, optim()) is None  # the same length
+    warning = schedule_length_warning(UPSTREAM_STEP, optim(total_training_steps=20))
+    assert "\n" not in warning
+    assert "trainer.total_training_steps=20" in warning and "actor_rollout_ref.actor.optim.lr_decay_steps unset" in warning
+    assert warning.endswith("set actor_rollout_ref.actor.optim.lr_decay_steps=10 to keep the saved schedule")
+    assert "weight-decay" in schedule_length_warning(UPSTREAM_STEP, optim(total_training_steps=20, weight_decay_incr_style="linear"))
+    assert schedule_length_warning(UPSTREAM_STEP, optim(total_training_steps=20, lr_decay_steps=10)) is None  # pinned
+    # the checkpoint's settings are taken: the saved 10-step decay goes on whatever the step count
+    assert schedule_length_warning(UPSTREAM_STEP, optim(total_training_steps=20, use_checkpoint_opt_param_scheduler=True)) is None

@@ -572,6 +572,33 @@ def find_resume_step(config: Any, model_path: str | None = None) -> tuple[int, s
     return step, step_dir
 
 
+def schedule_length_warning(step_dir: str, optim: Any) -> str | None:
+    """One line when resuming ``step_dir`` would change the LR schedule's length unasked, else None.
+
+    With ``optim.lr_decay_steps`` unset the decay runs over ``trainer.total_training_steps`` (the weight-decay
+    increment always does), and a resume keeps this run's settings (``use_checkpoint_opt_param_scheduler`` False):
+    a resume that raises the step count stretches the rest of the schedule. The saved scheduler's own
+    ``lr_decay_steps`` (upstream's too) is the length the interrupted run had. ``optim`` is the typed config,
+    its ``total_training_steps`` filled in."""
+    if optim.lr_decay_steps is not None or optim.use_checkpoint_opt_param_scheduler:
+        return None
+    path = os.path.join(step_dir, "actor", "optimizer", "dist_ckpt")
+    if not os.path.isfile(os.path.join(path, "common.pt")):
+        return None
+    from megatron.core import dist_checkpointing
+
+    saved = dist_checkpointing.load_common_state_dict(path).get("lr_scheduler") or {}
+    before, now = saved.get("lr_decay_steps"), int(optim.total_training_steps)
+    if before is None or int(before) == now:
+        return None
+    also = " and the weight-decay increment" if optim.weight_decay_incr_style != "constant" else ""
+    return (
+        f"resuming {step_dir}, whose LR schedule decays over {before} steps, with trainer.total_training_steps={now} "
+        f"and {_ACTOR}.optim.lr_decay_steps unset: the LR decay{also} from here on runs over {now} steps; "
+        f"set {_ACTOR}.optim.lr_decay_steps={before} to keep the saved schedule"
+    )
+
+
 def model_identity(model_path: str) -> tuple[Any, Any]:
     """(TransformerConfig, HF config) of ``model_path`` for the pre-start identity check of a resumed step, or
     (None, None) when it cannot be built here (the ranks then make the check after they start, as before).
