@@ -105,3 +105,6 @@ def test_a_resume_that_changes_the_schedule_length_is_warned_about_naming_both_k
     assert schedule_length_warning(UPSTREAM_STEP, optim(total_training_steps=20, lr_decay_steps=10)) is None  # pinned
     # the checkpoint's settings are taken: the saved 10-step decay goes on whatever the step count
     assert schedule_length_warning(UPSTREAM_STEP, optim(total_training_steps=20, use_checkpoint_opt_param_scheduler=True)) is None
+    # a constant schedule with a fixed warmup has no length; a warmup given as a ratio of it has
+    assert schedule_length_warning(UPSTREAM_STEP, optim(total_training_steps=20, lr_decay_style="constant", lr_warmup_steps=1)) is None
+    assert schedule_length_warning(UPSTREAM_STEP, optim(total_training_steps=20, lr_decay_style="constant", lr_warmup_steps_ratio=0.1))

@@ -577,11 +577,15 @@ def schedule_length_warning(step_dir: str, optim: Any) -> str | None:
 
     With ``optim.lr_decay_steps`` unset the decay runs over ``trainer.total_training_steps`` (the weight-decay
     increment always does), and a resume keeps this run's settings (``use_checkpoint_opt_param_scheduler`` False):
-    a resume that raises the step count stretches the rest of the schedule. The saved scheduler's own
+    a resume that changes the step count stretches or shrinks the rest of the schedule (a constant one, with a
+    fixed warmup, has no length). The saved scheduler's own
     ``lr_decay_steps`` (upstream's too) is the length the interrupted run had. ``optim`` is the typed config,
     its ``total_training_steps`` filled in."""
     if optim.lr_decay_steps is not None or optim.use_checkpoint_opt_param_scheduler:
         return None
+    warmup_from_ratio = optim.lr_warmup_steps_ratio and (optim.lr_warmup_steps is None or optim.lr_warmup_steps <= 0)
+    if optim.lr_decay_style == "constant" and optim.weight_decay_incr_style == "constant" and not warmup_from_ratio:
+        return None  # nothing of the schedule depends on its length
     path = os.path.join(step_dir, "actor", "optimizer", "dist_ckpt")
     if not os.path.isfile(os.path.join(path, "common.pt")):
         return None
