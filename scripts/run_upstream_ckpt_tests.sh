@@ -71,7 +71,8 @@ PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprov
   --rootdir="$WORK" -W ignore::UserWarning -W ignore::DeprecationWarning -W ignore::FutureWarning \
   --continue-on-collection-errors "${DESELECT_ARGS[@]}" \
   tests/utils/ckpt/test_megatron_checkpoint_manager_on_cpu.py \
-  tests/utils/ckpt/test_checkpoint_cleanup_on_cpu.py "$@"
+  tests/utils/ckpt/test_checkpoint_cleanup_on_cpu.py \
+  tests/utils/ckpt/test_esi_save_ckpt_on_cpu.py "$@"
 status=$?
 set -e
 exit "$status"

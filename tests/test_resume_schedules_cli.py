@@ -118,3 +118,31 @@ def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path
     assert [name for name in expected if not expected[name].equal(actual[name])] == []
     manifest = json.loads((stopped_dir / f"global_step_{STEPS}" / "actor" / "manifest.json").read_text())
     assert manifest["parallel"]["world_size"] == int(LAYOUTS[layout][0].rsplit("=", 1)[1])
+
+
+def test_a_near_capacity_block_end_saves_outside_save_freq(tmp_path, env, tiny_moe_path):  # noqa: F811
+    """Upstream's ESI rule through the trainer: with the block's end (MLP's variable) nearer than the longest step
+    + 60 s + trainer.esi_redundant_time, every step from the second on is saved (the first has no step duration
+    yet), although save_freq would save only the last."""
+    ckpt = tmp_path / "ckpt"
+    command = [
+        f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={ckpt}", *LAYOUTS["1_rank"],
+        f"{MEGATRON}tensor_model_parallel_size=1", f"{MEGATRON}pipeline_model_parallel_size=1",
+        "trainer.total_training_steps=3", "trainer.save_freq=100", "trainer.esi_redundant_time=100000",
+    ]  # fmt: skip
+    end = {"MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP": str(time.time() + 50000)}
+    code, out = _run(command, tmp_path, {**env, **end})
+    assert code == 0, out[-6000:]
+    assert [m["step"] for m in _metrics(ckpt) if "checkpoint" in m] == [2, 3]
+    assert "[trainer] saving step 2 outside save_freq: the capacity block ends within the next step and a save" in out
+    assert (ckpt / TRACKER).read_text() == "3"
+
+
+def test_a_negative_esi_slack_is_refused_naming_the_key(tiny_moe_path):
+    from hydra import compose, initialize_config_dir
+
+    from verl.trainer.validation import check_config
+
+    with initialize_config_dir(config_dir=str(REPO / "verl" / "trainer" / "config"), version_base=None):
+        config = compose(config_name="ppo_megatron_trainer", overrides=["trainer.esi_redundant_time=-5"])
+    assert "trainer.esi_redundant_time=-5 must be >= 0 (seconds); set trainer.esi_redundant_time=0" in check_config(config, tiny_moe_path)

@@ -105,7 +105,7 @@ _OPTIONAL_INT_KEYS = (
     f"{_REF}.log_prob_micro_batch_size_per_gpu", f"{_REF}.log_prob_max_token_len_per_gpu",
 )  # fmt: skip
 _FLOAT_KEYS = (
-    "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p", f"{_ACTOR}.clip_ratio",
+    "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p", f"{_ACTOR}.clip_ratio", "trainer.esi_redundant_time",
     f"{_ACTOR}.clip_ratio_c", f"{_ACTOR}.entropy_coeff", f"{_ACTOR}.kl_loss_coef",
 )  # fmt: skip
 _OPTIONAL_FLOAT_KEYS = (f"{_ACTOR}.clip_ratio_low", f"{_ACTOR}.clip_ratio_high")
@@ -176,6 +176,8 @@ def _check_trainer(config: Any) -> list[str]:
         problems.append("trainer.val_only=True needs data.val_files")
     if trainer.device not in DEVICES:
         problems.append(f"trainer.device={trainer.device} is not one of {list(DEVICES)}; set trainer.device=auto")
+    if trainer.esi_redundant_time < 0:
+        problems.append(f"trainer.esi_redundant_time={trainer.esi_redundant_time} must be >= 0 (seconds); set trainer.esi_redundant_time=0")
     keep = trainer.max_actor_ckpt_to_keep
     if keep is not None and not _positive_int(keep):
         problems.append(f"trainer.max_actor_ckpt_to_keep={keep} must be null (keep all) or >= 1")

@@ -868,12 +868,10 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             restore_adam_steps(self.optimizer, loaded["optimizer"])
         else:
             self.optimizer.load_state_dict(optimizer_state_from_loaded(request["optimizer"], loaded["optimizer"]))
-        if self.lr_scheduler is not None:
-            if "lr_scheduler" not in loaded:
-                raise CheckpointError(
-                    f"{path} holds no lr_scheduler state, so a resume would restart the LR schedule; resume from a "
-                    "step saved with a scheduler, or leave 'optimizer' out of checkpoint.load_contents"
-                )
+        if self.lr_scheduler is not None and "lr_scheduler" not in loaded:  # saved without a scheduler
+            if self.rank == 0:
+                warnings.warn(f"{path} holds no lr_scheduler state: the LR schedule starts again from its first step", stacklevel=2)
+        elif self.lr_scheduler is not None:
             self._load_lr_scheduler(loaded["lr_scheduler"], built_bounds)
 
     def _load_lr_scheduler(self, state: dict, built_bounds: list[tuple]) -> None:
