@@ -519,6 +519,21 @@ def check_model_build(model_path: str, config: Any) -> list[str]:
         return exc.problems
     except FileNotFoundError as exc:
         return [str(exc)]
+    return _check_mbridge_config(model_path, config)
+
+
+def _check_mbridge_config(model_path: str, config: Any) -> list[str]:
+    """``checkpoint.mbridge_config``: every entry must be an argument of the HF save of the bridge this model gets."""
+    from verl.models.mcore.mbridge import bridge_class_for, save_weights_kwargs
+
+    entries = OmegaConf.to_container(config.actor_rollout_ref.actor.checkpoint.mbridge_config or {}, resolve=True)
+    if not entries:
+        return []
+    save_weights = bridge_class_for(read_model_config(model_path)["model_type"]).save_weights
+    try:
+        save_weights_kwargs(save_weights, entries, key=f"{_CHECKPOINT}mbridge_config")
+    except ValueError as exc:
+        return [str(exc)]
     return []
 
 

@@ -51,6 +51,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
+from verl.models.mcore.mbridge import save_weights_kwargs
 from verl.utils.checkpoint import finite, sealing, snapshot_save
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get
 from verl.utils.checkpoint.commit import current_parallel_layout
@@ -233,7 +234,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     as HF weights through ``bridge`` (any object with mbridge's ``save_weights`` / ``load_weights``), True as
     Megatron shards under ``model/dist_ckpt``; ``hf_model`` adds the HF export to the latter. Optimizer, LR
     scheduler and RNG always go through dist checkpoints. ``checkpoint_config`` keys: ``save_contents``,
-    ``load_contents``, ``async_save`` (see ``finalize_async_save``).
+    ``load_contents``, ``async_save`` (see ``finalize_async_save``), ``mbridge_config`` (keyword arguments of the
+    bridge's ``save_weights``).
     """
 
     def __init__(
@@ -287,6 +289,9 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self.peft_cls = peft_cls
         self.async_save = bool(config_get(checkpoint_config, "async_save", False))
         self._check_bridge_for_hf_contents()
+        mbridge_config = config_get(checkpoint_config, "mbridge_config", None) or {}
+        # the keyword arguments of every HF weight save (ValueError naming an entry the bridge does not take)
+        self.bridge_save_kwargs = save_weights_kwargs(bridge.save_weights, mbridge_config) if bridge is not None else {}
         # Not persistent: each save forks its writer, whose copy-on-write image of this process is the
         # snapshot of the tensors (on CPU megatron's "copy to host" returns the live tensors themselves).
         self._async_queue = AsyncCallsQueue(persistent=False)
@@ -651,7 +656,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
 
     def _save_model_as_hf_via_bridge(self, hf_ckpt_path: str) -> None:
         """Every rank: the bridge writes the HF weights (safetensors + index) into ``hf_ckpt_path``."""
-        self.bridge.save_weights(self.model, hf_ckpt_path)
+        self.bridge.save_weights(self.model, hf_ckpt_path, **self.bridge_save_kwargs)
         torch.distributed.barrier()
 
     def _save_transformer_config(self, local_path: str) -> None:
@@ -752,7 +757,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if comm is not None:
             self._save_hf_config_and_tokenizer(save.local_path)
             comm.barrier()
-            self.bridge.save_weights(self.model, get_hf_model_checkpoint_path(save.local_path), comm=comm)
+            self.bridge.save_weights(self.model, get_hf_model_checkpoint_path(save.local_path), comm=comm, **self.bridge_save_kwargs)
         return outcome
 
     def _plan_and_write_in_fork(self, local_path: str, extra_state: dict) -> dict:
