@@ -526,9 +526,10 @@ def _check_mbridge_config(model_path: str, config: Any) -> list[str]:
     """``checkpoint.mbridge_config``: every entry must be an argument of the HF save of the bridge this model gets."""
     from verl.models.mcore.mbridge import bridge_class_for, save_weights_kwargs
 
-    entries = OmegaConf.to_container(config.actor_rollout_ref.actor.checkpoint.mbridge_config or {}, resolve=True)
-    if not entries:
+    node = OmegaConf.select(config, f"{_CHECKPOINT}mbridge_config")
+    if not node:
         return []
+    entries = OmegaConf.to_container(node, resolve=True)
     save_weights = bridge_class_for(read_model_config(model_path)["model_type"]).save_weights
     try:
         save_weights_kwargs(save_weights, entries, key=f"{_CHECKPOINT}mbridge_config")
