@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 CKPT_FILES = (
     "tests/utils/ckpt/test_megatron_checkpoint_manager_on_cpu.py",
     "tests/utils/ckpt/test_checkpoint_cleanup_on_cpu.py",
+    "tests/utils/ckpt/test_esi_save_ckpt_on_cpu.py",  # issue 23: should_save_ckpt_esi
 )
 # Drawn 2026-12-01 at PINNED_COMMIT and frozen: removing or renaming a name here does not shrink it.
 CPU_FILES = (

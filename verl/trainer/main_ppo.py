@@ -39,6 +39,7 @@ from verl.trainer.validation import (
     find_resume_step,
     ignored_settings,
     parallel_sizes,
+    schedule_length_warning,
     world_size,
 )
 from verl.utils.checkpoint.dir_lock import DirLock, DirLockError
@@ -211,6 +212,10 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
             flush=True,
         )
         return
+    if plan.resume:
+        warning = schedule_length_warning(plan.resume[1], plan.actor_configs.optim)
+        if warning:
+            print(f"[main_ppo] warning: {warning}", flush=True)
     import ray
 
     from verl.single_controller.ray import WorkerGroupError

@@ -106,7 +106,7 @@ _OPTIONAL_INT_KEYS = (
     f"{_REF}.log_prob_micro_batch_size_per_gpu", f"{_REF}.log_prob_max_token_len_per_gpu",
 )  # fmt: skip
 _FLOAT_KEYS = (
-    "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p", f"{_ACTOR}.clip_ratio",
+    "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p", f"{_ACTOR}.clip_ratio", "trainer.esi_redundant_time",
     f"{_ACTOR}.clip_ratio_c", f"{_ACTOR}.entropy_coeff", f"{_ACTOR}.kl_loss_coef",
 )  # fmt: skip
 _OPTIONAL_FLOAT_KEYS = (f"{_ACTOR}.clip_ratio_low", f"{_ACTOR}.clip_ratio_high")
@@ -177,6 +177,8 @@ def _check_trainer(config: Any) -> list[str]:
         problems.append("trainer.val_only=True needs data.val_files")
     if trainer.device not in DEVICES:
         problems.append(f"trainer.device={trainer.device} is not one of {list(DEVICES)}; set trainer.device=auto")
+    if trainer.esi_redundant_time < 0:
+        problems.append(f"trainer.esi_redundant_time={trainer.esi_redundant_time} must be >= 0 (seconds); set trainer.esi_redundant_time=0")
     keep = trainer.max_actor_ckpt_to_keep
     if keep is not None and not _positive_int(keep):
         problems.append(f"trainer.max_actor_ckpt_to_keep={keep} must be null (keep all) or >= 1")
@@ -518,6 +520,22 @@ def check_model_build(model_path: str, config: Any) -> list[str]:
         return exc.problems
     except FileNotFoundError as exc:
         return [str(exc)]
+    return _check_mbridge_config(model_path, config)
+
+
+def _check_mbridge_config(model_path: str, config: Any) -> list[str]:
+    """``checkpoint.mbridge_config``: every entry must be an argument of the HF save of the bridge this model gets."""
+    from verl.models.mcore.mbridge import bridge_class_for, save_weights_kwargs
+
+    node = OmegaConf.select(config, f"{_CHECKPOINT}mbridge_config")
+    if not node:
+        return []
+    entries = OmegaConf.to_container(node, resolve=True)
+    save_weights = bridge_class_for(read_model_config(model_path)["model_type"]).save_weights
+    try:
+        save_weights_kwargs(save_weights, entries, key=f"{_CHECKPOINT}mbridge_config")
+    except ValueError as exc:
+        return [str(exc)]
     return []
 
 
@@ -587,6 +605,37 @@ def _data_state_problems(step_dir: str) -> list[str]:
     if damaged is None:
         return []
     return [f"{path} is damaged (truncated or changed since the save: {damaged}); restore it, or resume an earlier step with trainer.resume_mode=resume_path trainer.resume_from_path=<its global_step_N>"]
+
+
+def schedule_length_warning(step_dir: str, optim: Any) -> str | None:
+    """One line when resuming ``step_dir`` would change the LR schedule's length unasked, else None.
+
+    With ``optim.lr_decay_steps`` unset the decay runs over ``trainer.total_training_steps`` (the weight-decay
+    increment always does), and a resume keeps this run's settings (``use_checkpoint_opt_param_scheduler`` False):
+    a resume that changes the step count stretches or shrinks the rest of the schedule (a constant one, with a
+    fixed warmup, has no length). The saved scheduler's own
+    ``lr_decay_steps`` (upstream's too) is the length the interrupted run had. ``optim`` is the typed config,
+    its ``total_training_steps`` filled in."""
+    if optim.lr_decay_steps is not None or optim.use_checkpoint_opt_param_scheduler:
+        return None
+    warmup_from_ratio = optim.lr_warmup_steps_ratio and (optim.lr_warmup_steps is None or optim.lr_warmup_steps <= 0)
+    if optim.lr_decay_style == "constant" and optim.weight_decay_incr_style == "constant" and not warmup_from_ratio:
+        return None  # nothing of the schedule depends on its length
+    path = os.path.join(step_dir, "actor", "optimizer", "dist_ckpt")
+    if not os.path.isfile(os.path.join(path, "common.pt")):
+        return None
+    from megatron.core import dist_checkpointing
+
+    saved = dist_checkpointing.load_common_state_dict(path).get("lr_scheduler") or {}
+    before, now = saved.get("lr_decay_steps"), int(optim.total_training_steps)
+    if before is None or int(before) == now:
+        return None
+    also = " and the weight-decay increment" if optim.weight_decay_incr_style != "constant" else ""
+    return (
+        f"resuming {step_dir}, whose LR schedule decays over {before} steps, with trainer.total_training_steps={now} "
+        f"and {_ACTOR}.optim.lr_decay_steps unset: the LR decay{also} from here on runs over {now} steps; "
+        f"set {_ACTOR}.optim.lr_decay_steps={before} to keep the saved schedule"
+    )
 
 
 def model_identity(model_path: str) -> tuple[Any, Any]:

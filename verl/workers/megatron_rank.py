@@ -60,9 +60,10 @@ class ActorSettings:
             "async_save": self.async_save,
         }
 
-    def restores_lr_scheduler(self) -> bool:
-        """Upstream's ``optim.use_checkpoint_opt_param_scheduler`` (default False) when the typed config is
-        given; the plain settings always restore it."""
+    def schedule_from_checkpoint(self) -> bool:
+        """Where a load takes the LR schedule's settings from (its position is always restored): upstream's
+        ``optim.use_checkpoint_opt_param_scheduler`` (default False: this config) when the typed config is
+        given; the plain settings' schedule is the checkpoint's, as their scheduler is built."""
         return bool(self.optim.use_checkpoint_opt_param_scheduler) if self.optim is not None else True
 
 
@@ -95,7 +96,7 @@ class MegatronActor:
             optimizer=self.optimizer,
             optimizer_scheduler=self.scheduler,
             use_distributed_optimizer=settings.use_distributed_optimizer,
-            use_checkpoint_opt_param_scheduler=settings.restores_lr_scheduler(),
+            use_checkpoint_opt_param_scheduler=settings.schedule_from_checkpoint(),
             use_dist_checkpointing=settings.use_dist_checkpointing,
             bridge=wrap_bridge(self.bridge) if wrap_bridge is not None else self.bridge,
         )

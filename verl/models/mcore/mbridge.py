@@ -8,7 +8,10 @@ through ``local_spec.local_name_to_te_name``, so the same load/save/export code 
 from __future__ import annotations
 
 import copy
+import inspect
 import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from mbridge.core.bridge import Bridge
@@ -206,6 +209,27 @@ class _LocalSpecBridgeMixin:
         super().save_weights(models, weights_path, memory_efficient=memory_efficient)
 
 
+# The HF save's own arguments: the caller passes them, ``checkpoint.mbridge_config`` never does.
+_SAVE_OWN_ARGUMENTS = ("self", "models", "weights_path", "comm")
+
+
+def save_weights_kwargs(save_weights: Callable, mbridge_config: Mapping, key: str = "checkpoint.mbridge_config") -> dict[str, Any]:
+    """The keyword arguments ``checkpoint.mbridge_config`` gives ``save_weights`` (upstream passes the entries the
+    bridge's save takes by name). An entry it does not take is refused (upstream drops it silently, so a misspelt
+    or another bridge's option would vanish): ValueError naming ``key.<entry>`` and what the save takes."""
+    parameters = inspect.signature(save_weights).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(mbridge_config)
+    takes = [name for name in parameters if name not in _SAVE_OWN_ARGUMENTS]
+    unknown = [name for name in mbridge_config if name not in takes]
+    if unknown:
+        raise ValueError(
+            f"{key}.{unknown[0]}: the bridge's HF save (mbridge's save_weights) takes no such argument"
+            + (f" (it takes: {', '.join(takes)})" if takes else " (it takes none)") + f"; remove {key}.{unknown[0]}"
+        )
+    return dict(mbridge_config)
+
+
 _CLASSES: dict[tuple[type, bool], type] = {}
 
 
@@ -231,7 +255,11 @@ def make_bridge(
     gets a copy of the config with a missing ``head_dim`` filled in; ``hf_config`` is not changed.
     """
     check_hf_config_supported(hf_config)
+    return bridge_class_for(hf_config.model_type, use_local_spec)(_bridge_view_of(hf_config), dtype=dtype)
+
+
+def bridge_class_for(model_type: str, use_local_spec: bool | None = None) -> type:
+    """The bridge class ``make_bridge`` builds for an HF ``model_type`` (readable before any parallel state)."""
     if use_local_spec is None:
         use_local_spec = not transformer_engine_available()
-    bridge_cls = _bridge_class(mbridge_internals.bridge_class(hf_config.model_type), use_local_spec)
-    return bridge_cls(_bridge_view_of(hf_config), dtype=dtype)
+    return _bridge_class(mbridge_internals.bridge_class(model_type), use_local_spec)

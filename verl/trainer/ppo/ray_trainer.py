@@ -17,7 +17,8 @@ One step (``MegatronGRPOTrainer.fit``):
    reference policy, a second Megatron model on the same ranks holding the initial weights;
 5. ``update_actor``: the PPO-clip loss (plus ``kl_loss_coef`` x the KL to the reference, minus
    ``entropy_coeff`` x the entropy) through Megatron's pipeline, optimizer step;
-6. every ``trainer.save_freq`` steps (and at the last) the workers save ``global_step_N/actor``; the
+6. every ``trainer.save_freq`` steps, at the last, and (as upstream) once a capacity block's end is nearer than the
+   longest step so far + 60 s + ``trainer.esi_redundant_time`` (``should_save_ckpt_esi``), the workers save ``global_step_N/actor``; the
    driver writes ``global_step_N/data.pt`` (the prompt sampler's position), checks the step on disk and
    only then writes ``latest_checkpointed_iteration.txt``. A crash before that leaves the previous step tracked.
    With ``checkpoint.async_save`` training goes on while the ranks write the dist checkpoint; after every
@@ -44,7 +45,7 @@ from omegaconf import OmegaConf
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.trainer.ppo.log_prob_parity import check_log_prob_parity, log_prob_gaps, max_log_prob_diff
-from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
+from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, should_save_ckpt_esi
 from verl.utils.checkpoint.names import STEP_DIR_FORMAT
 from verl.utils.dataset.arithmetic import PromptSampler
 from verl.utils.dataset.rl_dataset import left_pad, left_pad_attention_mask
@@ -180,9 +181,11 @@ class MegatronGRPOTrainer:
             # On a terminal; in logs (CI, ray job logs) the per-step lines below say the same.
             disable="console" not in self.loggers or not sys.stderr.isatty(), dynamic_ncols=True,
         )  # fmt: skip
+        longest_step = 0.0  # upstream's max_steps_duration: how long one more step may take, for the ESI deadline
         try:
             for step in range(self.global_steps + 1, self.total_training_steps + 1):
                 self.global_steps = step
+                step_start = time.monotonic()
                 metrics = self._train_step(step)
                 committed = self._finalize_pending(bar, blocking=False)
                 if committed:
@@ -195,7 +198,10 @@ class MegatronGRPOTrainer:
                     metrics["timing_s/testing"] = round(time.monotonic() - start, 3)
                     if "console" in self.loggers:
                         bar.write(_val_line(step, val_metrics))
-                if self.save_freq > 0 and (step >= self.total_training_steps or step % self.save_freq == 0):
+                deadline_near = should_save_ckpt_esi(longest_step, redundant_time=float(trainer.esi_redundant_time))
+                if self.save_freq > 0 and (step >= self.total_training_steps or step % self.save_freq == 0 or deadline_near):
+                    if deadline_near and "console" in self.loggers:
+                        bar.write(f"[trainer] saving step {step} outside save_freq: the capacity block ends within the next step and a save")
                     start = time.monotonic()
                     metrics["checkpoint"] = self._save_checkpoint(bar)
                     metrics["timing_s/save_checkpoint"] = round(time.monotonic() - start, 3)
@@ -207,6 +213,7 @@ class MegatronGRPOTrainer:
                 bar.update(1)
                 if "console" in self.loggers:
                     bar.write(_step_line(metrics, self.total_training_steps))
+                longest_step = max(longest_step, time.monotonic() - step_start)
             self._finalize_pending(bar, blocking=True)  # the last save is committed before the run ends
         finally:
             bar.close()

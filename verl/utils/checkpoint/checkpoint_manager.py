@@ -6,6 +6,7 @@ import contextlib
 import os
 import random
 import shutil
+import time
 import warnings
 from typing import Any
 
@@ -179,6 +180,36 @@ def get_checkpoint_tracker_filename(root_path: str) -> str:
 
 
 MAX_STEP_DIGITS = 18  # any step a run reaches; fits an int64
+# Where a capacity block's end is announced (seconds since the epoch): Volcano Engine's MLP and AWS SageMaker.
+ESI_EXPIRATION_ENV_MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
+ESI_EXPIRATION_ENV_AWS = "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
+
+
+def should_save_ckpt_esi(max_steps_duration: float, save_ckpt_duration: float = 60, redundant_time: float = 0) -> bool:
+    """Whether the machines' reservation (an elastic server instance's capacity block) ends before one more step
+    and a save would fit, so the trainer saves now, outside ``save_freq``: upstream verl's rule.
+
+    The deadline comes from ``MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP`` (checked first: True only while
+    the deadline is ahead, ``max_steps_duration`` is known (> 0) and at most ``save_ckpt_duration +
+    max_steps_duration + redundant_time`` seconds remain; an unreadable value is False) or
+    ``SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP`` (True once less than that margin remains, a passed
+    deadline included). Neither set: False."""
+    margin = save_ckpt_duration + max_steps_duration + redundant_time
+    mlp = os.environ.get(ESI_EXPIRATION_ENV_MLP)
+    if mlp:
+        try:
+            remaining = float(mlp) - time.time()
+        except ValueError:
+            return False
+        return 0 < remaining <= margin and max_steps_duration > 0
+    aws = os.environ.get(ESI_EXPIRATION_ENV_AWS)
+    if aws:
+        try:
+            remaining = int(aws) - time.time()
+        except ValueError:
+            return False
+        return remaining < margin
+    return False
 
 
 def read_tracker(root_path: str) -> int | None:

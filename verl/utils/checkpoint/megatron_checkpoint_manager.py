@@ -50,6 +50,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject,
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
+from verl.models.mcore.mbridge import save_weights_kwargs
 from verl.utils.checkpoint import finite, sealing, snapshot_save
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get
 from verl.utils.checkpoint.commit import current_parallel_layout
@@ -235,7 +236,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     as HF weights through ``bridge`` (any object with mbridge's ``save_weights`` / ``load_weights``), True as
     Megatron shards under ``model/dist_ckpt``; ``hf_model`` adds the HF export to the latter. Optimizer, LR
     scheduler and RNG always go through dist checkpoints. ``checkpoint_config`` keys: ``save_contents``,
-    ``load_contents``, ``async_save`` (see ``finalize_async_save``).
+    ``load_contents``, ``async_save`` (see ``finalize_async_save``), ``mbridge_config`` (keyword arguments of the
+    bridge's ``save_weights``).
     """
 
     def __init__(
@@ -289,6 +291,9 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self.peft_cls = peft_cls
         self.async_save = bool(config_get(checkpoint_config, "async_save", False))
         self._check_bridge_for_hf_contents()
+        mbridge_config = config_get(checkpoint_config, "mbridge_config", None) or {}
+        # the keyword arguments of every HF weight save (ValueError naming an entry the bridge does not take)
+        self.bridge_save_kwargs = save_weights_kwargs(bridge.save_weights, mbridge_config) if bridge is not None else {}
         # Made at the first async save (megatron_core.async_calls_queue). Not persistent: each save forks its
         # writer, whose copy-on-write image of this process is the snapshot of the tensors (on CPU megatron's
         # "copy to host" returns the live tensors themselves).
@@ -656,7 +661,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
 
     def _save_model_as_hf_via_bridge(self, hf_ckpt_path: str) -> None:
         """Every rank: the bridge writes the HF weights (safetensors + index) into ``hf_ckpt_path``."""
-        self.bridge.save_weights(self.model, hf_ckpt_path)
+        self.bridge.save_weights(self.model, hf_ckpt_path, **self.bridge_save_kwargs)
         torch.distributed.barrier()
 
     def _save_transformer_config(self, local_path: str) -> None:
@@ -757,7 +762,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if comm is not None:
             self._save_hf_config_and_tokenizer(save.local_path)
             comm.barrier()
-            self.bridge.save_weights(self.model, get_hf_model_checkpoint_path(save.local_path), comm=comm)
+            self.bridge.save_weights(self.model, get_hf_model_checkpoint_path(save.local_path), comm=comm, **self.bridge_save_kwargs)
         return outcome
 
     def _plan_and_write_in_fork(self, local_path: str, extra_state: dict) -> dict:
@@ -860,6 +865,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
 
     def _load_optimizer(self, local_path: str, model_state: dict, metadata: dict) -> None:
         path = _dist_dir(local_path, "optimizer")
+        built_bounds = [(group.get("max_lr"), group.get("min_lr")) for group in self.optimizer.param_groups]
         if self.use_distributed_optimizer:
             initialize_distributed_optimizer_state(self.optimizer)
         request = self._build_optimizer_state_dict(model_state, metadata, is_loading=True)
@@ -872,10 +878,42 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             restore_adam_steps(self.optimizer, loaded["optimizer"])
         else:
             self.optimizer.load_state_dict(optimizer_state_from_loaded(request["optimizer"], loaded["optimizer"]))
-        if self.use_checkpoint_opt_param_scheduler and self.lr_scheduler is not None:
-            if "lr_scheduler" not in loaded:
-                raise CheckpointError(f"{path} holds no lr_scheduler state")
-            self.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
+        if self.lr_scheduler is not None and "lr_scheduler" not in loaded:  # saved without a scheduler
+            if self.rank == 0:
+                warnings.warn(f"{path} holds no lr_scheduler state: the LR schedule starts again from its first step", stacklevel=2)
+        elif self.lr_scheduler is not None:
+            self._load_lr_scheduler(loaded["lr_scheduler"], built_bounds)
+
+    def _load_lr_scheduler(self, state: dict, built_bounds: list[tuple]) -> None:
+        """Restore the schedule's position on every load (upstream loads it only with
+        ``use_checkpoint_opt_param_scheduler``, so a resume restarts warmup and decay: verl #7953).
+
+        The flag keeps upstream's meaning, megatron's: True takes the schedule's settings (max/min LR, warmup,
+        decay steps and style, weight-decay increment) from the checkpoint, False keeps this run's (the config's).
+        megatron 0.16 reads max/min LR from each parameter group (``built_bounds``: as this run's optimizer was
+        built; the optimizer's load may have replaced them with the saved groups'), so they follow the same choice:
+        a group at this run's scheduler bounds gets the chosen ones, a group of its own (a decoupled LR) keeps
+        this run's. megatron's ``load_state_dict`` adds the saved step count to the scheduler's own, so it is reset
+        first: a load sets the position, also into a scheduler that already stepped."""
+        scheduler = self.lr_scheduler
+        if not hasattr(scheduler, "override_opt_param_scheduler"):  # not megatron's: its own load_state_dict
+            scheduler.load_state_dict(state)
+            return
+        flags = (scheduler.use_checkpoint_opt_param_scheduler, scheduler.override_opt_param_scheduler)
+        configured = (scheduler.max_lr, scheduler.min_lr)
+        from_checkpoint = self.use_checkpoint_opt_param_scheduler
+        scheduler.use_checkpoint_opt_param_scheduler, scheduler.override_opt_param_scheduler = from_checkpoint, not from_checkpoint
+        scheduler.num_steps = 0
+        try:
+            scheduler.load_state_dict(state)
+        finally:
+            scheduler.use_checkpoint_opt_param_scheduler, scheduler.override_opt_param_scheduler = flags
+        chosen = (scheduler.max_lr, scheduler.min_lr)
+        for group, bounds in zip(self.optimizer.param_groups, built_bounds, strict=True):
+            for key, built, run_value, value in zip(("max_lr", "min_lr"), bounds, configured, chosen, strict=True):
+                if built is not None:
+                    group[key] = value if built == run_value else built
+        scheduler.step(increment=0)  # the groups' LR and weight decay at the restored position
 
     def _load_extra(self, local_path: str) -> None:
         """Each rank's own RNG streams when the step is ours and of this exact layout; upstream's per-(PP, TP)

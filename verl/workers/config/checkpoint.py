@@ -16,7 +16,7 @@ class McoreCheckpointConfig(CheckpointConfig):
 
     Args:
         mbridge_config: keyword arguments for the bridge's HF weight save (e.g. mbridge's
-            ``distributed_filesystem`` / ``memory_efficient``); keys the bridge does not take are dropped.
+            ``memory_efficient``); a key the bridge's ``save_weights`` does not take is refused, naming it.
     """
 
     mbridge_config: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -116,7 +116,8 @@ class McoreOptimizerConfig(OptimizerConfig):
         weight_decay_incr_style: one of WEIGHT_DECAY_INCR_STYLES.
         lr_wsd_decay_style / lr_wsd_decay_steps: the anneal of the "WSD" decay style.
         use_checkpoint_opt_param_scheduler: on load, take the scheduler's settings from the checkpoint
-            (False: from this config, overriding the checkpoint's).
+            (False: from this config, overriding the checkpoint's). The schedule's position (its step count)
+            is restored either way.
         use_precision_aware_optimizer, main_grads_dtype, exp_avg_dtype, exp_avg_sq_dtype: Megatron's
             precision-aware optimizer (bf16 only; needs TransformerEngine).
         use_layer_wise_distributed_optimizer, use_layer_wise_param_layout, muon_*: upstream's Muon

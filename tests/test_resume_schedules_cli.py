@@ -1,0 +1,148 @@
+"""Resume is exact under a non-constant LR schedule, through the CLI (issue 23): a run stopped by SIGTERM after a
+save and resumed with the same command logs the uninterrupted run's metrics at every step (``actor/lr``, and every
+other metric: rollout samples, rewards, losses, validation) and ends with its weights, bit for bit.
+
+The embedded task has 9 prompts for a batch of 8, so every step is a new epoch: the sampler's reshuffle is
+crossed at every step, including the one after the resume. Validation every 2 steps crosses its cadence."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.test_trainer_cli import MEGATRON, REPO, TRACKER, _kill_session, _metrics, _run, _start
+from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
+
+STEPS = 5
+OPTIM = "actor_rollout_ref.actor.optim."
+SCHEDULES = {
+    # warmup over 2 steps, then cosine to min_lr over the run's length (lr_decay_steps unset)
+    "cosine_warmup": [f"{OPTIM}lr_decay_style=cosine", f"{OPTIM}lr_warmup_steps=2", f"{OPTIM}min_lr=1e-4"],
+    # warmup from a ratio of the decay length, then lr * sqrt(warmup / step), with weight decay
+    "inverse_sqrt": [
+        f"{OPTIM}lr_decay_style=inverse-square-root", f"{OPTIM}lr_warmup_steps_ratio=0.2",
+        f"{OPTIM}min_lr=1e-4", f"{OPTIM}weight_decay=0.01",
+    ],
+}  # fmt: skip
+LAYOUTS = {
+    "1_rank": ["trainer.n_gpus_per_node=1", f"{MEGATRON}expert_model_parallel_size=1"],
+    "2_ranks_ep2": ["trainer.n_gpus_per_node=2", f"{MEGATRON}expert_model_parallel_size=2"],
+}
+CLOCKS = ("time", "checkpoint", "checkpoint_committed")  # what may differ between runs: times and save records
+
+
+@pytest.fixture(scope="module")
+def val_parquet(tmp_path_factory, env) -> str:  # noqa: F811
+    script = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_task_parquet.py"), "--out-dir", str(tmp_path_factory.mktemp("data"))],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return script.stdout.strip().splitlines()[-1]
+
+
+def _command(model_path: str, ckpt: Path, val_parquet: str, schedule: str, layout: str) -> list[str]:
+    return [
+        f"actor_rollout_ref.model.path={model_path}", f"trainer.default_local_dir={ckpt}", *LAYOUTS[layout],
+        f"{MEGATRON}tensor_model_parallel_size=1", f"{MEGATRON}pipeline_model_parallel_size=1",
+        f"{MEGATRON}use_distributed_optimizer=False", f"trainer.total_training_steps={STEPS}", "trainer.save_freq=2",
+        f"data.val_files={val_parquet}", "trainer.val_before_train=False", "trainer.test_freq=2",
+        "trainer.logger=[console,file]", *SCHEDULES[schedule],
+    ]  # fmt: skip
+
+
+def _comparable(metrics: list[dict]) -> dict[int, dict]:
+    return {m["step"]: {k: v for k, v in m.items() if not k.startswith("timing_s/") and k not in CLOCKS} for m in metrics}
+
+
+def _final_weights(ckpt: Path) -> dict:
+    hf = ckpt / f"global_step_{STEPS}" / "actor" / "model" / "huggingface"
+    weights = {}
+    for file in sorted(hf.glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    return weights
+
+
+def _stop_after_a_save(command: list[str], cwd: Path, env: dict, ckpt: Path) -> int:  # noqa: F811
+    """Start the run, SIGTERM its driver once step 2 is tracked; the step it can resume from."""
+    log = cwd / "stopped.log"
+    proc = _start(command, cwd, env, log)
+    try:
+        deadline = time.monotonic() + 480
+        while not ((ckpt / TRACKER).is_file() and (ckpt / TRACKER).read_text() == "2"):
+            assert proc.poll() is None, f"exited early:\n{log.read_text()[-5000:]}"
+            assert time.monotonic() < deadline, f"no save of step 2 in time:\n{log.read_text()[-5000:]}"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode == 143, log.read_text()[-5000:]
+    tracked = int((ckpt / TRACKER).read_text())
+    assert tracked < STEPS, f"the run finished before the stop (tracked step {tracked})"
+    return tracked
+
+
+@pytest.mark.parametrize(
+    ("schedule", "layout"), [("cosine_warmup", "1_rank"), ("inverse_sqrt", "2_ranks_ep2")], ids=["cosine-1rank", "invsqrt-2ranks"]
+)
+def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, env, tiny_moe_path, val_parquet, schedule, layout):  # noqa: F811
+    whole_dir, stopped_dir = tmp_path / "uninterrupted", tmp_path / "stopped"
+    code, out = _run(_command(tiny_moe_path, whole_dir, val_parquet, schedule, layout), tmp_path, env)
+    assert code == 0, out[-6000:]
+    whole = _comparable(_metrics(whole_dir))
+    lrs = [whole[step]["actor/lr"] for step in range(1, STEPS + 1)]
+    assert len(set(lrs)) == STEPS, lrs  # the schedule moves at every step
+    assert "val-core/arithmetic/reward/mean@1" in whole[2] and "val-core/arithmetic/reward/mean@1" not in whole[3]
+
+    command = _command(tiny_moe_path, stopped_dir, val_parquet, schedule, layout)
+    tracked = _stop_after_a_save(command, tmp_path, env, stopped_dir)
+    before = len(_metrics(stopped_dir))
+    code, out = _run(command, tmp_path, env)  # the same command, resume_mode=auto
+    assert code == 0, out[-6000:]
+    assert f"resumed from {stopped_dir}/global_step_{tracked} (step {tracked})" in out
+    assert "warning: resuming" not in out  # the same length: nothing to warn about
+    first, resumed = _comparable(_metrics(stopped_dir)[:before]), _comparable(_metrics(stopped_dir)[before:])
+    assert sorted(resumed) == list(range(tracked + 1, STEPS + 1))
+    combined = {**{step: first[step] for step in range(1, tracked + 1)}, **resumed}
+    assert [combined[step]["actor/lr"] for step in range(1, STEPS + 1)] == lrs
+    for step in range(1, STEPS + 1):
+        assert combined[step] == whole[step], f"step {step} differs"
+    expected, actual = _final_weights(whole_dir), _final_weights(stopped_dir)
+    assert sorted(actual) == sorted(expected)
+    assert [name for name in expected if not expected[name].equal(actual[name])] == []
+    manifest = json.loads((stopped_dir / f"global_step_{STEPS}" / "actor" / "manifest.json").read_text())
+    assert manifest["parallel"]["world_size"] == int(LAYOUTS[layout][0].rsplit("=", 1)[1])
+
+
+def test_a_near_capacity_block_end_saves_outside_save_freq(tmp_path, env, tiny_moe_path):  # noqa: F811
+    """Upstream's ESI rule through the trainer: with the block's end (MLP's variable) nearer than the longest step
+    + 60 s + trainer.esi_redundant_time, every step from the second on is saved (the first has no step duration
+    yet), although save_freq would save only the last."""
+    ckpt = tmp_path / "ckpt"
+    command = [
+        f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={ckpt}", *LAYOUTS["1_rank"],
+        f"{MEGATRON}tensor_model_parallel_size=1", f"{MEGATRON}pipeline_model_parallel_size=1",
+        "trainer.total_training_steps=3", "trainer.save_freq=100", "trainer.esi_redundant_time=100000",
+    ]  # fmt: skip
+    end = {"MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP": str(time.time() + 50000)}
+    code, out = _run(command, tmp_path, {**env, **end})
+    assert code == 0, out[-6000:]
+    assert [m["step"] for m in _metrics(ckpt) if "checkpoint" in m] == [2, 3]
+    assert "[trainer] saving step 2 outside save_freq: the capacity block ends within the next step and a save" in out
+    assert (ckpt / TRACKER).read_text() == "3"
+
+
+def test_a_negative_esi_slack_is_refused_naming_the_key(tiny_moe_path):
+    from hydra import compose, initialize_config_dir
+
+    from verl.trainer.validation import check_config
+
+    with initialize_config_dir(config_dir=str(REPO / "verl" / "trainer" / "config"), version_base=None):
+        config = compose(config_name="ppo_megatron_trainer", overrides=["trainer.esi_redundant_time=-5"])
+    assert "trainer.esi_redundant_time=-5 must be >= 0 (seconds); set trainer.esi_redundant_time=0" in check_config(config, tiny_moe_path)
