@@ -1,17 +1,54 @@
 #!/usr/bin/env bash
 # Create or reuse .venv, install the package with its test extras on requirements.txt's exact stack (setup.py
-# declares ranges; the suite runs the pinned releases), then lint and run the whole suite.
+# declares ranges; the suite runs the pinned releases, transformers 5.10), then lint and run the whole suite.
+# Then the transformers 4.57 leg: the same stack but transformers 4.57 in .venv-transformers4, running the
+# tests of fix 1, fix 2, the model families, the HF names and one CLI save and resume (TRANSFORMERS4_TESTS).
+# With arguments (pytest's), only the main leg runs, on them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
 python -m pip install -q -r requirements.txt -e ".[test]"
 ruff check verl tests scripts
-set +e
-python -m pytest -q -p no:cacheprovider "$@"
-status=$?
-set -e
-if [ "$status" -eq 5 ]; then
-  echo "pytest collected no tests" >&2
-  exit 1
+
+# run_pytest ARGS...: pytest's status, but "collected nothing" (5) is a failure.
+run_pytest() {
+  set +e
+  python -m pytest -q -p no:cacheprovider "$@"
+  local status=$?
+  set -e
+  if [ "$status" -eq 5 ]; then
+    echo "pytest collected no tests" >&2
+    return 1
+  fi
+  return "$status"
+}
+
+if [ $# -gt 0 ]; then
+  run_pytest "$@"
+  exit $?
 fi
-exit "$status"
+main_status=0
+run_pytest --durations=15 || main_status=$?
+
+TRANSFORMERS4_TESTS=(
+  tests/test_megatron_utils.py                 # fix 1
+  tests/test_megatron_checkpoint_manager.py    # fix 2, resume
+  tests/test_model_families.py                 # parity, export, resume per family
+  tests/test_transformers_versions.py          # the HF files' names
+  tests/test_parallel_hf_export.py
+  "tests/test_resume_schedules_cli.py::test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one[cosine-1rank]"
+)
+echo "[test.sh] transformers 4.57 leg (.venv-transformers4): ${#TRANSFORMERS4_TESTS[@]} test files/cases"
+deactivate
+if [ ! -x .venv-transformers4/bin/python ]; then
+  python3 -m venv .venv-transformers4
+  .venv-transformers4/bin/python -m pip install -q --upgrade pip
+fi
+# shellcheck disable=SC1091
+source .venv-transformers4/bin/activate
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+python -m pip install -q -r <(grep -v '^transformers' requirements.txt) "transformers==4.57.6" -e ".[test]"
+tf4_status=0
+run_pytest -k "not through_the_cli" "${TRANSFORMERS4_TESTS[@]}" || tf4_status=$?  # the 8-rank CLI family run: main leg only
+echo "[test.sh] main leg (transformers 5.10): status $main_status; transformers 4.57 leg: status $tf4_status"
+[ "$main_status" -eq 0 ] && [ "$tf4_status" -eq 0 ]

@@ -80,7 +80,10 @@ def test_our_save_has_verl091s_layout_and_contents_schema(tmp_path):
     ckpt = str(tmp_path / "ours" / "global_step_2" / "actor")
     interop.spawn_ranks({"side": "ours", "action": "save", "pp": 1, "ep": 1, "ckpt": ckpt, "model_path": model}, 1)
     theirs = os.path.join(FIXTURE, "tp1_pp1_ep1", "global_step_2", "actor")
-    assert _tree(ckpt) == _tree(theirs)
+    # The fixture's tokenizer files are what transformers 4.57 writes; 5.x writes no special_tokens_map.json
+    # (its content lives in tokenizer_config.json), for either package.
+    tokenizer_only = {"model/huggingface/special_tokens_map.json"}
+    assert _tree(ckpt) - tokenizer_only == _tree(theirs) - tokenizer_only
     ours_contents = json.load(open(os.path.join(ckpt, "ckpt_contents.json")))
     their_contents = json.load(open(os.path.join(theirs, "ckpt_contents.json")))
     assert _structure(ours_contents) == _structure(their_contents)
