@@ -1,17 +1,19 @@
 """The private megatron-core internals this package touches, for megatron-core 0.16.1 only (``require_version``).
 
 Three groups: the dist-checkpoint save plan cache and async request layout (the snapshot save plans and
-writes in a forked process), the distributed optimizer's state initialiser (a load into an optimizer that
+writes in a forked process) and the load strategy's reader and planner (a load reads data only), the distributed optimizer's state initialiser (a load into an optimizer that
 never stepped), and the module-level helpers the CPU runtime replaces. Contract: tests/test_internals_contract.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -65,6 +67,21 @@ def write_checkpoint_metadata(strategy: TorchDistSaveShardedStrategy, path: str,
     finalize does after a gather over the default group, which a forked save's parent does instead."""
     FileSystemWriterAsync(path).finish(strategy.cached_global_metadata, all_results)
     save_config(CheckpointingConfig(strategy.backend, strategy.version), path)
+
+
+@contextlib.contextmanager
+def torch_dist_load_reader_and_planner(reader: Callable[..., Any], planner: Callable[..., Any]) -> Iterator[None]:
+    """While inside: ``TorchDistLoadShardedStrategy`` reads through ``reader(checkpoint_dir, cache_metadata=...)``
+    and plans with ``planner(**kwargs)`` instead of its module globals ``_get_filesystem_reader`` and
+    ``MCoreLoadPlanner`` (strategies/torch.py), which its ``load`` calls by name: the strategy takes no
+    reader or planner, and torch's (a plain ``pickle.load`` of ``.metadata``, ``torch.load(weights_only=False)``
+    of bytes items) would run code from the checkpoint. Main thread only: the swap is module-wide."""
+    saved = torch_strategy._get_filesystem_reader, torch_strategy.MCoreLoadPlanner
+    torch_strategy._get_filesystem_reader, torch_strategy.MCoreLoadPlanner = reader, planner
+    try:
+        yield
+    finally:
+        torch_strategy._get_filesystem_reader, torch_strategy.MCoreLoadPlanner = saved
 
 
 # ---------------------------------------------------------------- optimizer
