@@ -33,6 +33,14 @@ def storage_id(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def dcp_storage_info() -> type:
+    """``torch.distributed.checkpoint.filesystem._StorageInfo``: where a file-system write put one item (file,
+    offset, length), inside DCP's write results; a background save's outcome file rebuilds them from JSON."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
+
+
 def set_allocator_expandable_segments(enable: bool) -> None:
     """``torch.cuda.memory._set_allocator_settings``: expandable segments on or off at run time (upstream
     verl's ``set_expandable_segments``); the public ``PYTORCH_CUDA_ALLOC_CONF`` is read only at start."""
