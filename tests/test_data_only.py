@@ -60,3 +60,11 @@ def test_rng_states_are_data():
     loaded = load_bytes_item(buffer.getvalue(), "test")
     assert loaded["random"] == state["random"] and torch.equal(loaded["torch"], state["torch"])
     assert loaded["np"][0] == "MT19937" and np.array_equal(loaded["np"][1], state["np"][1]) and loaded["np"][2:] == state["np"][2:]
+
+
+def test_torchs_switch_to_unpickle_common_pt_is_refused(tmp_path, monkeypatch):
+    from verl.utils.checkpoint.data_only import check_dist_checkpoint
+
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(UntrustedContentError, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: torch would unpickle .*common.pt"):
+        check_dist_checkpoint(str(tmp_path))

@@ -103,7 +103,15 @@ def load_bytes_item(data: bytes, where: str) -> Any:
 
 
 def check_dist_checkpoint(directory: str) -> None:
-    """``directory``'s ``.metadata`` and every bytes item its shards hold are data (read, never run)."""
+    """``directory``'s ``.metadata`` and every bytes item its shards hold are data (read, never run).
+
+    megatron loads ``common.pt`` with torch's default, ``weights_only=True``; torch's own switch
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` would turn that into a plain unpickle, so it is refused here."""
+    if os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):
+        raise UntrustedContentError(
+            f"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: torch would unpickle {os.path.join(directory, 'common.pt')} and could "
+            "run code from it; unset it to load a checkpoint (a checkpoint is data)"
+        )
     metadata = read_dcp_metadata(os.path.join(directory, METADATA_FILENAME))
     for index, info in (metadata.storage_data or {}).items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
