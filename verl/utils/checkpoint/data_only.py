@@ -43,7 +43,7 @@ _METADATA_CLASSES = {
         "BytesStorageMetadata",
         "_MEM_FORMAT_ENCODING",
     },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},  # _StoragePrefix: an async write's plan
     "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
     "torch.serialization": {"_get_layout"},  # a layout by its name ("torch.strided")
     "torch": {"Size"},
