@@ -908,3 +908,128 @@ def test_the_data_position_is_checked_before_any_rank_starts(base_root, tmp_path
         return
     with pytest.raises(ConfigError, match=re.escape(f"{data} is damaged")):
         find_resume_step(config)
+
+
+# --------------------------------------------------------------------------- a checkpoint is data, not code
+
+
+class _CreatesFile:
+    """Unpickled by anything but an allow-list, this opens (creates) ``marker``: the stand-in for any command."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _craft_metadata(step: str, marker: str) -> str:
+    """``optimizer/dist_ckpt/.metadata`` replaced by a crafted pickle, its manifest entry re-hashed."""
+    import pickle
+
+    path = os.path.join(step, "optimizer", "dist_ckpt", ".metadata")
+    with open(path, "wb") as handle:
+        pickle.dump(_CreatesFile(marker), handle)
+    _rewrite_manifest(step)
+    return path
+
+
+def _craft_bytes_item(step: str, marker: str) -> str:
+    """The RNG state item of ``extra/dist_ckpt`` pointed at a crafted ``torch.save`` appended to its shard; the
+    ``.metadata`` itself stays plain DCP metadata and the manifest is re-hashed. Returns the shard."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from verl.utils.checkpoint.data_only import read_dcp_metadata
+
+    directory = os.path.join(step, "extra", "dist_ckpt")
+    metadata = read_dcp_metadata(os.path.join(directory, ".metadata"))
+    index = next(i for i in metadata.storage_data if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata) and i.fqn.startswith("rng_state"))
+    info = metadata.storage_data[index]
+    shard = os.path.join(directory, info.relative_path)
+    buffer = io.BytesIO()
+    torch.save(_CreatesFile(marker), buffer)
+    info.offset, info.length = os.path.getsize(shard), len(buffer.getvalue())
+    with open(shard, "ab") as handle:
+        handle.write(buffer.getvalue())
+    with open(os.path.join(directory, ".metadata"), "wb") as handle:
+        pickle.dump(metadata, handle)
+    _rewrite_manifest(step)
+    return shard
+
+
+def _load_without_the_checks(src: str, step: str) -> str:
+    """The manager's own load, skipping the commit step's check: the reader itself must refuse."""
+    actor = _actor(src)
+    try:
+        actor.checkpoint_manager.load_checkpoint(step)
+    except BaseException as exc:  # noqa: BLE001 - torch DCP's CheckpointException is a BaseException
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def _assert_refused_everywhere(tiny_moe_path: str, root: str, step: str, named: str, marker: str) -> None:
+    from verl.utils.checkpoint.data_only import UntrustedContentError
+
+    with pytest.raises(UntrustedContentError, match=re.escape(named)):
+        verify_checkpoint(step)  # the pre-start check and the commit step's check_before_load
+    with pytest.raises(UntrustedContentError, match=re.escape(named)):
+        find_resume_checkpoint(root)
+    for message in run_on_ranks(_load_without_the_checks, WORLD, LAYOUT, args=(tiny_moe_path, step)):
+        assert "UntrustedContentError" in message and named in message, message
+    assert not os.path.exists(marker), "the crafted file ran"
+
+
+def test_a_crafted_dcp_metadata_is_refused_and_nothing_of_it_runs(tiny_moe_path, base_root, tmp_path):
+    from verl.model_merger.megatron_merge import saved_model_dtype
+    from verl.utils.checkpoint.data_only import UntrustedContentError
+
+    root = _copy_run(base_root, tmp_path)
+    marker = str(tmp_path / "ran")
+    path = _craft_metadata(_step_path(root, 1), marker)
+    _assert_refused_everywhere(tiny_moe_path, root, _step_path(root, 1), f"{path} names io.open", marker)
+    with pytest.raises(UntrustedContentError, match=re.escape(path)):  # the merger reads a model's .metadata so
+        saved_model_dtype(os.path.dirname(path))
+    assert not os.path.exists(marker)
+
+
+def test_a_crafted_bytes_item_in_a_shard_is_refused_and_nothing_of_it_runs(tiny_moe_path, base_root, tmp_path):
+    root = _copy_run(base_root, tmp_path)
+    marker = str(tmp_path / "ran")
+    shard = _craft_bytes_item(_step_path(root, 1), marker)
+    _assert_refused_everywhere(tiny_moe_path, root, _step_path(root, 1), shard, marker)
+
+
+def _async_save_with_a_crafted_outcome(src: str, root: str, marker: str) -> str:
+    import pickle
+
+    from verl.utils.checkpoint import snapshot_save
+
+    path, _ = find_resume_checkpoint(root)
+    actor = _actor(src, async_save=True)
+    actor.load_checkpoint(path)
+    actor.save_checkpoint(_step_path(root, 2), global_step=2)
+    rank = actor.checkpoint_manager.rank
+    if rank == 1:  # replaced once the fork has left its own, before the parent reads it
+        outcome = snapshot_save.outcome_path(_step_path(root, 2) + ".incomplete", rank)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(outcome) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(outcome, "wb") as handle:
+            pickle.dump({"ok": True, "writes": _CreatesFile(marker)}, handle)
+    try:
+        actor.finalize_checkpoint()
+    except CheckpointError as exc:
+        return str(exc)
+    return "committed"
+
+
+def test_a_crafted_outcome_file_fails_the_async_save_and_nothing_of_it_runs(tiny_moe_path, base_root, tmp_path):
+    root = _copy_run(base_root, tmp_path)
+    marker = str(tmp_path / "ran")
+    for message in run_on_ranks(_async_save_with_a_crafted_outcome, WORLD, LAYOUT, args=(tiny_moe_path, root, marker), timeout_s=300):
+        assert "rank 1: the outcome file" in message and "rank1.json is not a background save's JSON outcome" in message, message
+    assert not os.path.exists(marker), "the crafted outcome ran"
+    assert _tracked(root) == "1" and not os.path.exists(_step_path(root, 2))

@@ -171,6 +171,13 @@ def test_storage_identity_gone_fails_the_offload_naming_it(monkeypatch):
     _others_still_pass(torch_internals.STORAGE_CDATA)
 
 
+def test_dcp_storage_info_gone_fails_the_async_outcome_naming_it(monkeypatch):
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    monkeypatch.delattr(dcp_filesystem, "_StorageInfo")
+    _fails_naming(torch_internals.DCP_STORAGE_INFO, torch_internals.dcp_storage_info)
+
+
 def test_allocator_settings_gone_fails_expandable_segments_naming_it(monkeypatch):
     monkeypatch.delattr(torch.cuda.memory, "_set_allocator_settings")
     _fails_naming(torch_internals.ALLOCATOR_SETTINGS, torch_internals.set_allocator_expandable_segments, True)
@@ -197,6 +204,10 @@ def _mcore_features():
         megatron_core.WRITER_FINISH: (megatron_core.write_checkpoint_metadata, strategy, "unused", []),
         megatron_core.CHECKPOINTING_CONFIG: (megatron_core.write_checkpoint_metadata, strategy, "unused", []),
         megatron_core.SAVE_CONFIG: (megatron_core.write_checkpoint_metadata, strategy, "unused", []),
+        **{
+            internal: (lambda: megatron_core.torch_dist_load_reader_and_planner(None, None).__enter__(),)
+            for internal in (megatron_core.LOAD_READER, megatron_core.LOAD_PLANNER)
+        },
         megatron_core.DUMMY_OPTIMIZER_STATE: (
             megatron_core.init_distributed_optimizer_state,
             object.__new__(DistributedOptimizer),

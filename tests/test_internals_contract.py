@@ -45,6 +45,9 @@ def test_torch_internals():
     assert isinstance(torch._dynamo.config.disable, bool)  # disable_dynamo
     assert _params(torch.distributed.distributed_c10d._get_default_store) == ()  # default_store_address
     assert _params(torch.cuda.memory._set_allocator_settings) == ("env",)  # set_allocator_expandable_segments
+    # dcp_storage_info: the fields a background save's outcome file carries, by keyword and by position
+    info = torch_internals.dcp_storage_info()("__0_0.distcp", 8, 16, None)
+    assert (info.relative_path, info.offset, info.length, info.transform_descriptors) == ("__0_0.distcp", 8, 16, None)
     # storage_id: one identity for every view of a storage, kept when it is freed and reallocated (offload)
     tensor = torch.arange(8.0)
     key = torch_internals.storage_id(tensor)
@@ -97,6 +100,22 @@ def test_megatron_core_module_helpers_keep_their_parameters():
     changed = {name: _params(fn) for name, (fn, params) in expected.items() if _params(fn) != params}
     assert not changed, f"megatron-core changed internals verl replaces or calls: {changed}"
     assert "te_general_gemm" in inspect.getsource(moe_utils)  # define_missing_te_general_gemm: routing still reads it
+
+
+def test_torch_dist_load_builds_its_reader_and_planner_from_the_swapped_globals():
+    """torch_dist_load_reader_and_planner: megatron's load calls both by their module-global names, with the
+    arguments the data-only factories take, and the swap is undone on leaving."""
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    load = torch_strategy.TorchDistLoadShardedStrategy.load
+    assert {"_get_filesystem_reader", "MCoreLoadPlanner"} <= set(load.__code__.co_names)
+    assert _params(torch_strategy._get_filesystem_reader) == ("checkpoint_dir", "cache_metadata")
+    source = inspect.getsource(load)
+    assert "_get_filesystem_reader(checkpoint_dir, cache_metadata=True)" in source and "planner=MCoreLoadPlanner(" in source
+    original = torch_strategy._get_filesystem_reader, torch_strategy.MCoreLoadPlanner
+    with megatron_core.torch_dist_load_reader_and_planner(len, dict):
+        assert (torch_strategy._get_filesystem_reader, torch_strategy.MCoreLoadPlanner) == (len, dict)
+    assert (torch_strategy._get_filesystem_reader, torch_strategy.MCoreLoadPlanner) == original
 
 
 def test_megatron_core_module_helpers_are_reached_through_their_module_only():

@@ -1,6 +1,7 @@
 """ForkedRankComm: the group a background save's forked processes form among themselves."""
 
 import datetime
+import os
 import time
 
 from verl.utils.distributed import run_on_ranks
@@ -25,3 +26,39 @@ def test_a_peer_that_never_arrives_fails_the_others_within_meet_within():
     waited, message = run_on_ranks(_one_peer_never_arrives, 2, timeout_s=120)[0].split(" ", 1)
     assert float(waited) < 30, "gloo's own rendezvous would have waited the full collective timeout (30 min)"
     assert "not every rank's forked process arrived within 0:00:03" in message
+
+
+class _CreatesFile:
+    """Unpickled, this opens (creates) ``marker``: the stand-in for any command a crafted message could run."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _a_peer_sends_a_pickle(marker: str) -> str:
+    import pickle
+
+    import torch.distributed as dist
+
+    from verl.utils.rank_comm import ForkedRankComm
+
+    comm = ForkedRankComm("crafted", meet_within=datetime.timedelta(seconds=60))
+    if dist.get_rank() == 1:  # the same collectives as all_gather_object, with a pickle in place of JSON
+        comm.all_gather_bytes(pickle.dumps(_CreatesFile(marker)))
+        return "sent"
+    try:
+        comm.all_gather_object({"shards": [1, 2]})
+    except RuntimeError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_forked_peer_message_is_data_and_a_pickle_is_refused_unrun(tmp_path):
+    marker = str(tmp_path / "ran")
+    refused, sent = run_on_ranks(_a_peer_sends_a_pickle, 2, args=(marker,), timeout_s=120)
+    assert sent == "sent"
+    assert "the forked process of rank 1 sent a message that is not JSON" in refused and "nothing of it was run" in refused
+    assert not os.path.exists(marker)

@@ -90,10 +90,11 @@ def _copy_non_weight_files(source: str, target: str) -> list[str]:
 def saved_model_dtype(dist_ckpt_dir: str):
     """The dtype the model's shards were saved in (megatron's model state holds the parameters at the
     training dtype), read from the torch_dist metadata, so the rebuilt model loads them without a cast."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(dist_ckpt_dir).read_metadata()
+    from verl.utils.checkpoint.data_only import METADATA_FILENAME, read_dcp_metadata
+
+    metadata = read_dcp_metadata(os.path.join(dist_ckpt_dir, METADATA_FILENAME))
     dtypes = Counter(
         entry.properties.dtype
         for entry in metadata.state_dict_metadata.values()

@@ -10,7 +10,7 @@ group's TCP store.
 from __future__ import annotations
 
 import datetime
-import pickle
+import json
 from typing import Any
 
 import torch
@@ -73,15 +73,21 @@ class ForkedRankComm(RankComm):
         self._group = dist.ProcessGroupGloo(self._store, self.rank, self.world_size, timeout)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        # Through gloo, not the store: a peer that died then fails this at once instead of at the timeout.
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        """Every fork's ``obj``, which must be JSON data: a peer's message is parsed, never unpickled, so a
+        crafted one cannot run code here (torch's ``all_gather_object`` unpickles)."""
+        gathered = self.all_gather_bytes(json.dumps(obj).encode())
+        return [_parse_message(data, rank) for rank, data in enumerate(gathered)]
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every fork's ``payload``. Through gloo, not the store: a peer that died fails this at once, not at the timeout."""
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._group.allgather([sizes], [torch.tensor([payload.numel()])]).wait()
+        self._group.allgather([sizes], [torch.tensor([len(payload)])]).wait()
         padded = torch.zeros(int(max(sizes).item()), dtype=torch.uint8)
-        padded[: payload.numel()] = payload
+        if payload:
+            padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
         self._group.allgather([gathered], [padded]).wait()
-        return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)]
+        return [t[: int(n.item())].numpy().tobytes() for t, n in zip(gathered, sizes, strict=True)]
 
     def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
         works = [self._group.send([t], peer, tag) for t, peer, tag in sends]
@@ -91,6 +97,13 @@ class ForkedRankComm(RankComm):
 
     def barrier(self) -> None:
         self._group.barrier().wait()
+
+
+def _parse_message(data: bytes, rank: int) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise RuntimeError(f"the forked process of rank {rank} sent a message that is not JSON ({exc}); refused, nothing of it was run") from exc
 
 
 def forked_groups_possible() -> bool:

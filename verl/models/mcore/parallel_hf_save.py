@@ -133,13 +133,14 @@ class _Holdings:
 
 
 def _gather_holdings(bridge, models: list, comm: RankComm) -> _Holdings:
-    """Step 1, one ``all_gather_object``: every rank learns what every rank holds."""
+    """Step 1, one ``all_gather_object``: every rank learns what every rank holds (as JSON data: a forked
+    group's messages are never unpickled)."""
     my_shards, my_tensors = _local_shards(bridge, models)
-    everyone = comm.all_gather_object(my_shards)
+    everyone = comm.all_gather_object([dataclasses.asdict(shard) for shard in my_shards])
     holders: dict[tuple[str, int], list[int]] = defaultdict(list)
     meta: dict[str, _Shard] = {}
-    for holder, shards in enumerate(everyone):
-        for shard in shards:
+    for holder, fields in enumerate(everyone):
+        for shard in (_Shard(**{**f, "shape": tuple(f["shape"])}) for f in fields):
             holders[(shard.te_name, shard.index)].append(holder)
             meta.setdefault(shard.te_name, shard)
     return _Holdings(my_tensors, holders, meta, sorted(meta, key=_natural_key))

@@ -339,13 +339,17 @@ def holds_hf_weights(contents: dict) -> bool:
 def verify_checkpoint(step_path: str, transformer_config=None, hf_config=None, checksums: bool = True) -> dict:
     """Everything a load checks before touching a tensor; returns the step's contents.
 
-    Raises CheckpointError (or FileNotFoundError) naming the file and the cause. A step without our
+    Raises CheckpointError (or FileNotFoundError) naming the file and the cause (``UntrustedContentError`` for
+    a dist-checkpoint file that holds anything but data). A step without our
     manifest (saved by upstream verl) gets a warning and the checks its own files allow. ``checksums=False``
     skips re-reading every file for its checksum, for a caller that has just done so (or just computed them).
     """
     contents = read_ckpt_contents(step_path)
     if not verify_manifest(step_path, required=False, checksums=checksums):
         warnings.warn(f"{step_path} has no {MANIFEST_FILENAME}: a checkpoint saved by upstream verl; its file sizes cannot be checked", stacklevel=2)
+    from verl.utils.checkpoint.data_only import check_step
+
+    check_step(step_path)  # every .metadata and bytes item is data: a crafted one is refused before any rank starts
     if transformer_config is not None:
         check_model_identity(step_path, transformer_config)
     if holds_hf_weights(contents):

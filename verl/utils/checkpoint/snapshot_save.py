@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -28,12 +28,16 @@ from itertools import chain
 from typing import Any
 
 import psutil
+import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
 
 from verl.utils.device import get_device_name
 from verl.utils.fs import atomic_open
 from verl.utils.internals import megatron_core
+from verl.utils.internals import torch as torch_internals
 
 OUTCOME_DIRNAME = ".background"  # inside the staging directory; removed before the manifest is built
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -72,7 +76,32 @@ def finish_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, path: str, al
 
 
 def outcome_path(staging: str, rank: int) -> str:
-    return os.path.join(staging, OUTCOME_DIRNAME, f"rank{rank}.pkl")
+    return os.path.join(staging, OUTCOME_DIRNAME, f"rank{rank}.json")
+
+
+def _write_result_to_json(value: Any) -> dict:
+    """A dist-checkpoint write result (torch DCP's ``WriteResult`` of a file-system write) as plain JSON."""
+    if not isinstance(value, WriteResult) or not isinstance(value.storage_data, torch_internals.dcp_storage_info()):
+        raise TypeError(f"a background save's outcome holds a {type(value).__name__}, which has no data-only form")
+    index, info = value.index, value.storage_data
+    return {
+        "write_result": {"fqn": index.fqn, "offset": None if index.offset is None else list(index.offset), "index": index.index},
+        "size_in_bytes": value.size_in_bytes,
+        "storage": [info.relative_path, info.offset, info.length, info.transform_descriptors],
+    }
+
+
+def _write_result_from_json(entry: dict) -> Any:
+    if "write_result" not in entry:
+        return entry
+    index, (relative_path, offset, length, transforms) = entry["write_result"], entry["storage"]
+    if not (isinstance(relative_path, str) and isinstance(offset, int) and isinstance(length, int) and isinstance(entry["size_in_bytes"], int)):
+        raise ValueError(f"a write result of unexpected types: {entry}")
+    return WriteResult(
+        index=MetadataIndex(index["fqn"], None if index["offset"] is None else torch.Size(index["offset"]), index["index"]),
+        size_in_bytes=entry["size_in_bytes"],
+        storage_data=torch_internals.dcp_storage_info()(relative_path, offset, length, transforms),
+    )
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -136,8 +165,8 @@ def report_to_stderr(reason: str) -> None:
 def _record(staging: str, rank: int, outcome: dict[str, Any]) -> None:
     path = outcome_path(staging, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with atomic_open(path, "wb", durable=False) as handle:  # read by the parent in this boot, never after a crash
-        pickle.dump(outcome, handle)
+    with atomic_open(path, "w", durable=False) as handle:  # read by the parent in this boot, never after a crash
+        json.dump(outcome, handle, default=_write_result_to_json)
 
 
 def run_and_record(staging: str, rank: int, job: Callable[[], dict[str, Any]], parent_pid: int | None = None) -> None:
@@ -155,12 +184,21 @@ def run_and_record(staging: str, rank: int, job: Callable[[], dict[str, Any]], p
 
 
 def read_outcome(staging: str, rank: int) -> dict[str, Any]:
-    """What this rank's fork recorded; a fork that died first (killed, segfault) recorded nothing."""
+    """What this rank's fork recorded; a fork that died first (killed, segfault) recorded nothing.
+
+    The file is JSON (data only, never unpickled): one that is not, or not an outcome, fails the save, named."""
+    path = outcome_path(staging, rank)
     try:
-        with open(outcome_path(staging, rank), "rb") as handle:
-            return pickle.load(handle)
+        with open(path, encoding="utf-8") as handle:
+            outcome = json.load(handle, object_hook=_write_result_from_json)
     except FileNotFoundError:
         return {"ok": False, "error": f"the background writer of rank {rank} exited without a result (killed?)"}
+    except (ValueError, KeyError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return {"ok": False, "error": f"the outcome file {path} is not a background save's JSON outcome ({type(exc).__name__}); nothing of it was run"}
+    valid = isinstance(outcome, dict) and (
+        isinstance(outcome.get("writes"), dict) if outcome.get("ok") is True else isinstance(outcome.get("error"), str)
+    )
+    return outcome if valid else {"ok": False, "error": f"the outcome file {path} is not a background save's outcome"}
 
 
 def on_host(models: list) -> bool:

@@ -1,7 +1,8 @@
 """The private megatron-core internals this package touches, each checked where first used (``Internal``).
 
-Three groups: the dist-checkpoint save plan cache and async request layout (the background write and the
-snapshot save, which plans and writes in a forked process), the distributed optimizer's state initialiser
+Four groups: the dist-checkpoint save plan cache and async request layout (the background write and the
+snapshot save, which plans and writes in a forked process), the load strategy's reader and planner (a load
+reads data only), the distributed optimizer's state initialiser
 (a load into an optimizer that never stepped), and the module-level helpers the CPU runtime replaces.
 megatron is imported only inside the functions, so a moved module fails the feature that needs it, not
 the import of verl. Where megatron-core releases differ (0.18: ``dist_checkpointing.save``'s
@@ -11,10 +12,11 @@ reads), the function takes whichever exists. Contract: tests/test_internals_cont
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,6 +71,11 @@ PLAN_CACHE = tuple(
     Internal(MC, f"{_STRATEGY}.{name}", _SNAPSHOT)
     for name in ("validated_cache_reuse", "cached_central_plan", "cached_global_metadata", "backend", "version")
 )
+_LOAD = "a dist checkpoint's load, read as data only"
+LOAD_READER = Internal(
+    MC, "megatron.core.dist_checkpointing.strategies.torch:_get_filesystem_reader", _LOAD, params=("checkpoint_dir",), exact=False
+)
+LOAD_PLANNER = Internal(MC, "megatron.core.dist_checkpointing.strategies.torch:MCoreLoadPlanner", _LOAD)
 DUMMY_OPTIMIZER_STATE = Internal(
     MC,
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values",
@@ -107,6 +114,8 @@ INTERNALS = (
     WRITER_FINISH,
     CHECKPOINTING_CONFIG,
     SAVE_CONFIG,
+    LOAD_READER,
+    LOAD_PLANNER,
     DUMMY_OPTIMIZER_STATE,
     GET_CUDA_RNG_STATE,
     SET_CUDA_RNG_STATE,
@@ -210,6 +219,24 @@ def write_checkpoint_metadata(strategy: TorchDistSaveShardedStrategy, path: str,
     metadata, backend, version = (PLAN_CACHE[i].get(strategy) for i in (2, 3, 4))
     FileSystemWriterAsync(path).finish(metadata, all_results)
     save_config(config_class(backend, version), path)
+
+
+@contextlib.contextmanager
+def torch_dist_load_reader_and_planner(reader: Callable[..., Any], planner: Callable[..., Any]) -> Iterator[None]:
+    """While inside: ``TorchDistLoadShardedStrategy`` reads through ``reader(checkpoint_dir, cache_metadata=...)``
+    and plans with ``planner(**kwargs)`` instead of its module globals ``_get_filesystem_reader`` and
+    ``MCoreLoadPlanner`` (strategies/torch.py), which its ``load`` calls by name: the strategy takes no
+    reader or planner, and torch's (a plain ``pickle.load`` of ``.metadata``, ``torch.load(weights_only=False)``
+    of bytes items) would run code from the checkpoint. Without them: ``InternalsChangedError`` (no public
+    path loads a dist checkpoint as data only). Main thread only: the swap is module-wide."""
+    saved = LOAD_READER.get(), LOAD_PLANNER.get()
+    _setattr(LOAD_READER, reader)
+    _setattr(LOAD_PLANNER, planner)
+    try:
+        yield
+    finally:
+        _setattr(LOAD_READER, saved[0])
+        _setattr(LOAD_PLANNER, saved[1])
 
 
 # ---------------------------------------------------------------- optimizer

@@ -25,7 +25,10 @@ STORAGE_CDATA = Internal("torch", "torch:UntypedStorage._cdata", "fix 1's offloa
 ALLOCATOR_SETTINGS = Internal(
     "torch", "torch.cuda.memory:_set_allocator_settings", "set_expandable_segments (CUDA)", params=("env",)
 )
-INTERNALS = (DYNAMO_DISABLE, DEFAULT_STORE, STORAGE_CDATA, ALLOCATOR_SETTINGS)
+DCP_STORAGE_INFO = Internal(
+    "torch", "torch.distributed.checkpoint.filesystem:_StorageInfo", "checkpoint.async_save's outcome files"
+)
+INTERNALS = (DYNAMO_DISABLE, DEFAULT_STORE, STORAGE_CDATA, ALLOCATOR_SETTINGS, DCP_STORAGE_INFO)
 
 
 def disable_dynamo() -> None:
@@ -68,6 +71,13 @@ def storage_id(tensor: torch.Tensor) -> int:
     when the storage is resized to 0 and back (offload); the public ``data_ptr()`` changes on resize, so
     there is no fallback: without it the offload raises ``InternalsChangedError``."""
     return STORAGE_CDATA.get(tensor.untyped_storage())
+
+
+def dcp_storage_info() -> type:
+    """``torch.distributed.checkpoint.filesystem._StorageInfo``: where a file-system write put one item (file,
+    offset, length), inside DCP's write results; a background save's outcome file rebuilds them from JSON.
+    Without it: ``InternalsChangedError`` for the async save (its outcome cannot be rebuilt otherwise)."""
+    return DCP_STORAGE_INFO.get()
 
 
 def set_allocator_expandable_segments(enable: bool) -> None:

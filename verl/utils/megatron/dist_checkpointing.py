@@ -13,6 +13,7 @@ from typing import Any
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+from verl.utils.checkpoint.data_only import check_dist_checkpoint, data_only_torch_dist_load
 from verl.utils.internals import megatron_core
 
 
@@ -41,5 +42,12 @@ def save_dist_checkpointing(
 
 
 def load_dist_checkpointing(sharded_state_dict: dict, ckpt_dir: str) -> dict:
-    """Load the entries of ``sharded_state_dict`` from the torch_dist checkpoint at ``ckpt_dir``."""
-    return dist_checkpointing.load(sharded_state_dict, ckpt_dir)
+    """Load the entries of ``sharded_state_dict`` from the torch_dist checkpoint at ``ckpt_dir``.
+
+    Its ``.metadata`` and bytes items are read as data only (``verl.utils.checkpoint.data_only``): a file
+    that names any other class or function is refused, naming it, and nothing of it runs. Checked first
+    for a plain ``UntrustedContentError`` (torch's load would wrap it per rank), then read by the data-only
+    reader and planner, so a file replaced in between is refused too."""
+    check_dist_checkpoint(ckpt_dir)
+    with data_only_torch_dist_load(ckpt_dir):
+        return dist_checkpointing.load(sharded_state_dict, ckpt_dir)

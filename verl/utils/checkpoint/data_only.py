@@ -1,0 +1,175 @@
+"""A checkpoint is data, not code: every file a load deserialises is read through an allow-list.
+
+torch's distributed checkpoint reads its ``.metadata`` with a plain ``pickle.load`` and each bytes item of a
+``.distcp`` shard (megatron's ``ShardedObject``: our RNG states) with ``torch.load(weights_only=False)``, so a
+crafted file runs whatever its ``__reduce__`` names in every rank that loads it. Here ``.metadata`` is
+unpickled admitting only DCP's own metadata classes and the torch types they hold, and a bytes item only
+with ``weights_only=True`` plus numpy's array reconstruction (numpy's RNG state is an array). Two places use
+it: the checks before a load (``check_step``: every ``.metadata`` and bytes item of the step, naming the
+file that holds anything else) and the load itself (``DataOnlyFileSystemReader`` / ``DataOnlyLoadPlanner``,
+put in place of megatron's by ``verl.utils.megatron.dist_checkpointing``), so a file swapped after the check
+is refused too. docs/operations.md, "What loading a checkpoint trusts".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+
+from verl.utils.checkpoint.integrity import CheckpointError
+
+METADATA_FILENAME = ".metadata"  # torch DCP's global metadata file in a dist-checkpoint directory
+
+# What torch DCP (and megatron, which keeps every rank's save plan in it) pickles into ``.metadata``.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},  # _StoragePrefix: an async write's plan
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+    "torch.serialization": {"_get_layout"},  # a layout by its name ("torch.strided")
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+}
+_NUMPY_DTYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64, np.float16, np.float32, np.float64)
+# numpy's RNG state (``np.random.get_state()``) holds a uint32 array; torch's weights-only unpickler admits
+# numpy arrays only with these named.
+_NUMPY_ARRAY_GLOBALS = [np.ndarray(0).__reduce__()[0], np.ndarray, np.dtype, *(type(np.dtype(t)) for t in _NUMPY_DTYPES)]
+
+
+class UntrustedContentError(CheckpointError):
+    """A checkpoint file holds something other than data (a class or function outside the allow-list)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, handle: io.BufferedIOBase, path: str) -> None:
+        super().__init__(handle)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise UntrustedContentError(
+            f"{self._path} names {module}.{name}, which is not part of torch's dist-checkpoint metadata; refusing to "
+            "load it (unpickling it could run code). A checkpoint is data: replace the file from a copy you trust."
+        )
+
+
+def read_dcp_metadata(path: str) -> Metadata:
+    """torch DCP's ``.metadata`` at ``path``, unpickled admitting only DCP's metadata classes and torch sizes,
+    dtypes and layouts; anything else is refused, naming the file and the class, before it is called."""
+    with open(path, "rb") as handle:
+        try:
+            metadata = _MetadataUnpickler(handle, path).load()
+        except UntrustedContentError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any malformed stream is one refusal
+            raise UntrustedContentError(f"{path} is not torch dist-checkpoint metadata ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(metadata, Metadata):
+        raise UntrustedContentError(f"{path} holds a {type(metadata).__name__}, not torch dist-checkpoint metadata")
+    return metadata
+
+
+def load_bytes_item(data: bytes, where: str) -> Any:
+    """A bytes item of a ``.distcp`` shard, loaded with ``weights_only=True`` (tensors, numbers, strings, tuples,
+    lists, dicts, numpy arrays); ``where`` names the item and its file in the refusal."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError or RuntimeError for a refused global
+        reason = str(exc).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+        raise UntrustedContentError(
+            f"{where} holds something other than tensors and plain data ({reason}); refusing to load it (unpickling it "
+            "could run code). A checkpoint is data: replace the file from a copy you trust."
+        ) from exc
+
+
+def check_dist_checkpoint(directory: str) -> None:
+    """``directory``'s ``.metadata`` and every bytes item its shards hold are data (read, never run).
+
+    megatron loads ``common.pt`` with torch's default, ``weights_only=True``; torch's own switch
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` would turn that into a plain unpickle, so it is refused here."""
+    if os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):
+        raise UntrustedContentError(
+            f"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: torch would unpickle {os.path.join(directory, 'common.pt')} and could "
+            "run code from it; unset it to load a checkpoint (a checkpoint is data)"
+        )
+    metadata = read_dcp_metadata(os.path.join(directory, METADATA_FILENAME))
+    for index, info in (metadata.storage_data or {}).items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        shard = os.path.join(directory, info.relative_path)
+        if os.path.dirname(os.path.realpath(shard)) != os.path.realpath(directory):
+            raise UntrustedContentError(f"{os.path.join(directory, METADATA_FILENAME)} points item {index.fqn} outside its directory: {info.relative_path}")
+        with open(shard, "rb") as handle:
+            handle.seek(info.offset)
+            load_bytes_item(handle.read(info.length), f"item {index.fqn} of {shard}")
+
+
+def check_step(step_path: str) -> None:
+    """Every dist checkpoint of a step holds only data: the pre-start and pre-load check."""
+    for directory, _, names in sorted(os.walk(step_path)):
+        if METADATA_FILENAME in names:
+            check_dist_checkpoint(directory)
+
+
+class DataOnlyFileSystemReader(FileSystemReader):
+    """torch's ``FileSystemReader`` whose ``.metadata`` goes through ``read_dcp_metadata`` (read once, kept)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self) -> Metadata:  # no ``rank``: torch then tries no per-rank file (megatron writes one)
+        if self._metadata is None:
+            self._metadata = read_dcp_metadata(os.path.join(self.path, METADATA_FILENAME))
+            if getattr(self._metadata, "storage_meta", None) is None:
+                self._metadata.storage_meta = StorageMeta()
+            self._metadata.storage_meta.load_id = self.load_id  # as torch's reader tags the load
+        return self._metadata
+
+
+class DataOnlyLoadPlanner(MCoreLoadPlanner):
+    """megatron's load planner whose bytes items are checked with ``load_bytes_item`` before torch's own
+    ``load_bytes`` (``weights_only=False``) sees the same in-memory bytes: only data ever reaches it."""
+
+    def __init__(self, *args: Any, checkpoint_dir: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checkpoint_dir = checkpoint_dir
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        load_bytes_item(value.getvalue(), f"item {read_item.storage_index.fqn} of dist checkpoint {self.checkpoint_dir}")
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def _reader(checkpoint_dir: str | os.PathLike, cache_metadata: bool = False) -> FileSystemReader:
+    return DataOnlyFileSystemReader(checkpoint_dir)
+
+
+@contextlib.contextmanager
+def data_only_torch_dist_load(checkpoint_dir: str) -> Iterator[None]:
+    """For one megatron torch_dist load of ``checkpoint_dir``: its reader and planner are the data-only ones."""
+    from verl.utils.internals import megatron_core
+
+    planner = functools.partial(DataOnlyLoadPlanner, checkpoint_dir=str(checkpoint_dir))
+    with megatron_core.torch_dist_load_reader_and_planner(_reader, planner):
+        yield
