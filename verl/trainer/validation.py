@@ -525,7 +525,8 @@ def check_model_build(model_path: str, config: Any) -> list[str]:
 
 def _check_mbridge_config(model_path: str, config: Any) -> list[str]:
     """``checkpoint.mbridge_config``: every entry must be an argument of the HF save of the bridge this model gets."""
-    from verl.models.mcore.mbridge import bridge_class_for, save_weights_kwargs
+    from verl.models.mcore.mbridge import bridge_class_for
+    from verl.utils.checkpoint.mbridge_config import save_weights_kwargs
 
     node = OmegaConf.select(config, f"{_CHECKPOINT}mbridge_config")
     if not node:

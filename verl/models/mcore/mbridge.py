@@ -8,10 +8,7 @@ through ``local_spec.local_name_to_te_name``, so the same load/save/export code 
 from __future__ import annotations
 
 import copy
-import inspect
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 from mbridge.core.bridge import Bridge
@@ -207,27 +204,6 @@ class _LocalSpecBridgeMixin:
             # No source index (the model was not loaded from HF here): write a single safetensors file.
             self.safetensor_io = SafeTensorIO(weights_path)
         super().save_weights(models, weights_path, memory_efficient=memory_efficient)
-
-
-# The HF save's own arguments: the caller passes them, ``checkpoint.mbridge_config`` never does.
-_SAVE_OWN_ARGUMENTS = ("self", "models", "weights_path", "comm")
-
-
-def save_weights_kwargs(save_weights: Callable, mbridge_config: Mapping, key: str = "checkpoint.mbridge_config") -> dict[str, Any]:
-    """The keyword arguments ``checkpoint.mbridge_config`` gives ``save_weights`` (upstream passes the entries the
-    bridge's save takes by name). An entry it does not take is refused (upstream drops it silently, so a misspelt
-    or another bridge's option would vanish): ValueError naming ``key.<entry>`` and what the save takes."""
-    parameters = inspect.signature(save_weights).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return dict(mbridge_config)
-    takes = [name for name in parameters if name not in _SAVE_OWN_ARGUMENTS]
-    unknown = [name for name in mbridge_config if name not in takes]
-    if unknown:
-        raise ValueError(
-            f"{key}.{unknown[0]}: the bridge's HF save (mbridge's save_weights) takes no such argument"
-            + (f" (it takes: {', '.join(takes)})" if takes else " (it takes none)") + f"; remove {key}.{unknown[0]}"
-        )
-    return dict(mbridge_config)
 
 
 _CLASSES: dict[tuple[type, bool], type] = {}

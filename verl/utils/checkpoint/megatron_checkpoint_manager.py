@@ -50,11 +50,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject,
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
-from verl.models.mcore.mbridge import save_weights_kwargs
 from verl.utils.checkpoint import finite, sealing, snapshot_save
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get
 from verl.utils.checkpoint.commit import current_parallel_layout
 from verl.utils.checkpoint.integrity import CheckpointError, files_under, read_saved_layout
+from verl.utils.checkpoint.mbridge_config import save_weights_kwargs
 from verl.utils.checkpoint.megatron_optimizer_state import (
     initialize_distributed_optimizer_state,
     optimizer_state_from_loaded,
