@@ -50,9 +50,11 @@ def init_rank(
     """
     import torch
 
+    from verl.utils import process_lifetime
     from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device
     from verl.utils.megatron import cpu_runtime
 
+    process_lifetime.install()  # what this rank forks (a save's writers) dies with it
     cpu_runtime.enable()
     if get_device_name() != "cpu":
         get_torch_device().set_device(device_index if device_index is not None else int(os.environ.get("LOCAL_RANK", rank)))
