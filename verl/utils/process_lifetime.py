@@ -10,8 +10,10 @@ inherit the hook) so that the child ends with its parent:
 - a fork made from the parent's main thread gets Linux's parent-death signal (``PR_SET_PDEATHSIG``,
   SIGKILL): the kernel kills it the moment the parent dies;
 - the kernel sends that signal when the forking *thread* exits, not the process, so a fork made from
-  another thread (which may end long before the process) is watched instead: a daemon thread in the
-  child ends it within ``WATCH_INTERVAL_S`` of being reparented.
+  another thread (which may end long before the process) is not armed. (A watcher thread started in
+  such a child hung the async save's fork in the Ray workers, whose calls run on a non-main thread;
+  there the fork, a direct child of the worker, is stopped by Ray with the worker, and the writers it
+  forks from its own main thread are armed.)
 
 A child whose parent died before the hook ran ends at once. Processes started by exec (subprocess,
 multiprocessing's spawn) run no fork hook; the ranks' group stops those (docs/operations.md).
@@ -23,10 +25,8 @@ import ctypes
 import os
 import signal
 import threading
-import time
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-WATCH_INTERVAL_S = 0.2
 
 _installed = False
 _fork_parent: tuple[int, bool] = (0, True)  # (pid, forking from its main thread), set just before each fork
@@ -48,11 +48,8 @@ def _note_parent() -> None:
 
 def _bind_to_parent() -> None:
     parent_pid, from_main_thread = _fork_parent
-    if from_main_thread and _set_parent_death_signal():
-        if os.getppid() != parent_pid:  # the parent died before the signal was armed
-            os._exit(1)
-        return
-    threading.Thread(target=_end_when_orphaned, args=(parent_pid,), name="die-with-parent", daemon=True).start()
+    if from_main_thread and _set_parent_death_signal() and os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before the signal was armed
 
 
 def _set_parent_death_signal() -> bool:
@@ -61,9 +58,3 @@ def _set_parent_death_signal() -> bool:
         return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
     except (OSError, AttributeError):  # not Linux
         return False
-
-
-def _end_when_orphaned(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(WATCH_INTERVAL_S)
-    os._exit(1)
