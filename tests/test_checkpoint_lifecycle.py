@@ -1,5 +1,6 @@
 """Crash-safe lifecycle: atomic commit, resume from the last complete step, retention, bad checkpoints."""
 
+import contextlib
 import json
 import math
 import os
@@ -834,51 +835,101 @@ def _alive(pid: int) -> bool:
 
 
 def _writer_that_outlives_nothing(pid_file: str) -> None:
-    from verl.utils.checkpoint.snapshot_save import die_with_parent
-
-    die_with_parent(os.getppid())
     with open(pid_file, "w") as handle:
         handle.write(str(os.getpid()))
     time.sleep(120)
 
 
-def _rank_that_forks_a_writer(pid_file: str) -> None:
+def _rank_that_forks_a_writer(pid_file: str, from_thread: bool) -> None:
     import multiprocessing
+    import threading
 
-    multiprocessing.get_context("fork").Process(target=_writer_that_outlives_nothing, args=(pid_file,)).start()
+    from verl.utils import process_lifetime
+
+    process_lifetime.install()  # as init_rank does
+    writer = multiprocessing.get_context("fork").Process(target=_writer_that_outlives_nothing, args=(pid_file,))
+    if from_thread:  # the kernel's parent-death signal would follow this thread, not the rank
+        thread = threading.Thread(target=writer.start)
+        thread.start()
+        thread.join()
+    else:
+        writer.start()
     time.sleep(120)
 
 
-def test_a_background_writer_dies_with_its_rank(tmp_path):
-    """A rank killed mid-save must not leave its forked writer writing into the staging directory."""
+@pytest.mark.parametrize("from_thread", [False, True], ids=["main_thread", "other_thread"])
+def test_a_background_writer_dies_with_its_rank(tmp_path, from_thread):
+    """A fork from the rank's main thread dies with the rank; one from another thread is not armed (the
+    signal would follow that thread): it must at least outlive the thread that forked it."""
     import multiprocessing
 
-    import psutil
-
     pid_file = str(tmp_path / "writer.pid")
-    rank = multiprocessing.get_context("fork").Process(target=_rank_that_forks_a_writer, args=(pid_file,))
+    rank = multiprocessing.get_context("fork").Process(target=_rank_that_forks_a_writer, args=(pid_file, from_thread))
     rank.start()
     deadline = time.monotonic() + 30
     while not os.path.exists(pid_file) and time.monotonic() < deadline:
         time.sleep(0.05)
+    time.sleep(0.3)  # the forking thread has ended: the writer must still run
     with open(pid_file) as handle:
-        writer = psutil.Process(int(handle.read()))
+        writer = int(handle.read())
+    assert _alive(writer), "the writer died with the thread that forked it, not with its rank"
     os.kill(rank.pid, signal.SIGKILL)
     rank.join(10)
+    survivors = _survivors([writer], within_s=2 if from_thread else 10)
+    assert survivors == ([writer] if from_thread else []), "a main-thread fork must die with its rank"
 
-    def gone() -> bool:
-        try:
-            return writer.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
 
-    deadline = time.monotonic() + 10
-    while not gone() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    survived = not gone()
-    if survived:
-        writer.kill()
-    assert not survived, "the forked writer outlived its killed rank"
+def _survivors(pids: list[int], within_s: float) -> list[int]:
+    """Of ``pids``, those still alive after ``within_s``; killed then, so that a failing test leaves nothing."""
+    deadline = time.monotonic() + within_s
+    while [pid for pid in pids if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in pids if _alive(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    return alive
+
+
+def _writers_outliving_their_rank(rank_pid: int, pid_dir: str, original):
+    """Fault injection: each of megatron's per-bucket writer processes records its pid and its parent's, waits
+    until the rank waits for it, SIGKILLs the rank and every process between (as a preemption kills the run)
+    and goes on writing, as an orphaned writer would."""
+
+    def write(*args, **kwargs):
+        with open(os.path.join(pid_dir, str(os.getpid())), "w") as handle:
+            handle.write(str(os.getppid()))
+        time.sleep(1.0)
+        for pid in dict.fromkeys([rank_pid, os.getppid()]):  # the rank first: with the fix this writer dies next
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    return write
+
+
+def _save_killed_while_writers_run(src: str, root: str, pid_dir: str, async_save: bool) -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    actor = _actor(src, async_save=async_save)
+    original = FileSystemWriterAsync.write_preloaded_data
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(_writers_outliving_their_rank(os.getpid(), pid_dir, original))
+    actor.save_checkpoint(_step_path(root, 1), global_step=1)
+    actor.finalize_checkpoint()
+    time.sleep(120)  # not reached: the writers kill this rank
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_no_process_of_a_save_outlives_its_killed_rank(tiny_moe_path, tmp_path, async_save):
+    """Issue 27 item 5: megatron's writers, forked even in a sync save, stayed blocked forever (in
+    ``JoinableQueue.task_done`` on the dead rank's condition) when the rank was SIGKILLed mid-write."""
+    pid_dir = tmp_path / "writers"
+    pid_dir.mkdir()
+    with pytest.raises(RankFailure, match="died with exit code -9"):
+        run_on_ranks(_save_killed_while_writers_run, 1, ParallelSizes(), args=(tiny_moe_path, str(tmp_path / "run"), str(pid_dir), async_save), timeout_s=240)
+    writers = {int(name): int((pid_dir / name).read_text()) for name in os.listdir(pid_dir)}
+    assert writers, "no writer process ran"
+    # the async save's own fork (the writers' parent) too
+    assert not _survivors([*writers, *writers.values()], within_s=10), "a save's process outlived its rank"
 
 
 def _resume_config(root: str):

@@ -29,6 +29,7 @@ class ProbeWorker(MegatronWorker):
         super().__init__()
         if self.rank == fail_in_init_on:
             raise RuntimeError(f"constructor of rank {self.rank} refuses to start")
+        self._ray_listening = _listening()  # Ray's own worker server (token-protected), before torch's
         self.init_megatron(ParallelSizes(tp=tp), seed=1, timeout_s=120)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -38,7 +39,13 @@ class ProbeWorker(MegatronWorker):
         total = torch.tensor([float(self.rank)])
         torch.distributed.all_reduce(total)
         env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
-        return {"env": env, "rank_sum": total.item(), "threads": torch.get_num_threads(), **self.get_megatron_rank_info()}
+        return {
+            "env": env,
+            "listening": sorted(_listening() - self._ray_listening),
+            "rank_sum": total.item(),
+            "threads": torch.get_num_threads(),
+            **self.get_megatron_rank_info(),
+        }
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
     def echo(self, item) -> tuple:
@@ -52,6 +59,12 @@ class ProbeWorker(MegatronWorker):
             raise ValueError(f"boom on rank {self.rank}")
         torch.distributed.barrier()  # the healthy ranks wait for the failed one forever
         return self.rank
+
+
+def _listening() -> set[tuple[str, int]]:
+    import psutil
+
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN}
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +134,10 @@ def test_ranks_join_and_dispatch(local_ray):
         assert {i["env"]["WORLD_SIZE"] for i in info} == {"4"}
         assert [i["env"]["LOCAL_RANK"] for i in info] == ["0", "1", "2", "3"]
         assert len({(i["env"]["MASTER_ADDR"], i["env"]["MASTER_PORT"]) for i in info}) == 1
+        # One host: the rendezvous store and every socket torch opens in a rank (gloo's too) are on loopback.
+        assert info[0]["env"]["MASTER_ADDR"] == "127.0.0.1"
+        outside = [(rank, ip, port) for rank, i in enumerate(info) for ip, port in i["listening"] if ip != "127.0.0.1"]
+        assert not outside, outside
         assert {i["env"]["OMP_NUM_THREADS"] for i in info} == {"1"} and {i["threads"] for i in info} == {1}
         assert {i["rank_sum"] for i in info} == {6.0}  # all_reduce over the 4 actors
         assert [i["tp_rank"] for i in info] == [0, 1, 0, 1] and [i["dp_rank"] for i in info] == [0, 0, 1, 1]
@@ -202,3 +219,11 @@ def test_actor_worker_async_save_is_pending_until_finalized(local_ray, tiny_moe_
         assert [r["path"] for r in group.finalize_checkpoint()] == [None, None]  # nothing pending any more
     finally:
         group.shutdown()
+
+
+def test_the_rendezvous_is_on_loopback_exactly_when_every_rank_is_on_one_host():
+    from verl.single_controller.ray.base import rendezvous_host
+
+    # several Ray nodes on one machine share its address: still one host
+    assert rendezvous_host(["10.0.0.5"] * 8) == "127.0.0.1"
+    assert rendezvous_host(["10.0.0.5", "10.0.0.5", "10.0.0.6"]) is None

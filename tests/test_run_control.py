@@ -234,3 +234,19 @@ def test_one_writer_and_clean_stops_through_the_cli(tmp_path, env, tiny_moe_path
     assert last.startswith("[main_ppo] stopped by SIGINT at step ") and "resume with: python -m verl.trainer.main_ppo" in last, last
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-5000:]
     assert [m["step"] for m in _metrics(ckpt)][-1] > committed
+
+
+def test_a_local_ray_instance_gets_a_temp_dir_private_to_the_user(tmp_path, monkeypatch):
+    """Ray's default /tmp/ray is 0777 without the sticky bit: any user could replace a run's sockets and logs."""
+    import stat
+
+    from verl.trainer.main_ppo import private_ray_temp_dir
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    path = os.path.dirname(private_ray_temp_dir())  # Ray makes its own temp dir 0777: its parent is private
+    assert path == str(tmp_path / f"ray-{os.getuid()}")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    os.rmdir(path)
+    os.symlink(tmp_path / "elsewhere", path)  # planted by another user of the host
+    with pytest.raises(RuntimeError, match="is not a directory of this user's"):
+        private_ray_temp_dir()

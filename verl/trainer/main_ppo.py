@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -169,7 +170,25 @@ def ray_init_kwargs(config: Any) -> dict:
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
     kwargs.setdefault("include_dashboard", False)
+    if "_temp_dir" not in kwargs and not os.environ.get("RAY_TMPDIR"):
+        kwargs["_temp_dir"] = private_ray_temp_dir()
     return kwargs
+
+
+def private_ray_temp_dir() -> str:
+    """``<tmp>/ray-<uid>/ray`` for a local Ray instance, inside a 0700 directory: Ray's default ``/tmp/ray`` is 0777
+    without the sticky bit (Ray makes the temp dir it is given 0777 too), so any user of the host could replace
+    its session files, sockets and logs."""
+    path = os.path.join(tempfile.gettempdir(), f"ray-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is not a directory of this user's (a link, or another user's): remove it, or set RAY_TMPDIR")
+    os.chmod(path, 0o700)
+    return os.path.join(path, "ray")
 
 
 def run_ppo(config, task_runner_class: type | None = None) -> None:

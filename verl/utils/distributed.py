@@ -50,20 +50,44 @@ def init_rank(
     """
     import torch
 
+    from verl.utils import process_lifetime
     from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device
     from verl.utils.megatron import cpu_runtime
 
+    process_lifetime.install()  # what this rank forks (a save's writers) dies with it
     cpu_runtime.enable()
     if get_device_name() != "cpu":
         get_torch_device().set_device(device_index if device_index is not None else int(os.environ.get("LOCAL_RANK", rank)))
+    timeout = datetime.timedelta(seconds=timeout_s)
     torch.distributed.init_process_group(
         backend=get_nccl_backend(),
+        store=rendezvous_store(rank, world_size, timeout),
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
     if sizes is not None:
         sizes.initialize_megatron(seed=seed)
+
+
+_store_sockets: list[socket.socket] = []  # rank 0's listening socket, kept open for its store's lifetime
+
+
+def rendezvous_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The TCP store the ranks meet through, at ``MASTER_ADDR:MASTER_PORT``; rank 0 serves it.
+
+    torch's own store listens on every interface whatever ``MASTER_ADDR`` says; it takes no
+    authentication, so rank 0 binds the listening socket itself, to ``MASTER_ADDR`` only (loopback on one
+    host, docs/operations.md), and hands it to the store."""
+    import torch.distributed as dist
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family, backlog=4096)
+    _store_sockets.append(listener)
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.fileno())
 
 
 def _rank_entry(rank, world_size, port, fn, args, kwargs, sizes, seed, timeout_s, results, group_tag) -> None:
@@ -71,6 +95,7 @@ def _rank_entry(rank, world_size, port, fn, args, kwargs, sizes, seed, timeout_s
         VERL_RANK_GROUP=group_tag,  # inherited by every process the rank starts; see _kill_tagged
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",  # the ranks' own sockets on loopback too
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),

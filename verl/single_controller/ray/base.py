@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import re
+import socket
 import string
 import time
 from typing import Any
@@ -167,9 +168,37 @@ class RayClassWithInitArgs:
         self.kwargs = kwargs
 
 
+LOOPBACK = "127.0.0.1"
+# The interfaces every rank's gloo / NCCL sockets use, as those libraries name them: loopback on one host.
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def rendezvous_host(node_addresses: list[str]) -> str | None:
+    """Where rank 0's rendezvous store listens, from every rank's node address (rank 0's first).
+
+    Loopback when every rank is on one host: decided by address, not by node count, so a Ray cluster of
+    several nodes on one machine stays on loopback too. None for several hosts: then rank 0's node
+    address, or the address of the interface ``GLOO_SOCKET_IFNAME`` names there (``_bind_address``).
+    The store takes no authentication: across hosts it must stay on the cluster's private network."""
+    return LOOPBACK if len(set(node_addresses)) == 1 else None
+
+
+def _bind_address(ifname: str | None) -> str:
+    """This node's address on interface ``ifname`` (the first IPv4 one), else its Ray node address."""
+    if not ifname:
+        return get_node_ip()
+    import psutil
+
+    ifname = ifname.split(",")[0].lstrip("^=")
+    for addr in psutil.net_if_addrs().get(ifname, []):
+        if addr.family == socket.AF_INET:
+            return addr.address
+    raise WorkerGroupError(f"GLOO_SOCKET_IFNAME={ifname}: this node has no IPv4 address on interface {ifname!r}; name one of {sorted(psutil.net_if_addrs())}")
+
+
 @ray.remote(num_cpus=0)
-def _node_ip_and_free_port() -> tuple[str, int]:
-    ip = get_node_ip()
+def _address_and_free_port(host: str | None, ifname: str | None) -> tuple[str, int]:
+    ip = host or _bind_address(ifname)
     return ip, get_free_port(ip)
 
 
@@ -242,7 +271,9 @@ class RayWorkerGroup:
         pool = self.resource_pool
         pgs = pool.get_placement_groups(strategy=strategy, timeout_s=init_timeout_s)
         resources = pool.actor_resources()
-        master_addr, master_port = self._master_addr_port(pgs[0])
+        master_addr, master_port = self._master_addr_port(pgs, worker_env)
+        if master_addr == LOOPBACK:  # one host: the ranks' own sockets on loopback too, unless named
+            worker_env = {**{name: "lo" for name in SOCKET_IFNAME_VARS if name not in os.environ}, **worker_env}
         cls = self.ray_cls_with_init
         class_name = cls.user_cls.__name__
         rank = 0
@@ -293,15 +324,18 @@ class RayWorkerGroup:
         self._alive = True
         self._node_pids = self.get([worker.get_node_and_pid.remote() for worker in self._workers], timeout_s=timeout_s)
 
-    @staticmethod
-    def _master_addr_port(pg: PlacementGroup) -> tuple[str, int]:
-        """Rank 0's node IP and a port free on it (asked on that node when it is not this one)."""
-        node_id = placement_group_table(pg)["bundles_to_node_id"][0]
-        if node_id == ray.get_runtime_context().get_node_id():
-            ip = get_node_ip()
+    def _master_addr_port(self, pgs: list[PlacementGroup], env_vars: dict[str, str]) -> tuple[str, int]:
+        """Where rank 0's store listens (``rendezvous_host``) and a port free there, asked on rank 0's node."""
+        tables = [placement_group_table(pg)["bundles_to_node_id"] for pg in pgs]
+        node_ids = [table[index] for table in tables for index in sorted(table)]
+        address_of = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        host = rendezvous_host([address_of.get(node, node) for node in node_ids])
+        ifname = env_vars.get("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME"))
+        if node_ids[0] == ray.get_runtime_context().get_node_id():
+            ip = host or _bind_address(ifname)
             return ip, get_free_port(ip)
-        strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-        return ray.get(_node_ip_and_free_port.options(scheduling_strategy=strategy).remote(), timeout=120)
+        strategy = NodeAffinitySchedulingStrategy(node_id=node_ids[0], soft=False)
+        return ray.get(_address_and_free_port.options(scheduling_strategy=strategy).remote(host, ifname), timeout=120)
 
     def _bind_worker_methods(self, user_cls: type) -> None:
         for name, mode in registered_methods(user_cls).items():

@@ -50,6 +50,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject,
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
+from verl.utils import process_lifetime
 from verl.utils.checkpoint import finite, sealing, snapshot_save
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get
 from verl.utils.checkpoint.commit import current_parallel_layout
@@ -218,11 +219,8 @@ def _planned_writes(requests: list[AsyncRequest]) -> Callable[[], None] | None:
 def _in_one_fork(requests: list[AsyncRequest]) -> AsyncRequest:
     """One request that runs the writes of ``requests`` in a single forked process, which ends with its rank."""
     writes = _planned_writes(requests)
-    parent_pid = snapshot_save.forking_pid()
 
     def run() -> None:
-        if parent_pid is not None:
-            snapshot_save.die_with_parent(parent_pid)
         snapshot_save.fail_when_a_writer_dies(snapshot_save.report_to_stderr)
         writes()
 
@@ -264,6 +262,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         peft_cls=None,
     ):
         _not_implemented_unless_default(use_megatron_fsdp=use_megatron_fsdp, provider=provider, peft_cls=peft_cls)
+        process_lifetime.install()  # a save's forks die with this process, also for a caller that skipped init_rank
         super().__init__(
             model,
             optimizer=optimizer,
@@ -745,7 +744,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         hf_group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if save.hf_weights_in_background else None
         job = functools.partial(self._save_in_fork, save, write_dist, hf_group)
         return megatron_core.async_request(
-            functools.partial(snapshot_save.run_and_record, save.local_path, self.rank, job, snapshot_save.forking_pid()),
+            functools.partial(snapshot_save.run_and_record, save.local_path, self.rank, job),
             (),
             [functools.partial(self._finish_forked_save, save.local_path), *finalize_planned],
         )

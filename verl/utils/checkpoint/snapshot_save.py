@@ -15,10 +15,8 @@ runtime); elsewhere the manager keeps megatron's own async save.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -40,12 +38,6 @@ from verl.utils.internals import megatron_core
 from verl.utils.internals import torch as torch_internals
 
 OUTCOME_DIRNAME = ".background"  # inside the staging directory; removed before the manifest is built
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def forking_pid() -> int | None:
-    """This process's pid when called from its main thread (a fork made now may die with it), else None."""
-    return os.getpid() if threading.current_thread() is threading.main_thread() else None
 
 
 def write_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, state: dict, path: str, content_metadata: dict) -> list:
@@ -104,23 +96,6 @@ def _write_result_from_json(entry: dict) -> Any:
     )
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """In a process forked from the training thread of ``parent_pid``: end when the rank ends.
-
-    A rank killed mid-save (SIGKILL, OOM, a scheduler's stop) must not leave its writer writing into
-    the staging directory that the next run cleans up or reuses. Linux only (``PR_SET_PDEATHSIG``);
-    elsewhere a no-op. The signal follows the thread that forked, so only a fork made from the main
-    thread may ask for it (the caller decides).
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the rank died before the prctl took effect
-        os._exit(1)
-
-
 def _died(pid: int) -> str | None:
     """How child ``pid`` ended, if it ended badly (a signal or a non-zero exit); it stays waitable for its owner."""
     try:
@@ -169,12 +144,10 @@ def _record(staging: str, rank: int, outcome: dict[str, Any]) -> None:
         json.dump(outcome, handle, default=_write_result_to_json)
 
 
-def run_and_record(staging: str, rank: int, job: Callable[[], dict[str, Any]], parent_pid: int | None = None) -> None:
+def run_and_record(staging: str, rank: int, job: Callable[[], dict[str, Any]]) -> None:
     """The fork's entry: run ``job`` and leave what it returned, or its traceback, for the parent.
 
-    ``parent_pid``: given when the fork was made from the rank's main thread (``die_with_parent``)."""
-    if parent_pid is not None:
-        die_with_parent(parent_pid)
+    The fork dies with its rank (``verl.utils.process_lifetime``, armed by the manager)."""
     fail_when_a_writer_dies(lambda reason: _record(staging, rank, {"ok": False, "error": reason}))
     try:
         outcome: dict[str, Any] = {"ok": True, **job()}
