@@ -83,11 +83,10 @@ class Memory:
 
 
 def _batches(ctx: Context, seed: int) -> list:
-    """Two microbatches on the compute device (the project's Megatron forward leaves inputs where they are)."""
+    """Two microbatches on the host, as the trainer hands them: the Megatron forward moves them to the model."""
     import torch
 
-    data = torch.randint(4, 90, (4, 17), generator=torch.Generator().manual_seed(seed)).to(ctx.device)
-    return [data[:2], data[2:]]
+    return list(torch.randint(4, 90, (4, 17), generator=torch.Generator().manual_seed(seed)).split(2))
 
 
 def _bits(tensor):
@@ -345,6 +344,28 @@ def check_async_save(ctx: Context) -> tuple[bool, dict]:
     return pending and committed == path and not differing, numbers
 
 
+def check_ppo_update(ctx: Context) -> tuple[bool, dict]:
+    """The PPO actor's log-probs and clipped update from host tensors, as the trainer hands a rank its batch:
+    results come back on the host, finite, and the update moves the weights."""
+    import torch
+
+    from verl.workers.actor.megatron_actor import MegatronPPOActor, PPOActorSettings
+
+    actor = _actor(ctx)
+    ppo = MegatronPPOActor(PPOActorSettings(response_length=4, micro_batch_size=2), actor.model, actor.optimizer, actor.scheduler)
+    input_ids = torch.randint(4, 90, (4, 12), generator=torch.Generator().manual_seed(7))
+    old_log_probs = ppo.compute_log_prob(input_ids)
+    before = _state_bits(actor)
+    stats = ppo.update_policy({
+        "input_ids": input_ids, "old_log_probs": old_log_probs, "response_mask": torch.ones(4, 4),
+        "advantages": torch.tensor([[1.0], [-1.0], [0.5], [-0.5]]).expand(4, 4).contiguous(),
+    })  # fmt: skip
+    moved = len(_differing(before, _state_bits(actor)))
+    numbers = {"log_probs_device": old_log_probs.device.type, "grad_norm": stats["grad_norm"], "params_moved": moved}
+    ok = old_log_probs.device.type == "cpu" and bool(torch.isfinite(old_log_probs).all()) and moved > 0
+    return ok and stats["update_ok"] and stats["grad_norm"] == stats["grad_norm"], numbers
+
+
 CHECKS: list[tuple[str, Callable[[Context], tuple[bool, dict]]]] = [
     ("environment", check_environment),
     ("offload DO=False", lambda ctx: check_offload(ctx, False)),
@@ -353,6 +374,7 @@ CHECKS: list[tuple[str, Callable[[Context], tuple[bool, dict]]]] = [
     ("hf export", check_hf_export),
     ("dist-ckpt load", check_dist_checkpoint_load),
     ("async save DO=True", check_async_save),
+    ("ppo update, host batch", check_ppo_update),
 ]
 
 

@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 THIS_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 CHECKS = ["environment", "offload DO=False", "offload DO=True", "save while offloaded", "hf export", "dist-ckpt load",
-          "async save DO=True"]  # fmt: skip
+          "async save DO=True", "ppo update, host batch"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,7 @@ def test_the_check_passes_on_cpu_from_the_bundle(bundle, tmp_path):
             assert Path(environment[key]).name == f"megatron-core-{result['megatron_core']}", environment
         assert rows["save while offloaded"]["numbers"]["config_on_disk_at_hf_weights"] is True
         assert rows["async save DO=True"]["numbers"]["pending"] is True
+        assert rows["ppo update, host batch"]["numbers"]["log_probs_device"] == "cpu"
     assert completed.returncode == 0, completed.stderr[-4000:]
 
 

@@ -63,6 +63,19 @@ def _tokens(microbatch) -> torch.Tensor:
     return microbatch["input_ids"] if isinstance(microbatch, dict) else microbatch
 
 
+def model_device(model: list) -> torch.device:
+    """Where the model's weights are: the device every input of a forward must be on."""
+    return next(model[0].parameters()).device
+
+
+def to_device(microbatch, device: torch.device):
+    """A microbatch (a tensor or a dict of tensors) on ``device``; the caller's batches stay on the host, as
+    the trainer hands them, so a CUDA rank moves each one just before its forward."""
+    if isinstance(microbatch, dict):
+        return {key: value.to(device) for key, value in microbatch.items()}
+    return microbatch.to(device)
+
+
 def broadcast_from_last_stage(value: torch.Tensor | None) -> torch.Tensor:
     """Every pipeline rank gets the tensor that only the last stage computed."""
     group = mpu.get_pipeline_model_parallel_group()
@@ -79,9 +92,10 @@ def broadcast_from_last_stage(value: torch.Tensor | None) -> torch.Tensor:
 def _forward_only(model: list, microbatches: list[torch.Tensor], capture) -> torch.Tensor:
     """Forward of every microbatch; ``capture(output, microbatch)`` on the last stage, concatenated, on every rank."""
     captured = []
+    device = model_device(model)
 
     def step(data_iterator, chunk):
-        batch = next(data_iterator)
+        batch = to_device(next(data_iterator), device)
         output = chunk(*_inputs(batch))
 
         def keep(output_tensor):
@@ -94,7 +108,7 @@ def _forward_only(model: list, microbatches: list[torch.Tensor], capture) -> tor
         chunk.eval()
     with torch.no_grad():
         _run_schedule(model, microbatches, forward_only=True, step_fn=step, seq_length=_tokens(microbatches[0]).shape[1])
-    return broadcast_from_last_stage(torch.cat(captured) if captured else None)
+    return broadcast_from_last_stage(torch.cat(captured) if captured else None).to(_tokens(microbatches[0]).device)
 
 
 def forward_logits(model: list, tokens: torch.Tensor) -> torch.Tensor:
@@ -178,11 +192,12 @@ def forward_backward(model: list, microbatches: list[dict], loss_fn) -> list[dic
 
     ``loss_fn(microbatch, vocab_parallel_logits) -> (loss, stats)`` runs on the last stage; megatron
     divides each loss by the number of microbatches before backward. Returns the stats of every
-    microbatch on the last stage (empty elsewhere). Gradients are left in the DDP buffers.
+    microbatch on the last stage (empty elsewhere), on the model's device. Gradients are left in the DDP buffers.
     """
+    device = model_device(model)
 
     def step(data_iterator, chunk):
-        batch = next(data_iterator)
+        batch = to_device(next(data_iterator), device)
         output = chunk(*_inputs(batch))
         return output, partial(loss_fn, batch)
 
@@ -201,8 +216,10 @@ def _next_token_loss(labels: torch.Tensor, output_tensor: torch.Tensor):
 def train_step(model: list, optimizer, scheduler, microbatches: list[torch.Tensor]) -> dict:
     """One optimizer step of next-token cross-entropy over the microbatches; returns loss and grad norm."""
 
+    device = model_device(model)
+
     def step(data_iterator, chunk):
-        batch = next(data_iterator)
+        batch = to_device(next(data_iterator), device)
         inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         output = chunk(*_inputs(inputs), labels=labels)
         return output, partial(_next_token_loss, labels)

@@ -19,6 +19,8 @@ from verl.models.mcore.forward import (
     compute_log_probs,
     compute_log_probs_and_entropy,
     forward_backward,
+    model_device,
+    to_device,
     token_entropy,
     token_log_probs,
 )
@@ -95,6 +97,8 @@ class MegatronPPOActor:
 
     def _optimizer_step(self, mini_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         s = self.settings
+        # on the model's device: the token count's all-reduce and the loss terms meet the logits there
+        mini_batch = to_device(mini_batch, model_device(self.model))
         tokens = mini_batch["response_mask"].sum().to(torch.float64)
         # Every data-parallel rank divides by the same global count; megatron divides each microbatch
         # loss by the number of microbatches and DDP averages over data parallel: undo both.
@@ -145,6 +149,7 @@ class MegatronPPOActor:
         local = torch.stack([item["stats"] for item in collected]).sum(0).double() if collected else None
         local = broadcast_from_last_stage(local)
         torch.distributed.all_reduce(local, group=mpu.get_data_parallel_group())
+        local = local.cpu()
         step = {
             "grad_norm": float(grad_norm or 0.0),
             "update_ok": bool(update_ok),
