@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl.utils.checkpoint.names import STEP_DIR_FORMAT, STEP_DIR_RE, TRACKER_FILENAME
+from verl.utils.checkpoint.layout import STEP_DIR_FORMAT, STEP_DIR_RE, tracker_path
 from verl.utils.device import get_device_name, get_torch_device
 
 ALL_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -176,7 +176,7 @@ def _is_tracked_step(step_path: str) -> bool:
 
 def get_checkpoint_tracker_filename(root_path: str) -> str:
     """``<default_local_dir>/latest_checkpointed_iteration.txt``: the step a resume loads."""
-    return os.path.join(root_path, TRACKER_FILENAME)
+    return tracker_path(root_path)
 
 
 MAX_STEP_DIGITS = 18  # any step a run reaches; fits an int64

@@ -51,7 +51,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
 from verl.utils import process_lifetime
-from verl.utils.checkpoint import finite, sealing, snapshot_save
+from verl.utils.checkpoint import finite, layout, sealing, snapshot_save
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get
 from verl.utils.checkpoint.commit import current_parallel_layout
 from verl.utils.checkpoint.integrity import CheckpointError, files_under, read_saved_layout
@@ -92,12 +92,6 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _json_safe(v) for k, v in value.items()}
     return str(value)
-
-
-def _dist_dir(local_path: str, content: str) -> str:
-    """``<step>/<content>/dist_ckpt`` without creating it (upstream's path helpers create directories: a load
-    must leave the step as it found it)."""
-    return os.path.join(local_path, content, "dist_ckpt")
 
 
 _DIST_CHECKPOINT_PATHS = {  # content -> where its dist checkpoint goes
@@ -812,7 +806,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if self.should_load_dist_ckpt_model:
             self._load_model_from_dist_checkpoint(local_path, self._build_model_sharded_state_dict(metadata))
         elif self.should_load_hf_model:
-            self._load_model_as_hf_via_bridge(os.path.join(local_path, "model", "huggingface"))
+            self._load_model_as_hf_via_bridge(layout.hf_path(local_path))
         if self.should_load_optimizer:  # mapped onto the model's shards as they are now, after its load
             self._load_optimizer(local_path, self._build_model_sharded_state_dict(metadata), metadata)
         if self.should_load_extra:
@@ -840,7 +834,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     def _load_content_metadata(self, local_path: str) -> dict:
         """The content metadata the step was saved with (what its optimizer state's layout depends on)."""
         for content in _DIST_CHECKPOINT_PATHS:
-            path = _dist_dir(local_path, content)
+            path = layout.dist_path(local_path, content)
             if self._has_checkpoint_files(path):
                 saved = dist_checkpointing.load_content_metadata(checkpoint_dir=path)
                 if saved is not None:
@@ -849,7 +843,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         return self._build_sharded_state_dict_metadata()
 
     def _load_model_from_dist_checkpoint(self, local_path: str, model_state: dict) -> None:
-        path = _dist_dir(local_path, "model")
+        path = layout.dist_path(local_path, "model")
         loaded = load_dist_checkpointing(sharded_state_dict=dict(model_state), ckpt_dir=path)
         for index, chunk in enumerate(self.model):
             key = "model" if len(self.model) == 1 else f"model{index}"
@@ -863,7 +857,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self.bridge.load_weights(self.model, hf_model_path)
 
     def _load_optimizer(self, local_path: str, model_state: dict, metadata: dict) -> None:
-        path = _dist_dir(local_path, "optimizer")
+        path = layout.dist_path(local_path, "optimizer")
         built_bounds = [(group.get("max_lr"), group.get("min_lr")) for group in self.optimizer.param_groups]
         if self.use_distributed_optimizer:
             initialize_distributed_optimizer_state(self.optimizer)
@@ -922,7 +916,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             if self.rank == 0:
                 warnings.warn(f"{local_path} was saved at {saved}, this run is {now}: RNG states are not restored", stacklevel=2)
             return
-        path = _dist_dir(local_path, "extra")
+        path = layout.dist_path(local_path, "extra")
         per_rank = saved == now
         loaded = load_dist_checkpointing(sharded_state_dict=self._build_extra_state_dict(per_rank), ckpt_dir=path)
         if "rng_state" not in loaded:
