@@ -42,6 +42,16 @@ def _contents(checkpoint_config: Any, key: str) -> list[str]:
     return contents
 
 
+def not_implemented_unless_default(**given: Any) -> None:
+    """Upstream options this overlay does not implement: refuse anything but their default, by name."""
+    for name, value in given.items():
+        if value is not None and value is not False:
+            raise NotImplementedError(
+                f"MegatronCheckpointManager: {name}={value!r} is not supported by this overlay (PEFT, Megatron-FSDP, "
+                f"Megatron-Bridge providers and HDFS copies are upstream-only); leave {name} at its default"
+            )
+
+
 class BaseCheckpointManager:
     """What every checkpoint manager shares, as upstream verl's base: which contents to save and load,
     retention over ``previous_saved_paths``, RNG state.
