@@ -18,6 +18,7 @@ from verl.models.mcore.model import build_megatron_model
 from verl.utils.checkpoint import commit, finite
 from verl.utils.checkpoint.checkpoint_manager import config_get
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout
 from verl.utils.checkpoint.step_commit import CommittedStep, StepCommit, StepSpec
 from verl.utils.host_memory import release_free_heap
 from verl.utils.megatron.optimizer import (
@@ -182,7 +183,7 @@ class MegatronActor:
             role=manager.role,
             hf_config=manager.hf_config if manager.should_save_hf_model else None,
             strict_hf_verify=bool(config_get(manager.checkpoint_config, "strict_hf_verify", True)),
-            parallel=commit.current_parallel_layout(),
+            parallel=current_parallel_layout(),
             use_distributed_optimizer=manager.use_distributed_optimizer,
             sealed=sealed,
             retention=manager,

@@ -10,22 +10,10 @@ import os
 import warnings
 
 import torch
-from megatron.core import parallel_state as mpu
 
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, list_step_dirs
 from verl.utils.checkpoint.integrity import CheckpointError, read_ckpt_contents, read_manifest, verify_checkpoint
-
-
-def current_parallel_layout() -> dict[str, int]:
-    """This process's world size and model-parallel sizes (a save's manifest records them; a load compares)."""
-    return {
-        "world_size": torch.distributed.get_world_size(),
-        "tp": mpu.get_tensor_model_parallel_world_size(),
-        "pp": mpu.get_pipeline_model_parallel_world_size(),
-        "ep": mpu.get_expert_model_parallel_world_size(),
-        "etp": mpu.get_expert_tensor_parallel_world_size(),
-        "cp": mpu.get_context_parallel_world_size(),
-    }
+from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout
 
 
 def _agreed(check) -> str | None:

@@ -15,11 +15,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedBase
 
 from verl.utils.checkpoint import finite, layout, snapshot_save
 from verl.utils.checkpoint.integrity import CheckpointError
+from verl.utils.checkpoint.megatron_state_dicts import optimizer_layout, sharded_structure
 from verl.utils.internals import megatron_core
 from verl.utils.megatron_utils import get_hf_model_checkpoint_path
 from verl.utils.rank_comm import ForkedRankComm
@@ -28,31 +27,6 @@ if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
     from verl.utils.checkpoint.megatron_checkpoint_manager import SaveReport
-
-
-def optimizer_layout(optimizer) -> tuple:
-    """What the optimizer's sharded structure depends on, cheap to read: each state entry's keys and shapes."""
-    layout = []
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(chained, "optimizer", chained)
-        for group in getattr(inner, "param_groups", []):
-            for param in group["params"]:
-                state = inner.state.get(param, {})
-                layout.append(tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__) for k, v in sorted(state.items())))
-    return tuple(layout)
-
-
-def sharded_structure(state: dict) -> tuple:
-    """What megatron's save plan is made of: each sharded item's kind, key, place, shape and dtype."""
-    items = []
-    for value in nested_values(state):
-        if not isinstance(value, ShardedBase):
-            continue
-        data = getattr(value, "data", None)
-        shape = (tuple(data.shape), str(data.dtype)) if isinstance(data, torch.Tensor) else None
-        place = tuple(str(getattr(value, name, None)) for name in ("global_shape", "global_offset", "replica_id", "flattened_range"))
-        items.append((type(value).__name__, value.key, place, shape))
-    return tuple(items)
 
 
 def planned_writes(requests: list[AsyncRequest]) -> Callable[[], None] | None:
@@ -98,30 +72,6 @@ class ForkedSaves:
         save.blocked_seconds = time.monotonic() - save.started
         self._log(f"step {save.global_step}: returned after {save.blocked_seconds:.2f}s; {save.mode.value} runs in the background")
         return save
-
-    @property
-    def async_save_pending(self) -> bool:
-        """Whether a save's background write is still waiting for ``finalize_async_save``."""
-        return self._pending is not None
-
-    def finalize_async_save(self, blocking: bool = True) -> str | None:
-        """Complete the pending async save once its background write is durable; all ranks call this.
-
-        Returns the saved path; None when nothing was pending or, with ``blocking=False``, when the write is
-        still running. A failed write raises ``CheckpointError``.
-        """
-        save = self._pending
-        if save is None:
-            return None
-        with self._failure_reported(save):
-            try:
-                if not self._timed("background_wait", self._async_queue.maybe_finalize_async_calls, blocking):
-                    return None
-            finally:
-                if not self._async_queue.get_num_unfinalized_calls():
-                    self._pending = None
-        self._finish_save(save)
-        return save.local_path
 
     def _plans_are_reusable(self) -> bool:
         """Whether the fork can do the whole save: every plan reusable without a collective, same structure."""

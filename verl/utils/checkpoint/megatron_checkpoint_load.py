@@ -15,14 +15,13 @@ from megatron.core import parallel_state as mpu
 
 from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import not_implemented_unless_default
-from verl.utils.checkpoint.commit import current_parallel_layout
 from verl.utils.checkpoint.integrity import CheckpointError, read_saved_layout
 from verl.utils.checkpoint.megatron_optimizer_state import (
     initialize_distributed_optimizer_state,
     optimizer_state_from_loaded,
     restore_adam_steps,
 )
-from verl.utils.checkpoint.megatron_state_dicts import RANK_RNG_STATE_KEY
+from verl.utils.checkpoint.megatron_state_dicts import RANK_RNG_STATE_KEY, current_parallel_layout
 from verl.utils.megatron.dist_checkpointing import load_dist_checkpointing
 from verl.utils.megatron_utils import get_legacy_dist_checkpoint_path, get_legacy_hf_model_checkpoint_path
 

@@ -334,6 +334,30 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
             self._save_transformer_config(save.local_path)
         self._write_checkpoint_manifest(save.local_path, save.global_step)
 
+    @property
+    def async_save_pending(self) -> bool:
+        """Whether a save's background write is still waiting for ``finalize_async_save``."""
+        return self._pending is not None
+
+    def finalize_async_save(self, blocking: bool = True) -> str | None:
+        """Complete the pending async save once its background write is durable; all ranks call this.
+
+        Returns the saved path; None when nothing was pending or, with ``blocking=False``, when the write is
+        still running. A failed write raises ``CheckpointError``.
+        """
+        save = self._pending
+        if save is None:
+            return None
+        with self._failure_reported(save):
+            try:
+                if not self._timed("background_wait", self._async_queue.maybe_finalize_async_calls, blocking):
+                    return None
+            finally:
+                if not self._async_queue.get_num_unfinalized_calls():
+                    self._pending = None
+        self._finish_save(save)
+        return save.local_path
+
     @contextlib.contextmanager
     def _failure_reported(self, save: SaveReport) -> Iterator[None]:
         """Turn any failure of ``save`` into one CheckpointError that names the step and the cause."""

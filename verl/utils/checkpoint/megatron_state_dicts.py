@@ -14,7 +14,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor, apply_factories
 
 from verl.utils.checkpoint.checkpoint_manager import config_get
 from verl.utils.checkpoint.integrity import CheckpointError
@@ -44,6 +44,43 @@ def without_view_copies(state: dict) -> dict:
         own = data.untyped_storage()[start : start + nbytes]
         value.data = torch.empty(0, dtype=data.dtype).set_(own, 0, data.shape, data.stride())
     return state
+
+
+def optimizer_layout(optimizer) -> tuple:
+    """What the optimizer's sharded structure depends on, cheap to read: each state entry's keys and shapes."""
+    layout = []
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", chained)
+        for group in getattr(inner, "param_groups", []):
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                layout.append(tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__) for k, v in sorted(state.items())))
+    return tuple(layout)
+
+
+def sharded_structure(state: dict) -> tuple:
+    """What megatron's save plan is made of: each sharded item's kind, key, place, shape and dtype."""
+    items = []
+    for value in nested_values(state):
+        if not isinstance(value, ShardedBase):
+            continue
+        data = getattr(value, "data", None)
+        shape = (tuple(data.shape), str(data.dtype)) if isinstance(data, torch.Tensor) else None
+        place = tuple(str(getattr(value, name, None)) for name in ("global_shape", "global_offset", "replica_id", "flattened_range"))
+        items.append((type(value).__name__, value.key, place, shape))
+    return tuple(items)
+
+
+def current_parallel_layout() -> dict[str, int]:
+    """This process's world size and model-parallel sizes (a save's manifest records them; a load compares)."""
+    return {
+        "world_size": torch.distributed.get_world_size(),
+        "tp": mpu.get_tensor_model_parallel_world_size(),
+        "pp": mpu.get_pipeline_model_parallel_world_size(),
+        "ep": mpu.get_expert_model_parallel_world_size(),
+        "etp": mpu.get_expert_tensor_parallel_world_size(),
+        "cp": mpu.get_context_parallel_world_size(),
+    }
 
 
 class MegatronStateDicts:
