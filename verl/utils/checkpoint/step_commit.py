@@ -167,6 +167,7 @@ class StepCommit:
         files, contents = record[0]
         if self.spec.step_files or self.spec.track:
             with self._phase("tracker"):
+                torch.distributed.barrier()  # every rank got here: a rank lost now leaves the tracker where it was
                 if self._rank == 0:
                     self._write_step_files_and_tracker()
                 torch.distributed.barrier()
