@@ -112,7 +112,7 @@ class BaseCheckpointManager:
         raise NotImplementedError
 
     def on_save_phase(self, phase: str) -> None:
-        """Called as each save phase starts (by the manager and by the commit step): a hook for subclasses
+        """Called as each save phase starts (by the manager and, handed it as ``StepSpec.on_phase``, the step transaction): a hook for subclasses
         that observe saves (the crash-injection tests, the benchmark). Does nothing here."""
 
     @staticmethod

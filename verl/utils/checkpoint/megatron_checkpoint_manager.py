@@ -77,8 +77,8 @@ class AsyncMode(str, enum.Enum):
 class SaveReport:
     """What one save did: returned by ``save_checkpoint`` and kept as ``last_save``. ``phase_seconds`` holds the
     rank's time per phase (``dist_checkpoints``, ``hf_config``, ``hf_weights``, ``fork``, ``background_wait``,
-    ``metadata``, ``finite_check`` when the rank ran it; the commit step adds ``hf_verify`` and ``commit``,
-    ``MegatronActor`` its ``staging``, which precedes this call); ``blocked_seconds`` how long save_checkpoint
+    ``metadata``, ``finite_check`` when the rank ran it; saved through ``MegatronActor``, the step transaction's
+    ``staging``, ``hf_verify``, ``commit``, ``retention`` and ``tracker`` are added once it committed); ``blocked_seconds`` how long save_checkpoint
     held training; ``checked_in_background`` whether the fork ran the NaN/Inf check (an async save on the CPU
     runtime, where the fork sees the tensors), ``hf_weights_in_background`` whether it wrote the HF config and
     weights (that, and a bridge that saves in parallel)."""
