@@ -440,7 +440,7 @@ class MegatronGRPOTrainer:
         )
         save = {"step": step, "path": actor_path, "results": results, "blocked_s": time.monotonic() - start}
         if not results[0].get("pending"):
-            return self._commit_step(save, results[0]["committed"], bar)
+            return self._record_committed(save, results[0]["committed"], bar)
         self._pending = save
         if "console" in self.loggers:
             bar.write(
@@ -459,9 +459,9 @@ class MegatronGRPOTrainer:
             return None  # still writing
         save, self._pending = self._pending, None
         save["waited_s"] = time.monotonic() - start
-        return self._commit_step(save, finalized["committed"], bar)
+        return self._record_committed(save, finalized["committed"], bar)
 
-    def _commit_step(self, save: dict, committed: dict, bar) -> dict:
+    def _record_committed(self, save: dict, committed: dict, bar) -> dict:
         """The ranks' step transaction committed the step, wrote its data position and moved the tracker:
         record what it reports (it verified the HF export and built the manifest from these very files)."""
         step, actor_path, results = save["step"], save["path"], save["results"]
