@@ -309,3 +309,14 @@ def test_one_sync_save_enters_few_files_and_functions(tiny_dense_path, tmp_path)
     listing = "\n".join(f"{path}: {[q for p, q in entered if p == path]}" for path in files)
     assert len(files) <= MAX_FILES and len(entered) <= MAX_FUNCTIONS, f"{len(files)} files, {len(entered)} functions:\n{listing}"
     assert read_tracker(str(tmp_path)) == 1  # the save it measured is a whole, tracked step
+
+
+def test_the_transaction_imports_nothing_of_the_manager_nor_megatron():
+    import ast
+
+    with open(os.path.join(REPO, OWNER), encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    forbidden = [m for m in imported if m.startswith("megatron") or "checkpoint_manager" in m or "megatron" in m.rsplit(".", 1)[-1]]
+    assert imported and forbidden == []
