@@ -256,6 +256,8 @@ def _save(actor, step_dir: str, step: int, peak: PeakRSS) -> dict:
     """One timed save; on rank 0 also its phases and the bytes it wrote."""
     import torch
 
+    from verl.utils.checkpoint import layout
+
     gc.collect()
     torch.distributed.barrier()
     out = {"rss_before": rss_now()}
@@ -266,10 +268,8 @@ def _save(actor, step_dir: str, step: int, peak: PeakRSS) -> dict:
     if torch.distributed.get_rank() == 0:
         out["phases"] = dict(actor.checkpoint_manager.last_save.phase_seconds)  # the save's report, commit step included
         out["bytes"] = {
-            "model_dist_ckpt": tree_bytes(os.path.join(step_dir, "model", "dist_ckpt")),
-            "optimizer_dist_ckpt": tree_bytes(os.path.join(step_dir, "optimizer", "dist_ckpt")),
-            "extra_dist_ckpt": tree_bytes(os.path.join(step_dir, "extra", "dist_ckpt")),
-            "huggingface": tree_bytes(os.path.join(step_dir, "model", "huggingface")),
+            **{f"{content}_dist_ckpt": tree_bytes(layout.dist_path(step_dir, content)) for content in ("model", "optimizer", "extra")},
+            "huggingface": tree_bytes(layout.hf_path(step_dir)),
             "total": tree_bytes(step_dir),
         }
     return out

@@ -48,14 +48,6 @@ def _step_path(root: str, step: int) -> str:
     return os.path.join(root, f"global_step_{step}", "actor")
 
 
-def _write_tracker(root: str, step: int) -> None:
-    """As the trainer does: only once every rank has returned from the save."""
-    torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        atomic_write_text(get_checkpoint_tracker_filename(root), str(step))
-    torch.distributed.barrier()
-
-
 def _tracked(root: str) -> str:
     with open(get_checkpoint_tracker_filename(root)) as handle:
         return handle.read().strip()
@@ -64,8 +56,7 @@ def _tracked(root: str) -> str:
 def _save_first_step(src: str, root: str) -> None:
     actor = _actor(src)
     actor.train_step(_batches(0))
-    actor.save_checkpoint(_step_path(root, 1), global_step=1)
-    _write_tracker(root, 1)
+    actor.save_checkpoint(_step_path(root, 1), global_step=1, track=True)
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +106,7 @@ def _resume_then_crash(src: str, root: str, phase: str, mode: str) -> None:
     actor = _actor(src, manager_cls=_crashing_manager(phase, mode))
     actor.load_checkpoint(path)
     actor.train_step(_batches(1))
-    actor.save_checkpoint(_step_path(root, 2), global_step=2)
-    if phase == "tracker" and (mode == "all" or actor.checkpoint_manager.rank == 1):
-        os.kill(os.getpid(), signal.SIGKILL)
-    _write_tracker(root, 2)
+    actor.save_checkpoint(_step_path(root, 2), global_step=2, track=True)  # "tracker": killed as the transaction reaches it
 
 
 def _resume_and_continue(src: str, root: str, async_save: bool = False) -> tuple[str, list[str], float]:
@@ -126,9 +114,8 @@ def _resume_and_continue(src: str, root: str, async_save: bool = False) -> tuple
     actor = _actor(src, async_save=async_save)
     actor.load_checkpoint(path)
     loss = actor.train_step(_batches(1))["loss"]
-    actor.save_checkpoint(_step_path(root, 2), global_step=2)
+    actor.save_checkpoint(_step_path(root, 2), global_step=2, track=True)
     actor.finalize_checkpoint()  # a no-op after a synchronous save
-    _write_tracker(root, 2)
     return path, notes, loss
 
 
@@ -314,8 +301,7 @@ def _save_with_a_full_disk(src: str, root: str) -> str:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     torch.distributed.barrier()
     intact = os.path.exists(_step_path(root, 1)) and not os.path.exists(_step_path(root, 2))
-    actor.save_checkpoint(_step_path(root, 2), global_step=2)  # with space again, the next save succeeds
-    _write_tracker(root, 2)
+    actor.save_checkpoint(_step_path(root, 2), global_step=2, track=True)  # with space again, the next save succeeds
     return message, intact
 
 
@@ -354,9 +340,8 @@ def _save_steps_with_retention_from_one(src: str, root: str, resumed: bool = Fal
     seen = []
     for step in (2, 3):
         actor.train_step(_batches(step))
-        actor.save_checkpoint(_step_path(root, step), global_step=step, max_ckpt_to_keep=1)
+        actor.save_checkpoint(_step_path(root, step), global_step=step, max_ckpt_to_keep=1, track=True)
         seen.append(sorted(d for d in os.listdir(root) if d.startswith("global_step_")))
-        _write_tracker(root, step)
     return seen
 
 
@@ -604,9 +589,8 @@ def _save_with_a_non_finite_state(src: str, root: str, where: str, mode: str) ->
     if mode == "snapshot":
         for step in (2, 3):  # the plans, then their validation: the next save is the snapshot's
             actor.train_step(_batches(step))
-            actor.save_checkpoint(_step_path(root, step), global_step=step)
+            actor.save_checkpoint(_step_path(root, step), global_step=step, track=True)
             actor.finalize_checkpoint()
-            _write_tracker(root, step)
         step = 4
     actor.train_step(_batches(step))
     _poison(actor, where)
@@ -739,9 +723,8 @@ def _snapshot_save_whose_fork_dies(src: str, root: str) -> dict:
     actor.load_checkpoint(path)
     actor.train_step(_batches(1))
     for step in (2, 3):  # planned here: the first plan of this process, then its validation
-        actor.save_checkpoint(_step_path(root, step), global_step=step)
+        actor.save_checkpoint(_step_path(root, step), global_step=step, track=True)
         actor.finalize_checkpoint()
-        _write_tracker(root, step)
     actor.save_checkpoint(_step_path(root, 4), global_step=4)
     from_snapshot = actor.checkpoint_manager.last_save.mode is AsyncMode.SNAPSHOT
     actor.train_step(_batches(2))
@@ -800,11 +783,10 @@ def _async_save_whose_writer_dies(src: str, root: str, kill_at: int, pid_dir: st
         actor.train_step(_batches(step))
         start = time.monotonic()
         try:
-            actor.save_checkpoint(_step_path(root, step), global_step=step)
+            actor.save_checkpoint(_step_path(root, step), global_step=step, track=True)
             actor.finalize_checkpoint()
         except CheckpointError as exc:
             return {"step": step, "error": str(exc), "seconds": time.monotonic() - start}
-        _write_tracker(root, step)
     return {"step": None, "error": None}
 
 

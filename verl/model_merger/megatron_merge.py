@@ -23,6 +23,7 @@ from verl.utils.checkpoint.integrity import (
     read_saved_layout,
     verify_checkpoint,
 )
+from verl.utils.checkpoint.layout import HF_DIR
 
 STAGING_SUFFIX = ".merging"
 # Weight files (and their indexes) are never copied beside the ones this merge writes.
@@ -217,7 +218,7 @@ def merge_megatron_step(local_dir: str, target_dir: str, hf_model_path: str | No
     os.makedirs(staging)
     try:
         if model.get("format") == "huggingface":
-            source = _content_path(step, contents, "model", os.path.join("model", "huggingface"))
+            source = _content_path(step, contents, "model", HF_DIR)
             _progress(f"the model is already HF (use_dist_checkpointing=False): copying {source}")
             if hf_model_path:
                 _progress("note: --hf_model_path is not used, the step holds its own HF folder")
@@ -243,7 +244,7 @@ def merge_megatron_step(local_dir: str, target_dir: str, hf_model_path: str | No
 
 def _hf_config_dir(step: str, contents: dict, hf_model_path: str | None) -> str:
     """The step's own HF config folder (written with 'hf_model' or an HF model), else ``--hf_model_path``."""
-    own = _content_path(step, contents, "hf_config", os.path.join("model", "huggingface"))
+    own = _content_path(step, contents, "hf_config", HF_DIR)
     if _has_hf_config(own):
         if hf_model_path:
             _progress(f"note: --hf_model_path is not used, the step holds its own HF config ({own})")

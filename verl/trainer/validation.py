@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from verl.models.support import hf_config_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
-from verl.utils.checkpoint.names import STEP_DIR_RE
+from verl.utils.checkpoint.layout import CONTENTS_FILENAME, DATA_STATE_FILENAME, STEP_DIR_RE
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
 from verl.utils.tracking import BACKEND_PACKAGES
 from verl.utils.tracking import BACKENDS as LOGGER_BACKENDS
@@ -35,7 +35,6 @@ DEVICES = ("auto", "cpu", "cuda", "npu")
 # "a+b=" with single-digit operands (verl.utils.dataset.arithmetic; not imported: it pulls in torch).
 TASK_PROMPT_TOKENS = 4
 TASKS = ("add", "first")  # verl.utils.dataset.arithmetic.TASKS
-DATA_STATE_FILENAME = "data.pt"  # verl.trainer.ppo.ray_trainer.DATA_STATE_FILENAME
 # verl.trainer.ppo.core_algos.kl_penalty_types() (not imported: it pulls in torch): upstream's estimator names
 # and their straight-through "+" forms; upstream's "full" is not implemented (upstream raises for it too).
 KL_LOSS_TYPES = tuple(f"{name}{plus}" for plus in ("", "+") for name in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
@@ -238,7 +237,7 @@ def _check_resume(trainer: Any) -> list[str]:
         return [f"trainer.resume_from_path={path} is not a global_step_N directory; point it at one"]
     if not os.path.isdir(path):
         return [f"trainer.resume_from_path={path} does not exist; set trainer.resume_from_path to a saved global_step_N directory"]
-    if not os.path.isfile(os.path.join(path, "actor", "ckpt_contents.json")):
+    if not os.path.isfile(os.path.join(path, "actor", CONTENTS_FILENAME)):
         return [f"trainer.resume_from_path={path} holds no complete actor checkpoint (actor/ckpt_contents.json is missing: an interrupted save?); choose another step"]
     return []
 

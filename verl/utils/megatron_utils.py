@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from verl.utils.checkpoint.names import CONTENTS_FILENAME, TRANSFORMER_CONFIG_FILENAME
+from verl.utils.checkpoint import layout
 from verl.utils.device import get_device_id, get_device_name, get_torch_device
 from verl.utils.host_memory import malloc_trim
 from verl.utils.internals import torch as torch_internals
@@ -603,25 +603,10 @@ def describe_megatron_storages(models: Iterable, optimizers: Any = None) -> list
 
 
 # ---------------------------------------------------------------------------
-# Checkpoint layout (upstream verl's)
+# Checkpoint layout (upstream verl's helpers over ``verl.utils.checkpoint.layout``, which defines the names)
 # ---------------------------------------------------------------------------
 #
-#     <checkpoint_path>/
-#         ckpt_contents.json          the contents file: what was saved and where
-#         transformer_config.json     written by rank 0
-#         model/
-#             huggingface/            HF config, tokenizer and weights (mbridge)
-#             dist_ckpt/              Megatron sharded model state
-#         optimizer/dist_ckpt/        optimizer state + lr scheduler
-#         extra/dist_ckpt/            RNG state
-#
 # Like upstream, each directory helper creates the directory it names; none checks its contents.
-
-_MODEL_SUBDIR = "model"
-_OPTIMIZER_SUBDIR = "optimizer"
-_EXTRA_SUBDIR = "extra"
-_DIST_CKPT_SUBDIR = "dist_ckpt"
-_HUGGINGFACE_SUBDIR = "huggingface"
 
 
 def _subdir(*parts: str) -> str:
@@ -632,57 +617,57 @@ def _subdir(*parts: str) -> str:
 
 def get_model_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/model``."""
-    return _subdir(checkpoint_path, _MODEL_SUBDIR)
+    return _subdir(checkpoint_path, layout.MODEL_DIR)
 
 
 def get_optimizer_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/optimizer``."""
-    return _subdir(checkpoint_path, _OPTIMIZER_SUBDIR)
+    return _subdir(checkpoint_path, layout.OPTIMIZER_DIR)
 
 
 def get_extra_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/extra``."""
-    return _subdir(checkpoint_path, _EXTRA_SUBDIR)
+    return _subdir(checkpoint_path, layout.EXTRA_DIR)
 
 
 def get_model_dist_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/model/dist_ckpt``: Megatron sharded model state."""
-    return _subdir(get_model_checkpoint_path(checkpoint_path), _DIST_CKPT_SUBDIR)
+    return _subdir(get_model_checkpoint_path(checkpoint_path), layout.DIST_CKPT_DIRNAME)
 
 
 def get_optimizer_dist_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/optimizer/dist_ckpt``: optimizer state and lr scheduler."""
-    return _subdir(get_optimizer_checkpoint_path(checkpoint_path), _DIST_CKPT_SUBDIR)
+    return _subdir(get_optimizer_checkpoint_path(checkpoint_path), layout.DIST_CKPT_DIRNAME)
 
 
 def get_extra_dist_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/extra/dist_ckpt``: RNG state."""
-    return _subdir(get_extra_checkpoint_path(checkpoint_path), _DIST_CKPT_SUBDIR)
+    return _subdir(get_extra_checkpoint_path(checkpoint_path), layout.DIST_CKPT_DIRNAME)
 
 
 def get_hf_model_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/model/huggingface``: HF config, tokenizer and weights."""
-    return _subdir(get_model_checkpoint_path(checkpoint_path), _HUGGINGFACE_SUBDIR)
+    return _subdir(get_model_checkpoint_path(checkpoint_path), layout.HF_DIRNAME)
 
 
 def get_transformer_config_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/transformer_config.json`` (the checkpoint directory is created)."""
-    return os.path.join(_subdir(checkpoint_path), TRANSFORMER_CONFIG_FILENAME)
+    return os.path.join(_subdir(checkpoint_path), layout.TRANSFORMER_CONFIG_FILENAME)
 
 
 def get_checkpoint_contents_manifest_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/ckpt_contents.json``, the contents file (the checkpoint directory is created)."""
-    return os.path.join(_subdir(checkpoint_path), CONTENTS_FILENAME)
+    return os.path.join(_subdir(checkpoint_path), layout.CONTENTS_FILENAME)
 
 
 def get_legacy_dist_checkpoint_path(checkpoint_path: str) -> str:
     """Pre-v2 layout ``<checkpoint_path>/dist_ckpt``; for detecting old checkpoints only (not created)."""
-    return os.path.join(checkpoint_path, _DIST_CKPT_SUBDIR)
+    return os.path.join(checkpoint_path, layout.DIST_CKPT_DIRNAME)
 
 
 def get_legacy_hf_model_checkpoint_path(checkpoint_path: str) -> str:
     """Pre-v2 layout ``<checkpoint_path>/huggingface``; for detecting old checkpoints only (not created)."""
-    return os.path.join(checkpoint_path, _HUGGINGFACE_SUBDIR)
+    return os.path.join(checkpoint_path, layout.HF_DIRNAME)
 
 
 def get_dist_checkpoint_path(checkpoint_path: str) -> str:

@@ -7,10 +7,7 @@ initialised on the rank (``ParallelSizes.initialize_megatron``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,8 +16,10 @@ from verl.models.mcore import load_hf_config, make_bridge
 from verl.models.mcore.forward import compute_log_probs, forward_logits, train_step
 from verl.models.mcore.model import build_megatron_model
 from verl.utils.checkpoint import commit, finite
-from verl.utils.checkpoint.integrity import CheckpointError
+from verl.utils.checkpoint.checkpoint_manager import config_get
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout
+from verl.utils.checkpoint.step_commit import CommittedStep, StepCommit, StepSpec
 from verl.utils.host_memory import release_free_heap
 from verl.utils.megatron.optimizer import (
     get_megatron_optimizer,
@@ -100,7 +99,8 @@ class MegatronActor:
             use_dist_checkpointing=settings.use_dist_checkpointing,
             bridge=wrap_bridge(self.bridge) if wrap_bridge is not None else self.bridge,
         )
-        self._uncommitted: tuple[str, int, int | None] | None = None  # (step path, step, max_ckpt_to_keep)
+        self._pending: StepCommit | None = None  # the async save's transaction, until finalize_checkpoint commits it
+        self.last_committed: CommittedStep | None = None  # the record of the latest committed save
 
     def _build_optimizer(self, settings: ActorSettings) -> tuple:
         """Through upstream's three helpers from the typed optim config, or from the plain settings."""
@@ -127,52 +127,78 @@ class MegatronActor:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return forward_logits(self.model, tokens)
 
-    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> bool:
-        """Save the step: the manager writes its parts into a staging directory, the commit step makes it
-        ``local_path``. With async_save the write goes on in the background and this returns True: the step is
-        committed by ``finalize_checkpoint``. A failed save raises and leaves every committed step as it was."""
+    def save_checkpoint(
+        self,
+        local_path: str,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+        step_files: dict[str, bytes] | None = None,
+        track: bool = False,
+    ) -> bool:
+        """Save the step: the manager writes its parts into the step transaction's staging directory, the
+        transaction commits them as ``local_path`` (``verl.utils.checkpoint.step_commit``). ``step_files`` (name ->
+        bytes, beside ``local_path``'s directory) and, with ``track``, the tracker follow the commit. With
+        async_save the write goes on in the background and this returns True: ``finalize_checkpoint`` commits.
+        A failed save raises and leaves every committed step as it was. The record: ``last_committed``."""
         self.finalize_checkpoint(blocking=True)  # one save in flight at a time
-        start = time.monotonic()
-        staging = commit.prepare_staging(local_path)
-        staged = time.monotonic()
-        with self._discarding_on_failure(local_path):
-            report = self.checkpoint_manager.save_checkpoint(staging, global_step=global_step)
-        report.phase_seconds["staging"] = staged - start  # the phase before the manager's
-        self._uncommitted = (local_path, global_step, max_ckpt_to_keep)
-        if self.checkpoint_manager.async_save_pending:
+        manager = self.checkpoint_manager
+        transaction = StepCommit(local_path, global_step, self._step_spec(max_ckpt_to_keep, step_files or {}, track))
+        with transaction as staging:
+            manager.save_checkpoint(staging, global_step=global_step)
+            if manager.async_save_pending:
+                transaction.defer()
+        if transaction.deferred:
+            self._pending = transaction
             return True
-        self._commit()
+        self._committed(transaction.committed)
         return False
 
     def finalize_checkpoint(self, blocking: bool = True) -> str | None:
         """Commit a pending async save once its background write is durable; the committed path, or None when
         nothing was pending (or, with ``blocking=False``, the write is still running)."""
-        if self._uncommitted is None:
+        transaction = self._pending
+        if transaction is None:
             return None
-        with self._discarding_on_failure(self._uncommitted[0]):
-            if self.checkpoint_manager.async_save_pending and self.checkpoint_manager.finalize_async_save(blocking=blocking) is None:
-                return None
-        return self._commit()
-
-    def _commit(self) -> str:
-        local_path, global_step, max_ckpt_to_keep = self._uncommitted
-        self._uncommitted = None
-        with self._discarding_on_failure(local_path):
-            return commit.commit_checkpoint(self.checkpoint_manager, local_path, global_step, max_ckpt_to_keep)
-
-    @contextlib.contextmanager
-    def _discarding_on_failure(self, local_path: str) -> Iterator[None]:
+        manager = self.checkpoint_manager
         try:
-            yield
-        except CheckpointError as exc:
-            self._uncommitted = None
-            commit.discard_staging(local_path)
-            # the same class (e.g. HFCheckpointIncompleteError), so callers can still tell the failures apart
-            raise type(exc)(f"{exc}. Nothing was committed; the previous checkpoint and the tracker are unchanged.") from exc
+            # the manager's own finalize, unless a direct call to it completed the write already
+            committed = transaction.finalize(lambda b: manager.finalize_async_save(b) if manager.async_save_pending else True, blocking)
         except BaseException:
-            self._uncommitted = None
-            commit.discard_staging(local_path)
+            self._pending = None
             raise
+        if committed is None:
+            return None
+        self._pending = None
+        return self._committed(committed).path
+
+    def _step_spec(self, max_ckpt_to_keep: int | None, step_files: dict[str, bytes], track: bool) -> StepSpec:
+        """What the step transaction is told of this save: the manager's contents and hooks, made explicit."""
+        manager = self.checkpoint_manager
+
+        def sealed() -> dict[str, str]:
+            sealer = manager.last_save.sealer if manager.last_save is not None else None
+            return sealer.results() if sealer is not None else {}
+
+        return StepSpec(
+            role=manager.role,
+            hf_config=manager.hf_config if manager.should_save_hf_model else None,
+            strict_hf_verify=bool(config_get(manager.checkpoint_config, "strict_hf_verify", True)),
+            parallel=current_parallel_layout(),
+            use_distributed_optimizer=manager.use_distributed_optimizer,
+            sealed=sealed,
+            retention=manager,
+            max_ckpt_to_keep=max_ckpt_to_keep,
+            step_files=step_files,
+            track=track,
+            on_phase=manager.on_save_phase,
+        )
+
+    def _committed(self, committed: CommittedStep) -> CommittedStep:
+        """Keep the record; the manager's save report gets the transaction's phases (one report per save)."""
+        self.last_committed = committed
+        if self.checkpoint_manager.last_save is not None:
+            self.checkpoint_manager.last_save.phase_seconds.update(committed.phase_seconds)
+        return committed
 
     def load_checkpoint(self, local_path: str) -> None:
         """Check the step (every rank fails together, before anything loads), then load it."""

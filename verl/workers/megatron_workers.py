@@ -16,6 +16,7 @@ reference follows ``ref.megatron.param_offload`` the same way around ``compute_r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 
@@ -321,7 +322,13 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(
-        self, checkpoint_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None
+        self,
+        checkpoint_path: str,
+        hdfs_path: str | None = None,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+        step_files: dict[str, bytes] | None = None,
+        track: bool = False,
     ) -> dict:
         """Save this rank's part of ``checkpoint_path`` (``<default_local_dir>/global_step_N/actor``).
 
@@ -329,7 +336,8 @@ class ActorRolloutRefWorker(MegatronWorker):
         whose ``param_data`` is None, i.e. use_distributed_optimizer=False), bring offloaded weights back,
         save through the checkpoint manager, and offload again when param_offload is on.
         With ``checkpoint.async_save`` the result's ``pending`` is True: the step is committed only by
-        ``finalize_checkpoint``, which the trainer calls before it writes the tracker.
+        ``finalize_checkpoint``. ``step_files`` / ``track``: the driver's files of the step and the tracker, which
+        the step transaction writes after the commit; ``committed`` is its record (None while pending).
         """
         from verl.utils.megatron_utils import (
             get_megatron_module_device,
@@ -353,7 +361,9 @@ class ActorRolloutRefWorker(MegatronWorker):
             load_megatron_optimizer(self.actor.optimizer)
         start = time.monotonic()
         try:
-            pending = self.actor.save_checkpoint(checkpoint_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep)
+            pending = self.actor.save_checkpoint(
+                checkpoint_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep, step_files=step_files, track=track
+            )
         finally:
             if self._is_offload_param:
                 offload_megatron_model_to_cpu(model, offload_grad=self._is_offload_grad)
@@ -366,6 +376,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             "param_offloaded_after": is_megatron_module_offloaded(model),
             "seconds": time.monotonic() - start,
             "pending": pending,
+            "committed": None if pending else dataclasses.asdict(self.actor.last_committed),
         }
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -381,6 +392,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         return {
             "rank": self.rank,
             "path": path,
+            "committed": dataclasses.asdict(self.actor.last_committed) if path is not None else None,
             "pending": self.actor.checkpoint_manager.async_save_pending,
             "seconds": time.monotonic() - start,
         }

@@ -18,9 +18,10 @@ One step (``MegatronGRPOTrainer.fit``):
 5. ``update_actor``: the PPO-clip loss (plus ``kl_loss_coef`` x the KL to the reference, minus
    ``entropy_coeff`` x the entropy) through Megatron's pipeline, optimizer step;
 6. every ``trainer.save_freq`` steps, at the last, and (as upstream) once a capacity block's end is nearer than the
-   longest step so far + 60 s + ``trainer.esi_redundant_time`` (``should_save_ckpt_esi``), the workers save ``global_step_N/actor``; the
-   driver writes ``global_step_N/data.pt`` (the prompt sampler's position), checks the step on disk and
-   only then writes ``latest_checkpointed_iteration.txt``. A crash before that leaves the previous step tracked.
+   longest step so far + 60 s + ``trainer.esi_redundant_time`` (``should_save_ckpt_esi``), the workers save ``global_step_N/actor``
+   through their step transaction (``verl.utils.checkpoint.step_commit``), which the driver hands
+   ``global_step_N/data.pt`` (the prompt sampler's position): it commits the step, then writes data.pt, and
+   only then ``latest_checkpointed_iteration.txt``. A crash before that leaves the previous step tracked.
    With ``checkpoint.async_save`` training goes on while the ranks write the dist checkpoint; after every
    step the driver asks whether the write is durable and then commits and tracks the step (at the latest
    before the next save and at the end of the run).
@@ -33,6 +34,7 @@ With ``data.val_files`` the run validates before the first step (``trainer.val_b
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 import time
@@ -46,10 +48,9 @@ from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitA
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.trainer.ppo.log_prob_parity import check_log_prob_parity, log_prob_gaps, max_log_prob_diff
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, should_save_ckpt_esi
-from verl.utils.checkpoint.names import STEP_DIR_FORMAT
+from verl.utils.checkpoint.layout import DATA_STATE_FILENAME, STEP_DIR_FORMAT
 from verl.utils.dataset.arithmetic import PromptSampler
 from verl.utils.dataset.rl_dataset import left_pad, left_pad_attention_mask
-from verl.utils.fs import atomic_open, atomic_write_text
 from verl.utils.reward_score import default_compute_score
 from verl.utils.tracking import Tracking
 from verl.workers.config import MegatronActorConfigs, build_megatron_actor_configs
@@ -57,7 +58,6 @@ from verl.workers.megatron_workers import ActorRolloutRefWorker
 
 METRICS_FILENAME = "metrics.jsonl"
 REWARD_PLOT_FILENAME = "reward_curve.png"
-DATA_STATE_FILENAME = "data.pt"
 
 
 def sampling_seed(data_seed: int, step: int, dp_rank: int) -> int:
@@ -434,11 +434,13 @@ class MegatronGRPOTrainer:
         actor_path = os.path.join(self._step_dir(step), "actor")
         start = time.monotonic()
         keep = self.config.trainer.max_actor_ckpt_to_keep
-        results = self.actor_rollout_wg.save_checkpoint(actor_path, global_step=step, max_ckpt_to_keep=keep)
-        save = {"step": step, "path": actor_path, "data": self.sampler.state_dict(), "results": results,
-                "blocked_s": time.monotonic() - start}  # fmt: skip
+        # the data position and the tracker go through the ranks' step transaction, after the commit
+        results = self.actor_rollout_wg.save_checkpoint(
+            actor_path, global_step=step, max_ckpt_to_keep=keep, step_files={DATA_STATE_FILENAME: _as_bytes(self.sampler.state_dict())}, track=True
+        )
+        save = {"step": step, "path": actor_path, "results": results, "blocked_s": time.monotonic() - start}
         if not results[0].get("pending"):
-            return self._commit_step(save, bar)
+            return self._record_committed(save, results[0]["committed"], bar)
         self._pending = save
         if "console" in self.loggers:
             bar.write(
@@ -452,20 +454,20 @@ class MegatronGRPOTrainer:
         if self._pending is None:
             return None
         start = time.monotonic()
-        if self.actor_rollout_wg.finalize_checkpoint(blocking=blocking)[0]["path"] is None:
+        finalized = self.actor_rollout_wg.finalize_checkpoint(blocking=blocking)[0]
+        if finalized["path"] is None:
             return None  # still writing
         save, self._pending = self._pending, None
         save["waited_s"] = time.monotonic() - start
-        return self._commit_step(save, bar)
+        return self._record_committed(save, finalized["committed"], bar)
 
-    def _commit_step(self, save: dict, bar) -> dict:
-        """The step is on disk on every rank: verify it, write its data position, then move the tracker."""
+    def _record_committed(self, save: dict, committed: dict, bar) -> dict:
+        """The ranks' step transaction committed the step, wrote its data position and moved the tracker:
+        record what it reports (it verified the HF export and built the manifest from these very files)."""
         step, actor_path, results = save["step"], save["path"], save["results"]
-        verified = verify_saved_step(actor_path)
-        with atomic_open(os.path.join(self._step_dir(step), DATA_STATE_FILENAME), "wb") as handle:
-            torch.save(save["data"], handle)
-        # Every rank returned, the step checks out and the data position is on disk: only now does the tracker move.
-        atomic_write_text(get_checkpoint_tracker_filename(self.default_local_dir), str(step))
+        verified = {"files": len(committed["files"]), "contents": list(committed["contents"] or [])}
+        if committed["hf_tensors"] is not None:
+            verified["hf"] = f"all {committed['hf_tensors']} tensors present with the expected shapes"
         record = {
             "path": actor_path,
             "save_time_s": round(save["blocked_s"], 3),
@@ -485,7 +487,7 @@ class MegatronGRPOTrainer:
         if "console" in self.loggers:
             bar.write(
                 f"[trainer] {how} step {step} (training blocked {save['blocked_s']:.1f}s) -> {actor_path}\n"
-                f"[trainer]   verified: {verified['files']} files match the manifest; contents {verified['contents']}"
+                f"[trainer]   committed: {verified['files']} files in the manifest; contents {verified['contents']}"
                 + (f"; HF export: {verified['hf']}" if verified.get("hf") else "")
                 + offload
                 + f"\n[trainer]   tracker {get_checkpoint_tracker_filename(self.default_local_dir)} -> {step}"
@@ -589,22 +591,8 @@ def _step_line(metrics: dict, total: int) -> str:
     )
 
 
-def verify_saved_step(actor_path: str) -> dict:
-    """Check a saved step from the driver (independently of the ranks that wrote it): every file the manifest
-    lists with its size, ``ckpt_contents.json``, and an HF export holding every tensor the HF config implies.
-    Not the checksums: the commit step computed them from these very bytes a moment ago, so a second read
-    proves nothing new (a resume checks them). Raises ``CheckpointError`` otherwise."""
-    from verl.utils.checkpoint.integrity import (
-        holds_hf_weights,
-        read_ckpt_contents,
-        read_manifest,
-        verify_manifest,
-        verify_step_hf_export,
-    )
-
-    contents = read_ckpt_contents(actor_path)
-    verify_manifest(actor_path, checksums=False)
-    result = {"files": len(read_manifest(actor_path)["files"]), "contents": contents["save_contents"]}
-    if holds_hf_weights(contents):  # 'hf_model', or 'model' kept as HF (use_dist_checkpointing=False)
-        result["hf"] = f"all {verify_step_hf_export(actor_path)} tensors present with the expected shapes"
-    return result
+def _as_bytes(state: dict) -> bytes:
+    """``torch.save`` of ``state`` (the prompt sampler's position), as the bytes of ``data.pt``."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()

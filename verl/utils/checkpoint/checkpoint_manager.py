@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl.utils.checkpoint.names import STEP_DIR_FORMAT, STEP_DIR_RE, TRACKER_FILENAME
+from verl.utils.checkpoint.layout import STEP_DIR_FORMAT, STEP_DIR_RE, tracker_path
 from verl.utils.device import get_device_name, get_torch_device
 
 ALL_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -40,6 +40,16 @@ def _contents(checkpoint_config: Any, key: str) -> list[str]:
     if unknown:
         raise ValueError(f"checkpoint.{key} has unknown entries {unknown}; allowed: {list(ALL_CONTENTS)}")
     return contents
+
+
+def not_implemented_unless_default(**given: Any) -> None:
+    """Upstream options this overlay does not implement: refuse anything but their default, by name."""
+    for name, value in given.items():
+        if value is not None and value is not False:
+            raise NotImplementedError(
+                f"MegatronCheckpointManager: {name}={value!r} is not supported by this overlay (PEFT, Megatron-FSDP, "
+                f"Megatron-Bridge providers and HDFS copies are upstream-only); leave {name} at its default"
+            )
 
 
 class BaseCheckpointManager:
@@ -102,7 +112,7 @@ class BaseCheckpointManager:
         raise NotImplementedError
 
     def on_save_phase(self, phase: str) -> None:
-        """Called as each save phase starts (by the manager and by the commit step): a hook for subclasses
+        """Called as each save phase starts (by the manager and, handed it as ``StepSpec.on_phase``, the step transaction): a hook for subclasses
         that observe saves (the crash-injection tests, the benchmark). Does nothing here."""
 
     @staticmethod
@@ -176,7 +186,7 @@ def _is_tracked_step(step_path: str) -> bool:
 
 def get_checkpoint_tracker_filename(root_path: str) -> str:
     """``<default_local_dir>/latest_checkpointed_iteration.txt``: the step a resume loads."""
-    return os.path.join(root_path, TRACKER_FILENAME)
+    return tracker_path(root_path)
 
 
 MAX_STEP_DIGITS = 18  # any step a run reaches; fits an int64

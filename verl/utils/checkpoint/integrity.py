@@ -20,13 +20,19 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs, read_tracker
-from verl.utils.checkpoint.names import CONTENTS_FILENAME, STEP_DIR_FORMAT, STEP_DIR_RE, TRANSFORMER_CONFIG_FILENAME
+from verl.utils.checkpoint.layout import (  # the manifest, mark and staging names are also imported from here
+    COMMIT_MARK_FILENAME,
+    CONTENTS_FILENAME,
+    MANIFEST_FILENAME,
+    STAGING_SUFFIX,
+    STEP_DIR_FORMAT,
+    STEP_DIR_RE,
+    TRANSFORMER_CONFIG_FILENAME,
+    hf_path,
+)
 from verl.utils.fs import fsync_path
 from verl.utils.megatron.layer_pattern import megatron_moe_layers
 
-MANIFEST_FILENAME = "manifest.json"
-COMMIT_MARK_FILENAME = "committed.json"  # our commit step's mark: a step with it must have a whole manifest
-STAGING_SUFFIX = ".incomplete"
 FORMAT_VERSION = 2  # each file's size and content checksum (1, sizes only, is refused: it cannot vouch for bytes)
 _CHECKSUM_RE = re.compile(r"crc32:[0-9a-f]{8}")
 _CHECKSUM_CHUNK = 8 << 20
@@ -362,7 +368,7 @@ def verify_step_hf_export(step_path: str, hf_config=None) -> int:
     shapes; returns how many. Raises CheckpointError naming what is missing or wrong."""
     from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
 
-    report = verify_hf_checkpoint(os.path.join(step_path, "model", "huggingface"), hf_config)
+    report = verify_hf_checkpoint(hf_path(step_path), hf_config)
     if not report.ok:
         raise CheckpointError(report.describe())
     return report.expected

@@ -1,9 +1,9 @@
 """Checksums and fsync of a step's files, started as soon as the files are complete and spread over the ranks.
 
-The commit step needs every file's CRC-32 (the manifest) and every file durable (before the rename). Done by
+The step transaction needs every file's CRC-32 (the manifest) and every file durable (before the rename). Done by
 rank 0 at the end, that is one more pass over the whole step on one rank. A ``Sealer`` instead takes each
 rank's share of the files a phase just finished (the dist checkpoints, while the HF export still runs) and
-hashes and fsyncs them in background threads (zlib and fsync release the GIL); the commit step gathers the
+hashes and fsyncs them in background threads (zlib and fsync release the GIL); the step transaction gathers the
 shares and hashes only what is left.
 """
 
@@ -50,6 +50,6 @@ class Sealer:
 
     def results(self) -> dict[str, str]:
         """Relative path -> checksum of every file given to ``seal`` that could be read; one that could not is
-        left out (the commit step then hashes it itself, and reports it if it is gone)."""
+        left out (the step transaction then hashes it itself, and reports it if it is gone)."""
         self._pool.shutdown(wait=True)
         return {relpath: future.result() for relpath, future in self._pending.items() if future.exception() is None}

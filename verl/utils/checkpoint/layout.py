@@ -1,0 +1,80 @@
+"""Every name and relative path of a saved step, defined once: the on-disk layout as data.
+
+Pure and torch-free on purpose: the config checks, the driver's run control and the model merger read
+tracker and step directories before any rank starts. Nothing here creates a directory; upstream verl's
+``get_*_path`` helpers (``verl.utils.megatron_utils``) are the creating wrappers over these names.
+
+    <root>/                                  trainer.default_local_dir
+        latest_checkpointed_iteration.txt    the tracker: the step a resume loads
+        global_step_N/
+            data.pt                          the prompt sampler's position (the driver's)
+            actor/                           one role's directory (``actor.incomplete`` while staged)
+                committed.json  manifest.json
+                ckpt_contents.json  transformer_config.json
+                model/huggingface/  model/dist_ckpt/  optimizer/dist_ckpt/  extra/dist_ckpt/
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+# Upstream verl's tracker (``get_checkpoint_tracker_filename``): the step a resume loads.
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+# One directory per saved step under ``trainer.default_local_dir``: ``global_step_N``.
+STEP_DIR_FORMAT = "global_step_{}"
+STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
+# The driver's file beside the roles' directories: the prompt sampler's position.
+DATA_STATE_FILENAME = "data.pt"
+
+# A role's directory while its parts are written, and an older copy of the step while it is replaced.
+STAGING_SUFFIX = ".incomplete"
+SUPERSEDED_SUFFIX = ".superseded"
+# Ours, written by the step transaction: the commit mark, then the manifest of every other file.
+COMMIT_MARK_FILENAME = "committed.json"
+MANIFEST_FILENAME = "manifest.json"
+# Upstream verl's files in a role's directory: the contents file (``get_checkpoint_contents_manifest_path``:
+# what was saved, where, in which format) and the model's TransformerConfig.
+CONTENTS_FILENAME = "ckpt_contents.json"
+TRANSFORMER_CONFIG_FILENAME = "transformer_config.json"
+
+# Upstream's v2 content directories, relative to a role's directory.
+MODEL_DIR = "model"
+OPTIMIZER_DIR = "optimizer"
+EXTRA_DIR = "extra"
+DIST_CKPT_DIRNAME = "dist_ckpt"
+HF_DIRNAME = "huggingface"
+HF_DIR = f"{MODEL_DIR}/{HF_DIRNAME}"  # HF config, tokenizer and weights (the bridge's)
+DIST_CKPT_DIRS = {content: f"{content}/{DIST_CKPT_DIRNAME}" for content in (MODEL_DIR, OPTIMIZER_DIR, EXTRA_DIR)}
+# The HF safetensors index: written by the parallel HF export, read by the HF completeness check.
+INDEX_FILENAME = "model.safetensors.index.json"
+
+
+def step_dir(root: str, step: int) -> str:
+    """``<root>/global_step_<step>``."""
+    return os.path.join(root, STEP_DIR_FORMAT.format(step))
+
+
+def role_dir(root: str, step: int, role: str) -> str:
+    """``<root>/global_step_<step>/<role>``: where one role's committed step lies."""
+    return os.path.join(step_dir(root, step), role)
+
+
+def tracker_path(root: str) -> str:
+    """``<root>/latest_checkpointed_iteration.txt``."""
+    return os.path.join(root, TRACKER_FILENAME)
+
+
+def staging_path(role_path: str) -> str:
+    """Where the parts of ``role_path`` are written before the commit renames them into place."""
+    return role_path.rstrip("/") + STAGING_SUFFIX
+
+
+def hf_path(role_path: str) -> str:
+    """``<role_path>/model/huggingface``."""
+    return os.path.join(role_path, HF_DIR)
+
+
+def dist_path(role_path: str, content: str) -> str:
+    """``<role_path>/<content>/dist_ckpt`` for content ``model``, ``optimizer`` or ``extra``."""
+    return os.path.join(role_path, DIST_CKPT_DIRS[content])

@@ -1,0 +1,165 @@
+"""How ``MegatronCheckpointManager`` loads a step (upstream's v2 layout): model, optimizer + LR schedule, RNG.
+
+The integrity checks come before, on every rank together (``verl.utils.checkpoint.commit.check_before_load``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as mpu
+
+from verl.utils.checkpoint import layout
+from verl.utils.checkpoint.checkpoint_manager import not_implemented_unless_default
+from verl.utils.checkpoint.integrity import CheckpointError, read_saved_layout
+from verl.utils.checkpoint.megatron_optimizer_state import (
+    initialize_distributed_optimizer_state,
+    optimizer_state_from_loaded,
+    restore_adam_steps,
+)
+from verl.utils.checkpoint.megatron_state_dicts import RANK_RNG_STATE_KEY, current_parallel_layout
+from verl.utils.megatron.dist_checkpointing import load_dist_checkpointing
+from verl.utils.megatron_utils import get_legacy_dist_checkpoint_path, get_legacy_hf_model_checkpoint_path
+
+
+class MegatronLoads:
+    """The manager's load methods (a mixin over its model, optimizer, scheduler, bridge and builders)."""
+
+    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False):
+        """Load the contents ``load_contents`` names from the step at ``local_path`` (upstream's v2 layout).
+
+        The model comes from the HF folder through the bridge (use_dist_checkpointing=False) or from
+        ``model/dist_ckpt``; the optimizer, LR scheduler and RNG from their dist checkpoints. Integrity checks
+        of our own (manifest, HF completeness, model identity) belong before this call:
+        ``verl.utils.checkpoint.commit.check_before_load``.
+        """
+        not_implemented_unless_default(hdfs_path=hdfs_path, del_local_after_load=del_local_after_load)
+        self.finalize_async_save(blocking=True)  # a pending save is of the state about to be replaced
+        if not os.path.isdir(local_path):
+            raise FileNotFoundError(f"checkpoint {local_path} does not exist (or is not a directory)")
+        self._raise_for_old_layout(local_path)
+        start = time.monotonic()
+        metadata = self._load_content_metadata(local_path)
+        if self.should_load_dist_ckpt_model:
+            self._load_model_from_dist_checkpoint(local_path, self._build_model_sharded_state_dict(metadata))
+        elif self.should_load_hf_model:
+            self._load_model_as_hf_via_bridge(layout.hf_path(local_path))
+        if self.should_load_optimizer:  # mapped onto the model's shards as they are now, after its load
+            self._load_optimizer(local_path, self._build_model_sharded_state_dict(metadata), metadata)
+        if self.should_load_extra:
+            self._load_extra(local_path)
+        torch.distributed.barrier()
+        self._log(f"loaded {local_path} ({', '.join(self.checkpoint_load_contents)}) in {time.monotonic() - start:.1f}s")
+
+    @staticmethod
+    def _has_checkpoint_files(path: str) -> bool:
+        return os.path.isdir(path) and any(os.scandir(path))
+
+    @classmethod
+    def _raise_for_old_layout(cls, local_path: str) -> None:
+        """A step of the layout before model/, optimizer/ and extra/ were split cannot load here: say how to migrate."""
+        if any(os.path.isdir(os.path.join(local_path, sub)) for sub in ("model", "optimizer", "extra")):
+            return
+        for legacy in (get_legacy_dist_checkpoint_path(local_path), get_legacy_hf_model_checkpoint_path(local_path)):
+            if cls._has_checkpoint_files(legacy):
+                raise RuntimeError(
+                    f"{local_path} has the deprecated Megatron checkpoint layout ({os.path.basename(legacy)}/ at its top "
+                    "level); this loader reads model/, optimizer/ and extra/ subdirectories. Convert it with upstream "
+                    "verl's scripts/migrate_megatron_checkpoint_layout.py, or load a checkpoint saved since."
+                )
+
+    def _load_content_metadata(self, local_path: str) -> dict:
+        """The content metadata the step was saved with (what its optimizer state's layout depends on)."""
+        for content in layout.DIST_CKPT_DIRS:
+            path = layout.dist_path(local_path, content)
+            if self._has_checkpoint_files(path):
+                saved = dist_checkpointing.load_content_metadata(checkpoint_dir=path)
+                if saved is not None:
+                    return saved
+                break
+        return self._build_sharded_state_dict_metadata()
+
+    def _load_model_from_dist_checkpoint(self, local_path: str, model_state: dict) -> None:
+        path = layout.dist_path(local_path, "model")
+        loaded = load_dist_checkpointing(sharded_state_dict=dict(model_state), ckpt_dir=path)
+        for index, chunk in enumerate(self.model):
+            key = "model" if len(self.model) == 1 else f"model{index}"
+            if key not in loaded:
+                raise CheckpointError(f"{path} holds no '{key}' state (saved with use_dist_checkpointing=False?)")
+            if len(self.model) > 1:
+                mpu.set_virtual_pipeline_model_parallel_rank(index)
+            chunk.load_state_dict(loaded[key])
+
+    def _load_model_as_hf_via_bridge(self, hf_model_path: str) -> None:
+        self.bridge.load_weights(self.model, hf_model_path)
+
+    def _load_optimizer(self, local_path: str, model_state: dict, metadata: dict) -> None:
+        path = layout.dist_path(local_path, "optimizer")
+        built_bounds = [(group.get("max_lr"), group.get("min_lr")) for group in self.optimizer.param_groups]
+        if self.use_distributed_optimizer:
+            initialize_distributed_optimizer_state(self.optimizer)
+        request = self._build_optimizer_state_dict(model_state, metadata, is_loading=True)
+        loaded = load_dist_checkpointing(sharded_state_dict=request, ckpt_dir=path)
+        if "optimizer" not in loaded:
+            raise CheckpointError(f"{path} holds no optimizer state")
+        if self.use_distributed_optimizer:
+            with torch.no_grad():  # the DP-reshardable loader copies into leaf main params in place
+                self.optimizer.load_state_dict(loaded["optimizer"])
+            restore_adam_steps(self.optimizer, loaded["optimizer"])
+        else:
+            self.optimizer.load_state_dict(optimizer_state_from_loaded(request["optimizer"], loaded["optimizer"]))
+        if self.lr_scheduler is not None and "lr_scheduler" not in loaded:  # saved without a scheduler
+            if self.rank == 0:
+                warnings.warn(f"{path} holds no lr_scheduler state: the LR schedule starts again from its first step", stacklevel=2)
+        elif self.lr_scheduler is not None:
+            self._load_lr_scheduler(loaded["lr_scheduler"], built_bounds)
+
+    def _load_lr_scheduler(self, state: dict, built_bounds: list[tuple]) -> None:
+        """Restore the schedule's position on every load (upstream loads it only with
+        ``use_checkpoint_opt_param_scheduler``, so a resume restarts warmup and decay: verl #7953).
+
+        The flag keeps upstream's meaning, megatron's: True takes the schedule's settings (max/min LR, warmup,
+        decay steps and style, weight-decay increment) from the checkpoint, False keeps this run's (the config's).
+        megatron 0.16 reads max/min LR from each parameter group (``built_bounds``: as this run's optimizer was
+        built; the optimizer's load may have replaced them with the saved groups'), so they follow the same choice:
+        a group at this run's scheduler bounds gets the chosen ones, a group of its own (a decoupled LR) keeps
+        this run's. megatron's ``load_state_dict`` adds the saved step count to the scheduler's own, so it is reset
+        first: a load sets the position, also into a scheduler that already stepped."""
+        scheduler = self.lr_scheduler
+        if not hasattr(scheduler, "override_opt_param_scheduler"):  # not megatron's: its own load_state_dict
+            scheduler.load_state_dict(state)
+            return
+        flags = (scheduler.use_checkpoint_opt_param_scheduler, scheduler.override_opt_param_scheduler)
+        configured = (scheduler.max_lr, scheduler.min_lr)
+        from_checkpoint = self.use_checkpoint_opt_param_scheduler
+        scheduler.use_checkpoint_opt_param_scheduler, scheduler.override_opt_param_scheduler = from_checkpoint, not from_checkpoint
+        scheduler.num_steps = 0
+        try:
+            scheduler.load_state_dict(state)
+        finally:
+            scheduler.use_checkpoint_opt_param_scheduler, scheduler.override_opt_param_scheduler = flags
+        chosen = (scheduler.max_lr, scheduler.min_lr)
+        for group, bounds in zip(self.optimizer.param_groups, built_bounds, strict=True):
+            for key, built, run_value, value in zip(("max_lr", "min_lr"), bounds, configured, chosen, strict=True):
+                if built is not None:
+                    group[key] = value if built == run_value else built
+        scheduler.step(increment=0)  # the groups' LR and weight decay at the restored position
+
+    def _load_extra(self, local_path: str) -> None:
+        """Each rank's own RNG streams when the step is ours and of this exact layout; upstream's per-(PP, TP)
+        ones for an upstream step of this PP/TP; none (a warning) at another PP/TP, where they have no meaning."""
+        saved, now = read_saved_layout(local_path), current_parallel_layout()
+        if saved is not None and any(saved.get(k) != now[k] for k in ("pp", "tp")):
+            if self.rank == 0:
+                warnings.warn(f"{local_path} was saved at {saved}, this run is {now}: RNG states are not restored", stacklevel=2)
+            return
+        path = layout.dist_path(local_path, "extra")
+        per_rank = saved == now
+        loaded = load_dist_checkpointing(sharded_state_dict=self._build_extra_state_dict(per_rank), ckpt_dir=path)
+        if "rng_state" not in loaded:
+            raise CheckpointError(f"{path} holds no rng_state")
+        self.load_rng_states([loaded[RANK_RNG_STATE_KEY]] if per_rank else loaded["rng_state"])

@@ -1,0 +1,103 @@
+"""The metadata files of a ``MegatronCheckpointManager`` step: upstream's ``ckpt_contents.json`` (what each
+content is, where it lies, in which format) and ``transformer_config.json`` (what the model-identity check
+reads at resume). Rank 0 writes both once the parts are on disk, ``ckpt_contents.json`` last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from verl.utils.fs import atomic_write_text
+from verl.utils.megatron_utils import (
+    get_checkpoint_contents_manifest_path,
+    get_extra_dist_checkpoint_path,
+    get_hf_model_checkpoint_path,
+    get_model_dist_checkpoint_path,
+    get_optimizer_dist_checkpoint_path,
+    get_transformer_config_checkpoint_path,
+)
+
+DIST_CHECKPOINT_PATHS = {  # content -> where its dist checkpoint goes
+    "model": get_model_dist_checkpoint_path,
+    "optimizer": get_optimizer_dist_checkpoint_path,
+    "extra": get_extra_dist_checkpoint_path,
+}
+CKPT_CONTENTS_SCHEMA_VERSION = 2  # upstream's ckpt_contents.json schema
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    return str(value)
+
+
+class MegatronMetadata:
+    """The manager's metadata writers (a mixin over its contents flags, configs and role)."""
+
+    def _save_transformer_config(self, local_path: str) -> None:
+        """Rank 0: the Megatron TransformerConfig as JSON (what the model-identity check reads at resume)."""
+        if self.rank != 0:
+            return
+        config = self.transformer_config
+        names = [f.name for f in dataclasses.fields(config)] if dataclasses.is_dataclass(config) else list(vars(config))
+        fields = {name: _json_safe(getattr(config, name)) for name in names if not callable(getattr(config, name))}
+        atomic_write_text(get_transformer_config_checkpoint_path(local_path), json.dumps(fields, indent=2))
+
+    def _build_checkpoint_manifest(self, local_path: str, global_step: int) -> dict:
+        """``ckpt_contents.json``: what each content is, where it lies (relative paths) and in which format."""
+        # upstream's helpers create the directories they name: an empty model/dist_ckpt is part of upstream's layout
+        hf = os.path.relpath(get_hf_model_checkpoint_path(local_path), local_path)
+        dist = {name: os.path.relpath(where(local_path), local_path) for name, where in DIST_CHECKPOINT_PATHS.items()}
+        transformer_config = os.path.relpath(get_transformer_config_checkpoint_path(local_path), local_path)
+        contents: dict[str, dict] = {}
+        directories: dict[str, str] = {}
+        if self.should_save_hf_model:
+            if not self.should_save_dist_ckpt_model:
+                contents["model"] = {"path": hf, "format": "huggingface", "backend": "mbridge"}
+            if "hf_model" in self.checkpoint_save_contents:
+                note = "HF export next to the Megatron model shards" if self.should_save_dist_ckpt_model else "the same files as 'model'"
+                contents["hf_model"] = {"path": hf, "format": "huggingface", "note": note}
+            directories[hf] = "HF weights, config, tokenizer and generation config, written through the bridge"
+        if self.should_save_dist_ckpt_model:
+            contents["model"] = {"path": dist["model"], "format": "megatron_dist_checkpoint", "backend": "dist_checkpointing"}
+            directories[dist["model"]] = "Megatron dist-checkpoint shards of the model"
+        if self.should_save_optimizer:
+            contents["optimizer"] = {"path": dist["optimizer"], "format": "megatron_dist_checkpoint"}
+            if self.lr_scheduler is not None:
+                contents["lr_scheduler"] = {"path": dist["optimizer"], "format": "megatron_dist_checkpoint", "key": "lr_scheduler"}
+            directories[dist["optimizer"]] = "Megatron dist-checkpoint shards of the optimizer state and the LR scheduler"
+        if self.should_save_extra:
+            contents["rng_state"] = {"path": dist["extra"], "format": "megatron_dist_checkpoint", "key": "rng_state"}
+            contents["transformer_config"] = {"path": transformer_config, "format": "json"}
+            directories[dist["extra"]] = "Megatron dist-checkpoint shards of the RNG state"
+        if self.should_save_hf_model:
+            contents["hf_config"] = {"path": hf, "format": "huggingface", "note": "config.json, tokenizer, generation_config.json"}
+            if self.processing_class is not None:
+                contents["tokenizer"] = {"path": hf, "format": "huggingface"}
+        return {
+            "schema_version": CKPT_CONTENTS_SCHEMA_VERSION,
+            "framework": "megatron",
+            "role": self.role,
+            "arch": self.arch,
+            "global_step": int(global_step),
+            "world_size": self.world_size,
+            "backend": {"has_bridge": self.bridge is not None, "use_dist_checkpointing": self.use_dist_checkpointing, "peft": False},
+            "save_contents": list(self.checkpoint_save_contents),
+            "contents": contents,
+            "directories": directories,
+            "saved_any_dist_ckpt": bool(self._dist_contents()),
+        }
+
+    def _write_checkpoint_manifest(self, local_path: str, global_step: int) -> None:
+        """Rank 0, last: ``ckpt_contents.json``."""
+        if self.rank != 0:
+            return
+        contents = self._build_checkpoint_manifest(local_path, global_step)
+        atomic_write_text(get_checkpoint_contents_manifest_path(local_path), json.dumps(contents, indent=2, sort_keys=True))

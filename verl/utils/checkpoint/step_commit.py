@@ -1,0 +1,264 @@
+"""The step transaction: the one owner of what turns a role's written parts into a committed, tracked step.
+
+A part writer (``MegatronCheckpointManager.save_checkpoint``, or any object that fills a directory) writes
+into the staging directory the transaction hands out; the transaction does everything else, in this order:
+
+1. staging: a leftover ``<role>.incomplete`` (an interrupted attempt) is removed, every rank waits;
+2. verify: the HF export holds every tensor its config implies (once; strict fails the save);
+3. manifest: our commit mark, then ``manifest.json`` over every other file (checksums the writer sealed are
+   reused, the rest computed);
+4. fsync + one rename of the staging directory into place (an older copy of the step goes only after);
+5. retention: the writer's ``previous_saved_paths``, upstream's ``max_ckpt_to_keep`` rule, never the tracked step;
+6. the step's other files (the driver's ``data.pt``), written atomically beside the role's directory;
+7. the tracker, last: only now does a resume take this step.
+
+Every rank enters and leaves each phase together; rank 0 does the file work and every rank learns its
+verdict. A failure anywhere (the writer's included) discards the staging directory and leaves every committed
+step and the tracker as they were. ``commit`` (or ``finalize`` for a writer that finishes in the background)
+returns a ``CommittedStep``, the record the driver trusts instead of reading the step again.
+
+Handed an explicit ``StepSpec``: this module imports nothing of the manager's, nor megatron.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+import torch
+
+from verl.utils.checkpoint import layout
+from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
+from verl.utils.checkpoint.integrity import FORMAT_VERSION, CheckpointError, build_manifest, fsync_tree
+from verl.utils.fs import atomic_open, atomic_write_text, fsync_path
+
+
+class Retention(Protocol):
+    """Upstream's retention interface (``BaseCheckpointManager``): the saved steps, oldest first, and the rule."""
+
+    previous_saved_paths: list[str]
+
+    def register_checkpoint(self, new_path: str, max_ckpt_to_keep: int | None) -> None: ...
+
+
+def _no_phase(phase: str) -> None:
+    """The default phase hook: nothing observes the phases."""
+
+
+@dataclasses.dataclass
+class StepSpec:
+    """What the transaction is told about the step; nothing is read from the writer.
+
+    ``hf_config``: the HF config whose tensors the export must hold, None when the step has no HF export.
+    ``parallel``: the layout the parts were written at (the manifest records it). ``sealed``: this rank's
+    checksums of files the writer already hashed, relative paths (called after the writer finished).
+    ``retention``: whose saved steps ``max_ckpt_to_keep`` applies to (None: no retention). ``step_files``:
+    name -> bytes written beside the role's directory after the commit; ``track``: then move the tracker.
+    ``on_phase``: called on every rank as each phase starts (crash-injection tests, benchmarks)."""
+
+    role: str = "actor"
+    hf_config: Any = None
+    strict_hf_verify: bool = True
+    parallel: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    use_distributed_optimizer: bool | None = None
+    sealed: Callable[[], Mapping[str, str]] = dict
+    retention: Retention | None = None
+    max_ckpt_to_keep: int | None = None
+    step_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
+    track: bool = False
+    on_phase: Callable[[str], None] = _no_phase
+
+
+@dataclasses.dataclass(frozen=True)
+class CommittedStep:
+    """A committed step, the same on every rank but for the rank's own phase times: where it is, the files its manifest lists (relative paths),
+    what it holds (``ckpt_contents.json``'s ``save_contents``, when written), how many HF tensors were checked
+    (None: no HF export), whether the tracker names it, and the seconds of each of the transaction's phases."""
+
+    path: str
+    step: int
+    files: tuple[str, ...]
+    contents: tuple[str, ...] | None
+    hf_tensors: int | None
+    tracked: bool
+    phase_seconds: dict[str, float]
+
+
+class StepCommit:
+    """One step's transaction. ``path`` is the role's committed directory (``<root>/global_step_N/<role>``;
+    the tracker and the step files go to ``<root>`` and ``global_step_N``), ``step`` its number.
+
+    Synchronous writer::
+
+        with StepCommit(path, step, spec) as staging:
+            writer.save_checkpoint(staging)
+        committed = transaction.committed
+
+    A writer that finishes in the background calls ``defer()`` inside the block; ``finalize(wait)`` commits
+    once ``wait(blocking)`` says the parts are durable (None: not yet)."""
+
+    def __init__(self, path: str, step: int, spec: StepSpec) -> None:
+        self.path = os.path.abspath(path.rstrip("/"))
+        self.step = int(step)
+        self.spec = spec
+        self.staging = layout.staging_path(self.path)
+        self.step_dir = os.path.dirname(self.path)
+        self.root = os.path.dirname(self.step_dir)
+        self.phase_seconds: dict[str, float] = {}
+        self.committed: CommittedStep | None = None
+        self.deferred = False
+        self._rank = torch.distributed.get_rank()
+
+    # ------------------------------------------------------------------ the block
+
+    def __enter__(self) -> str:
+        with self._phase("staging"):
+            if self._rank == 0 and os.path.exists(self.staging):
+                shutil.rmtree(self.staging)
+            torch.distributed.barrier()
+        return self.staging
+
+    def __exit__(self, kind, exc, trace) -> bool:
+        if exc is not None:
+            self._fail(exc)
+        if not self.deferred:
+            with self._discarding_on_failure():
+                self.commit()
+        return False
+
+    def defer(self) -> None:
+        """The writer goes on in the background: the block ends without committing; ``finalize`` commits."""
+        self.deferred = True
+
+    def finalize(self, wait: Callable[[bool], Any], blocking: bool = True) -> CommittedStep | None:
+        """Commit once ``wait(blocking)`` (the writer's own finalize) returns anything but None; None while
+        it is still writing. A failure of the writer or of the commit discards the step and raises."""
+        with self._discarding_on_failure():
+            start = time.monotonic()
+            if wait(blocking) is None:
+                return None
+            self.phase_seconds["background_wait"] = time.monotonic() - start
+            return self.commit()
+
+    # ------------------------------------------------------------------ the commit
+
+    def commit(self) -> CommittedStep:
+        """All ranks, once every part is in the staging directory: verify, mark, rename, retention, step files,
+        tracker. Raises (and keeps every committed step) when the HF export is incomplete."""
+        with self._phase("hf_verify"):
+            hf_tensors = self._verify_hf_export()
+        with self._phase("commit"):
+            sealed = self._sealed_checksums()
+            record = [None]
+            if self._rank == 0:
+                record = [self._mark_and_rename(sealed)]
+            torch.distributed.broadcast_object_list(record, src=0)
+        with self._phase("retention"):
+            if self.spec.retention is not None:
+                self._apply_retention(self.spec.retention)
+            torch.distributed.barrier()
+        files, contents = record[0]
+        if self.spec.step_files or self.spec.track:
+            with self._phase("tracker"):
+                torch.distributed.barrier()  # every rank got here: a rank lost now leaves the tracker where it was
+                if self._rank == 0:
+                    self._write_step_files_and_tracker()
+                torch.distributed.barrier()
+        self.committed = CommittedStep(self.path, self.step, files, contents, hf_tensors, self.spec.track, dict(self.phase_seconds))
+        return self.committed
+
+    def _verify_hf_export(self) -> int | None:
+        """Fix 2's proof, once per save: the bridge wrote every tensor the config implies. The count checked."""
+        if self.spec.hf_config is None:
+            return None
+        verdict: list = [None]
+        if self._rank == 0:
+            report = verify_hf_checkpoint(layout.hf_path(self.staging), self.spec.hf_config)
+            verdict = [(report.ok, report.describe() if not report.ok else "", report.expected)]
+        torch.distributed.broadcast_object_list(verdict, src=0)
+        ok, problem, expected = verdict[0]
+        if ok:
+            return expected
+        if self.spec.strict_hf_verify:
+            raise HFCheckpointIncompleteError(problem)
+        if self._rank == 0:
+            warnings.warn(problem, stacklevel=3)
+        return None
+
+    def _sealed_checksums(self) -> dict[str, str]:
+        """All ranks: the checksums every rank's writer computed while it wrote."""
+        everyone: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, dict(self.spec.sealed()))
+        return {relpath: checksum for share in everyone for relpath, checksum in share.items()}
+
+    def _mark_and_rename(self, sealed: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+        """Rank 0: the commit mark, the manifest (which covers every other file), fsync, then one rename."""
+        mark = {"format_version": FORMAT_VERSION, "global_step": self.step, "role": self.spec.role}
+        atomic_write_text(os.path.join(self.staging, layout.COMMIT_MARK_FILENAME), json.dumps(mark, indent=2))
+        manifest = build_manifest(self.staging, dict(self.spec.parallel), self.spec.use_distributed_optimizer, known_checksums=sealed)
+        atomic_write_text(os.path.join(self.staging, layout.MANIFEST_FILENAME), json.dumps(manifest, indent=2))
+        contents = None
+        with contextlib.suppress(FileNotFoundError):
+            with open(os.path.join(self.staging, layout.CONTENTS_FILENAME), encoding="utf-8") as handle:
+                contents = tuple(json.load(handle).get("save_contents", ()))
+        fsync_tree(self.staging)
+        superseded = None
+        if os.path.exists(self.path):
+            superseded = self.path + layout.SUPERSEDED_SUFFIX
+            shutil.rmtree(superseded, ignore_errors=True)
+            os.replace(self.path, superseded)
+        os.replace(self.staging, self.path)
+        fsync_path(self.step_dir)
+        if superseded:
+            shutil.rmtree(superseded, ignore_errors=True)
+        return tuple(manifest["files"]), contents
+
+    def _apply_retention(self, retention: Retention) -> None:
+        """Every rank (removal tolerates a shared filesystem): the committed path takes the place of the staging
+        directory a writer registered as its save, then upstream's rule prunes the oldest."""
+        retention.previous_saved_paths = [p for p in retention.previous_saved_paths if os.path.abspath(p) != self.staging]
+        retention.register_checkpoint(self.path, self.spec.max_ckpt_to_keep)
+
+    def _write_step_files_and_tracker(self) -> None:
+        """Rank 0, every role committed: the step's own files durable, then the tracker names the step."""
+        for name, data in self.spec.step_files.items():
+            with atomic_open(os.path.join(self.step_dir, name), "wb") as handle:
+                handle.write(data)
+        if self.spec.track:
+            atomic_write_text(layout.tracker_path(self.root), str(self.step))
+
+    # ------------------------------------------------------------------ failure
+
+    @contextlib.contextmanager
+    def _discarding_on_failure(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Discard the staging directory (and a ``global_step_N`` it leaves empty), then re-raise: a
+        ``CheckpointError`` of the same class, saying that nothing was committed."""
+        self.deferred = False
+        if self._rank == 0:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            with contextlib.suppress(OSError):  # not empty (another role's save, the data position) or already gone
+                os.rmdir(self.step_dir)
+        if isinstance(exc, CheckpointError):
+            # the same class (e.g. HFCheckpointIncompleteError), so callers can still tell the failures apart
+            raise type(exc)(f"{exc}. Nothing was committed; the previous checkpoint and the tracker are unchanged.") from exc
+        raise exc
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        self.spec.on_phase(name)
+        start = time.monotonic()
+        yield
+        self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.monotonic() - start
