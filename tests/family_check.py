@@ -11,6 +11,7 @@ Three checks, run by tests/test_model_families.py (at <= 4 ranks) and scripts/ch
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 from dataclasses import dataclass
@@ -238,13 +239,13 @@ def flags_read(model_type: str) -> dict[str, list[str]]:
             for name in found:
                 readers.setdefault(name, set()).add("mbridge")
     package = f"transformers.models.{model_type}"
-    config_cls = type(tiny_hf_config(_KIND_OF[model_type]))
+    config_cls = type(tiny_hf_config(kind_of(model_type)))
     found = _fields_in(inspect.getsource(importlib.import_module(f"{package}.modeling_{model_type}")))
     if "__post_init__" in vars(config_cls):
         found |= _fields_in(inspect.getsource(config_cls.__post_init__), owner="self")
     for name in found:
         readers.setdefault(name, set()).add("transformers")
-    config = tiny_hf_config(_KIND_OF[model_type], num_layers=TINY_LAYERS)
+    config = tiny_hf_config(kind_of(model_type), num_layers=TINY_LAYERS)
     known = set(config.to_dict()) | set(config.attribute_map)  # attribute_map: aliases such as num_experts
     fields = {name for name in readers if not name.startswith("_") and name in known and not callable(getattr(config, name))}
     return {name: sorted(readers[name]) for name in sorted(fields)}
@@ -253,7 +254,7 @@ def flags_read(model_type: str) -> dict[str, list[str]]:
 def toggled(flag: str, value: Any) -> Any:
     """The cell's value of ``flag``: ``TOGGLES``, else the tiny model's value flipped (bool) or doubled (number)."""
     if flag in TOGGLES:
-        return TOGGLES[flag]
+        return copy.deepcopy(TOGGLES[flag])
     if isinstance(value, bool):
         return not value
     if isinstance(value, (int, float)):
@@ -261,13 +262,11 @@ def toggled(flag: str, value: Any) -> Any:
     raise ValueError(f"no toggle for {flag}={value!r}: add one to tests.family_check.TOGGLES")
 
 
-def _kinds() -> dict[str, str]:
+def kind_of(model_type: str) -> str:
+    """The tiny model kind (``verl.models.tiny.KINDS``) of an HF ``model_type``."""
     from verl.models.tiny import KINDS, tiny_hf_config
 
-    return {tiny_hf_config(kind).model_type: kind for kind in KINDS}
-
-
-_KIND_OF: dict[str, str] = {}
+    return next(kind for kind in KINDS if tiny_hf_config(kind, num_layers=1).model_type == model_type)
 
 
 @dataclass(frozen=True)
@@ -279,8 +278,9 @@ class Cell:
 
     @property
     def overrides(self) -> dict[str, Any]:
-        """The HF config fields this cell sets: the flag and its ``COMPANIONS``."""
-        return {**COMPANIONS.get(self.flag, {}), self.flag: self.value}
+        """The HF config fields this cell sets: the flag and its ``COMPANIONS`` (copies: transformers fills in
+        a ``rope_parameters`` dict it is given)."""
+        return copy.deepcopy({**COMPANIONS.get(self.flag, {}), self.flag: self.value})
 
     @property
     def id(self) -> str:
@@ -290,7 +290,7 @@ class Cell:
 
     @property
     def kind(self) -> str:
-        return _KIND_OF[self.model_type]
+        return kind_of(self.model_type)
 
     def config(self):
         """The tiny HF config of this cell (transformers' class, the flag set)."""
@@ -304,10 +304,9 @@ def matrix_cells() -> list[Cell]:
     from verl.models.support import SUPPORTED_MODEL_TYPES
     from verl.models.tiny import tiny_hf_config
 
-    _KIND_OF.update(_kinds())
     cells = []
     for model_type in SUPPORTED_MODEL_TYPES:
-        base = tiny_hf_config(_KIND_OF[model_type], num_layers=TINY_LAYERS)
+        base = tiny_hf_config(kind_of(model_type), num_layers=TINY_LAYERS)
         for flag, readers in flags_read(model_type).items():
             if flag not in NOT_TOGGLED:
                 cells.append(Cell(model_type, flag, toggled(flag, getattr(base, flag)), tuple(readers)))
@@ -425,12 +424,28 @@ def write_table(rows: list[str]) -> None:
         text = handle.read()
     head, rest = text.split(TABLE_BEGIN, 1)
     tail = rest.split(TABLE_END, 1)[1]
-    table = ["| cell (family: field=toggled value) | read by | outcome | measured (1 rank) |", "|---|---|---|---|", *rows]
+    import mbridge
+    import transformers
+
+    table = [
+        f"Generated with transformers {transformers.__version__} and mbridge {mbridge.__version__}.",
+        "","| cell (family: field=toggled value) | read by | outcome | measured (1 rank) |", "|---|---|---|---|", *rows]
     with open(DOCS, "w") as handle:
         handle.write(head + TABLE_BEGIN + "\n" + "\n".join(table) + "\n" + TABLE_END + tail)
 
 
 def table_cell_ids(text: str) -> list[str]:
     """The cell ids of the docs table (its first column)."""
+    return list(table_verdicts(text))
+
+
+def table_verdicts(text: str) -> dict[str, str]:
+    """The docs table's cell id -> outcome column."""
     body = text.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0]
-    return [line.split("|")[1].strip().strip("`") for line in body.strip().splitlines()[2:]]
+    rows = [line for line in body.strip().splitlines() if line.startswith("| `")]
+    return {row.split("|")[1].strip().strip("`"): row.split("|")[3].strip() for row in rows}
+
+
+def table_versions(text: str) -> str:
+    """The 'Generated with ...' line of the docs table."""
+    return text.split(TABLE_BEGIN, 1)[1].strip().splitlines()[0]
