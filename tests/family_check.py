@@ -397,7 +397,7 @@ def run_cells(cells: list[Cell], root: str, world_size: int = 1, sizes=None, byp
             results = run_family_checks([case for _, case in batch], world_size, sizes, refuse_unsupported=refuse)
             for (index, (_, run_root)), result in zip(batch, results, strict=True):
                 if isinstance(result, str):
-                    result = result.replace(os.path.dirname(run_root), "<cell>")
+                    result = result.replace(os.path.dirname(run_root), "{cell}")
                 outcomes[index].result = result
                 if refuse and not (isinstance(result, FamilyCheck) and result.passed):
                     outcomes[index].verdict = "FAILS"

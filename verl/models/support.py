@@ -175,7 +175,7 @@ def hf_config_problems(hf_config: Any) -> list[str]:
     problems = []
     if rope_scaling(hf_config):
         problems.append(
-            f"{name}: rope_scaling={rope_scaling(hf_config)}: mbridge reads only its 'factor' as linear "
+            f"{name}: rope_parameters / rope_scaling={rope_scaling(hf_config)}: mbridge reads only its 'factor' as linear "
             "position interpolation, so any other RoPE scaling (llama3, yarn, dynamic) would be computed differently; "
             "use a checkpoint without rope_scaling"
         )
