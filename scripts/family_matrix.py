@@ -34,6 +34,8 @@ def main() -> int:
     parser.add_argument("--json", help="append the JSON lines to this file")
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/models.md (all cells, 1 rank)")
     args = parser.parse_args()
+    if args.write_docs and (args.only or args.ranks != 1 or not args.bypass):
+        parser.error("--write-docs writes the whole 1-rank table: use it with --bypass and without --only / --ranks")
     cells = [c for c in matrix_cells() if not args.only or any(s in c.id for s in args.only)]
     start = time.time()
     with tempfile.TemporaryDirectory() as root:
