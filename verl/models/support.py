@@ -2,7 +2,8 @@
 
 Torch-free (reads a config object or a plain ``config.json`` dict), so the trainer reports these problems
 in its one-second pre-start check together with every other problem of the command line. The rules come
-from reading mbridge 0.15.1's mappings against transformers 4.57's modelling code; what the bridge maps
+from reading mbridge 0.15.1's mappings against transformers' modelling code, and each is shown by the family
+flag matrix (tests/test_family_flag_matrix.py) to prevent a failure; what the bridge maps
 wrongly but can be corrected exactly is corrected in ``verl.models.mcore.mbridge`` (router normalisation,
 shared-expert gate, missing ``head_dim``) and so is not refused here.
 """
@@ -15,6 +16,13 @@ from typing import Any
 # The families whose Megatron logits the tests compare with transformers' (tests/test_model_families.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# The sliding-window fields each family's config has (transformers 5.10), named in the refusal.
+_FIELDS_OF = {
+    "qwen2": ("use_sliding_window", "max_window_layers", "layer_types"),
+    "qwen2_moe": ("use_sliding_window", "max_window_layers", "layer_types"),
+    "qwen3": ("use_sliding_window", "max_window_layers", "layer_types"),
+    "qwen3_moe": ("use_sliding_window",),
+}
 
 # mbridge registers these, but they are not built faithfully here (or not tested): why, per family.
 _REFUSED_WHY = {
@@ -27,7 +35,7 @@ _REFUSED_WHY = {
     "glm4_moe": "its dense first layers and sigmoid routing with expert bias are not built and tested here",
 }
 
-# transformers 4.57's class defaults for the fields read below, for config.json files that omit them.
+# transformers' class defaults for the fields read below, for config.json files that omit them.
 _DEFAULTS: dict[str, Any] = {
     "mlp_only_layers": [],
     "decoder_sparse_step": 1,
@@ -36,8 +44,13 @@ _DEFAULTS: dict[str, Any] = {
     "rope_scaling": None,
     "rope_parameters": None,
     "rope_theta": None,
-    "router_jitter_noise": 0.0,
     "attention_bias": False,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "qkv_bias": True,
+    "max_window_layers": 28,
+    "layer_types": None,
+    "max_position_embeddings": None,
     "mlp_bias": False,
     "shared_expert_intermediate_size": 5632,
 }
@@ -99,6 +112,56 @@ def moe_layer_pattern(hf_config: Any) -> list[int]:
     return [int(i not in dense_only and (i + 1) % step == 0) for i in range(num_layers)]
 
 
+def sliding_window_layers(hf_config: Any) -> tuple[int | None, list[int]]:
+    """(window, layers): the decoder layers on which transformers attends only within ``window`` tokens,
+    where the window is shorter than ``max_position_embeddings``; (None, []) when no layer does.
+
+    Mixtral applies ``sliding_window`` to every layer; the Qwen families only with ``use_sliding_window``,
+    on the layers ``layer_types`` marks ``sliding_attention`` (a config without it: derived from
+    ``max_window_layers`` as transformers' config does, Qwen2-MoE sliding on the even-numbered layers
+    below it, Qwen2/Qwen3 on the layers from it on; Qwen3-MoE on every layer).
+    """
+    model_type = model_type_of(hf_config)
+    window = _get(hf_config, "sliding_window")
+    if model_type != "mixtral" and not _get(hf_config, "use_sliding_window"):
+        window = None
+    limit = _get(hf_config, "max_position_embeddings")
+    if not window or (limit is not None and window >= limit):
+        return None, []
+    num_layers = _get(hf_config, "num_hidden_layers") or 0
+    layer_types = _get(hf_config, "layer_types")
+    if layer_types:
+        return window, [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    first = _get(hf_config, "max_window_layers")
+    if model_type == "qwen2_moe":
+        return window, [i for i in range(num_layers) if (i + 1) % 2 and i < first]
+    if model_type in ("qwen2", "qwen3"):
+        return window, [i for i in range(num_layers) if i >= first]
+    return window, list(range(num_layers))
+
+
+# The families whose mbridge 0.15.1 bridge names the embedding for the last pipeline stage's copy of a tied
+# output layer (Qwen2Bridge and its subclass Qwen3Bridge); the others name it lm_head.weight.
+TIED_OUTPUT_MAPPED = ("qwen2", "qwen3")
+
+
+def hf_layout_problems(hf_config: Any, pipeline_model_parallel_size: int) -> list[str]:
+    """The config's problems at a pipeline layout (``hf_config_problems`` holds those of every layout).
+
+    With tied embeddings and more than one pipeline stage the last stage holds a copy of the embedding as its
+    output layer; every family but Qwen2/Qwen3 maps that copy to ``lm_head.weight``, which a tied checkpoint
+    does not have, so the load fails with a bare KeyError on every last-stage rank.
+    """
+    model_type = model_type_of(hf_config)
+    if pipeline_model_parallel_size > 1 and _get(hf_config, "tie_word_embeddings") and model_type not in TIED_OUTPUT_MAPPED:
+        return [
+            f"{model_type} config: tie_word_embeddings=True with pipeline_model_parallel_size={pipeline_model_parallel_size}: "
+            f"mbridge's {model_type} mapping reads the last stage's copy of the tied embedding from lm_head.weight, which "
+            "a tied checkpoint lacks (KeyError at load); set actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1"
+        ]
+    return []
+
+
 def hf_config_problems(hf_config: Any) -> list[str]:
     """Every reason the bridge cannot build exactly the model transformers runs for this config; [] if none.
 
@@ -112,16 +175,29 @@ def hf_config_problems(hf_config: Any) -> list[str]:
     problems = []
     if rope_scaling(hf_config):
         problems.append(
-            f"{name}: rope_scaling={rope_scaling(hf_config)}: mbridge reads only its 'factor' as linear "
+            f"{name}: rope_parameters / rope_scaling={rope_scaling(hf_config)}: mbridge reads only its 'factor' as linear "
             "position interpolation, so any other RoPE scaling (llama3, yarn, dynamic) would be computed differently; "
             "use a checkpoint without rope_scaling"
         )
-    if _get(hf_config, "use_sliding_window"):
-        problems.append(f"{name}: use_sliding_window=True: the Megatron model attends over the whole sequence; set use_sliding_window=false")
-    if model_type == "mixtral" and _get(hf_config, "sliding_window") is not None:
+    window, sliding = sliding_window_layers(hf_config)
+    if sliding:
+        fields = ", ".join(
+            f"{key}={_get(hf_config, key)!r}" for key in ("use_sliding_window", "max_window_layers", "layer_types") if key in _FIELDS_OF.get(model_type, ())
+        )
+        fix = "set sliding_window=null" if model_type == "mixtral" else "set use_sliding_window=false"
         problems.append(
-            f"{name}: sliding_window={_get(hf_config, 'sliding_window')}: the Megatron model attends over the whole "
-            "sequence, transformers' Mixtral only within the window; set sliding_window=null"
+            f"{name}: sliding_window={window} on layers {sliding}" + (f" ({fields})" if fields else "")
+            + f": transformers attends only within the window there, the Megatron model over the whole sequence; {fix}"
+        )
+    if _get(hf_config, "hidden_act") not in ("silu", "swish"):
+        problems.append(
+            f"{name}: hidden_act={_get(hf_config, 'hidden_act')!r}: mbridge builds every family's MLP with SiLU, so the "
+            "Megatron model would compute another function than transformers; use a checkpoint with hidden_act='silu'"
+        )
+    if model_type == "qwen2_moe" and not _get(hf_config, "qkv_bias"):
+        problems.append(
+            f"{name}: qkv_bias=False: mbridge's Qwen2-MoE always builds QKV biases, and loading a checkpoint without "
+            "them fails (KeyError on q_proj.bias); use a checkpoint with qkv_bias=true"
         )
     if model_type in ("llama", "qwen3", "qwen3_moe") and _get(hf_config, "attention_bias"):
         problems.append(
@@ -130,30 +206,15 @@ def hf_config_problems(hf_config: Any) -> list[str]:
         )
     if model_type == "llama" and _get(hf_config, "mlp_bias"):
         problems.append(f"{name}: mlp_bias=True: mbridge builds the MLP without biases and would drop them; use a checkpoint with mlp_bias=false")
-    if model_type == "mixtral" and _get(hf_config, "router_jitter_noise"):
-        problems.append(
-            f"{name}: router_jitter_noise={_get(hf_config, 'router_jitter_noise')}: transformers perturbs the router "
-            "logits in training, megatron does not; set router_jitter_noise=0.0"
-        )
-    if model_type == "qwen2_moe":
-        if _get(hf_config, "mlp_only_layers"):
-            problems.append(
-                f"{name}: mlp_only_layers={_get(hf_config, 'mlp_only_layers')}: dense layers inside a Qwen2-MoE "
-                "model are not tested here (they are for qwen3_moe); use a checkpoint with mlp_only_layers=[]"
-            )
-        if _get(hf_config, "decoder_sparse_step") != 1:
-            problems.append(
-                f"{name}: decoder_sparse_step={_get(hf_config, 'decoder_sparse_step')}: dense layers inside a "
-                "Qwen2-MoE model are not tested here (they are for qwen3_moe); only decoder_sparse_step=1 is supported"
-            )
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen2_moe", "qwen3_moe"):
         step = _get(hf_config, "decoder_sparse_step")
         if not isinstance(step, int) or step < 1:
             problems.append(f"{name}: decoder_sparse_step={step!r}: must be a positive integer (transformers divides by it)")
         elif _get(hf_config, "num_hidden_layers") and not any(moe_layer_pattern(hf_config)):
+            dense = "qwen2" if model_type == "qwen2_moe" else "qwen3"
             problems.append(
                 f"{name}: mlp_only_layers={_get(hf_config, 'mlp_only_layers')}, decoder_sparse_step={step} leave no "
-                "MoE layer, which megatron cannot build as a MoE model; use model_type qwen3 for a dense model"
+                f"MoE layer, which megatron cannot build as a MoE model; use model_type {dense} for a dense model"
             )
     if model_type == "qwen2_moe" and not _get(hf_config, "shared_expert_intermediate_size"):
         problems.append(

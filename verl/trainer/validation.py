@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from verl.models.support import hf_config_problems
+from verl.models.support import hf_config_problems, hf_layout_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
 from verl.utils.checkpoint.layout import CONTENTS_FILENAME, DATA_STATE_FILENAME, STEP_DIR_RE
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
@@ -81,7 +81,9 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
         model, model_problems = _read_model(model_path)
         problems += model_problems
         if model is not None:
-            problems += [f"actor_rollout_ref.model.path={model_path}: {p}" for p in hf_config_problems(model)]
+            pp = OmegaConf.select(config, f"{_MEGATRON}pipeline_model_parallel_size")
+            support = hf_config_problems(model) + (hf_layout_problems(model, pp) if isinstance(pp, int) else [])
+            problems += [f"actor_rollout_ref.model.path={model_path}: {p}" for p in support]
     problems += _guarded(typed, _check_layout, config, model)
     problems += _guarded(typed, _check_grpo, config)
     problems += _guarded(typed, _check_parity_gate, config)

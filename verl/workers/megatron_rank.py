@@ -48,6 +48,7 @@ class ActorSettings:
     use_dist_checkpointing: bool = False
     optim: Any = None
     checkpoint: Any = None
+    refuse_unsupported: bool = True  # False: build a config verl.models.support refuses (to show what it prevents)
 
     def checkpoint_config(self) -> Any:
         if self.checkpoint is not None:
@@ -75,7 +76,7 @@ class MegatronActor:
         self.settings = settings
         self.hf_config = load_hf_config(settings.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
-        self.bridge = make_bridge(self.hf_config, dtype=settings.dtype)
+        self.bridge = make_bridge(self.hf_config, dtype=settings.dtype, refuse_unsupported=settings.refuse_unsupported)
         self.model = build_megatron_model(self.bridge, use_distributed_optimizer=settings.use_distributed_optimizer)
         self.bridge.load_weights(self.model, settings.model_path)
         release_free_heap()  # the load's temporary tensors, ~the model's size, would stay resident

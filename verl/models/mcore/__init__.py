@@ -17,7 +17,7 @@ def validate_model_build(hf_path: str, sizes: ParallelSizes, world_size: int):
     """
     hf_config = load_hf_config(hf_path)
     try:
-        check_hf_config_supported(hf_config)
+        check_hf_config_supported(hf_config, sizes.pp)
     except UnsupportedHFConfigError as exc:
         try:
             sizes.validate_for_hf_config(world_size, hf_config)

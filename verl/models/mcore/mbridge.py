@@ -27,6 +27,7 @@ from verl.models.mcore.parallel_hf_save import save_weights_in_parallel
 from verl.models.support import (
     MOE_MODEL_TYPES,
     hf_config_problems,
+    hf_layout_problems,
     moe_layer_pattern,
     renormalises_topk,
     rope_scaling,
@@ -57,9 +58,10 @@ def load_hf_config(hf_path: str) -> PretrainedConfig:
     return AutoConfig.from_pretrained(hf_path)
 
 
-def check_hf_config_supported(hf_config: PretrainedConfig) -> None:
-    """Refuse HF configs whose model the bridge cannot represent exactly, naming every problem at once."""
-    problems = hf_config_problems(hf_config)
+def check_hf_config_supported(hf_config: PretrainedConfig, pipeline_model_parallel_size: int = 1) -> None:
+    """Refuse HF configs whose model the bridge cannot represent exactly (at that pipeline layout), naming every
+    problem at once."""
+    problems = hf_config_problems(hf_config) + hf_layout_problems(hf_config, pipeline_model_parallel_size)
     if not problems and mbridge_internals.bridge_class(hf_config.model_type) is None:
         problems = [f"model_type={hf_config.model_type!r} has no mbridge mapping in this mbridge install"]
     if problems:
@@ -224,13 +226,17 @@ def make_bridge(
     hf_config: PretrainedConfig,
     dtype: torch.dtype = torch.bfloat16,
     use_local_spec: bool | None = None,
+    refuse_unsupported: bool = True,
 ) -> Bridge:
     """The mbridge bridge for ``hf_config``; needs megatron parallel state to be initialised.
 
     ``use_local_spec`` defaults to True exactly when TransformerEngine is not importable. The bridge
     gets a copy of the config with a missing ``head_dim`` filled in; ``hf_config`` is not changed.
+    ``refuse_unsupported=False`` builds even a config ``verl.models.support`` refuses (the tests that show
+    what each refusal prevents).
     """
-    check_hf_config_supported(hf_config)
+    if refuse_unsupported:
+        check_hf_config_supported(hf_config)
     return bridge_class_for(hf_config.model_type, use_local_spec)(_bridge_view_of(hf_config), dtype=dtype)
 
 
