@@ -8,8 +8,10 @@ nothing more: the same parameter names (``weight``, ``bias``, ``layer_norm_weigh
 attributes TE's ``reset_parameters`` sets, and an ``_extra_state`` on every module (TE's FP8 metadata).
 They run no kernel: a forward raises. Parameters live in host memory whatever device megatron asks for.
 
-Scoped to the processes a test starts: ``te_host_env`` returns an environment whose ``PYTHONPATH`` holds a
-``transformer_engine`` package that installs this stand-in; nothing else sees it.
+Scoped to the processes a test starts: ``run_on_te_host`` runs ranks from a fresh interpreter whose
+``PYTHONPATH`` (``te_host_env``) holds a ``transformer_engine`` package that installs this stand-in, so
+megatron-core sees TE from its first import, as on a CUDA host; the test process and every other rank never
+see it. Only a save and a load run there (a forward would need TE's kernels).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def te_host_env(root: str, env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 _CHILD = """
-import json, sys
+import sys
 from tests import te_stand_in
 te_stand_in._child(sys.argv[1])
 """
@@ -98,7 +100,15 @@ def _set_tp(tensor: torch.Tensor, dim: int) -> None:
 
 class _Module(torch.nn.Module):
     """TE's ``TransformerEngineBaseModule``: every module saves an ``_extra_state`` (its FP8 metadata,
-    an empty tensor without FP8)."""
+    an empty tensor without FP8), and carries the FP8 flags megatron reads when it shards that state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp8 = self.fp8_calibration = False
+        self.fp8_meta = {"fp8_checkpoint": False, "recipe": None}
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        pass
 
     def get_extra_state(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
