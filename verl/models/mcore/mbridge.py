@@ -1,8 +1,9 @@
 """Build an mbridge ``Bridge`` for an HF config, refusing configs it cannot represent faithfully.
 
-Where TransformerEngine is importable the bridge is mbridge's own class. Where it is not (CPU
-hosts) the bridge builds the model from megatron-core's local spec and speaks TE names to mbridge
-through ``local_spec.local_name_to_te_name``, so the same load/save/export code runs on both.
+Where TransformerEngine is importable the bridge is mbridge's own class, which builds the TE spec. Where
+it is not (CPU hosts) the bridge builds the model from megatron-core's local spec and speaks TE names to
+mbridge through ``local_spec.local_name_to_te_name``. Both save HF weights with the parallel export, so
+the same load/save/export code runs on both (tests/test_te_spec_names.py runs it on the TE spec).
 """
 
 from __future__ import annotations
@@ -177,6 +178,13 @@ class _LocalSpecBridgeMixin:
         torch.distributed.scatter(received, shards, src=src, group=group)
         param.copy_(received)
 
+
+class _ParallelSaveMixin:
+    """The HF weight save with every rank writing the files it owns (``parallel_hf_save``), for the
+    local-spec bridge and mbridge's own TE-spec one alike: the export names every tensor through mbridge's
+    mapping of the model's own parameters, so the TE spec's names (``linear_qkv.layer_norm_weight``, grouped
+    experts' ``linear_fc1.weight{i}``; ``_extra_state`` is no parameter) need nothing of their own."""
+
     def save_weights(self, models: list, weights_path: str, memory_efficient: bool = False, comm: RankComm | None = None) -> None:
         """Write the HF folder with every rank writing the files it owns (``parallel_hf_save``).
 
@@ -215,7 +223,8 @@ def _bridge_class(bridge_cls: type, use_local_spec: bool) -> type:
     key = (bridge_cls, use_local_spec)
     if key not in _CLASSES:
         mbridge_internals.check_overridable(bridge_cls)
-        bases = (_LocalSpecBridgeMixin, _FaithfulConfigMixin, bridge_cls) if use_local_spec else (_FaithfulConfigMixin, bridge_cls)
+        spec = (_LocalSpecBridgeMixin,) if use_local_spec else ()
+        bases = (*spec, _ParallelSaveMixin, _FaithfulConfigMixin, bridge_cls)
         prefix = "LocalSpec" if use_local_spec else "Faithful"
         namespace = {"_MLP_MAPPING": mbridge_internals.mlp_mapping_with_dense_layers(bridge_cls)}
         _CLASSES[key] = type(f"{prefix}{bridge_cls.__name__}", bases, namespace)

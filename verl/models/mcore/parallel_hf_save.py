@@ -5,7 +5,10 @@ mbridge's ``Bridge.save_weights`` routes every tensor through every rank (a broa
 pipeline group, all-gathers over EP and ETP) and then through rank 0, which writes every file. Here:
 
 1. every rank lists what it holds: for each parameter its global (TE) name, which TP / expert-TP
-   shard it is, shape and dtype; one ``all_gather_object`` gives every rank the same full picture;
+   shard it is, shape and dtype; one ``all_gather_object`` gives every rank the same full picture.
+   The names are mbridge's mapping of the model's own parameters, so a TE-spec model (a CUDA host with
+   TransformerEngine) and a local-spec one (its names translated to the TE spec's) take the same path;
+   ``_extra_state`` entries are no parameters and are never listed;
 2. the shard plan (HF tensor -> file) is the source checkpoint's ``model.safetensors.index.json``
    when the model was loaded from one (the same files mbridge writes), else a plan of about one
    file per rank made from the parameters themselves;

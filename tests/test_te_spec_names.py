@@ -1,0 +1,148 @@
+"""The parallel HF export on the model a CUDA host builds: megatron-core's TransformerEngine layer spec.
+
+TransformerEngine cannot be installed without a GPU, so each case runs in a fresh interpreter that imports
+the test-only stand-in as ``transformer_engine`` (tests/te_stand_in.py): megatron-core then builds its TE
+spec, and mbridge's own bridge class (not the local-spec one) builds, loads and names the model, with the
+TE spec's names: ``linear_qkv.layer_norm_weight``, a dense layer's ``linear_fc1.layer_norm_weight``,
+grouped-GEMM experts' ``linear_fc1.weight{i}`` (``moe_grouped_gemm=True``, which mbridge sets for every MoE
+family, as upstream's 30B script does) and an ``_extra_state`` beside every TE module. The names come from
+the model megatron built; none is written down here. The whole save runs: the stand-in allocates TE's
+parameters in host memory (it runs no kernel, which a save does not need).
+"""
+
+import glob
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.te_stand_in import run_on_te_host
+from verl.utils.megatron.parallel import ParallelSizes
+
+
+def _export_on_te_spec(src: str, root: str) -> dict:
+    """One rank: mbridge's bridge and TE-spec model, loaded by mbridge from ``src``, then exported by the
+    parallel export and by mbridge's own gathered save, with and without the source's shard plan."""
+    from mbridge.core.safetensor_io import SafeTensorIO
+    from mbridge.core.util import unwrap_model
+    from transformers import AutoConfig
+
+    from verl.models.mcore import make_bridge
+    from verl.models.mcore.model import build_megatron_model
+    from verl.utils.internals import mbridge as mbridge_internals
+
+    bridge = make_bridge(AutoConfig.from_pretrained(src), dtype=torch.float32)
+    model = build_megatron_model(bridge, wrap_with_ddp=False)
+    bridge.load_weights(model, src)  # mbridge's own load: the TE bridge has no load of ours
+    bridge.save_weights(model, os.path.join(root, "parallel"))
+    bridge.save_weights_gathered(model, os.path.join(root, "mbridge"))
+    bridge.safetensor_io = SafeTensorIO(os.path.join(root, "no_such_dir"))
+    bridge.save_weights(model, os.path.join(root, "parallel_noindex"))
+    bridge.save_weights_gathered(model, os.path.join(root, "mbridge_noindex"))
+    torch.distributed.barrier()
+    keys, hf = [], {}
+    for chunk in model:
+        keys += list(unwrap_model(chunk).state_dict())
+        for te_name in mbridge_internals.local_to_global_names(bridge, chunk).values():
+            hf[te_name] = mbridge_internals.hf_names(bridge, te_name)
+    return {"bridge": type(bridge).__name__, "parallel": bridge.saves_in_parallel, "state_keys": keys, "hf_names": hf}
+
+
+def _files(path: str) -> dict[str, bytes]:
+    out = {}
+    for file in sorted(os.listdir(path)):
+        with open(os.path.join(path, file), "rb") as handle:
+            out[file] = handle.read()
+    return out
+
+
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    state = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        state.update(load_file(file))
+    return state
+
+
+CASES = {
+    "moe-1rank": ("tiny_moe_path", ParallelSizes(1, 1, 1, 1), 1),
+    "moe-tp2pp2ep2etp2": ("tiny_moe_path", ParallelSizes(tp=2, pp=2, ep=2, etp=2), 8),
+    "dense-tp2": ("tiny_dense_path", ParallelSizes(tp=2), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parallel_export_of_the_te_spec_equals_mbridge_and_the_source(case, tmp_path, request):
+    fixture, sizes, world = CASES[case]
+    src = request.getfixturevalue(fixture)
+    results = run_on_te_host(str(tmp_path), f"{__name__}:_export_on_te_spec", world, sizes, args=(src, str(tmp_path)))
+
+    # The model is the TE spec's, built by mbridge's own bridge class, and saved by the parallel export.
+    assert {r["bridge"] for r in results} == {"FaithfulQwen3MoEBridge" if "moe" in case else "FaithfulQwen3Bridge"}
+    assert all(r["parallel"] for r in results)
+    keys = {key for r in results for key in r["state_keys"]}
+    assert any(key.endswith("self_attention.linear_qkv.layer_norm_weight") for key in keys)
+    assert any(key.endswith("._extra_state") for key in keys), "TE modules save an _extra_state"
+    if "moe" in case:
+        per_rank = 8 // sizes.ep  # local expert numbers, one parameter each (grouped GEMM)
+        experts = {key.rsplit("weight", 1)[1] for key in keys if ".mlp.experts.linear_fc1.weight" in key}
+        assert experts == {str(i) for i in range(per_rank)}
+    else:
+        assert any(key.endswith("mlp.linear_fc1.layer_norm_weight") for key in keys)
+
+    # Every TE-spec parameter maps to HF names, and together they are exactly the source's tensors.
+    source = _tensors(src)
+    mapped = {name for r in results for names in r["hf_names"].values() for name in names}
+    assert mapped == set(source)
+
+    # Same files as mbridge's own save, byte for byte; without a source plan the same tensors.
+    parallel, reference = _files(str(tmp_path / "parallel")), _files(str(tmp_path / "mbridge"))
+    assert sorted(parallel) == sorted(reference)
+    for name in reference:
+        assert parallel[name] == reference[name], name
+    exported, gathered = _tensors(str(tmp_path / "parallel_noindex")), _tensors(str(tmp_path / "mbridge_noindex"))
+    assert set(exported) == set(gathered) == set(source)
+    for name, tensor in source.items():
+        assert torch.equal(exported[name], tensor) and torch.equal(gathered[name], tensor), name
+
+
+def _checkpoint_on_te_spec(src: str, root: str, async_save: bool) -> dict:
+    """One rank: a TE-spec actor steps its optimizer once (gradients set directly: the stand-in runs no
+    forward), saves the step through the worker's path (the manager, then the commit step), and a second
+    actor loads it back."""
+    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+
+    settings = ActorSettings(model_path=src, async_save=async_save)
+    actor = MegatronActor(settings)
+    generator = torch.Generator().manual_seed(0)  # the same on every rank: replicas stay equal
+    for chunk in actor.model:
+        for param in chunk.parameters():
+            param.main_grad.copy_(torch.randn(param.shape, generator=generator) * 0.01)
+    actor.optimizer.step()
+    saved = actor.parameters_snapshot()
+    path = os.path.join(root, "global_step_1", "actor")
+    if actor.save_checkpoint(path, global_step=1):
+        assert actor.finalize_checkpoint(blocking=True) == path
+    report = actor.checkpoint_manager.last_save
+    other = MegatronActor(settings)
+    other.load_checkpoint(path)
+    loaded = other.parameters_snapshot()
+    return {
+        "mode": report.mode.value,
+        "hf_in_fork": report.hf_weights_in_background,
+        "names": sorted(saved),
+        "differ": [name for name in saved if not torch.equal(saved[name], loaded[name])],
+    }
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_te_spec_checkpoint_saves_and_loads_back_bit_exactly(tiny_moe_path, tmp_path, async_save):
+    """The checkpoint of a TE-spec model (HF weights, optimizer, RNG) at EP2, saved sync or async (the HF
+    export then runs in the forked processes), verified and committed, loads back bit for bit."""
+    results = run_on_te_host(
+        str(tmp_path), f"{__name__}:_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path), async_save)
+    )
+    assert {r["mode"] for r in results} == {"background_write" if async_save else "sync"}
+    assert all(r["hf_in_fork"] is async_save for r in results)
+    assert any(name.endswith("mlp.experts.linear_fc1.weight3") for name in results[0]["names"])
+    assert [r["differ"] for r in results] == [[], []]
