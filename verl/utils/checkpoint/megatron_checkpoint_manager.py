@@ -61,6 +61,7 @@ from verl.utils.checkpoint.megatron_optimizer_state import (
     optimizer_state_from_loaded,
     restore_adam_steps,
 )
+from verl.utils.checkpoint.names import DIRECTORY_NOTES, RANK_RNG_STATE_KEY
 from verl.utils.device import get_device_name, get_torch_device
 from verl.utils.fs import atomic_write_text, local_mkdir_safe
 from verl.utils.internals import megatron_core
@@ -81,7 +82,6 @@ if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 CKPT_CONTENTS_SCHEMA_VERSION = 2  # upstream's ckpt_contents.json schema
-RANK_RNG_STATE_KEY = "rank_rng_state"  # ours, beside upstream's rng_state in extra/dist_ckpt
 
 
 def _json_safe(value: Any) -> Any:
@@ -685,19 +685,19 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             if "hf_model" in self.checkpoint_save_contents:
                 note = "HF export next to the Megatron model shards" if self.should_save_dist_ckpt_model else "the same files as 'model'"
                 contents["hf_model"] = {"path": hf, "format": "huggingface", "note": note}
-            directories[hf] = "HF weights, config, tokenizer and generation config, written through the bridge"
+            directories[hf] = DIRECTORY_NOTES["hf"]
         if self.should_save_dist_ckpt_model:
             contents["model"] = {"path": dist["model"], "format": "megatron_dist_checkpoint", "backend": "dist_checkpointing"}
-            directories[dist["model"]] = "Megatron dist-checkpoint shards of the model"
+            directories[dist["model"]] = DIRECTORY_NOTES["model"]
         if self.should_save_optimizer:
             contents["optimizer"] = {"path": dist["optimizer"], "format": "megatron_dist_checkpoint"}
             if self.lr_scheduler is not None:
                 contents["lr_scheduler"] = {"path": dist["optimizer"], "format": "megatron_dist_checkpoint", "key": "lr_scheduler"}
-            directories[dist["optimizer"]] = "Megatron dist-checkpoint shards of the optimizer state and the LR scheduler"
+            directories[dist["optimizer"]] = DIRECTORY_NOTES["optimizer"]
         if self.should_save_extra:
             contents["rng_state"] = {"path": dist["extra"], "format": "megatron_dist_checkpoint", "key": "rng_state"}
             contents["transformer_config"] = {"path": transformer_config, "format": "json"}
-            directories[dist["extra"]] = "Megatron dist-checkpoint shards of the RNG state"
+            directories[dist["extra"]] = DIRECTORY_NOTES["extra"]
         if self.should_save_hf_model:
             contents["hf_config"] = {"path": hf, "format": "huggingface", "note": "config.json, tokenizer, generation_config.json"}
             if self.processing_class is not None:
