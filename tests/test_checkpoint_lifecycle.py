@@ -330,6 +330,38 @@ def test_disk_full_fails_clearly_and_loses_nothing(tiny_moe_path, base_root, tmp
     verify_checkpoint(_step_path(root, 2))
 
 
+def _save_onto_a_full_disk(src: str, root: str, async_save: bool) -> str:
+    path, _ = find_resume_checkpoint(root)
+    actor = _actor(src, async_save=async_save)
+    actor.load_checkpoint(path)
+    actor.train_step(_batches(1))
+    try:
+        actor.save_checkpoint(_step_path(root, 2), global_step=2)
+        actor.finalize_checkpoint()
+        message = "no error"
+    except CheckpointError as exc:
+        message = str(exc)
+    torch.distributed.barrier()
+    return message
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_a_full_disk_is_named_enospc_with_the_path(tiny_moe_path, base_root, tmp_path, async_save):
+    """A real filesystem that fills during the save (a tmpfs with room for about half a step): every rank's error
+    names ENOSPC and the path being written, from an async save's fork too (not "exited without a result");
+    nothing is committed and the previous step stays whole."""
+    from tests.test_save_os_errors import small_tmpfs
+
+    used = sum(-(-os.path.getsize(f) // 4096) * 4096 for f in _files(base_root))
+    with small_tmpfs(str(tmp_path / "disk"), str(used + (used // 2 // 4096) * 4096)) as disk:
+        root = _copy_run(base_root, type("Dir", (), {"__truediv__": lambda self, name: os.path.join(disk, name)})())
+        for message in run_on_ranks(_save_onto_a_full_disk, WORLD, LAYOUT, args=(tiny_moe_path, root, async_save), timeout_s=300):
+            assert f"No space left on device (ENOSPC) writing {root}/global_step_2/actor" in message, message
+            assert "without a result" not in message and "previous checkpoint and the tracker are unchanged" in message, message
+        assert _tracked(root) == "1" and not os.path.exists(os.path.join(root, "global_step_2", "actor"))
+        verify_checkpoint(_step_path(root, 1))
+
+
 # --------------------------------------------------------------------------- retention
 
 

@@ -51,7 +51,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
 from verl.utils import process_lifetime
-from verl.utils.checkpoint import finite, sealing, snapshot_save
+from verl.utils.checkpoint import finite, os_errors, sealing, snapshot_save
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get
 from verl.utils.checkpoint.commit import current_parallel_layout
 from verl.utils.checkpoint.integrity import CheckpointError, files_under, read_saved_layout
@@ -586,7 +586,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         try:
             yield
         except (Exception, DistributedCheckpointException) as exc:  # the latter derives from BaseException
-            cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            found = os_errors.explain(exc, save.local_path)  # ENOSPC or another errno, named with the path
+            cause = found.describe(save.local_path) if found else (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             raise CheckpointError(f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause})") from exc
 
     def _save_dist_checkpoints(self, local_path: str, in_background: bool) -> list[AsyncRequest] | None:
@@ -743,6 +744,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         self._forked_saves += 1
         hf_group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if save.hf_weights_in_background else None
         job = functools.partial(self._save_in_fork, save, write_dist, hf_group)
+        snapshot_save.reserve_outcome(save.local_path, self.rank)  # so a fork that fills the disk can still say so
         return megatron_core.async_request(
             functools.partial(snapshot_save.run_and_record, save.local_path, self.rank, job),
             (),
