@@ -16,7 +16,7 @@ import os
 import re
 from collections.abc import Iterator
 
-FULL_MARGIN_BYTES = 1 << 20  # a failed write with less than this left on its filesystem failed for want of space
+FULL_MARGIN_BYTES = 1 << 20  # the least room a failed write without an errno must find for it not to be ENOSPC
 _TEXT_ERRNO = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")  # Rust's io::Error; Python's OSError as text
 
 
@@ -74,11 +74,15 @@ def find_os_error(exc: BaseException, text: bool = True) -> OsFailure | None:
     return None
 
 
-def disk_full(path: str, margin: int = FULL_MARGIN_BYTES) -> OsFailure | None:
-    """ENOSPC when the filesystem of ``path`` has less than ``margin`` bytes left for this user, else None.
+def disk_full(path: str) -> OsFailure | None:
+    """ENOSPC when the filesystem of ``path`` (a step's staging directory, ``.../global_step_N/<role>.incomplete``)
+    has less room left for this user than a step of this run takes (the newest other step of the role on disk;
+    at least ``FULL_MARGIN_BYTES``), else None.
 
     For a write that failed without an errno: torch's zip writer turns a stream's ENOSPC into ``unexpected
-    pos``, and torch DCP's gather of a sync save can drop the writer's exception (``ranks:dict_keys([])``)."""
+    pos``, and megatron's sync finalize raises the writers' errors on the coordinator rank only (the others
+    get ``CheckpointException ranks:dict_keys([])``). What is left after the failed write can be anything up
+    to that write's size, hence a step's size as the measure."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:
         probe = os.path.dirname(probe)
@@ -86,10 +90,23 @@ def disk_full(path: str, margin: int = FULL_MARGIN_BYTES) -> OsFailure | None:
         stats = os.statvfs(probe)
     except OSError:
         return None
-    left = stats.f_bavail * stats.f_frsize
-    if left >= margin:
+    left, needed = stats.f_bavail * stats.f_frsize, max(FULL_MARGIN_BYTES, _step_size(path))
+    if left >= needed:
         return None
-    return OsFailure(errno.ENOSPC, "ENOSPC", os.strerror(errno.ENOSPC), None, f"the write failed with {left} bytes left on its filesystem")
+    note = f"the write failed with {left} bytes left on its filesystem, less than a step of this run takes ({needed})"
+    return OsFailure(errno.ENOSPC, "ENOSPC", os.strerror(errno.ENOSPC), None, note)
+
+
+def _step_size(staging: str) -> int:
+    """Bytes of the newest committed step of the role ``staging`` is saving (0 when there is none)."""
+    from verl.utils.checkpoint.checkpoint_manager import list_step_dirs
+
+    step_dir = os.path.dirname(os.path.abspath(staging))
+    role = os.path.basename(os.path.abspath(staging)).removesuffix(".incomplete")
+    for _, other in reversed(list_step_dirs(os.path.dirname(step_dir))):
+        if other != step_dir and os.path.isdir(os.path.join(other, role)):
+            return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(os.path.join(other, role)) for name in names)
+    return 0
 
 
 def explain(exc: BaseException, path: str) -> OsFailure | None:
