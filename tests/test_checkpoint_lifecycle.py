@@ -316,6 +316,38 @@ def test_disk_full_fails_clearly_and_loses_nothing(tiny_moe_path, base_root, tmp
     verify_checkpoint(_step_path(root, 2))
 
 
+def _save_onto_a_full_disk(src: str, root: str, async_save: bool) -> str:
+    path, _ = find_resume_checkpoint(root)
+    actor = _actor(src, async_save=async_save)
+    actor.load_checkpoint(path)
+    actor.train_step(_batches(1))
+    try:
+        actor.save_checkpoint(_step_path(root, 2), global_step=2)
+        actor.finalize_checkpoint()
+        message = "no error"
+    except CheckpointError as exc:
+        message = str(exc)
+    torch.distributed.barrier()
+    return message
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_a_full_disk_is_named_enospc_with_the_path(tiny_moe_path, base_root, tmp_path, async_save):
+    """A real filesystem that fills during the save (a tmpfs with room for about half a step): every rank's error
+    names ENOSPC and the path being written, from an async save's fork too (not "exited without a result");
+    nothing is committed and the previous step stays whole."""
+    from tests.test_save_os_errors import small_tmpfs
+
+    used = sum(-(-os.path.getsize(f) // 4096) * 4096 for f in _files(base_root))
+    with small_tmpfs(str(tmp_path / "disk"), str(used + (used // 2 // 4096) * 4096)) as disk:
+        root = _copy_run(base_root, type("Dir", (), {"__truediv__": lambda self, name: os.path.join(disk, name)})())
+        for message in run_on_ranks(_save_onto_a_full_disk, WORLD, LAYOUT, args=(tiny_moe_path, root, async_save), timeout_s=300):
+            assert f"No space left on device (ENOSPC) writing {root}/global_step_2/actor" in message, message
+            assert "without a result" not in message and "previous checkpoint and the tracker are unchanged" in message, message
+        assert _tracked(root) == "1" and not os.path.exists(os.path.join(root, "global_step_2", "actor"))
+        verify_checkpoint(_step_path(root, 1))
+
+
 # --------------------------------------------------------------------------- retention
 
 
@@ -941,6 +973,42 @@ def test_the_data_position_is_checked_before_any_rank_starts(base_root, tmp_path
         return
     with pytest.raises(ConfigError, match=re.escape(f"{data} is damaged")):
         find_resume_step(config)
+
+
+def test_a_step_of_ours_stripped_of_manifest_and_commit_mark_is_refused_before_ray(tiny_moe_path, base_root, tmp_path):
+    """Without manifest.json and committed.json a step would pass for upstream verl's and load unchecked; what
+    else only this package writes (the per-rank RNG states, its own ckpt_contents.json words) gives it away:
+    the CLI's pre-start check refuses it, naming those files, before Ray starts. Upstream's steps still load."""
+    import subprocess
+    import sys
+    import warnings
+
+    root = _copy_run(base_root, tmp_path)
+    step = _step_path(root, 1)
+    torch.save({"epoch": 0, "position": 64}, os.path.join(root, "global_step_1", "data.pt"))
+    os.remove(os.path.join(step, "manifest.json"))
+    os.remove(os.path.join(step, "committed.json"))
+    named = [os.path.join(step, "extra", "dist_ckpt", ".metadata") + " holds rank_rng_state", os.path.join(step, "ckpt_contents.json")]
+    with pytest.raises(CheckpointError, match="has neither manifest.json nor committed.json, yet it was saved by this package") as refused:
+        verify_checkpoint(step)
+    assert all(n in str(refused.value) for n in named), refused.value
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH")) if p)}
+    started = time.monotonic()
+    cli = subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={root}", "trainer.resume_mode=auto"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    out = cli.stdout + cli.stderr
+    assert cli.returncode == 2, out[-3000:]
+    assert all(n in out for n in named) and "trainer.resume_from_path=<its global_step_N>" in out, out[-3000:]
+    assert "Ray instance" not in out and "ranks up" not in out, out[-3000:]
+    assert time.monotonic() - started < 120
+    assert os.path.isdir(step)  # nothing deleted
+    upstream = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "verl091", "tp1_pp1_ep1", "global_step_2", "actor")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        verify_checkpoint(upstream)
+    assert any("saved by upstream verl" in str(w.message) for w in caught)
 
 
 # --------------------------------------------------------------------------- a checkpoint is data, not code

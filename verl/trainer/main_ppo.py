@@ -240,6 +240,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
     from verl.single_controller.ray import WorkerGroupError
     from verl.trainer.ppo.log_prob_parity import LogProbParityError
     from verl.trainer.ppo.ray_trainer import MegatronGRPOTrainer
+    from verl.utils.checkpoint.finite import DivergedError
 
     started = _init_ray(config)
     stops.install()  # ray.init replaced the SIGTERM handler with one that tears Ray down under this process
@@ -263,6 +264,9 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
             raise SystemExit(1) from None
         except LogProbParityError as err:
             print(f"[main_ppo] training stopped before the first update: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except DivergedError as err:
+            print(f"[main_ppo] training stopped: {err}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         finally:
             trainer.shutdown()

@@ -48,6 +48,7 @@ from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitA
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.trainer.ppo.log_prob_parity import check_log_prob_parity, log_prob_gaps, max_log_prob_diff
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, should_save_ckpt_esi
+from verl.utils.checkpoint.finite import check_step_is_finite
 from verl.utils.checkpoint.layout import DATA_STATE_FILENAME, STEP_DIR_FORMAT
 from verl.utils.dataset.arithmetic import PromptSampler
 from verl.utils.dataset.rl_dataset import left_pad, left_pad_attention_mask
@@ -229,6 +230,7 @@ class MegatronGRPOTrainer:
 
         with _timed(timing, "gen"):
             rollout = self._generate(input_ids, step, timing, attention_mask=prompt_mask)
+        self._stop_if_diverged(step, {"the rollout's logits (their log-probs of the sampled tokens)": rollout["rollout_log_probs"]})
         with _timed(timing, "reward"):
             scores = self._score(rows, rollout["responses"], rollout["response_mask"])
             advantages = self._advantages(scores, rollout["response_mask"], group_index)
@@ -236,15 +238,21 @@ class MegatronGRPOTrainer:
         # Every generated token is attended to (transformers extends the mask with ones while generating).
         attention_mask = torch.cat([prompt_mask, torch.ones_like(rollout["responses"])], dim=1)
         old_log_probs, policy_terms, policy_metrics = self._policy_log_probs(sequences, attention_mask, rollout["response_mask"], timing)
+        self._stop_if_diverged(step, {"the actor's logits (its log-probs of the rollout)": old_log_probs})
         self._check_parity_once(old_log_probs, rollout)
         batch = {"input_ids": sequences, "attention_mask": attention_mask, "response_mask": rollout["response_mask"],
                  "old_log_probs": old_log_probs, "advantages": advantages, **policy_terms}  # fmt: skip
         with _timed(timing, "update_actor"):
             updates = self.actor_rollout_wg.update_actor(self._split(batch))
+        self._stop_if_diverged(step, {"the policy loss": [u["pg_loss"] for u in updates], "the grad norm": [u["grad_norm"] for u in updates]})
         timing["step"] = time.monotonic() - start_step
         return {"step": step, **self._step_metrics(scores, advantages, rollout, old_log_probs, updates), **policy_metrics,
                 **self._kl_entropy_metrics(updates), "data/epoch": self.sampler.epoch,
                 **{f"timing_s/{key}": round(value, 3) for key, value in timing.items()}}  # fmt: skip
+
+    def _stop_if_diverged(self, step: int, quantities: dict) -> None:
+        """A NaN/Inf in what the step has in hand stops the run here, naming it and the committed step to resume."""
+        check_step_is_finite(step, quantities, self.default_local_dir)
 
     def _policy_log_probs(
         self, sequences: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, timing: dict

@@ -2,15 +2,21 @@
 
 A save runs it before anything is written (in the rank, or for an async save on the CPU runtime in the forked
 process, on the copy-on-write image it writes, off the training path); a load runs it on what was loaded.
+The trainer checks what each step already has in hand (the rollout's and the actor's log-probabilities, the
+loss sums, the grad norm: a few small tensors, no extra pass) and stops a diverged run at the first NaN/Inf,
+before that step's weights can be saved (``check_step_is_finite``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from verl.utils.checkpoint.integrity import CheckpointError
+from verl.utils.checkpoint.names import STEP_DIR_FORMAT
 
 
 def named_state_tensors(model: list | None, optimizer) -> Iterator[tuple[str, torch.Tensor]]:
@@ -65,3 +71,52 @@ def check_finite_here(model: list | None, optimizer, what: str, rank: int) -> No
     name = first_non_finite(model, optimizer)
     if name is not None:
         raise non_finite_error(what, rank, name)
+
+
+class DivergedError(RuntimeError):
+    """Training produced NaN or Inf (a loss, a grad norm, logits): the model diverged; the message says where
+    first, at which step, and the committed checkpoint to resume from."""
+
+
+def first_non_finite_quantity(quantities: dict[str, Any]) -> str | None:
+    """The name of the first of ``quantities`` (tensors or numbers, in order) holding NaN or Inf, or None."""
+    for name, value in quantities.items():
+        tensor = torch.as_tensor(value)
+        if tensor.is_floating_point() and tensor.numel() and not is_finite(tensor):
+            return name
+    return None
+
+
+def check_step_is_finite(step: int, quantities: dict[str, Any], checkpoint_dir: str, role: str = "actor") -> None:
+    """Raise DivergedError naming the first non-finite of ``quantities`` at ``step`` and the checkpoint to resume.
+
+    Everything a step checks comes from the weights the update of step ``step - 1`` wrote (the rollout's and
+    the actor's logits, the loss and the gradients of them), and ``global_step_<step - 1>`` holds those very
+    weights (finite, so its save took them: ``lr=1e30`` makes them huge, not Inf). So the checkpoint to
+    resume is the newest committed step before that one."""
+    name = first_non_finite_quantity(quantities)
+    if name is None:
+        return
+    raise DivergedError(
+        f"the model diverged at step {step}: {name} holds NaN or Inf; nothing of step {step} is saved. "
+        f"{_resume_advice(checkpoint_dir, role, step)}, with a lower actor_rollout_ref.actor.optim.lr (or a smaller "
+        "actor_rollout_ref.actor.optim.clip_grad)"
+    )
+
+
+def _resume_advice(checkpoint_dir: str, role: str, step: int) -> str:
+    """Which committed step to resume after a divergence found at ``step`` (see ``check_step_is_finite``)."""
+    from verl.utils.checkpoint.checkpoint_manager import list_step_dirs, read_tracker
+    from verl.utils.checkpoint.integrity import is_complete
+
+    tracked = read_tracker(checkpoint_dir)
+    committed = [] if tracked is None else [s for s, path in list_step_dirs(checkpoint_dir) if s <= tracked and is_complete(os.path.join(path, role))]
+    source = "the initial (or resumed) weights" if step <= 1 else f"the weights of step {step - 1}'s update"
+    before = [s for s in committed if s < step - 1]
+    advice = f"It came from {source}"
+    if step - 1 in committed:
+        advice += f", which {os.path.join(checkpoint_dir, STEP_DIR_FORMAT.format(step - 1))} holds (do not resume it)"
+    if not before:
+        return advice + "; no committed checkpoint before them is kept: start again"
+    path = os.path.join(checkpoint_dir, STEP_DIR_FORMAT.format(before[-1]))
+    return advice + f"; the previous checkpoint, {path} (step {before[-1]}), is the one to resume: trainer.resume_mode=resume_path trainer.resume_from_path={path}"

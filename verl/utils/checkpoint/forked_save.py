@@ -91,6 +91,7 @@ class ForkedSaves:
         self._forked_saves += 1
         hf_group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if save.hf_weights_in_background else None
         job = functools.partial(self._save_in_fork, save, write_dist, hf_group)
+        snapshot_save.reserve_outcome(save.local_path, self.rank)  # so a fork that fills the disk can still say so
         return megatron_core.async_request(
             functools.partial(snapshot_save.run_and_record, save.local_path, self.rank, job),
             (),

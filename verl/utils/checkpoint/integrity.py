@@ -4,8 +4,9 @@ A step is committed by renaming its staging directory (``<actor>.incomplete``) i
 every rank finished every part; its ``manifest.json`` (ours, written last inside the staging directory;
 upstream verl ignores it) lists every file with its size and the parallel layout it was saved at. A load
 checks the manifest first, so a truncated shard, a deleted metadata file or a foreign model fails with the
-file and the cause named, before anything loads. A step without a manifest was saved by upstream verl:
-it loads with a warning, checked only as far as its own files allow.
+file and the cause named, before anything loads. A step without a manifest and commit mark was saved by
+upstream verl: it loads with a warning, checked only as far as its own files allow; unless it holds what only
+this package writes (``our_marks``): then it is a step of ours stripped of them, and refused.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_file
 from verl.utils.checkpoint.layout import (  # the manifest, mark and staging names are also imported from here
     COMMIT_MARK_FILENAME,
     CONTENTS_FILENAME,
+    DIRECTORY_NOTES,
     MANIFEST_FILENAME,
+    RANK_RNG_STATE_KEY,
     STAGING_SUFFIX,
     STEP_DIR_FORMAT,
     STEP_DIR_RE,
@@ -174,6 +177,14 @@ def verify_manifest(step_path: str, required: bool = True, checksums: bool = Tru
     upstream step). ``checksums=False`` is for a caller that has just hashed these very bytes (one read, not two)."""
     mark_path = os.path.join(step_path, COMMIT_MARK_FILENAME)
     if not required and not os.path.exists(mark_path) and not os.path.exists(os.path.join(step_path, MANIFEST_FILENAME)):
+        marks = our_marks(step_path)
+        if marks:
+            raise CheckpointError(
+                f"checkpoint {step_path} has neither {MANIFEST_FILENAME} nor {COMMIT_MARK_FILENAME}, yet it was saved by this "
+                f"package ({'; '.join(marks)}): a step of ours whose manifest and commit mark are gone (deleted or lost), so "
+                "nothing vouches for its files; resume an earlier step (trainer.resume_mode=resume_path "
+                "trainer.resume_from_path=<its global_step_N>) or restore both files from a copy of this step"
+            )
         return False
     manifest_path = os.path.join(step_path, MANIFEST_FILENAME)
     manifest = _read_json(manifest_path, "manifest")
@@ -201,6 +212,27 @@ def verify_manifest(step_path: str, required: bool = True, checksums: bool = Tru
     if problems:
         raise CheckpointError(f"checkpoint {step_path} is damaged:\n  - " + "\n  - ".join(problems))
     return True
+
+
+def our_marks(step_path: str) -> list[str]:
+    """What in a step only this package writes (besides the manifest and commit mark), one line per file: the
+    per-rank RNG states (``rank_rng_state``) in a dist checkpoint's ``.metadata``, and this package's own
+    descriptions in ckpt_contents.json's ``directories``. Upstream verl writes neither."""
+    from verl.utils.checkpoint.data_only import METADATA_FILENAME, read_dcp_metadata
+
+    marks = []
+    contents_path = os.path.join(step_path, CONTENTS_FILENAME)
+    if os.path.isfile(contents_path):
+        directories = _read_json(contents_path, "checkpoint contents").get("directories")
+        ours = sorted(name for name, note in directories.items() if note in DIRECTORY_NOTES.values()) if isinstance(directories, dict) else []
+        if ours:
+            marks.append(f"{contents_path} describes {', '.join(ours)} in this package's words")
+    for root, _, names in sorted(os.walk(step_path)):
+        if METADATA_FILENAME in names:
+            path = os.path.join(root, METADATA_FILENAME)
+            if RANK_RNG_STATE_KEY in {index.split("/")[0] for index in read_dcp_metadata(path).state_dict_metadata}:
+                marks.append(f"{path} holds {RANK_RNG_STATE_KEY} (every rank's own RNG state)")
+    return marks
 
 
 def _manifest_entries(step_path: str, manifest_path: str, manifest: dict) -> tuple[dict[str, tuple[int, str]], list[str]]:

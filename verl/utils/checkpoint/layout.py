@@ -48,6 +48,17 @@ HF_DIR = f"{MODEL_DIR}/{HF_DIRNAME}"  # HF config, tokenizer and weights (the br
 DIST_CKPT_DIRS = {content: f"{content}/{DIST_CKPT_DIRNAME}" for content in (MODEL_DIR, OPTIMIZER_DIR, EXTRA_DIR)}
 # The HF safetensors index: written by the parallel HF export, read by the HF completeness check.
 INDEX_FILENAME = "model.safetensors.index.json"
+# Ours, beside upstream's rng_state in extra/dist_ckpt: every rank's own RNG streams (one ShardedObject per rank).
+RANK_RNG_STATE_KEY = "rank_rng_state"
+# This package's descriptions of a step's directories in ckpt_contents.json ("directories"; upstream writes its
+# own words): one of them in a step without manifest and commit mark tells a damaged step of ours from
+# upstream's (``verl.utils.checkpoint.integrity.our_marks``).
+DIRECTORY_NOTES = {
+    "hf": "HF weights, config, tokenizer and generation config, written through the bridge",
+    "model": "Megatron dist-checkpoint shards of the model",
+    "optimizer": "Megatron dist-checkpoint shards of the optimizer state and the LR scheduler",
+    "extra": "Megatron dist-checkpoint shards of the RNG state",
+}
 
 
 def step_dir(root: str, step: int) -> str:

@@ -38,7 +38,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
 from verl.utils import process_lifetime
-from verl.utils.checkpoint import finite, sealing, snapshot_save
+from verl.utils.checkpoint import finite, os_errors, sealing, snapshot_save
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get, not_implemented_unless_default
 from verl.utils.checkpoint.forked_save import (
     ForkedSaves,
@@ -364,7 +364,8 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
         try:
             yield
         except (Exception, DistributedCheckpointException) as exc:  # the latter derives from BaseException
-            cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            found = os_errors.explain(exc, save.local_path)  # ENOSPC or another errno, named with the path
+            cause = found.describe(save.local_path) if found else (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             raise CheckpointError(f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause})") from exc
 
     def _save_dist_checkpoints(self, local_path: str, in_background: bool) -> list[AsyncRequest] | None:

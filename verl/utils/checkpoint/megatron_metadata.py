@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any
 
+from verl.utils.checkpoint.layout import DIRECTORY_NOTES
 from verl.utils.fs import atomic_write_text
 from verl.utils.megatron_utils import (
     get_checkpoint_contents_manifest_path,
@@ -64,19 +65,19 @@ class MegatronMetadata:
             if "hf_model" in self.checkpoint_save_contents:
                 note = "HF export next to the Megatron model shards" if self.should_save_dist_ckpt_model else "the same files as 'model'"
                 contents["hf_model"] = {"path": hf, "format": "huggingface", "note": note}
-            directories[hf] = "HF weights, config, tokenizer and generation config, written through the bridge"
+            directories[hf] = DIRECTORY_NOTES["hf"]
         if self.should_save_dist_ckpt_model:
             contents["model"] = {"path": dist["model"], "format": "megatron_dist_checkpoint", "backend": "dist_checkpointing"}
-            directories[dist["model"]] = "Megatron dist-checkpoint shards of the model"
+            directories[dist["model"]] = DIRECTORY_NOTES["model"]
         if self.should_save_optimizer:
             contents["optimizer"] = {"path": dist["optimizer"], "format": "megatron_dist_checkpoint"}
             if self.lr_scheduler is not None:
                 contents["lr_scheduler"] = {"path": dist["optimizer"], "format": "megatron_dist_checkpoint", "key": "lr_scheduler"}
-            directories[dist["optimizer"]] = "Megatron dist-checkpoint shards of the optimizer state and the LR scheduler"
+            directories[dist["optimizer"]] = DIRECTORY_NOTES["optimizer"]
         if self.should_save_extra:
             contents["rng_state"] = {"path": dist["extra"], "format": "megatron_dist_checkpoint", "key": "rng_state"}
             contents["transformer_config"] = {"path": transformer_config, "format": "json"}
-            directories[dist["extra"]] = "Megatron dist-checkpoint shards of the RNG state"
+            directories[dist["extra"]] = DIRECTORY_NOTES["extra"]
         if self.should_save_hf_model:
             contents["hf_config"] = {"path": hf, "format": "huggingface", "note": "config.json, tokenizer, generation_config.json"}
             if self.processing_class is not None:

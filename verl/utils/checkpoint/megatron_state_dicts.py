@@ -18,9 +18,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject,
 
 from verl.utils.checkpoint.checkpoint_manager import config_get
 from verl.utils.checkpoint.integrity import CheckpointError
+from verl.utils.checkpoint.layout import RANK_RNG_STATE_KEY
 from verl.utils.device import get_device_name, get_torch_device
-
-RANK_RNG_STATE_KEY = "rank_rng_state"  # ours, beside upstream's rng_state in extra/dist_ckpt
 
 
 def without_view_copies(state: dict) -> dict:

@@ -32,12 +32,14 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
+from verl.utils.checkpoint import os_errors
 from verl.utils.device import get_device_name
 from verl.utils.fs import atomic_open
 from verl.utils.internals import megatron_core
 from verl.utils.internals import torch as torch_internals
 
 OUTCOME_DIRNAME = ".background"  # inside the staging directory; removed before the manifest is built
+RESERVE_BYTES = 4096  # room kept for a fork's failed outcome (``reserve_outcome``)
 
 
 def write_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, state: dict, path: str, content_metadata: dict) -> list:
@@ -46,17 +48,18 @@ def write_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, state: dict, p
     megatron's async request is run here to its end; its finalize (a gather of every rank's results)
     is the parent's part: ``finish_dist_checkpoint``.
     """
-    request = dist_checkpointing.save(
-        state, path, sharded_strategy=strategy, validate_access_integrity=False, async_sharded_save=True, content_metadata=content_metadata,
-        **megatron_core.async_save_options(),
-    )
-    if request.async_fn is None:
-        return []  # nothing of this checkpoint is written by this rank
-    request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
-    results = megatron_core.results_queue(request).get()
+    with os_errors.writing(path):  # a writer's ENOSPC names no file: name the directory it was writing
+        request = dist_checkpointing.save(
+            state, path, sharded_strategy=strategy, validate_access_integrity=False, async_sharded_save=True, content_metadata=content_metadata,
+            **megatron_core.async_save_options(),
+        )
+        if request.async_fn is None:
+            return []  # nothing of this checkpoint is written by this rank
+        request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+        results = megatron_core.results_queue(request).get()
+        if isinstance(results, BaseException):
+            raise RuntimeError(f"writing {path} failed: {results}") from results
     buckets = megatron_core.write_buckets(request)
-    if isinstance(results, BaseException):
-        raise RuntimeError(f"writing {path} failed: {results}") from results
     if len(results) != len(buckets):
         raise RuntimeError(f"writing {path}: {len(results)} of {len(buckets)} writer processes reported")
     return list(chain.from_iterable(results.values()))
@@ -69,6 +72,21 @@ def finish_dist_checkpoint(strategy: TorchDistSaveShardedStrategy, path: str, al
 
 def outcome_path(staging: str, rank: int) -> str:
     return os.path.join(staging, OUTCOME_DIRNAME, f"rank{rank}.json")
+
+
+def _reserve_path(staging: str, rank: int) -> str:
+    return os.path.join(staging, OUTCOME_DIRNAME, f"rank{rank}.reserve")
+
+
+def reserve_outcome(staging: str, rank: int) -> None:
+    """In the rank, before it forks: ``RESERVE_BYTES`` of disk for the fork's outcome. A fork that fills the
+    disk cannot write its outcome file any more; it overwrites this one in place (no new blocks needed) and
+    renames it, so the parent still learns why (ENOSPC and the path) instead of finding nothing. Failing here,
+    the disk is full already, and the save fails at once with that error."""
+    path = _reserve_path(staging, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with atomic_open(path, "w", durable=False) as handle:
+        handle.write(" " * RESERVE_BYTES)
 
 
 def _write_result_to_json(value: Any) -> dict:
@@ -138,21 +156,59 @@ def report_to_stderr(reason: str) -> None:
 
 
 def _record(staging: str, rank: int, outcome: dict[str, Any]) -> None:
+    """The outcome file; when the disk refuses it, the failure (the job's, else this write's) in the reserve."""
     path = outcome_path(staging, rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with atomic_open(path, "w", durable=False) as handle:  # read by the parent in this boot, never after a crash
-        json.dump(outcome, handle, default=_write_result_to_json)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with atomic_open(path, "w", durable=False) as handle:  # read by the parent in this boot, never after a crash
+            json.dump(outcome, handle, default=_write_result_to_json)
+    except OSError as exc:
+        failed = outcome if not outcome.get("ok") else _failed(exc, path)
+        _record_in_reserve(staging, rank, failed)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(_reserve_path(staging, rank))
+
+
+def _record_in_reserve(staging: str, rank: int, outcome: dict[str, Any]) -> None:
+    """A failed outcome, cut to fit the reserve (its last line, the cause, kept), written over it in place."""
+    error, extra = outcome["error"], {k: v for k, v in outcome.items() if k not in ("ok", "error")}
+    data = b""
+    for keep in (len(error), 2000, 500, 0):
+        text = error[-keep:] if keep else error.strip().splitlines()[-1][-200:]
+        data = json.dumps({"ok": False, "error": text, **extra}).encode()
+        if len(data) <= RESERVE_BYTES:
+            break
+    reserve = _reserve_path(staging, rank)
+    with contextlib.suppress(OSError):  # no reserve (the fork ran without one): the parent says it found nothing
+        fd = os.open(reserve, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.pwrite(fd, data.ljust(RESERVE_BYTES), 0)  # JSON ends in spaces; blocks already allocated
+        finally:
+            os.close(fd)
+        os.replace(reserve, outcome_path(staging, rank))
+
+
+def _failed(exc: BaseException, path: str | None = None) -> dict[str, Any]:
+    """A failed outcome: the traceback, and for an operating-system error its errno, text and path, with a
+    last line (the one the ranks' error shows) of ``<strerror> (<ERRNO>) writing <path>``."""
+    found = os_errors.explain(exc, path) if path else os_errors.find_os_error(exc)
+    text = "".join(traceback.format_exception(exc))
+    if found is None:
+        return {"ok": False, "error": text}
+    return {"ok": False, "error": f"{text}{found.describe(path)}", "os_error": found.as_json()}
 
 
 def run_and_record(staging: str, rank: int, job: Callable[[], dict[str, Any]]) -> None:
-    """The fork's entry: run ``job`` and leave what it returned, or its traceback, for the parent.
+    """The fork's entry: run ``job`` and leave what it returned, or its traceback, for the parent (an
+    operating-system error as such: ``_failed``). The parent reserved room for it (``reserve_outcome``).
 
     The fork dies with its rank (``verl.utils.process_lifetime``, armed by the manager)."""
     fail_when_a_writer_dies(lambda reason: _record(staging, rank, {"ok": False, "error": reason}))
     try:
         outcome: dict[str, Any] = {"ok": True, **job()}
-    except BaseException:  # noqa: BLE001 - the parent reports it; a fork must not raise into multiprocessing
-        outcome = {"ok": False, "error": traceback.format_exc()}
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it; a fork must not raise into multiprocessing
+        outcome = _failed(exc, staging)
     _record(staging, rank, outcome)
 
 

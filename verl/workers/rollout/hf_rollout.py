@@ -91,6 +91,7 @@ class InMemoryHFRollout:
                 eos_token_id=self.eos_token_id,
                 pad_token_id=self.pad_token_id,
                 output_logits=True,
+                remove_invalid_values=True,  # NaN/Inf logits (a diverged model) are returned for the trainer to name, not sampled from
                 return_dict_in_generate=True,
             )
         responses = out.sequences[:, prompts.shape[1] :]

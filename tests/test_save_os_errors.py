@@ -1,0 +1,123 @@
+"""A save that the operating system refuses says so: ENOSPC (any errno) by name, with the path, from a forked
+writer too, even when the full disk leaves no room for the fork's outcome file (a real tmpfs, filled)."""
+
+import contextlib
+import errno
+import multiprocessing
+import os
+import subprocess
+
+import pytest
+
+from verl.utils.checkpoint import snapshot_save
+from verl.utils.checkpoint.os_errors import find_os_error, writing
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: str, size: str):
+    """A tmpfs of ``size`` mounted at ``path`` for the block: a disk that really fills. Needs root (the test
+    machines run as root); anything else fails the test loudly, since without it nothing here is tested."""
+    os.makedirs(path, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.fail(f"mounting a tmpfs at {path} needs root (uid {os.geteuid()}); run this test as root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs at {path}: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=True)
+
+
+def fill(directory: str) -> None:
+    """Write ``directory``'s filesystem full (the last write fails with ENOSPC)."""
+    with contextlib.suppress(OSError), open(os.path.join(directory, "filler"), "wb", buffering=0) as handle:
+        while True:
+            handle.write(b"\0" * 4096)
+
+
+def _in_a_fork(staging: str, job) -> int:
+    """``run_and_record`` as a save runs it: in a process forked from this one."""
+    process = multiprocessing.get_context("fork").Process(target=snapshot_save.run_and_record, args=(staging, 0, job))
+    process.start()
+    process.join(60)
+    return process.exitcode
+
+
+def test_a_fork_that_fills_the_disk_reports_enospc_and_the_path(tmp_path):
+    with small_tmpfs(str(tmp_path / "disk"), "256k") as disk:
+        staging = os.path.join(disk, "actor.incomplete")
+        os.makedirs(staging)
+        snapshot_save.reserve_outcome(staging, 0)
+        shard = os.path.join(staging, "shard.distcp")
+
+        def job() -> dict:
+            fill(disk)
+            with writing(shard), open(shard, "wb") as handle:  # a stream's ENOSPC names no file: writing() does
+                handle.write(b"x" * 65536)
+            return {"writes": {}}
+
+        assert _in_a_fork(staging, job) == 0
+        outcome = snapshot_save.read_outcome(staging, 0)
+        assert not outcome["ok"]
+        assert outcome["error"].strip().splitlines()[-1] == f"No space left on device (ENOSPC) writing {shard}", outcome["error"][-500:]
+        assert outcome["os_error"] == {"errno": errno.ENOSPC, "name": "ENOSPC", "strerror": os.strerror(errno.ENOSPC), "filename": shard, "note": None}
+        assert not os.path.exists(os.path.join(staging, snapshot_save.OUTCOME_DIRNAME, "rank0.reserve"))
+
+
+def test_an_outcome_the_full_disk_cannot_hold_is_reported_as_enospc(tmp_path):
+    """The fork's work succeeded but its outcome file does not fit: the reserve says why, naming that file."""
+    with small_tmpfs(str(tmp_path / "disk"), "128k") as disk:
+        staging = os.path.join(disk, "actor.incomplete")
+        os.makedirs(staging)
+        snapshot_save.reserve_outcome(staging, 0)
+
+        def job() -> dict:
+            fill(disk)
+            return {"writes": {"optimizer": ["x" * 100] * 5000}}  # ~0.5 MB of JSON
+
+        assert _in_a_fork(staging, job) == 0
+        outcome = snapshot_save.read_outcome(staging, 0)
+        assert not outcome["ok"] and outcome["os_error"]["name"] == "ENOSPC", outcome
+        assert outcome["error"].endswith(f"No space left on device (ENOSPC) writing {snapshot_save.outcome_path(staging, 0)}"), outcome["error"][-500:]
+
+
+def test_a_successful_outcome_frees_its_reserve(tmp_path):
+    staging = str(tmp_path / "actor.incomplete")
+    os.makedirs(staging)
+    snapshot_save.reserve_outcome(staging, 0)
+    assert _in_a_fork(staging, lambda: {"writes": {}}) == 0
+    assert snapshot_save.read_outcome(staging, 0) == {"ok": True, "writes": {}}
+    assert os.listdir(os.path.join(staging, snapshot_save.OUTCOME_DIRNAME)) == ["rank0.json"]
+
+
+def test_an_errno_is_found_wherever_it_is_wrapped():
+    """Wrapped by a RuntimeError, inside torch DCP's CheckpointException, or only as text (safetensors)."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as inner:
+            raise RuntimeError("writing failed") from inner
+    except RuntimeError as wrapped:
+        assert find_os_error(wrapped).describe("/ckpt/x") == "No space left on device (ENOSPC) writing /ckpt/x"
+    dcp = CheckpointException("write", {1: _wrap_exception(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), "/ckpt/y"))})
+    assert find_os_error(dcp).describe("/elsewhere") == f"{os.strerror(errno.EDQUOT)} (EDQUOT) writing /ckpt/y"
+    rust = Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert find_os_error(rust).name == "ENOSPC"
+    assert find_os_error(ValueError("no errno here")) is None
+
+
+def test_a_write_that_fails_without_an_errno_on_a_full_disk_is_named_enospc(tmp_path):
+    """torch's zip writer reports a stream's ENOSPC as ``unexpected pos``: the full filesystem tells."""
+    from verl.utils.checkpoint.integrity import CheckpointError
+    from verl.utils.checkpoint.os_errors import explain
+
+    unexpected = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert explain(unexpected, str(tmp_path)) is None  # room left: not a disk error
+    with small_tmpfs(str(tmp_path / "disk"), "64k") as disk:
+        fill(disk)
+        found = explain(unexpected, os.path.join(disk, "step", "actor.incomplete"))  # a path not created yet
+        assert found.describe(os.path.join(disk, "x")).startswith(f"No space left on device (ENOSPC) writing {disk}/x (the write failed with ")
+        assert explain(CheckpointError("refusing to save step 3: NaN"), disk) is None
