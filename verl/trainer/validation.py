@@ -20,10 +20,11 @@ from omegaconf import OmegaConf
 from verl.models.support import hf_config_problems, hf_layout_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
 from verl.utils.checkpoint.layout import CONTENTS_FILENAME, DATA_STATE_FILENAME, STEP_DIR_RE
+from verl.utils.checkpoint.precision import optimizer_dtype_problem
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
 from verl.utils.tracking import BACKEND_PACKAGES
 from verl.utils.tracking import BACKENDS as LOGGER_BACKENDS
-from verl.workers.config import build_megatron_actor_configs
+from verl.workers.config import build_megatron_actor_configs, megatron_param_dtype
 
 _ACTOR = "actor_rollout_ref.actor"
 _MEGATRON = f"{_ACTOR}.megatron."
@@ -262,6 +263,10 @@ def _check_actor(config: Any) -> list[str]:
         problems.append(f"{_MEGATRON}context_parallel_size={megatron.context_parallel_size}: the update step does not split sequences over context-parallel ranks yet; set {_MEGATRON}context_parallel_size=1")
     if int(megatron.tensor_model_parallel_size) > 1 and not megatron.sequence_parallel:
         problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: mbridge always uses sequence parallelism with TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
+    try:
+        megatron_param_dtype(megatron.get("dtype", "float32"), key=f"{_MEGATRON}dtype")
+    except ValueError as exc:
+        problems.append(str(exc))
     # checkpoint.* and optim.*: the typed configs check themselves (one problem each, naming the key).
     for node in ("checkpoint", "optim"):
         try:
@@ -461,11 +466,21 @@ def _check_kl_loss(config: Any) -> list[str]:
             ours = megatron.tensor_model_parallel_size if ours is None else ours
         if theirs != ours:
             problems.append(f"{_REF}.megatron.{key}={ref.megatron[key]} differs from the actor's ({megatron[key]}): the reference runs on the actor's ranks in the actor's layout here; set it to {megatron[key]} (its default follows the actor)")
+    if not _same_dtype(ref.megatron.get("dtype", "float32"), megatron.get("dtype", "float32")):
+        problems.append(f"{_REF}.megatron.dtype={ref.megatron.dtype} differs from the actor's ({megatron.dtype}): the reference runs in the actor's dtype here; set it to {megatron.dtype} (its default follows the actor)")
     if ref.megatron.use_dist_checkpointing or ref.megatron.dist_checkpointing_path is not None:
         problems.append(f"{_REF}.megatron.use_dist_checkpointing / dist_checkpointing_path: the reference is built from the HF actor_rollout_ref.model.path only; set use_dist_checkpointing=False and dist_checkpointing_path=null")
     if ref.log_prob_micro_batch_size is not None:
         problems.append(f"{_REF}.log_prob_micro_batch_size={ref.log_prob_micro_batch_size}: upstream's deprecated global form; set {_REF}.log_prob_micro_batch_size_per_gpu instead")
     return problems
+
+
+def _same_dtype(one: Any, other: Any) -> bool:
+    """Whether two ``megatron.dtype`` values name one dtype (``bf16`` is ``bfloat16``)."""
+    try:
+        return megatron_param_dtype(one) == megatron_param_dtype(other)
+    except ValueError:
+        return one == other
 
 
 def check_device(config: Any, cluster: bool) -> tuple[str | None, list[str]]:
@@ -586,6 +601,9 @@ def find_resume_step(config: Any, model_path: str | None = None) -> tuple[int, s
     now_do = bool(config.actor_rollout_ref.actor.megatron.use_distributed_optimizer)
     if "optimizer" in load and saved_do is not None and saved_do != now_do:
         problems.append(f"{step_dir}/actor optimizer state was saved with use_distributed_optimizer={saved_do}; set {_MEGATRON}use_distributed_optimizer={saved_do} or drop 'optimizer' from {_CHECKPOINT}load_contents")
+    if "optimizer" in load:  # fp32 master weights are in a bf16 step's optimizer state only
+        dtype = optimizer_dtype_problem(os.path.join(step_dir, "actor"), megatron_param_dtype(config.actor_rollout_ref.actor.megatron.get("dtype", "float32")))
+        problems += [dtype] if dtype else []
     problems += _data_state_problems(step_dir)
     if problems:
         raise ConfigError(problems)

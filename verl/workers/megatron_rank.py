@@ -15,8 +15,9 @@ import torch
 from verl.models.mcore import load_hf_config, make_bridge
 from verl.models.mcore.forward import compute_log_probs, forward_logits, train_step
 from verl.models.mcore.model import build_megatron_model
-from verl.utils.checkpoint import commit, finite
+from verl.utils.checkpoint import commit, finite, precision
 from verl.utils.checkpoint.checkpoint_manager import config_get
+from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout
 from verl.utils.checkpoint.step_commit import CommittedStep, StepCommit, StepSpec
@@ -202,11 +203,24 @@ class MegatronActor:
         return committed
 
     def load_checkpoint(self, local_path: str) -> None:
-        """Check the step (every rank fails together, before anything loads), then load it."""
+        """Check the step (every rank fails together, before anything loads), then load it.
+
+        The manager loads the weights before the optimizer state, so a bf16 run's fp32 master weights come from
+        the checkpoint, never from the bf16 weights. Weights loaded without the optimizer state are copied into
+        the master weights (megatron's ``reload_model_params``): otherwise the next step would write the masters,
+        still this run's initial weights, back over them."""
         self.finalize_checkpoint(blocking=True)
-        commit.check_before_load(self.checkpoint_manager, local_path)
-        self.checkpoint_manager.load_checkpoint(local_path)
+        manager = self.checkpoint_manager
+        if manager.should_load_optimizer:
+            problem = precision.optimizer_dtype_problem(local_path, str(self.settings.dtype).removeprefix("torch."))
+            if problem is not None:
+                raise CheckpointError(f"cannot load {local_path}; nothing was loaded. {problem}")
+        commit.check_before_load(manager, local_path)
+        manager.load_checkpoint(local_path)
+        if (manager.should_load_hf_model or manager.should_load_dist_ckpt_model) and not manager.should_load_optimizer:
+            self.optimizer.reload_model_params()
         finite.check_finite(self.model, self.optimizer, f"{local_path} loaded a corrupt state; do not train on it")
+
 
     def export_hf(self, path: str) -> None:
         """Write the current weights as an HF folder through the bridge (all ranks take part)."""

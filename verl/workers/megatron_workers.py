@@ -63,10 +63,12 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
+        import torch
+
         from verl.utils.host_memory import freeze_long_lived_objects
         from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
         from verl.workers.actor.megatron_actor import MegatronPPOActor
-        from verl.workers.config import build_megatron_actor_configs
+        from verl.workers.config import build_megatron_actor_configs, megatron_param_dtype
         from verl.workers.megatron_rank import ActorSettings, MegatronActor, MegatronReference
 
         actor = self.config["actor"]
@@ -74,6 +76,8 @@ class ActorRolloutRefWorker(MegatronWorker):
         settings = ActorSettings(
             model_path=self.config["model"]["path"],
             use_distributed_optimizer=bool(actor["megatron"]["use_distributed_optimizer"]),
+            # upstream's megatron.dtype (ours defaults to float32); the rollout and the reference run in it too
+            dtype=getattr(torch, megatron_param_dtype(actor["megatron"].get("dtype", "float32"))),
             use_dist_checkpointing=bool(actor["megatron"].get("use_dist_checkpointing", False)),
             optim=configs.optim,
             checkpoint=configs.checkpoint,
@@ -148,6 +152,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             device=get_device_name(),
+            dtype=self.actor.settings.dtype,  # the actor's: the parity gate compares like with like
         )
 
     def _ppo_settings(self):

@@ -42,8 +42,14 @@ def _sharded_leaves(tree: Any) -> list[ShardedBase]:
 
 
 def _per_optimizer_states(state: dict) -> list[dict]:
-    """The per-inner-optimizer state dicts of a (possibly chained) optimizer state dict."""
-    return [state] if "state" in state else [state[index] for index in sorted(state)]
+    """The torch optimizers' state dicts (``state``, ``param_groups``) in a (possibly chained) optimizer state dict:
+    megatron's fp32 optimizer's is torch's own, a mixed-precision one's (bf16 / fp16 parameters) lies under
+    ``optimizer`` beside its fp32 master weights (``fp32_from_fp16_params``)."""
+    if "state" in state:
+        return [state]
+    if "optimizer" in state:
+        return [state["optimizer"]]
+    return [inner for index in sorted(state) for inner in _per_optimizer_states(state[index])]
 
 
 def _saved_adam_steps(tree: Any) -> set[float]:

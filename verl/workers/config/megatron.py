@@ -15,7 +15,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from .checkpoint import McoreCheckpointConfig
 from .optimizer import McoreOptimizerConfig
 
-__all__ = ["MegatronActorConfigs", "build_megatron_actor_configs"]
+__all__ = ["MegatronActorConfigs", "build_megatron_actor_configs", "megatron_param_dtype"]
 
 ACTOR_KEY = "actor_rollout_ref.actor"
 
@@ -53,3 +53,30 @@ def build_megatron_actor_configs(
     if total_training_steps is not None and optim.total_training_steps < 0:
         optim.total_training_steps = int(total_training_steps)
     return MegatronActorConfigs(checkpoint=checkpoint, optim=optim)
+
+
+# ``megatron.dtype``: the spellings upstream's ``PrecisionType.to_dtype`` accepts, by the dtype they name.
+_DTYPE_SPELLINGS = {
+    "bfloat16": ("bfloat16", "bf16"),
+    "float16": ("float16", "fp16", "16", 16),
+    "float32": ("float32", "fp32", "32", 32),
+}
+
+
+def megatron_param_dtype(value: Any, key: str = f"{ACTOR_KEY}.megatron.dtype") -> str:
+    """The parameters' dtype ``megatron.dtype`` names (``bfloat16`` or ``float32``), as a torch dtype name.
+
+    bf16 parameters train with fp32 master weights in megatron's optimizer (upstream's meaning of the key).
+    ``float16`` is refused: megatron's fp16 path needs its loss scaling in the pipeline schedule, which the
+    update step here does not wire up, so gradients would be unscaled by a scale never applied. Raises
+    ValueError naming ``key``.
+    """
+    name = next((name for name, spellings in _DTYPE_SPELLINGS.items() if value in spellings and not isinstance(value, bool)), None)
+    if name is None:
+        raise ValueError(f"{key}={value} is not a dtype here; set {key}=bfloat16 (bf16 parameters, fp32 master weights) or float32")
+    if name == "float16":
+        raise ValueError(
+            f"{key}={value}: float16 training needs megatron's loss scaling, which the update step here does not apply; "
+            f"set {key}=bfloat16 or float32"
+        )
+    return name

@@ -35,7 +35,7 @@ class InMemoryHFRollout:
         self, hf_config, settings: RolloutSettings, eos_token_id: int, pad_token_id: int, device: str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        """``dtype``: the rollout model's (the trainer's actor is float32; scripts/measure_log_prob_parity.py runs bf16 too)."""
+        """``dtype``: the rollout model's (the trainer passes the actor's, ``actor.megatron.dtype``)."""
         from transformers import AutoModelForCausalLM
 
         self.settings = settings
