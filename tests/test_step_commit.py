@@ -182,8 +182,9 @@ def test_an_incomplete_hf_export_fails_the_commit_before_the_rename(tmp_path, ti
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OWNER = "verl/utils/checkpoint/step_commit.py"
 # Renames that are not of a step: the atomic-file primitive, the dataset cache, the embedded model's
-# directory, the merger's HF output.
-OTHER_RENAMES = {"verl/utils/fs.py", "verl/utils/dataset/rl_dataset.py", "verl/trainer/main_ppo.py", "verl/model_merger/megatron_merge.py"}
+# directory, the merger's HF output, a fork's reserved outcome file renamed to its outcome (inside the staging).
+OTHER_RENAMES = {"verl/utils/fs.py", "verl/utils/dataset/rl_dataset.py", "verl/trainer/main_ppo.py", "verl/model_merger/megatron_merge.py",
+                 "verl/utils/checkpoint/snapshot_save.py"}
 COMMIT_NAMES = {"TRACKER_FILENAME", "MANIFEST_FILENAME", "COMMIT_MARK_FILENAME", "get_checkpoint_tracker_filename", "tracker_path"}
 WRITERS = {"atomic_write_text", "atomic_open", "write_text", "write_bytes"}
 

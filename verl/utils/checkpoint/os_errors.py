@@ -100,9 +100,10 @@ def disk_full(path: str) -> OsFailure | None:
 def _step_size(staging: str) -> int:
     """Bytes of the newest committed step of the role ``staging`` is saving (0 when there is none)."""
     from verl.utils.checkpoint.checkpoint_manager import list_step_dirs
+    from verl.utils.checkpoint.layout import STAGING_SUFFIX
 
     step_dir = os.path.dirname(os.path.abspath(staging))
-    role = os.path.basename(os.path.abspath(staging)).removesuffix(".incomplete")
+    role = os.path.basename(os.path.abspath(staging)).removesuffix(STAGING_SUFFIX)
     for _, other in reversed(list_step_dirs(os.path.dirname(step_dir))):
         if other != step_dir and os.path.isdir(os.path.join(other, role)):
             return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(os.path.join(other, role)) for name in names)
