@@ -126,6 +126,7 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         reuse = _everyone_agrees(self.cached_central_plan is not None)
         writer = InRankWriter(checkpoint_dir)
         try:
+            torch_internals.DCP_STORAGE_PREFIX.get()  # checked before planning, like the megatron internals
             metadata, dist_wrapper = megatron_core.plan_torch_dist_save(self, sharded_state_dict, writer, reuse)
         except InternalsChangedError as exc:
             warnings.warn(f"{exc} This save is written by megatron's forked writer processes.", stacklevel=2)
