@@ -38,7 +38,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
 from verl.utils import process_lifetime
-from verl.utils.checkpoint import finite, os_errors, sealing, snapshot_save
+from verl.utils.checkpoint import dist_writer, finite, os_errors, sealing, snapshot_save
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get, not_implemented_unless_default
 from verl.utils.checkpoint.forked_save import (
     ForkedSaves,
@@ -373,15 +373,15 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
         metadata = self._build_sharded_state_dict_metadata()
         requests = []
         for content, state, path in self._dist_checkpoint_parts(local_path, metadata):
-            # One strategy per content and structure, kept across saves: from the third save of the same
-            # structure on, megatron reuses the plan it validated twice instead of gathering and checking
-            # every rank's plan again, and the access-integrity check (each shard written exactly once)
-            # is needed only on its first save. The reused plan lists the items to write, so a changed
+            # One strategy per content and structure, kept across saves: from the second save of the same
+            # structure on, the plan is reused instead of gathering and checking every rank's plan again
+            # (dist_writer), and the access-integrity check (each shard written exactly once) is needed
+            # only on its first save. The reused plan lists the items to write, so a changed
             # structure (an optimizer that gained state) must start afresh.
             structure = sharded_structure(state)
             known = self._save_strategies.get(content)
             fresh = known is None or known[0] != structure
-            strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True) if fresh else known[1]
+            strategy = dist_writer.InRankSaveStrategy() if fresh else known[1]  # sync saves: written in-rank
             if content == "optimizer":
                 self._planned_optimizer_layout = optimizer_layout(self.optimizer)
             request = save_dist_checkpointing(

@@ -71,6 +71,32 @@ PLAN_CACHE = tuple(
     Internal(MC, f"{_STRATEGY}.{name}", _SNAPSHOT)
     for name in ("validated_cache_reuse", "cached_central_plan", "cached_global_metadata", "backend", "version")
 )
+# The sync save's in-rank writer (verl/utils/checkpoint/dist_writer.py): megatron's torch_dist planning, driven
+# with a writer of the rank's threads instead of the strategy's hard-coded forked one.
+_TORCH = "megatron.core.dist_checkpointing.strategies.torch"
+_SAVER = "megatron.core.dist_checkpointing.strategies.state_dict_saver"
+_IN_RANK = "the sync dist-checkpoint save's in-rank writer"
+IN_RANK_SAVE = (
+    REPLACE_KEYS := Internal(
+        MC, f"{_TORCH}:_replace_state_dict_keys_with_sharded_keys", _IN_RANK, params=("sharded_state_dict", "keep_only_main_replica")
+    ),
+    TO_PYT_STATE_DICT := Internal(MC, f"{_TORCH}:mcore_to_pyt_state_dict", _IN_RANK, params=("state_dict", "is_loading"), exact=False),
+    SAVE_PLANNER := Internal(MC, f"{_TORCH}:MCoreSavePlanner", _IN_RANK),
+    PLAN_SAVE := Internal(
+        MC,
+        f"{_SAVER}:save_state_dict_async_plan",
+        _IN_RANK,
+        params=("state_dict", "storage_writer", "process_group", "coordinator_rank", "planner", "cached_ckpt_structure"),
+        exact=False,
+    ),
+    FINALIZE_SAVE := Internal(
+        MC, f"{_SAVER}:save_state_dict_async_finalize", _IN_RANK, params=("storage_writer", "global_metadata", "dist_wrapper")
+    ),
+)
+# Set on each strategy by its constructor: read from the instance, like PLAN_CACHE.
+STRATEGY_SETTINGS = tuple(
+    Internal(MC, f"{_STRATEGY}.{name}", _IN_RANK) for name in ("keep_only_main_replica", "cached_local_plan")
+)
 _LOAD = "a dist checkpoint's load, read as data only"
 LOAD_READER = Internal(
     MC, "megatron.core.dist_checkpointing.strategies.torch:_get_filesystem_reader", _LOAD, params=("checkpoint_dir",), exact=False
@@ -122,7 +148,8 @@ INTERNALS = (
     GATHER_FIRST_DIM,
     REDUCE_SCATTER_FIRST_DIM,
     *SPLIT_SIZES_TO_HOST,
-)  # those read from a module; PLAN_CACHE is read from a strategy
+    *IN_RANK_SAVE,
+)  # those read from a module; PLAN_CACHE and STRATEGY_SETTINGS are read from a strategy
 
 
 def _setattr(internal: Internal, value: Any) -> None:
@@ -219,6 +246,45 @@ def write_checkpoint_metadata(strategy: TorchDistSaveShardedStrategy, path: str,
     metadata, backend, version = (PLAN_CACHE[i].get(strategy) for i in (2, 3, 4))
     FileSystemWriterAsync(path).finish(metadata, all_results)
     save_config(config_class(backend, version), path)
+
+
+def plan_torch_dist_save(
+    strategy: TorchDistSaveShardedStrategy, sharded_state_dict: dict, writer: Any, reuse: bool
+) -> tuple[Any, Any]:
+    """Plan a torch_dist save of ``sharded_state_dict`` to be written by ``writer`` (a DCP ``StorageWriter`` that
+    can plan decentrally), as ``TorchDistSaveShardedStrategy.async_save`` does up to its writer, which it
+    hard-codes (``FileSystemWriterAsync``: forked writer processes, a spawned results queue). Same planner,
+    keys, file prefixes and ``.metadata``, so the checkpoint is the one megatron writes.
+
+    ``reuse``: plan from the strategy's cached plans (the caller checked, on every rank, that the sharded
+    structure is the one planned), with no collective. Either way the strategy's plan cache is left valid for
+    the next save (``validated_cache_reuse``), which megatron itself grants only from a third save.
+    Returns (global metadata on the coordinator, else None; the planning's dist wrapper), for
+    ``finish_torch_dist_save``. Raises ``InternalsChangedError`` before planning where an internal is gone."""
+    for internal in IN_RANK_SAVE:  # all checked before anything is planned
+        internal.get()
+    for internal in (*PLAN_CACHE[:3], *STRATEGY_SETTINGS):
+        internal.get(strategy)
+    keep_main = strategy.keep_only_main_replica
+    flat, _, _ = REPLACE_KEYS.get()(sharded_state_dict, keep_main)
+    pyt_state = TO_PYT_STATE_DICT.get()(flat, False)
+    planner = SAVE_PLANNER.get()(dedup_replicated_tensors=not keep_main, flatten_state_dict=False)
+    cached = (strategy.cached_central_plan, strategy.cached_local_plan, True) if reuse else None
+    (_, metadata, dist_wrapper), central, local, _, _ = PLAN_SAVE.get()(
+        pyt_state, writer, None, 0, planner=planner, cached_ckpt_structure=cached
+    )
+    strategy.cached_central_plan, strategy.cached_local_plan, strategy.validated_cache_reuse = central, local, True
+    if metadata is not None:  # planned afresh: the coordinator holds the global metadata
+        strategy.cached_global_metadata = metadata
+    elif dist_wrapper.is_coordinator:
+        metadata = strategy.cached_global_metadata
+    return metadata, dist_wrapper
+
+
+def finish_torch_dist_save(writer: Any, metadata: Any, dist_wrapper: Any) -> None:
+    """megatron's ``save_state_dict_async_finalize``: every rank's write results to the coordinator, which writes
+    ``.metadata``; a failure on any rank raises on every rank (``CheckpointException``)."""
+    FINALIZE_SAVE.get()(writer, metadata, dist_wrapper)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,10 @@ ALLOCATOR_SETTINGS = Internal(
 DCP_STORAGE_INFO = Internal(
     "torch", "torch.distributed.checkpoint.filesystem:_StorageInfo", "checkpoint.async_save's outcome files"
 )
-INTERNALS = (DYNAMO_DISABLE, DEFAULT_STORE, STORAGE_CDATA, ALLOCATOR_SETTINGS, DCP_STORAGE_INFO)
+DCP_STORAGE_PREFIX = Internal(
+    "torch", "torch.distributed.checkpoint.filesystem:_StoragePrefix", "the sync dist-checkpoint save's in-rank writer"
+)
+INTERNALS = (DYNAMO_DISABLE, DEFAULT_STORE, STORAGE_CDATA, ALLOCATOR_SETTINGS, DCP_STORAGE_INFO, DCP_STORAGE_PREFIX)
 
 
 def disable_dynamo() -> None:
@@ -78,6 +81,13 @@ def dcp_storage_info() -> type:
     offset, length), inside DCP's write results; a background save's outcome file rebuilds them from JSON.
     Without it: ``InternalsChangedError`` for the async save (its outcome cannot be rebuilt otherwise)."""
     return DCP_STORAGE_INFO.get()
+
+
+def dcp_storage_prefix(prefix: str) -> object:
+    """``torch.distributed.checkpoint.filesystem._StoragePrefix(prefix)``: a save plan's file-name prefix, which a
+    rank that plans without a collective sets itself (``__<rank>_``, as megatron's writer does). Without it:
+    ``InternalsChangedError``, and the in-rank writer falls back to megatron's (dist_writer.py)."""
+    return DCP_STORAGE_PREFIX.get()(prefix)
 
 
 def set_allocator_expandable_segments(enable: bool) -> None:

@@ -1,0 +1,178 @@
+"""The sync save's in-rank dist-checkpoint writer: durable, fork-free, the plan reused from the second save.
+
+The fsync audit records, in each rank, every ``os.fsync`` (the path of its fd) and every ``os.replace`` /
+``os.rename`` with a system-wide monotonic stamp, wrapping the real calls: every file and directory of the
+committed step must have been fsynced before the staging directory was renamed into place, and the parent
+after it, so no speed-up is ever bought by dropping durability.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+import torch
+
+from verl.utils.checkpoint import commit, dist_writer
+from verl.utils.distributed import run_on_ranks
+from verl.utils.internals import megatron_core
+from verl.utils.megatron.parallel import ParallelSizes
+
+LAYOUT = ParallelSizes(ep=2, etp=1)  # 2 ranks: experts split, dense data parallel
+WORLD = 2
+
+
+def _actor(src: str):
+    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+
+    return MegatronActor(ActorSettings(model_path=src))
+
+
+def _recording_fsync_and_rename(events: list) -> None:
+    """Wrap ``os.fsync``, ``os.replace`` and ``os.rename`` in this process: each call, once it returned, is
+    recorded as (monotonic ns, op, path(s)), the real call unchanged."""
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd) -> None:
+        number = fd if isinstance(fd, int) else fd.fileno()
+        path = os.readlink(f"/proc/self/fd/{number}")
+        real_fsync(fd)
+        events.append((time.monotonic_ns(), "fsync", path))
+
+    def renaming(real):
+        def rename(src, dst, **kwargs) -> None:
+            real(src, dst, **kwargs)
+            events.append((time.monotonic_ns(), "rename", os.path.abspath(src), os.path.abspath(dst)))
+
+        return rename
+
+    os.fsync, os.replace, os.rename = fsync, renaming(real_replace), renaming(real_rename)
+
+
+def _audited_saves(src: str, root: str) -> dict:
+    actor = _actor(src)
+    actor.train_step([torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))] * 2)
+    events: list = []
+    forks: list = []
+    os.register_at_fork(before=lambda: forks.append(os.getpid()))
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    _recording_fsync_and_rename(events)
+    for step in (1, 2):  # the first save (cold: no writer helper may start) and a warm one
+        actor.save_checkpoint(os.path.join(root, f"global_step_{step}", "actor"), global_step=step)
+    children_after = {p.pid for p in psutil.Process().children(recursive=True)}
+    return {"events": events, "forks": len(forks), "new_children": sorted(children_after - children_before)}
+
+
+def test_every_file_of_a_committed_step_was_fsynced_before_the_rename_and_no_save_forked(tiny_moe_path, tmp_path):
+    root = str(tmp_path)
+    results = run_on_ranks(_audited_saves, WORLD, LAYOUT, args=(tiny_moe_path, root))
+    for rank, result in enumerate(results):
+        assert result["forks"] == 0 and result["new_children"] == [], f"rank {rank}: a sync save started processes"
+    events = sorted(event for result in results for event in result["events"])
+    for step in (1, 2):
+        local_path = os.path.realpath(os.path.join(root, f"global_step_{step}", "actor"))
+        staging = os.path.realpath(commit.staging_path(local_path))
+        renames = [e[0] for e in events if e[1] == "rename" and e[2:] == (staging, local_path)]
+        assert len(renames) == 1, f"step {step}: the staging directory was renamed {len(renames)} times"
+        fsynced = {e[2] for e in events if e[1] == "fsync" and e[0] < renames[0]}
+        unsynced = []
+        files = 0
+        for directory, _, names in os.walk(local_path):
+            relative = os.path.relpath(directory, local_path)
+            staged_dir = staging if relative == "." else os.path.join(staging, relative)
+            unsynced += [] if staged_dir in fsynced else [f"{staged_dir}/ (directory)"]
+            for name in names:
+                files += 1
+                staged = os.path.join(staged_dir, name)
+                unsynced += [] if staged in fsynced else [staged]
+        assert files >= 10, f"step {step}: only {files} files committed"
+        assert not unsynced, f"step {step}: not fsynced before the rename: {unsynced}"
+        parent = os.path.dirname(local_path)
+        assert any(e[1] == "fsync" and e[2] == parent and e[0] > renames[0] for e in events), (
+            f"step {step}: the parent directory was not fsynced after the rename"
+        )
+
+
+def _two_saves_with_one_strategy(root: str) -> dict:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    strategy = dist_writer.InRankSaveStrategy()
+    report: dict = {"reusable_after": [], "loaded": [], "threads": []}
+    for index in range(2):
+        path = os.path.join(root, f"save{index}")
+        os.makedirs(path)
+        weight = torch.arange(64.0).reshape(8, 8) + index
+        state = {
+            "w": ShardedTensor.from_rank_offsets("w", weight, replica_id=0),
+            "rng": ShardedObject("rng", {"seed": index}, (1,), (0,), replica_id=0),
+        }
+        dist_checkpointing.save(state, path, sharded_strategy=strategy)
+        report["reusable_after"].append(megatron_core.save_plan_is_reusable(strategy))
+        report["threads"].append(strategy.last_threads)
+        loaded = dist_checkpointing.load(
+            {
+                "w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 8), replica_id=0),
+                "rng": ShardedObject("rng", None, (1,), (0,), replica_id=0),
+            },
+            path,
+        )
+        report["loaded"].append(torch.equal(loaded["w"], weight) and loaded["rng"] == {"seed": index})
+        report.setdefault("files", []).append(sorted(os.listdir(path)))
+    return report
+
+
+def test_the_plan_is_reusable_after_the_first_save_and_each_save_loads_back(tmp_path):
+    report = run_on_ranks(_two_saves_with_one_strategy, 1, ParallelSizes(), args=(str(tmp_path),))[0]
+    assert report["reusable_after"] == [True, True]
+    assert report["loaded"] == [True, True]
+    assert report["threads"] == [1, 1]  # 256 bytes: the calling thread writes them
+    assert all(".metadata" in files and "__0_0.distcp" in files for files in report["files"])
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "cores", "threads"),
+    [
+        (4 << 10, 16, 1),  # RNG / scheduler state: the calling thread
+        (100 << 20, 16, 1),
+        (460 << 20, 2, 2),  # one rank's optimizer on a 2-core host
+        (460 << 20, 16, 4),  # one thread per 128 MiB
+        (8 << 30, 16, dist_writer.MAX_THREADS),
+        (8 << 30, 1, 1),  # never more threads than cores
+    ],
+)
+def test_writer_threads_follow_bytes_and_cores(nbytes, cores, threads):
+    assert dist_writer.writer_threads(nbytes, cores) == threads
+
+
+def _save_without(internal_index: int, root: str) -> dict:
+    import warnings
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from verl.utils.internals import torch as torch_internals
+
+    internal = (megatron_core.PLAN_SAVE, megatron_core.FINALIZE_SAVE, torch_internals.DCP_STORAGE_PREFIX)[internal_index]
+    module_name, _, name = internal.path.partition(":")
+    delattr(__import__(module_name, fromlist=[name]), name)
+    strategy = dist_writer.InRankSaveStrategy()
+    weight = torch.arange(16.0).reshape(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", weight, replica_id=0)}, root, sharded_strategy=strategy)
+    loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4), replica_id=0)}, root)
+    messages = [str(w.message) for w in caught if internal.name in str(w.message)]
+    return {"warned": messages, "threads": strategy.last_threads, "loaded": torch.equal(loaded["w"], weight)}
+
+
+@pytest.mark.parametrize("internal_index", range(3))
+def test_an_in_rank_writer_internal_gone_falls_back_to_megatrons_writer_naming_it(tmp_path, internal_index):
+    """Removed from the module the adapter reads (megatron's strategy module keeps its own bindings, so its
+    writer still runs). The torch-strategy helpers megatron's writer calls by module name themselves cannot be
+    removed without removing that writer too: a release without them changes megatron's strategy as well."""
+    report = run_on_ranks(_save_without, 1, ParallelSizes(), args=(internal_index, str(tmp_path)))[0]
+    assert report["loaded"] and report["threads"] == 0  # megatron's forked writer wrote it
+    assert report["warned"] and "forked writer" in report["warned"][0]
