@@ -22,8 +22,15 @@ from verl.utils.checkpoint.megatron_optimizer_state import (
     restore_adam_steps,
 )
 from verl.utils.checkpoint.megatron_state_dicts import RANK_RNG_STATE_KEY, current_parallel_layout
-from verl.utils.megatron.dist_checkpointing import load_dist_checkpointing
 from verl.utils.megatron_utils import get_legacy_dist_checkpoint_path, get_legacy_hf_model_checkpoint_path
+
+
+def _seams():
+    """The manager's module, looked up at call time: ``load_dist_checkpointing`` is upstream's module-level seam
+    there (upstream's tests patch it on that module)."""
+    from verl.utils.checkpoint import megatron_checkpoint_manager
+
+    return megatron_checkpoint_manager
 
 
 class MegatronLoads:
@@ -85,7 +92,7 @@ class MegatronLoads:
 
     def _load_model_from_dist_checkpoint(self, local_path: str, model_state: dict) -> None:
         path = layout.dist_path(local_path, "model")
-        loaded = load_dist_checkpointing(sharded_state_dict=dict(model_state), ckpt_dir=path)
+        loaded = _seams().load_dist_checkpointing(sharded_state_dict=dict(model_state), ckpt_dir=path)
         for index, chunk in enumerate(self.model):
             key = "model" if len(self.model) == 1 else f"model{index}"
             if key not in loaded:
@@ -103,7 +110,7 @@ class MegatronLoads:
         if self.use_distributed_optimizer:
             initialize_distributed_optimizer_state(self.optimizer)
         request = self._build_optimizer_state_dict(model_state, metadata, is_loading=True)
-        loaded = load_dist_checkpointing(sharded_state_dict=request, ckpt_dir=path)
+        loaded = _seams().load_dist_checkpointing(sharded_state_dict=request, ckpt_dir=path)
         if "optimizer" not in loaded:
             raise CheckpointError(f"{path} holds no optimizer state")
         if self.use_distributed_optimizer:
@@ -159,7 +166,7 @@ class MegatronLoads:
             return
         path = layout.dist_path(local_path, "extra")
         per_rank = saved == now
-        loaded = load_dist_checkpointing(sharded_state_dict=self._build_extra_state_dict(per_rank), ckpt_dir=path)
+        loaded = _seams().load_dist_checkpointing(sharded_state_dict=self._build_extra_state_dict(per_rank), ckpt_dir=path)
         if "rng_state" not in loaded:
             raise CheckpointError(f"{path} holds no rng_state")
         self.load_rng_states([loaded[RANK_RNG_STATE_KEY]] if per_rank else loaded["rng_state"])

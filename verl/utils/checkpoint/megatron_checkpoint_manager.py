@@ -53,7 +53,7 @@ from verl.utils.checkpoint.megatron_checkpoint_load import MegatronLoads
 from verl.utils.checkpoint.megatron_metadata import DIST_CHECKPOINT_PATHS, MegatronMetadata
 from verl.utils.checkpoint.megatron_state_dicts import MegatronStateDicts, without_view_copies
 from verl.utils.fs import local_mkdir_safe
-from verl.utils.megatron.dist_checkpointing import save_dist_checkpointing
+from verl.utils.megatron.dist_checkpointing import load_dist_checkpointing, save_dist_checkpointing  # noqa: F401 (upstream's seams)
 from verl.utils.megatron_utils import (
     get_extra_dist_checkpoint_path,
     get_hf_model_checkpoint_path,
