@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from verl.utils.checkpoint import commit, dist_writer
+from verl.utils.checkpoint import dist_writer, layout
 from verl.utils.distributed import run_on_ranks
 from verl.utils.internals import megatron_core
 from verl.utils.megatron.parallel import ParallelSizes
@@ -73,7 +73,7 @@ def test_every_file_of_a_committed_step_was_fsynced_before_the_rename_and_no_sav
     events = sorted(event for result in results for event in result["events"])
     for step in (1, 2):
         local_path = os.path.realpath(os.path.join(root, f"global_step_{step}", "actor"))
-        staging = os.path.realpath(commit.staging_path(local_path))
+        staging = os.path.realpath(layout.staging_path(local_path))
         renames = [e[0] for e in events if e[1] == "rename" and e[2:] == (staging, local_path)]
         assert len(renames) == 1, f"step {step}: the staging directory was renamed {len(renames)} times"
         fsynced = {e[2] for e in events if e[1] == "fsync" and e[0] < renames[0]}
