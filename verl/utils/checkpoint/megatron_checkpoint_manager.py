@@ -263,6 +263,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     ):
         _not_implemented_unless_default(use_megatron_fsdp=use_megatron_fsdp, provider=provider, peft_cls=peft_cls)
         process_lifetime.install()  # a save's forks die with this process, also for a caller that skipped init_rank
+        snapshot_save.tie_writers_manager()  # and the Manager server megatron's writers report through
         super().__init__(
             model,
             optimizer=optimizer,

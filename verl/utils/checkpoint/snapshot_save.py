@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
@@ -32,9 +33,10 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
+from verl.utils import process_lifetime
 from verl.utils.device import get_device_name
 from verl.utils.fs import atomic_open
-from verl.utils.internals import megatron_core
+from verl.utils.internals import InternalsChangedError, megatron_core
 from verl.utils.internals import torch as torch_internals
 
 OUTCOME_DIRNAME = ".background"  # inside the staging directory; removed before the manifest is built
@@ -131,6 +133,16 @@ def fail_when_a_writer_dies(on_death: Callable[[str], None], interval_s: float =
             time.sleep(interval_s)
 
     threading.Thread(target=watch, name="save-writer-watch", daemon=True).start()
+
+
+def tie_writers_manager() -> None:
+    """The Manager server megatron's dist-checkpoint writers report through dies with the process that starts it
+    (``megatron_core.tie_write_results_queue``); where that internal moved, a warning: a killed rank may then
+    leave megatron's own Manager behind."""
+    try:
+        megatron_core.tie_write_results_queue(process_lifetime.start_manager)
+    except InternalsChangedError as exc:
+        warnings.warn(f"{exc} A rank killed mid-save may leave that Manager's server process behind.", stacklevel=2)
 
 
 def report_to_stderr(reason: str) -> None:
