@@ -446,7 +446,7 @@ class RayWorkerGroup:
                     values[rank_of[ref]] = ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - every failure is reported
                     failures[rank_of[ref]] = _describe_failure(exc)
-                    blame[rank_of[ref]] = _blame(exc, failures[rank_of[ref]])
+                    blame[rank_of[ref]] = _blame(exc, failures[rank_of[ref]], rank_of[ref])
             now = time.monotonic()
             if failures and grace_until is None:
                 grace_until = now + self.failure_grace_s
@@ -535,10 +535,20 @@ _BROKEN_COLLECTIVE = re.compile(
 )
 
 
-def _blame(exc: BaseException, text: str) -> int:
+# An async save's failure as every rank reports it (the ranks agree on their forks' outcomes): it names the
+# ranks whose fork failed; on any other rank it is an echo.
+_AGREED_SAVE_FAILURE = re.compile(r"the background save failed on \d+ rank\(s\): (.*)")
+
+
+def _blame(exc: BaseException, text: str, rank: int) -> int:
     if isinstance(exc, ray.exceptions.RayActorError):
         return _DIED
-    return _ECHO if _BROKEN_COLLECTIVE.search(text) else _OWN_ERROR
+    if _BROKEN_COLLECTIVE.search(text):
+        return _ECHO
+    agreed = _AGREED_SAVE_FAILURE.search(text)
+    if agreed and str(rank) not in re.findall(r"(?:^|; )rank (\d+): ", agreed.group(1)):
+        return _ECHO
+    return _OWN_ERROR
 
 
 def _process_alive(pid: int) -> bool:

@@ -263,7 +263,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     ):
         _not_implemented_unless_default(use_megatron_fsdp=use_megatron_fsdp, provider=provider, peft_cls=peft_cls)
         process_lifetime.install()  # a save's forks die with this process, also for a caller that skipped init_rank
-        snapshot_save.tie_writers_manager()  # and the Manager server megatron's writers report through
+        snapshot_save.guard_writers()  # megatron's writers: their Manager dies with this process, a killed one fails the save
         super().__init__(
             model,
             optimizer=optimizer,
@@ -531,7 +531,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         """Fork the background part and give training back; ``finalize_async_save`` completes the save."""
         if self._async_queue is None:
             self._async_queue = megatron_core.async_calls_queue()
-        self._timed("fork", self._async_queue.schedule_async_request, request)
+        self._timed("fork", snapshot_save.fork, self._async_queue, request)
         self._pending = save
         save.blocked_seconds = time.monotonic() - save.started
         self._log(f"step {save.global_step}: returned after {save.blocked_seconds:.2f}s; {save.mode.value} runs in the background")
@@ -745,7 +745,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         hf_group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if save.hf_weights_in_background else None
         job = functools.partial(self._save_in_fork, save, write_dist, hf_group)
         return megatron_core.async_request(
-            functools.partial(snapshot_save.run_and_record, save.local_path, self.rank, job),
+            snapshot_save.ForkedJob(save.local_path, self.rank, job, hf_group),
             (),
             [functools.partial(self._finish_forked_save, save.local_path), *finalize_planned],
         )

@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import threading
-import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from verl.utils import process_lifetime
+from verl.utils import process_lifetime, rank_comm
 from verl.utils.device import get_device_name
 from verl.utils.fs import atomic_open
 from verl.utils.internals import InternalsChangedError, megatron_core
@@ -109,6 +108,25 @@ def _died(pid: int) -> str | None:
     return f"exit code {info.si_status}" if info.si_code == os.CLD_EXITED else f"signal {info.si_status}"
 
 
+_watched = False  # this process's children are watched already (fail_when_a_writer_dies ran here)
+
+
+def _watch_children(on_death: Callable[[str], None], stop: threading.Event, ignore: frozenset[int], interval_s: float) -> None:
+    """Until ``stop``: the first child process (not in ``ignore``) that died badly ends this process (status 1)
+    after ``on_death(reason)``, with every other process below it killed first, so none is left behind."""
+    me = psutil.Process()
+    while not stop.wait(interval_s):
+        for child in me.children():
+            reason = None if child.pid in ignore else _died(child.pid)
+            if reason is None:
+                continue
+            on_death(f"a dist-checkpoint writer process (pid {child.pid}) of rank pid {me.pid} died ({reason})")
+            for other in me.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    other.kill()
+            os._exit(1)
+
+
 def fail_when_a_writer_dies(on_death: Callable[[str], None], interval_s: float = 0.2) -> None:
     """In a process forked for a save: end it (status 1) as soon as one of its child processes dies badly.
 
@@ -117,32 +135,50 @@ def fail_when_a_writer_dies(on_death: Callable[[str], None], interval_s: float =
     rank's save with it, waiting forever. ``on_death(reason)`` records why first; the other writers are
     killed, so none is left behind.
     """
-
-    def watch() -> None:
-        me = psutil.Process()
-        while True:
-            for child in me.children():
-                reason = _died(child.pid)
-                if reason is None:
-                    continue
-                on_death(f"a dist-checkpoint writer process (pid {child.pid}) of rank pid {me.pid} died ({reason})")
-                for other in me.children(recursive=True):
-                    with contextlib.suppress(psutil.Error):
-                        other.kill()
-                os._exit(1)
-            time.sleep(interval_s)
-
-    threading.Thread(target=watch, name="save-writer-watch", daemon=True).start()
+    global _watched
+    _watched = True
+    threading.Thread(
+        target=_watch_children, args=(on_death, threading.Event(), frozenset(), interval_s), name="save-writer-watch", daemon=True
+    ).start()
 
 
-def tie_writers_manager() -> None:
-    """The Manager server megatron's dist-checkpoint writers report through dies with the process that starts it
-    (``megatron_core.tie_write_results_queue``); where that internal moved, a warning: a killed rank may then
-    leave megatron's own Manager behind."""
+def watch_writers_in_the_rank(original: Callable[..., None]) -> Callable[..., None]:
+    """megatron's ``write_preloaded_data_multiproc`` (which forks the writers and waits for each on a queue),
+    watched where nothing watches it yet: in a synchronous save that is the rank itself, which would wait
+    forever for a killed writer, its peers with it in the next collective. A writer that dies badly then
+    ends the rank within moments (status 1), its reason on stderr: the group stops the run and blames this
+    rank, whose process died. In a save's fork (``fail_when_a_writer_dies`` watches) it runs as it is."""
+
+    def write_preloaded_data_multiproc(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
+        if _watched:
+            return original(transform_list, use_msc, rank, write_buckets, global_results_queue)
+        stop = threading.Event()
+        earlier = frozenset(child.pid for child in psutil.Process().children())  # the Manager, an async fork
+        watch = threading.Thread(target=_watch_children, args=(_report_and_end, stop, earlier, 0.2), name="save-writer-watch", daemon=True)
+        watch.start()
+        try:
+            return original(transform_list, use_msc, rank, write_buckets, global_results_queue)
+        finally:
+            stop.set()
+            watch.join()
+
+    return write_preloaded_data_multiproc
+
+
+def _report_and_end(reason: str) -> None:
+    print(f"[checkpoint] rank {os.environ.get('RANK', '?')}: the save failed: {reason}; ending this rank", file=sys.stderr, flush=True)
+
+
+def guard_writers() -> None:
+    """megatron's dist-checkpoint writers in this process: the Manager server they report through dies with the
+    process that starts it (``megatron_core.tie_write_results_queue``), and a writer that dies fails the save
+    at once, also in the rank (``watch_writers_in_the_rank``). Where those internals moved, a warning: a killed
+    rank may then leave megatron's Manager behind, and a killed writer hang a synchronous save."""
     try:
         megatron_core.tie_write_results_queue(process_lifetime.start_manager)
+        megatron_core.wrap_writer_processes(watch_writers_in_the_rank)
     except InternalsChangedError as exc:
-        warnings.warn(f"{exc} A rank killed mid-save may leave that Manager's server process behind.", stacklevel=2)
+        warnings.warn(f"{exc} A killed rank may leave its writers' Manager behind; a killed writer may hang a save.", stacklevel=2)
 
 
 def report_to_stderr(reason: str) -> None:
@@ -156,16 +192,46 @@ def _record(staging: str, rank: int, outcome: dict[str, Any]) -> None:
         json.dump(outcome, handle, default=_write_result_to_json)
 
 
-def run_and_record(staging: str, rank: int, job: Callable[[], dict[str, Any]]) -> None:
-    """The fork's entry: run ``job`` and leave what it returned, or its traceback, for the parent.
+class ForkedJob:
+    """What a save's fork runs (as megatron's ``async_fn``): ``job``, its outcome left for the parent. ``group``:
+    the ``ForkedRankComm`` name the fork meets its peers under, if it does (see ``fork``)."""
 
-    The fork dies with its rank (``verl.utils.process_lifetime``, armed by the manager)."""
-    fail_when_a_writer_dies(lambda reason: _record(staging, rank, {"ok": False, "error": reason}))
+    def __init__(self, staging: str, rank: int, job: Callable[[], dict[str, Any]], group: str | None = None) -> None:
+        self.staging, self.rank, self.job, self.group = staging, rank, job, group
+
+    def __call__(self) -> None:
+        """The fork's entry: run ``job`` and leave what it returned, or its traceback, for the parent.
+
+        The fork dies with its rank (``verl.utils.process_lifetime``, armed by the manager)."""
+        fail_when_a_writer_dies(lambda reason: _record(self.staging, self.rank, {"ok": False, "error": reason}))
+        try:
+            outcome: dict[str, Any] = {"ok": True, **self.job()}
+        except BaseException:  # noqa: BLE001 - the parent reports it; a fork must not raise into multiprocessing
+            outcome = {"ok": False, "error": traceback.format_exc()}
+        _record(self.staging, self.rank, outcome)
+
+
+def fork(queue: Any, request: Any) -> None:
+    """Start ``request`` on megatron's ``AsyncCallsQueue`` (it forks); for a ``ForkedJob`` that meets its peers,
+    a thread of this rank then waits for the fork and, if it dies badly (killed in its first instants included),
+    says so to the peers' forks (``rank_comm.announce_death``), which fail at once instead of waiting to meet it."""
+    job = request.async_fn
+    before = {child.pid for child in psutil.Process().children()}
+    queue.schedule_async_request(request)
+    if not isinstance(job, ForkedJob) or job.group is None:
+        return
+    for pid in {child.pid for child in psutil.Process().children()} - before:
+        threading.Thread(target=_announce_if_it_dies, args=(pid, job.group, job.rank), name="save-fork-watch", daemon=True).start()
+
+
+def _announce_if_it_dies(pid: int, group: str, rank: int) -> None:
     try:
-        outcome: dict[str, Any] = {"ok": True, **job()}
-    except BaseException:  # noqa: BLE001 - the parent reports it; a fork must not raise into multiprocessing
-        outcome = {"ok": False, "error": traceback.format_exc()}
-    _record(staging, rank, outcome)
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # until it ends; its owner still reaps it
+    except ChildProcessError:
+        return
+    reason = _died(pid)
+    if reason is not None:
+        rank_comm.announce_death(group, rank, f"its process forked for the save (pid {pid}) died ({reason})")
 
 
 def read_outcome(staging: str, rank: int) -> dict[str, Any]:

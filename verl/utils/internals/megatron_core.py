@@ -235,6 +235,21 @@ def tie_write_results_queue(start_manager: Callable[[], Any]) -> None:
     _setattr(WRITE_RESULTS_QUEUE, tied_write_results_queue)
 
 
+def wrap_writer_processes(wrap: Callable[[Callable[..., None]], Callable[..., None]]) -> None:
+    """``FileSystemWriterAsync.write_preloaded_data_multiproc`` (forks one writer per bucket, waits for them all)
+    replaced by ``wrap(original)``, which must take the same parameters (the request layout read by position).
+    Idempotent. Every torch_dist save reaches it through ``get_save_function_and_args``, sync saves included."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = WRITER_WRITE.get()
+    if getattr(original, "verl_wrapped", False):
+        return
+    wrapped = wrap(original)
+    wrapped.verl_wrapped = True  # type: ignore[attr-defined]
+    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(wrapped)
+    WRITER_WRITE.get()  # the replacement passes the same check
+
+
 def write_checkpoint_metadata(strategy: TorchDistSaveShardedStrategy, path: str, all_results: list[list]) -> None:
     """Rank 0: ``.metadata`` from the strategy's ``cached_global_metadata`` (the plan's global metadata) and
     every rank's write results, then ``metadata.json`` from its ``backend`` / ``version``: what megatron's
