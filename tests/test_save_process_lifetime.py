@@ -125,3 +125,59 @@ def test_a_killed_save_process_fails_the_run_within_seconds_blaming_its_rank(tmp
     assert seconds < 30, f"the run failed {seconds:.0f}s after the kill"
     assert not (tmp_path / "ckpt" / TRACKER).exists()
     print(f"{point}: the run failed {seconds:.1f}s after the kill")
+
+
+# ------------------------------------------------------------------ on the ranks of run_on_ranks (no Ray)
+
+
+def _async_saves_from_a_thread(src: str, root: str) -> list[str]:
+    """Each save called from a thread that ends before the save is finalized (a threaded actor's call): its fork
+    must neither die with that thread nor hang; the third save runs from the snapshot (HF export in the forks)."""
+    import threading
+
+    from tests.test_checkpoint_lifecycle import _actor, _batches, _step_path
+
+    actor = _actor(src, async_save=True)
+    modes = []
+    for step in (1, 2, 3):
+        actor.train_step(_batches(step))
+        caller = threading.Thread(target=actor.save_checkpoint, args=(_step_path(root, step),), kwargs={"global_step": step})
+        caller.start()
+        caller.join()
+        modes.append(actor.checkpoint_manager.last_save.mode.value)
+        assert actor.finalize_checkpoint() == _step_path(root, step)
+    return modes
+
+
+def test_async_saves_forked_from_a_thread_complete(tiny_moe_path, tmp_path):
+    from tests.test_checkpoint_lifecycle import LAYOUT, WORLD, _step_path
+    from verl.utils.checkpoint.integrity import verify_checkpoint
+    from verl.utils.distributed import run_on_ranks
+
+    root = str(tmp_path / "run")
+    modes = run_on_ranks(_async_saves_from_a_thread, WORLD, LAYOUT, args=(tiny_moe_path, root), timeout_s=300)[0]
+    assert modes[-1] == "snapshot", modes
+    for step in (1, 2, 3):
+        verify_checkpoint(_step_path(root, step))
+
+
+def _sync_save_whose_writer_dies(src: str, root: str) -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from tests.test_checkpoint_lifecycle import _actor, _step_path
+
+    actor = _actor(src)
+    if actor.checkpoint_manager.rank == 1:
+        FileSystemWriterAsync.write_preloaded_data = staticmethod(lambda *args, **kwargs: os.kill(os.getpid(), 9))
+    actor.save_checkpoint(_step_path(root, 1), global_step=1)
+
+
+def test_a_writer_killed_in_a_sync_save_ends_its_rank_at_once(tiny_moe_path, tmp_path):
+    """Was: rank 1 waited forever in megatron's count_queue.join, rank 0 in the next barrier."""
+    from tests.test_checkpoint_lifecycle import LAYOUT, WORLD
+    from verl.utils.distributed import RankFailure, run_on_ranks
+
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 died with exit code 1"):
+        run_on_ranks(_sync_save_whose_writer_dies, WORLD, LAYOUT, args=(tiny_moe_path, str(tmp_path / "run")), timeout_s=180)
+    assert time.monotonic() - start < 90  # the ranks' start included
