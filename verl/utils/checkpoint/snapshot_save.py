@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import sys
 import threading
 import traceback
@@ -213,25 +214,27 @@ class ForkedJob:
 
 def fork(queue: Any, request: Any) -> None:
     """Start ``request`` on megatron's ``AsyncCallsQueue`` (it forks); for a ``ForkedJob`` that meets its peers,
-    a thread of this rank then waits for the fork and, if it dies badly (killed in its first instants included),
-    says so to the peers' forks (``rank_comm.announce_death``), which fail at once instead of waiting to meet it."""
+    a thread of this rank then waits for the fork to end and, if it left no successful outcome (killed in its
+    first instants included), says so to the peers' forks (``rank_comm.announce_death``), which then fail at
+    once instead of waiting to meet it. It watches a pidfd, not the exit status: the queue reaps the fork."""
     job = request.async_fn
     before = {child.pid for child in psutil.Process().children()}
     queue.schedule_async_request(request)
     if not isinstance(job, ForkedJob) or job.group is None:
         return
     for pid in {child.pid for child in psutil.Process().children()} - before:
-        threading.Thread(target=_announce_if_it_dies, args=(pid, job.group, job.rank), name="save-fork-watch", daemon=True).start()
+        with contextlib.suppress(OSError):  # no pidfds here: the peers wait out their meeting time instead
+            pidfd = os.pidfd_open(pid)  # before this returns: the fork is not reaped yet, even if it died
+            threading.Thread(target=_announce_if_it_fails, args=(pidfd, job), name="save-fork-watch", daemon=True).start()
 
 
-def _announce_if_it_dies(pid: int, group: str, rank: int) -> None:
-    try:
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # until it ends; its owner still reaps it
-    except ChildProcessError:
-        return
-    reason = _died(pid)
-    if reason is not None:
-        rank_comm.announce_death(group, rank, f"its process forked for the save (pid {pid}) died ({reason})")
+def _announce_if_it_fails(pidfd: int, job: ForkedJob) -> None:
+    select.select([pidfd], [], [])  # readable once the fork has exited
+    os.close(pidfd)
+    outcome = read_outcome(job.staging, job.rank)
+    if not outcome["ok"]:
+        cause = (outcome["error"].strip().splitlines() or ["no error text"])[-1]
+        rank_comm.announce_death(job.group, job.rank, f"its process forked for the save failed: {cause}")
 
 
 def read_outcome(staging: str, rank: int) -> dict[str, Any]:
