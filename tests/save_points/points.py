@@ -2,7 +2,8 @@
 
 ``VERL_TEST_SAVE_POINT``: one of ``on_save_phase``'s phases (in whichever process runs it: the rank or an
 async save's fork), ``fork_start`` (the first instant of a process a rank forks: the async save's fork) or
-``writer`` (one of megatron's dist-checkpoint writer processes, once its file is written);
+``writer`` (one of megatron's dist-checkpoint writer processes: killed before it writes, paused once its file is
+written and reported);
 ``VERL_TEST_SAVE_RANKS``: the ranks it applies to (``0,1``). There the process records
 ``<VERL_TEST_SAVE_DIR>/<point>.<rank>.<pid>``, then (``VERL_TEST_SAVE_ACTION``) waits (``pause``) or SIGKILLs
 itself (``kill``). Patched in
@@ -47,8 +48,10 @@ def _patch_writer(module) -> None:
     original = module.FileSystemWriterAsync.write_preloaded_data
 
     def write_preloaded_data(*args, **kwargs):
+        if os.environ.get(ACTION) == "kill":  # before it reports done: a writer killed after that harms nothing
+            reached("writer")
         original(*args, **kwargs)
-        reached("writer")
+        reached("writer")  # a paused writer holds its parent in megatron's wait, as the survivors were
 
     module.FileSystemWriterAsync.write_preloaded_data = staticmethod(write_preloaded_data)
 
