@@ -873,8 +873,8 @@ def _rank_that_forks_a_writer(pid_file: str, from_thread: bool) -> None:
 
 @pytest.mark.parametrize("from_thread", [False, True], ids=["main_thread", "other_thread"])
 def test_a_background_writer_dies_with_its_rank(tmp_path, from_thread):
-    """A fork from the rank's main thread dies with the rank; one from another thread is not armed (the
-    signal would follow that thread): it must at least outlive the thread that forked it."""
+    """A fork dies with its rank, whichever thread forked it; one from another thread must outlive that thread
+    (the kernel's parent-death signal would follow the thread, not the rank)."""
     import multiprocessing
 
     pid_file = str(tmp_path / "writer.pid")
@@ -889,8 +889,7 @@ def test_a_background_writer_dies_with_its_rank(tmp_path, from_thread):
     assert _alive(writer), "the writer died with the thread that forked it, not with its rank"
     os.kill(rank.pid, signal.SIGKILL)
     rank.join(10)
-    survivors = _survivors([writer], within_s=2 if from_thread else 10)
-    assert survivors == ([writer] if from_thread else []), "a main-thread fork must die with its rank"
+    assert not _survivors([writer], within_s=10), "the forked writer outlived its killed rank"
 
 
 def _survivors(pids: list[int], within_s: float) -> list[int]:

@@ -37,8 +37,8 @@ def fill(directory: str) -> None:
 
 
 def _in_a_fork(staging: str, job) -> int:
-    """``run_and_record`` as a save runs it: in a process forked from this one."""
-    process = multiprocessing.get_context("fork").Process(target=snapshot_save.run_and_record, args=(staging, 0, job))
+    """``ForkedJob`` as a save runs it: in a process forked from this one."""
+    process = multiprocessing.get_context("fork").Process(target=snapshot_save.ForkedJob(staging, 0, job))
     process.start()
     process.join(60)
     return process.exitcode

@@ -1,35 +1,44 @@
-"""Every process a rank forks dies when the process that forked it dies.
+"""Every process a rank starts for a save dies when the process that started it dies.
 
-A save forks processes (the async save's fork, megatron's per-bucket dist-checkpoint writers, which
-megatron forks even in a synchronous save). A rank killed mid-save (SIGKILL, the OOM killer, a
+A save starts processes: the async save's fork, megatron's per-bucket dist-checkpoint writers (forked
+even in a synchronous save) and the multiprocessing Manager server through which those writers report
+(spawned, i.e. exec'd, at a process's first save). A rank killed mid-save (SIGKILL, the OOM killer, a
 preemption) used to leave them behind, reparented to init: a writer done writing blocks forever in
 ``JoinableQueue.task_done`` on its dead parent's condition, holding the rank's copy-on-write image
-(hundreds of MB each). ``install`` arms every later ``os.fork`` of this process (and of its forks, which
-inherit the hook) so that the child ends with its parent:
+(hundreds of MB each), and the Manager serves forever. ``install`` arms every later ``os.fork`` of this
+process (and of its forks, which inherit the hook) with ``die_with``; a process started by exec runs no
+fork hook, so whoever spawns one passes ``die_with`` as its initializer (the Manager:
+``verl.utils.internals.megatron_core.tie_write_results_queue``).
 
-- a fork made from the parent's main thread gets Linux's parent-death signal (``PR_SET_PDEATHSIG``,
-  SIGKILL): the kernel kills it the moment the parent dies;
-- the kernel sends that signal when the forking *thread* exits, not the process, so a fork made from
-  another thread (which may end long before the process) is not armed. (A watcher thread started in
-  such a child hung the async save's fork in the Ray workers, whose calls run on a non-main thread;
-  there the fork, a direct child of the worker, is stopped by Ray with the worker, and the writers it
-  forks from its own main thread are armed.)
+``die_with(parent)`` ends the calling process when its parent process ends:
 
-A child whose parent died before the hook ran ends at once. Processes started by exec (subprocess,
-multiprocessing's spawn) run no fork hook; the ranks' group stops those (docs/operations.md).
+- started by the parent's thread-group leader (its main thread, which lives as long as the process),
+  it gets Linux's parent-death signal (``PR_SET_PDEATHSIG``, SIGKILL): the kernel kills it the moment
+  the parent dies, whatever it is doing;
+- the kernel sends that signal when the starting *thread* exits, not the process, so a process started
+  by another thread (a threaded Ray actor's call, a helper thread of the caller), which would be killed
+  with that thread, is watched instead: a daemon thread in it waits on a pidfd of the parent (readable
+  once the whole parent process has exited) and ends the process then. Being a thread of the child, it
+  lives exactly as long as the child; it holds no lock and touches nothing the child uses.
+
+A child whose parent died before the hook ran ends at once.
 """
 
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
+import select
 import signal
 import threading
+import time
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+POLL_INTERVAL_S = 0.2  # only where pidfds are missing (Linux < 5.3, non-Linux)
 
 _installed = False
-_fork_parent: tuple[int, bool] = (0, True)  # (pid, forking from its main thread), set just before each fork
+_fork_parent: tuple[int, bool] = (0, True)  # (pid, forked by its thread-group leader), set just before each fork
 
 
 def install() -> None:
@@ -41,15 +50,60 @@ def install() -> None:
     _installed = True
 
 
+def starter() -> tuple[int, bool]:
+    """(this process's pid, whether the calling thread is its thread-group leader): ``die_with``'s arguments for
+    a process the calling thread starts now."""
+    return os.getpid(), threading.get_native_id() == os.getpid()
+
+
+def start_manager() -> multiprocessing.managers.SyncManager:
+    """A started multiprocessing Manager whose (spawned) server process dies with this process."""
+    import multiprocessing.managers
+
+    manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(die_with, starter())
+    return manager
+
+
 def _note_parent() -> None:
     global _fork_parent
-    _fork_parent = (os.getpid(), threading.current_thread() is threading.main_thread())
+    _fork_parent = starter()
 
 
 def _bind_to_parent() -> None:
-    parent_pid, from_main_thread = _fork_parent
-    if from_main_thread and _set_parent_death_signal() and os.getppid() != parent_pid:
-        os._exit(1)  # the parent died before the signal was armed
+    die_with(*_fork_parent)
+
+
+def die_with(parent_pid: int, started_by_leader: bool) -> None:
+    """End this process (SIGKILL or ``os._exit(1)``) when process ``parent_pid``, its parent, ends.
+
+    ``started_by_leader``: whether the thread of the parent that started this process is the parent's
+    thread-group leader (``starter``): then the kernel's parent-death signal does it, else a watcher thread.
+    """
+    if started_by_leader and _set_parent_death_signal():
+        if os.getppid() != parent_pid:
+            os._exit(1)  # the parent died before the signal was armed
+        return
+    pidfd = _open_pidfd(parent_pid)
+    if os.getppid() != parent_pid:  # checked after opening: the pidfd then names the live parent, not a reused pid
+        os._exit(1)
+    threading.Thread(target=_end_when_gone, args=(parent_pid, pidfd), name="die-with-parent", daemon=True).start()
+
+
+def _end_when_gone(parent_pid: int, pidfd: int | None) -> None:
+    if pidfd is not None:
+        select.select([pidfd], [], [])  # readable once every thread of the parent has exited
+    else:
+        while os.getppid() == parent_pid:
+            time.sleep(POLL_INTERVAL_S)
+    os._exit(1)
+
+
+def _open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfds here (or the parent is already gone: getppid says so next)
+        return None
 
 
 def _set_parent_death_signal() -> bool:

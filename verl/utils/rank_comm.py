@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 from typing import Any
 
 import torch
@@ -66,11 +67,22 @@ class ForkedRankComm(RankComm):
         self._store = dist.PrefixStore(f"forked/{name}/", _new_store_client(timeout))
         # gloo's own rendezvous would wait for a missing peer as long as ``timeout``: meet first.
         self._store.set(f"arrived/{self.rank}", b"")
-        try:
-            self._store.wait([f"arrived/{rank}" for rank in range(self.world_size)], meet_within)
-        except RuntimeError as exc:  # a timeout, as torch raises it
-            raise RuntimeError(f"not every rank's forked process arrived within {meet_within} (one died?): {exc}") from exc
+        self._meet(meet_within)
         self._group = dist.ProcessGroupGloo(self._store, self.rank, self.world_size, timeout)
+
+    def _meet(self, within: datetime.timedelta, interval_s: float = 0.05) -> None:
+        """Wait until every rank's fork has arrived; fail at once when a rank's parent says its fork died
+        (``announce_death``: a fork killed before it arrived would otherwise keep its peers here for ``within``)."""
+        arrived = [f"arrived/{rank}" for rank in range(self.world_size)]
+        deadline = time.monotonic() + within.total_seconds()
+        while not self._store.check(arrived):
+            if self._store.add("deaths", 0):
+                dead = [rank for rank in range(self.world_size) if self._store.check([f"died/{rank}"])]
+                reasons = "; ".join(f"rank {rank}: {self._store.get(f'died/{rank}').decode()}" for rank in dead)
+                raise RuntimeError(f"the forked process of rank(s) {dead} died before the forks met ({reasons})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not every rank's forked process arrived within {within} (one died?)")
+            time.sleep(interval_s)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every fork's ``obj``, which must be JSON data: a peer's message is parsed, never unpickled, so a
@@ -104,6 +116,14 @@ def _parse_message(data: bytes, rank: int) -> Any:
         return json.loads(data.decode("utf-8"))
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise RuntimeError(f"the forked process of rank {rank} sent a message that is not JSON ({exc}); refused, nothing of it was run") from exc
+
+
+def announce_death(name: str, rank: int, reason: str) -> None:
+    """In rank ``rank`` (the parent): its process forked for ``ForkedRankComm(name)`` died (``reason``); the
+    peers' forks still waiting to meet it fail now instead of after ``meet_within``."""
+    store = dist.PrefixStore(f"forked/{name}/", _new_store_client(datetime.timedelta(seconds=30)))
+    store.set(f"died/{rank}", reason)
+    store.add("deaths", 1)
 
 
 def forked_groups_possible() -> bool:

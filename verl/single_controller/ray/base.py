@@ -446,7 +446,7 @@ class RayWorkerGroup:
                     values[rank_of[ref]] = ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - every failure is reported
                     failures[rank_of[ref]] = _describe_failure(exc)
-                    blame[rank_of[ref]] = _blame(exc, failures[rank_of[ref]])
+                    blame[rank_of[ref]] = _blame(exc, failures[rank_of[ref]], rank_of[ref])
             now = time.monotonic()
             if failures and grace_until is None:
                 grace_until = now + self.failure_grace_s
@@ -535,9 +535,22 @@ _BROKEN_COLLECTIVE = re.compile(
 )
 
 
-def _blame(exc: BaseException, text: str) -> int:
+# An async save's failure as every rank reports it (the ranks agree on their forks' outcomes): "failed on N
+# rank(s): rank R: why; ...". Its cause is the first rank listed whose fork died or failed on its own, not from a
+# peer's death (a broken collective, a peer that never met it); on every other rank the report is an echo.
+_AGREED_SAVE_FAILURE = re.compile(r"the background save failed on \d+ rank\(s\): (.*)", re.DOTALL)
+_AGREED_ENTRY = re.compile(r"(?:^|; )rank (\d+): (.*?)(?=; rank \d+: |$)", re.DOTALL)
+_PEER_LOST = re.compile(r"died before the forks met|arrived within")
+
+
+def _blame(exc: BaseException, text: str, rank: int) -> int:
     if isinstance(exc, ray.exceptions.RayActorError):
         return _DIED
+    agreed = _AGREED_SAVE_FAILURE.search(text)
+    if agreed:  # the same text on every rank: only its cause's own
+        entries = [(int(r), why) for r, why in _AGREED_ENTRY.findall(agreed.group(1))]
+        causes = [r for r, why in entries if not (_BROKEN_COLLECTIVE.search(why) or _PEER_LOST.search(why))]
+        return _OWN_ERROR if (causes or [r for r, _ in entries] or [rank])[0] == rank else _ECHO
     return _ECHO if _BROKEN_COLLECTIVE.search(text) else _OWN_ERROR
 
 

@@ -67,7 +67,7 @@ class ForkedSaves:
         """Fork the background part and give training back; ``finalize_async_save`` completes the save."""
         if self._async_queue is None:
             self._async_queue = megatron_core.async_calls_queue()
-        self._timed("fork", self._async_queue.schedule_async_request, request)
+        self._timed("fork", snapshot_save.fork, self._async_queue, request)
         self._pending = save
         save.blocked_seconds = time.monotonic() - save.started
         self._log(f"step {save.global_step}: returned after {save.blocked_seconds:.2f}s; {save.mode.value} runs in the background")
@@ -93,7 +93,7 @@ class ForkedSaves:
         job = functools.partial(self._save_in_fork, save, write_dist, hf_group)
         snapshot_save.reserve_outcome(save.local_path, self.rank)  # so a fork that fills the disk can still say so
         return megatron_core.async_request(
-            functools.partial(snapshot_save.run_and_record, save.local_path, self.rank, job),
+            snapshot_save.ForkedJob(save.local_path, self.rank, job, hf_group),
             (),
             [functools.partial(self._finish_forked_save, save.local_path), *finalize_planned],
         )

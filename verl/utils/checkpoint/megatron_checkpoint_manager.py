@@ -133,6 +133,7 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
     ):
         not_implemented_unless_default(use_megatron_fsdp=use_megatron_fsdp, provider=provider, peft_cls=peft_cls)
         process_lifetime.install()  # a save's forks die with this process, also for a caller that skipped init_rank
+        snapshot_save.guard_writers()  # megatron's writers: their Manager dies with this process, a killed one fails the save
         super().__init__(
             model,
             optimizer=optimizer,

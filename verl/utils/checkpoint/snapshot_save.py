@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import sys
 import threading
-import time
 import traceback
+import warnings
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
@@ -32,10 +33,11 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
+from verl.utils import process_lifetime, rank_comm
 from verl.utils.checkpoint import os_errors
 from verl.utils.device import get_device_name
 from verl.utils.fs import atomic_open
-from verl.utils.internals import megatron_core
+from verl.utils.internals import InternalsChangedError, megatron_core
 from verl.utils.internals import torch as torch_internals
 
 OUTCOME_DIRNAME = ".background"  # inside the staging directory; removed before the manifest is built
@@ -125,6 +127,25 @@ def _died(pid: int) -> str | None:
     return f"exit code {info.si_status}" if info.si_code == os.CLD_EXITED else f"signal {info.si_status}"
 
 
+_watched = False  # this process's children are watched already (fail_when_a_writer_dies ran here)
+
+
+def _watch_children(on_death: Callable[[str], None], stop: threading.Event, ignore: frozenset[int], interval_s: float) -> None:
+    """Until ``stop``: the first child process (not in ``ignore``) that died badly ends this process (status 1)
+    after ``on_death(reason)``, with every other process below it killed first, so none is left behind."""
+    me = psutil.Process()
+    while not stop.wait(interval_s):
+        for child in me.children():
+            reason = None if child.pid in ignore else _died(child.pid)
+            if reason is None:
+                continue
+            on_death(f"a dist-checkpoint writer process (pid {child.pid}) of rank pid {me.pid} died ({reason})")
+            for other in me.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    other.kill()
+            os._exit(1)
+
+
 def fail_when_a_writer_dies(on_death: Callable[[str], None], interval_s: float = 0.2) -> None:
     """In a process forked for a save: end it (status 1) as soon as one of its child processes dies badly.
 
@@ -133,22 +154,50 @@ def fail_when_a_writer_dies(on_death: Callable[[str], None], interval_s: float =
     rank's save with it, waiting forever. ``on_death(reason)`` records why first; the other writers are
     killed, so none is left behind.
     """
+    global _watched
+    _watched = True
+    threading.Thread(
+        target=_watch_children, args=(on_death, threading.Event(), frozenset(), interval_s), name="save-writer-watch", daemon=True
+    ).start()
 
-    def watch() -> None:
-        me = psutil.Process()
-        while True:
-            for child in me.children():
-                reason = _died(child.pid)
-                if reason is None:
-                    continue
-                on_death(f"a dist-checkpoint writer process (pid {child.pid}) of rank pid {me.pid} died ({reason})")
-                for other in me.children(recursive=True):
-                    with contextlib.suppress(psutil.Error):
-                        other.kill()
-                os._exit(1)
-            time.sleep(interval_s)
 
-    threading.Thread(target=watch, name="save-writer-watch", daemon=True).start()
+def watch_writers_in_the_rank(original: Callable[..., None]) -> Callable[..., None]:
+    """megatron's ``write_preloaded_data_multiproc`` (which forks the writers and waits for each on a queue),
+    watched where nothing watches it yet: in a synchronous save that is the rank itself, which would wait
+    forever for a killed writer, its peers with it in the next collective. A writer that dies badly then
+    ends the rank within moments (status 1), its reason on stderr: the group stops the run and blames this
+    rank, whose process died. In a save's fork (``fail_when_a_writer_dies`` watches) it runs as it is."""
+
+    def write_preloaded_data_multiproc(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
+        if _watched:
+            return original(transform_list, use_msc, rank, write_buckets, global_results_queue)
+        stop = threading.Event()
+        earlier = frozenset(child.pid for child in psutil.Process().children())  # the Manager, an async fork
+        watch = threading.Thread(target=_watch_children, args=(_report_and_end, stop, earlier, 0.2), name="save-writer-watch", daemon=True)
+        watch.start()
+        try:
+            return original(transform_list, use_msc, rank, write_buckets, global_results_queue)
+        finally:
+            stop.set()
+            watch.join()
+
+    return write_preloaded_data_multiproc
+
+
+def _report_and_end(reason: str) -> None:
+    print(f"[checkpoint] rank {os.environ.get('RANK', '?')}: the save failed: {reason}; ending this rank", file=sys.stderr, flush=True)
+
+
+def guard_writers() -> None:
+    """megatron's dist-checkpoint writers in this process: the Manager server they report through dies with the
+    process that starts it (``megatron_core.tie_write_results_queue``), and a writer that dies fails the save
+    at once, also in the rank (``watch_writers_in_the_rank``). Where those internals moved, a warning: a killed
+    rank may then leave megatron's Manager behind, and a killed writer hang a synchronous save."""
+    try:
+        megatron_core.tie_write_results_queue(process_lifetime.start_manager)
+        megatron_core.wrap_writer_processes(watch_writers_in_the_rank)
+    except InternalsChangedError as exc:
+        warnings.warn(f"{exc} A killed rank may leave its writers' Manager behind; a killed writer may hang a save.", stacklevel=2)
 
 
 def report_to_stderr(reason: str) -> None:
@@ -199,17 +248,49 @@ def _failed(exc: BaseException, path: str | None = None) -> dict[str, Any]:
     return {"ok": False, "error": f"{text}{found.describe(path)}", "os_error": found.as_json()}
 
 
-def run_and_record(staging: str, rank: int, job: Callable[[], dict[str, Any]]) -> None:
-    """The fork's entry: run ``job`` and leave what it returned, or its traceback, for the parent (an
-    operating-system error as such: ``_failed``). The parent reserved room for it (``reserve_outcome``).
+class ForkedJob:
+    """What a save's fork runs (as megatron's ``async_fn``): ``job``, its outcome left for the parent. ``group``:
+    the ``ForkedRankComm`` name the fork meets its peers under, if it does (see ``fork``)."""
 
-    The fork dies with its rank (``verl.utils.process_lifetime``, armed by the manager)."""
-    fail_when_a_writer_dies(lambda reason: _record(staging, rank, {"ok": False, "error": reason}))
-    try:
-        outcome: dict[str, Any] = {"ok": True, **job()}
-    except BaseException as exc:  # noqa: BLE001 - the parent reports it; a fork must not raise into multiprocessing
-        outcome = _failed(exc, staging)
-    _record(staging, rank, outcome)
+    def __init__(self, staging: str, rank: int, job: Callable[[], dict[str, Any]], group: str | None = None) -> None:
+        self.staging, self.rank, self.job, self.group = staging, rank, job, group
+
+    def __call__(self) -> None:
+        """The fork's entry: run ``job`` and leave what it returned, or its traceback, for the parent (an
+        operating-system error as such: ``_failed``). The parent reserved room for it (``reserve_outcome``).
+
+        The fork dies with its rank (``verl.utils.process_lifetime``, armed by the manager)."""
+        fail_when_a_writer_dies(lambda reason: _record(self.staging, self.rank, {"ok": False, "error": reason}))
+        try:
+            outcome: dict[str, Any] = {"ok": True, **self.job()}
+        except BaseException as exc:  # noqa: BLE001 - the parent reports it; a fork must not raise into multiprocessing
+            outcome = _failed(exc, self.staging)
+        _record(self.staging, self.rank, outcome)
+
+
+def fork(queue: Any, request: Any) -> None:
+    """Start ``request`` on megatron's ``AsyncCallsQueue`` (it forks); for a ``ForkedJob`` that meets its peers,
+    a thread of this rank then waits for the fork to end and, if it left no successful outcome (killed in its
+    first instants included), says so to the peers' forks (``rank_comm.announce_death``), which then fail at
+    once instead of waiting to meet it. It watches a pidfd, not the exit status: the queue reaps the fork."""
+    job = request.async_fn
+    before = {child.pid for child in psutil.Process().children()}
+    queue.schedule_async_request(request)
+    if not isinstance(job, ForkedJob) or job.group is None:
+        return
+    for pid in {child.pid for child in psutil.Process().children()} - before:
+        with contextlib.suppress(OSError):  # no pidfds here: the peers wait out their meeting time instead
+            pidfd = os.pidfd_open(pid)  # before this returns: the fork is not reaped yet, even if it died
+            threading.Thread(target=_announce_if_it_fails, args=(pidfd, job), name="save-fork-watch", daemon=True).start()
+
+
+def _announce_if_it_fails(pidfd: int, job: ForkedJob) -> None:
+    select.select([pidfd], [], [])  # readable once the fork has exited
+    os.close(pidfd)
+    outcome = read_outcome(job.staging, job.rank)
+    if not outcome["ok"]:
+        cause = (outcome["error"].strip().splitlines() or ["no error text"])[-1]
+        rank_comm.announce_death(job.group, job.rank, f"its process forked for the save failed: {cause}")
 
 
 def read_outcome(staging: str, rank: int) -> dict[str, Any]:

@@ -32,7 +32,8 @@ warn_if_untested("megatron-core")
 
 MC = "megatron-core"
 _ASYNC = "megatron.core.dist_checkpointing.strategies.async_utils"
-_WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync"
+_FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_WRITER = f"{_FS_ASYNC}:FileSystemWriterAsync"
 _STRATEGY = "megatron.core.dist_checkpointing.strategies.torch:TorchDistSaveShardedStrategy"
 _BACKGROUND = "checkpoint.async_save (the background write and the snapshot save)"
 _SNAPSHOT = "the snapshot save"
@@ -65,6 +66,9 @@ SAVE_CONFIG = Internal(
     "megatron.core.dist_checkpointing.core:save_config",
     f"{_SNAPSHOT}'s metadata.json",
     params=("config", "checkpoint_dir"),
+)
+WRITE_RESULTS_QUEUE = Internal(
+    MC, f"{_FS_ASYNC}:_get_write_results_queue", "a dist-checkpoint save's writers dying with their rank", params=()
 )
 # Set on each strategy by its constructor (``cached_metadata=True``): read from the instance.
 PLAN_CACHE = tuple(
@@ -140,6 +144,7 @@ INTERNALS = (
     WRITER_FINISH,
     CHECKPOINTING_CONFIG,
     SAVE_CONFIG,
+    WRITE_RESULTS_QUEUE,
     LOAD_READER,
     LOAD_PLANNER,
     DUMMY_OPTIMIZER_STATE,
@@ -233,6 +238,43 @@ def preloaded_args(request: AsyncRequest) -> tuple:
         _checked_layout(request)
         args[WRITE_BUCKETS_ARG] = request.preload_fn()
     return tuple(args)
+
+
+def tie_write_results_queue(start_manager: Callable[[], Any]) -> None:
+    """Make the queue megatron's dist-checkpoint writers report through on a Manager of ours: ``start_manager()``,
+    called at this process's first save (then kept, and inherited by its forks, as megatron keeps its own).
+
+    megatron's ``_get_write_results_queue`` spawns a multiprocessing Manager server for it (exec'd: no fork
+    hook runs there) that nothing stops when the rank dies (~290 MB each); ``start_manager`` starts one that
+    dies with the process that started it. Idempotent; megatron's function is replaced module-wide, where
+    ``prepare_write_data`` looks it up."""
+    original = WRITE_RESULTS_QUEUE.get()
+    if getattr(original, "verl_tied", False):
+        return
+    queue: list[Any] = []
+
+    def tied_write_results_queue() -> Any:
+        if not queue:
+            queue.append(start_manager().Queue())
+        return queue[0]
+
+    tied_write_results_queue.verl_tied = True  # type: ignore[attr-defined]
+    _setattr(WRITE_RESULTS_QUEUE, tied_write_results_queue)
+
+
+def wrap_writer_processes(wrap: Callable[[Callable[..., None]], Callable[..., None]]) -> None:
+    """``FileSystemWriterAsync.write_preloaded_data_multiproc`` (forks one writer per bucket, waits for them all)
+    replaced by ``wrap(original)``, which must take the same parameters (the request layout read by position).
+    Idempotent. Every torch_dist save reaches it through ``get_save_function_and_args``, sync saves included."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = WRITER_WRITE.get()
+    if getattr(original, "verl_wrapped", False):
+        return
+    wrapped = wrap(original)
+    wrapped.verl_wrapped = True  # type: ignore[attr-defined]
+    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(wrapped)
+    WRITER_WRITE.get()  # the replacement passes the same check
 
 
 def write_checkpoint_metadata(strategy: TorchDistSaveShardedStrategy, path: str, all_results: list[list]) -> None:
