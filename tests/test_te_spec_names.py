@@ -10,14 +10,13 @@ the model megatron built; none is written down here. The whole save runs: the st
 parameters in host memory (it runs no kernel, which a save does not need).
 """
 
-import glob
 import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.te_stand_in import run_on_te_host
+from tests.test_parallel_hf_export import _files, _tensors
 from verl.utils.megatron.parallel import ParallelSizes
 
 
@@ -47,21 +46,6 @@ def _export_on_te_spec(src: str, root: str) -> dict:
         for te_name in mbridge_internals.local_to_global_names(bridge, chunk).values():
             hf[te_name] = mbridge_internals.hf_names(bridge, te_name)
     return {"bridge": type(bridge).__name__, "parallel": bridge.saves_in_parallel, "state_keys": keys, "hf_names": hf}
-
-
-def _files(path: str) -> dict[str, bytes]:
-    out = {}
-    for file in sorted(os.listdir(path)):
-        with open(os.path.join(path, file), "rb") as handle:
-            out[file] = handle.read()
-    return out
-
-
-def _tensors(path: str) -> dict[str, torch.Tensor]:
-    state = {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        state.update(load_file(file))
-    return state
 
 
 CASES = {
