@@ -241,6 +241,7 @@ def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
     import torch
 
     from verl.utils import megatron_utils as mu
+    from verl.utils.checkpoint import layout
     from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 
     seen: list[tuple[str, bool]] = []
@@ -249,8 +250,10 @@ def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
         """Notes, at each phase's start, whether the HF config and tokenizer are already in the staging folder."""
 
         def on_save_phase(self, phase: str) -> None:
-            hf = Path(mu.get_hf_model_checkpoint_path(self.last_save.local_path))
-            seen.append((phase, (hf / "config.json").exists() and (hf / "tokenizer_config.json").exists()))
+            # the step transaction's first phase ("staging") comes before the manager's save report exists
+            staging = self.last_save.local_path if self.last_save is not None else None
+            hf = Path(layout.hf_path(staging)) if staging else None  # upstream's get_*_path would create it
+            seen.append((phase, hf is not None and (hf / "config.json").exists() and (hf / "tokenizer_config.json").exists()))
             super().on_save_phase(phase)
 
     memory = Memory(ctx.device)
