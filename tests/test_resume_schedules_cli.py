@@ -109,6 +109,7 @@ def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path
     assert "warning: resuming" not in out  # the same length: nothing to warn about
     first, resumed = _comparable(_metrics(stopped_dir)[:before]), _comparable(_metrics(stopped_dir)[before:])
     assert sorted(resumed) == list(range(tracked + 1, STEPS + 1))
+    assert sorted(first) == list(range(1, tracked + 1)), "a committed step's metrics line is written before the stop"
     combined = {**{step: first[step] for step in range(1, tracked + 1)}, **resumed}
     assert [combined[step]["actor/lr"] for step in range(1, STEPS + 1)] == lrs
     for step in range(1, STEPS + 1):

@@ -47,6 +47,7 @@ from omegaconf import OmegaConf
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.trainer.ppo.log_prob_parity import check_log_prob_parity, log_prob_gaps, max_log_prob_diff
+from verl.trainer.run_control import read_committed_step
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, should_save_ckpt_esi
 from verl.utils.checkpoint.finite import check_step_is_finite
 from verl.utils.checkpoint.layout import DATA_STATE_FILENAME, STEP_DIR_FORMAT
@@ -200,13 +201,22 @@ class MegatronGRPOTrainer:
                     if "console" in self.loggers:
                         bar.write(_val_line(step, val_metrics))
                 deadline_near = should_save_ckpt_esi(longest_step, redundant_time=float(trainer.esi_redundant_time))
-                if self.save_freq > 0 and (step >= self.total_training_steps or step % self.save_freq == 0 or deadline_near):
-                    if deadline_near and "console" in self.loggers:
-                        bar.write(f"[trainer] saving step {step} outside save_freq: the capacity block ends within the next step and a save")
-                    start = time.monotonic()
-                    metrics["checkpoint"] = self._save_checkpoint(bar)
-                    metrics["timing_s/save_checkpoint"] = round(time.monotonic() - start, 3)
-                self._log_metrics(metrics)
+                logged = False
+                try:
+                    if self.save_freq > 0 and (step >= self.total_training_steps or step % self.save_freq == 0 or deadline_near):
+                        if deadline_near and "console" in self.loggers:
+                            bar.write(f"[trainer] saving step {step} outside save_freq: the capacity block ends within the next step and a save")
+                        start = time.monotonic()
+                        metrics["checkpoint"] = self._save_checkpoint(bar)
+                        metrics["timing_s/save_checkpoint"] = round(time.monotonic() - start, 3)
+                    self._log_metrics(metrics)
+                    logged = True
+                except KeyboardInterrupt:
+                    # A stop after the tracker moved to this step: a resume starts after it, so its metrics line is
+                    # written now or never.
+                    if not logged and read_committed_step(self.default_local_dir)[0] == step:
+                        self._log_metrics(metrics)
+                    raise
                 bar.set_postfix(
                     reward=f"{metrics['critic/score/mean']:.3f}", pg_loss=f"{metrics['actor/pg_loss']:.4f}",
                     len=f"{metrics['response_length/mean']:.1f}", refresh=False,
