@@ -130,3 +130,53 @@ def test_a_te_spec_checkpoint_saves_and_loads_back_bit_exactly(tiny_moe_path, tm
     assert all(r["hf_in_fork"] is async_save for r in results)
     assert any(name.endswith("mlp.experts.linear_fc1.weight3") for name in results[0]["names"])
     assert [r["differ"] for r in results] == [[], []]
+
+
+def _dist_checkpoint_on_te_spec(src: str, root: str) -> dict:
+    """One rank of EP2: the TE-spec model saved as Megatron shards (``use_dist_checkpointing=True``), loaded back."""
+    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+
+    settings = ActorSettings(model_path=src, use_dist_checkpointing=True)
+    actor = MegatronActor(settings)
+    generator = torch.Generator().manual_seed(0)
+    for chunk in actor.model:
+        for param in chunk.parameters():
+            param.main_grad.copy_(torch.randn(param.shape, generator=generator) * 0.01)
+    actor.optimizer.step()
+    saved = actor.parameters_snapshot()
+    path = os.path.join(root, "global_step_1", "actor")
+    actor.save_checkpoint(path, global_step=1)
+    other = MegatronActor(settings)
+    other.load_checkpoint(path)
+    loaded = other.parameters_snapshot()
+    return {"names": len(saved), "differ": [name for name in saved if not torch.equal(saved[name], loaded[name])]}
+
+
+def test_a_te_spec_model_saved_as_megatron_shards_loads_back_bit_exactly(tiny_moe_path, tmp_path):
+    """megatron-core's TE attention leaves its ``_extra_state`` out of its sharded state dict: the strict model
+    load accepts exactly that absence (it failed with ``Missing key(s) ... core_attention._extra_state``)."""
+    results = run_on_te_host(str(tmp_path), f"{__name__}:_dist_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path)))
+    assert [r["differ"] for r in results] == [[], []] and results[0]["names"] > 0
+
+
+def test_the_model_load_stays_strict_for_every_other_key():
+    from verl.utils.checkpoint.integrity import CheckpointError
+    from verl.utils.checkpoint.megatron_checkpoint_load import _load_chunk_strictly
+
+    class WithExtraState(torch.nn.Linear):
+        def get_extra_state(self):
+            return torch.zeros(1)
+
+        def set_extra_state(self, state):
+            pass
+
+    module = torch.nn.Sequential(WithExtraState(2, 2))
+    full = module.state_dict()
+    weights_only = {k: v for k, v in full.items() if not k.endswith("_extra_state")}
+    _load_chunk_strictly(module, weights_only, set(weights_only), "ckpt")  # left out of the checkpoint by the model
+    with pytest.raises(CheckpointError, match=r"ckpt does not fit this model: missing \['0._extra_state'\]"):
+        _load_chunk_strictly(module, weights_only, set(full), "ckpt")  # the model checkpoints it: damage
+    with pytest.raises(CheckpointError, match=r"missing \['0.bias'\]"):
+        _load_chunk_strictly(module, {k: v for k, v in full.items() if k != "0.bias"}, set(full), "ckpt")
+    with pytest.raises(CheckpointError, match=r"unexpected \['0.other'\]"):
+        _load_chunk_strictly(module, {**full, "0.other": torch.zeros(1)}, set(full), "ckpt")
