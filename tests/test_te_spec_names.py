@@ -90,13 +90,13 @@ def test_parallel_export_of_the_te_spec_equals_mbridge_and_the_source(case, tmp_
         assert torch.equal(exported[name], tensor) and torch.equal(gathered[name], tensor), name
 
 
-def _checkpoint_on_te_spec(src: str, root: str, async_save: bool) -> dict:
+def _checkpoint_on_te_spec(src: str, root: str, async_save: bool, use_dist_checkpointing: bool = False) -> dict:
     """One rank: a TE-spec actor steps its optimizer once (gradients set directly: the stand-in runs no
     forward), saves the step through the worker's path (the manager, then the commit step), and a second
     actor loads it back."""
     from verl.workers.megatron_rank import ActorSettings, MegatronActor
 
-    settings = ActorSettings(model_path=src, async_save=async_save)
+    settings = ActorSettings(model_path=src, async_save=async_save, use_dist_checkpointing=use_dist_checkpointing)
     actor = MegatronActor(settings)
     generator = torch.Generator().manual_seed(0)  # the same on every rank: replicas stay equal
     for chunk in actor.model:
@@ -132,31 +132,11 @@ def test_a_te_spec_checkpoint_saves_and_loads_back_bit_exactly(tiny_moe_path, tm
     assert [r["differ"] for r in results] == [[], []]
 
 
-def _dist_checkpoint_on_te_spec(src: str, root: str) -> dict:
-    """One rank of EP2: the TE-spec model saved as Megatron shards (``use_dist_checkpointing=True``), loaded back."""
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
-
-    settings = ActorSettings(model_path=src, use_dist_checkpointing=True)
-    actor = MegatronActor(settings)
-    generator = torch.Generator().manual_seed(0)
-    for chunk in actor.model:
-        for param in chunk.parameters():
-            param.main_grad.copy_(torch.randn(param.shape, generator=generator) * 0.01)
-    actor.optimizer.step()
-    saved = actor.parameters_snapshot()
-    path = os.path.join(root, "global_step_1", "actor")
-    actor.save_checkpoint(path, global_step=1)
-    other = MegatronActor(settings)
-    other.load_checkpoint(path)
-    loaded = other.parameters_snapshot()
-    return {"names": len(saved), "differ": [name for name in saved if not torch.equal(saved[name], loaded[name])]}
-
-
 def test_a_te_spec_model_saved_as_megatron_shards_loads_back_bit_exactly(tiny_moe_path, tmp_path):
     """megatron-core's TE attention leaves its ``_extra_state`` out of its sharded state dict: the strict model
     load accepts exactly that absence (it failed with ``Missing key(s) ... core_attention._extra_state``)."""
-    results = run_on_te_host(str(tmp_path), f"{__name__}:_dist_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path)))
-    assert [r["differ"] for r in results] == [[], []] and results[0]["names"] > 0
+    results = run_on_te_host(str(tmp_path), f"{__name__}:_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path), False, True))
+    assert [r["differ"] for r in results] == [[], []] and results[0]["names"]
 
 
 def test_the_model_load_stays_strict_for_every_other_key():
