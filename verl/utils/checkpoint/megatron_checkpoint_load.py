@@ -179,8 +179,9 @@ def _load_chunk_strictly(chunk: torch.nn.Module, state: dict, checkpointed: set[
     so its absence is no damage. Any other missing or unexpected key fails the load, named."""
     result = unwrap_model(chunk).load_state_dict(state, strict=False)  # megatron's DDP returns no result
     missing = [k for k in result.missing_keys if not (k.endswith("._extra_state") and k not in checkpointed)]
-    if missing or result.unexpected_keys:
+    unexpected = list(result.unexpected_keys)
+    if missing or unexpected:
         raise CheckpointError(
             f"{path} does not fit this model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {result.unexpected_keys[:5]}{'...' if len(result.unexpected_keys) > 5 else ''}"
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
