@@ -13,69 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from verl.utils.checkpoint import finite, layout, snapshot_save
 from verl.utils.checkpoint.integrity import CheckpointError
-from verl.utils.checkpoint.megatron_state_dicts import (
-    model_sharded_state_dict,
-    optimizer_sharded_state_dict,
-    sharded_structure,
-    without_view_copies,
-)
+from verl.utils.checkpoint.megatron_state_dicts import DistParts, sharded_structure
 from verl.utils.internals import megatron_core
-from verl.utils.megatron_utils import (
-    get_extra_dist_checkpoint_path,
-    get_model_dist_checkpoint_path,
-    get_optimizer_dist_checkpoint_path,
-)
 from verl.utils.rank_comm import ForkedRankComm
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-
-
-@dataclasses.dataclass
-class DistParts:
-    """The dist checkpoints of one save, each state dict built when reached (a save consumes the one it gets).
-
-    ``contents``: of "model", "optimizer", "extra"; ``extra_state``: the RNG state, taken in the rank (a forked
-    process reseeds Python's ``random``); ``on_phase``: the manager's public phase hook."""
-
-    model: list
-    optimizer: Any
-    lr_scheduler: Any
-    contents: tuple[str, ...]
-    metadata: dict
-    extra_state: dict | None
-    on_phase: Callable[[str], None]
-
-    def build(self, local_path: str) -> Iterator[tuple[str, dict, str]]:
-        """(content, sharded state dict, directory) of each dist checkpoint, in the order they are written."""
-        if "model" in self.contents:
-            yield "model", without_view_copies(model_sharded_state_dict(self.model, self.metadata)), get_model_dist_checkpoint_path(local_path)
-        self.on_phase("dist_checkpoint_optimizer")
-        if "optimizer" in self.contents:
-            model_state = model_sharded_state_dict(self.model, self.metadata)
-            state = optimizer_sharded_state_dict(self.optimizer, self.lr_scheduler, model_state, self.metadata)
-            yield "optimizer", without_view_copies(state), get_optimizer_dist_checkpoint_path(local_path)
-        if "extra" in self.contents:
-            yield "extra", self.extra_state, get_extra_dist_checkpoint_path(local_path)
-
-
-def write_hf_config(hf_path: str, processing_class: Any, hf_config: Any, model_path: str | None) -> None:
-    """Everything the HF folder needs besides the weights (tokenizer, config, generation config), written first."""
-    if processing_class is not None:
-        processing_class.save_pretrained(hf_path)
-    hf_config.save_pretrained(hf_path)
-    generation_config = os.path.join(model_path or "", "generation_config.json")
-    if model_path and os.path.isfile(generation_config):
-        shutil.copyfile(generation_config, os.path.join(hf_path, "generation_config.json"))
 
 
 @dataclasses.dataclass
@@ -86,7 +36,7 @@ class HFExport:
     model: list
     hf_path: str
     save_kwargs: dict
-    write_config: Callable[[], None]  # rank 0's ``write_hf_config``, bound to its arguments
+    write_config: Callable[[], None]  # rank 0's ``megatron_metadata.write_hf_config``, bound to its arguments
 
     def run(self, rank: int, comm: ForkedRankComm) -> None:
         if rank == 0:

@@ -36,15 +36,20 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
 from verl.utils import process_lifetime
-from verl.utils.checkpoint import dist_writer, finite, os_errors, save_writers, sealing, snapshot_save
+from verl.utils.checkpoint import dist_writer, finite, os_errors, save_writers, snapshot_save
 from verl.utils.checkpoint.async_modes import AsyncMode, choose_mode
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get, not_implemented_unless_default
-from verl.utils.checkpoint.forked_save import DistParts, ForkedSave, HFExport, write_hf_config
-from verl.utils.checkpoint.integrity import CheckpointError, files_under
+from verl.utils.checkpoint.forked_save import ForkedSave, HFExport
+from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.mbridge_config import save_weights_kwargs
 from verl.utils.checkpoint.megatron_checkpoint_load import MegatronLoads
-from verl.utils.checkpoint.megatron_metadata import DIST_CHECKPOINT_PATHS, MegatronMetadata
-from verl.utils.checkpoint.megatron_state_dicts import MegatronStateDicts, optimizer_layout, sharded_structure
+from verl.utils.checkpoint.megatron_metadata import DIST_CHECKPOINT_PATHS, MegatronMetadata, write_hf_config
+from verl.utils.checkpoint.megatron_state_dicts import (
+    DistParts,
+    MegatronStateDicts,
+    optimizer_layout,
+    sharded_structure,
+)
 from verl.utils.device import get_device_name
 from verl.utils.fs import local_mkdir_safe
 from verl.utils.internals import megatron_core
@@ -73,7 +78,7 @@ class SaveReport:
     mode: AsyncMode
     max_ckpt_to_keep: int | None = None
     checked_in_background: bool = False
-    sealer: sealing.Sealer | None = None  # a sync save's dist-checkpoint files, being hashed and fsynced since written
+    sealer: save_writers.Sealer | None = None  # a sync save's dist-checkpoint files, being hashed and fsynced since written
     hf_weights_in_background: bool = False
     planned_in_background: bool = False
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -243,7 +248,6 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             if save.mode is AsyncMode.SYNC:
                 self.ensure_checkpoint_capacity(max_ckpt_to_keep)
             background = self._save_dist_parts(save)
-            self._seal_dist_parts(save)
             self._save_hf_config(save)
             self._save_hf_weights(save)
             if background is not None:
@@ -279,22 +283,18 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         return f"refusing to save step {save.global_step}: nothing was written"
 
     def _save_dist_parts(self, save: SaveReport) -> AsyncRequest | None:
-        """The dist checkpoints (optimizer + scheduler, RNG, model shards if asked), as the writer does them;
+        """The dist checkpoints (optimizer + scheduler, RNG, model shards if asked), as the writer does them (the
+        sync writer also starts hashing and fsyncing each rank's share of their files while the HF export runs);
         returns what its forked process is to run, if anything."""
         job = save_writers.SaveJob(
-            plan_in_rank=lambda in_background: self._plan_in_rank(save, in_background),
+            save.local_path, self.rank, self.world_size, [DIST_CHECKPOINT_PATHS[c](save.local_path) for c in self._dist_contents()],
+            plan_in_rank=functools.partial(self._timed, "dist_checkpoints", self._save_dist_checkpoints, save.local_path),
             plans_reusable=self._plans_are_reusable,
             fork=lambda: self._forked_save(save),
         )
         request = self._writer.save_dist_parts(job)
-        save.planned_in_background = job.planned_in_background
+        save.planned_in_background, save.sealer = job.planned_in_background, job.sealer
         return request
-
-    def _plan_in_rank(self, save: SaveReport, in_background: bool) -> list[AsyncRequest] | None:
-        self.on_save_phase("dist_checkpoint")
-        requests = self._timed("dist_checkpoints", self._save_dist_checkpoints, save.local_path, in_background)
-        self.on_save_phase("after_dist_checkpoint")
-        return requests
 
     def _plans_are_reusable(self) -> bool:
         """Whether a fork can plan this save alone: every plan reusable without a collective, same structure."""
@@ -320,17 +320,6 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if hf is not None else None
         return ForkedSave(save.local_path, self.rank, self._refusal(save), self._dist_parts(), self._save_strategies, hf, group)
 
-    def _seal_dist_parts(self, save: SaveReport) -> None:
-        """Sync mode: the dist checkpoints are complete on every rank; each rank starts hashing and fsyncing its
-        share of their files while the HF export runs (``verl.utils.checkpoint.sealing``)."""
-        if save.mode is not AsyncMode.SYNC:
-            return
-        directories = [DIST_CHECKPOINT_PATHS[content](save.local_path) for content in self._dist_contents()]
-        relpaths = files_under(save.local_path, directories)
-        sizes = [os.path.getsize(os.path.join(save.local_path, r)) for r in relpaths]
-        save.sealer = sealing.Sealer(save.local_path)
-        save.sealer.seal(sealing.share_of(relpaths, sizes, self.rank, self.world_size))
-
     def _save_hf_config(self, save: SaveReport) -> None:
         """Rank 0: the HF config, tokenizer and generation config; then every rank waits for them (fix 2), so no
         rank starts the HF weights before the config is on disk. The snapshot writer's fork does both when it exports."""
@@ -338,7 +327,8 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             return
         if self.rank == 0:
             self.on_save_phase("hf_config")
-            self._timed("hf_config", self._save_hf_config_and_tokenizer, save.local_path)
+            hf_path = get_hf_model_checkpoint_path(save.local_path)
+            self._timed("hf_config", write_hf_config, hf_path, self.processing_class, self.hf_config, self.model_path)
         self.wait_for_hf_config()
 
     def _save_hf_weights(self, save: SaveReport) -> None:
@@ -413,6 +403,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
 
     def _save_dist_checkpoints(self, local_path: str, in_background: bool) -> list[AsyncRequest] | None:
         """Write (or, ``in_background``, plan) the dist checkpoints; return the writes still to run."""
+        self.on_save_phase("dist_checkpoint")
         requests = []
         parts = self._dist_parts()
         for content, state, path in parts.build(local_path):
@@ -440,18 +431,13 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
                 requests.append(request)
         if not in_background:
             torch.distributed.barrier()
-            return None
-        return requests
+        self.on_save_phase("after_dist_checkpoint")
+        return requests if in_background else None
 
     def _dist_contents(self) -> list[str]:
         """The dist checkpoints this manager saves."""
         wanted = {"model": self.should_save_dist_ckpt_model, "optimizer": self.should_save_optimizer, "extra": self.should_save_extra}
         return [content for content in DIST_CHECKPOINT_PATHS if wanted[content]]
-
-    def _save_hf_config_and_tokenizer(self, local_path: str) -> None:
-        """Rank 0 only: everything the HF folder needs besides the weights, written before them."""
-        if self.rank == 0:
-            write_hf_config(get_hf_model_checkpoint_path(local_path), self.processing_class, self.hf_config, self.model_path)
 
     def wait_for_hf_config(self) -> None:
         """Fix 2: no rank may start the bridge's HF weight save until rank 0's config is on disk. Public so

@@ -7,7 +7,9 @@ before megatron writes (``without_view_copies``).
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,11 @@ from verl.utils.checkpoint.checkpoint_manager import config_get
 from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.layout import RANK_RNG_STATE_KEY
 from verl.utils.device import get_device_name, get_torch_device
+from verl.utils.megatron_utils import (
+    get_extra_dist_checkpoint_path,
+    get_model_dist_checkpoint_path,
+    get_optimizer_dist_checkpoint_path,
+)
 
 
 def without_view_copies(state: dict) -> dict:
@@ -101,6 +108,34 @@ def optimizer_sharded_state_dict(optimizer, lr_scheduler, model_state: dict, met
     if lr_scheduler is not None:
         state["lr_scheduler"] = lr_scheduler.state_dict()
     return state
+
+
+@dataclasses.dataclass
+class DistParts:
+    """The dist checkpoints of one save, each state dict built when reached (a save consumes the one it gets).
+
+    ``contents``: of "model", "optimizer", "extra"; ``extra_state``: the RNG state, taken in the rank (a forked
+    process reseeds Python's ``random``); ``on_phase``: the manager's public phase hook."""
+
+    model: list
+    optimizer: Any
+    lr_scheduler: Any
+    contents: tuple[str, ...]
+    metadata: dict
+    extra_state: dict | None
+    on_phase: Callable[[str], None]
+
+    def build(self, local_path: str) -> Iterator[tuple[str, dict, str]]:
+        """(content, sharded state dict, directory) of each dist checkpoint, in the order they are written."""
+        if "model" in self.contents:
+            yield "model", without_view_copies(model_sharded_state_dict(self.model, self.metadata)), get_model_dist_checkpoint_path(local_path)
+        self.on_phase("dist_checkpoint_optimizer")
+        if "optimizer" in self.contents:
+            model_state = model_sharded_state_dict(self.model, self.metadata)
+            state = optimizer_sharded_state_dict(self.optimizer, self.lr_scheduler, model_state, self.metadata)
+            yield "optimizer", without_view_copies(state), get_optimizer_dist_checkpoint_path(local_path)
+        if "extra" in self.contents:
+            yield "extra", self.extra_state, get_extra_dist_checkpoint_path(local_path)
 
 
 class MegatronStateDicts:
