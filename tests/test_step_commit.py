@@ -117,6 +117,48 @@ def test_a_failed_save_is_discarded_and_keeps_the_previous_step(tmp_path, error)
     verify_manifest(layout.role_dir(root, 1, "actor"))
 
 
+def _fail_on_rank_zero_in(root: str, phase: str) -> dict:
+    """Step 2's commit on rank 0 meets a real write error (EFBIG from a file-size limit set as ``phase``
+    starts): the manifest in ``commit``, ``data.pt`` in ``tracker``, after the rename."""
+    import resource
+    import signal
+
+    _save(root, 1, track=True)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def limit_rank_zero(name: str) -> None:
+        if name == phase and torch.distributed.get_rank() == 0:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+            resource.setrlimit(resource.RLIMIT_FSIZE, (128, limits[1]))  # room for the commit mark, not more
+
+    spec = StepSpec(parallel={"world_size": WORLD}, step_files={"data.pt": b"x" * 4096}, track=True, on_phase=limit_rank_zero)
+    raised = None
+    try:
+        with StepCommit(layout.role_dir(root, 2, "actor"), 2, spec) as staging:
+            PartWriter().save_checkpoint(staging)
+    except CheckpointError as exc:
+        raised = str(exc)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    torch.distributed.barrier()
+    return {"raised": raised, "tracker": read_tracker(root), "dirs": sorted(os.listdir(root))}
+
+
+@pytest.mark.parametrize("phase", ["commit", "tracker"])
+def test_a_write_error_on_rank_zero_fails_every_rank_and_keeps_the_previous_step(tmp_path, phase):
+    """Every rank raises rank 0's error at once (none waits for a verdict until the collective's timeout);
+    a step already renamed into place but not tracked is removed again."""
+    root = str(tmp_path / "run")
+    results = run_on_ranks(_fail_on_rank_zero_in, WORLD, args=(root, phase), timeout_s=120)
+    what = "commit step 2" if phase == "commit" else "track step 2"
+    for result in results:
+        assert result["raised"] is not None and result["raised"].startswith(f"rank 0 could not {what} (OSError: File too large (EFBIG) writing {root}/global_step_2"), result["raised"]
+        assert result["raised"].endswith("Nothing was committed; the previous checkpoint and the tracker are unchanged.")
+    assert results[0]["tracker"] == 1
+    assert results[0]["dirs"] == ["global_step_1", layout.TRACKER_FILENAME]
+    verify_manifest(layout.role_dir(root, 1, "actor"))
+
+
 def _save_in_background(root: str, fail: bool) -> dict:
     writer_done = threading.Event()
     release = threading.Event()
@@ -276,8 +318,9 @@ def test_the_step_names_are_defined_once():
 # at most 500 lines adds files; the HF export (the bridge, its internals, the parallel writer, the CPU runtime:
 # 9 files, ~35 functions) and upstream's creating path helpers (10 functions) are most of the rest. The in-rank
 # dist-checkpoint writer (dist_writer.py, 12 functions) and the TE-spec name helpers (local_spec.py) came after:
-# 27 and 145. These bounds are what a save enters now, so that it cannot grow unnoticed.
-MAX_FILES, MAX_FUNCTIONS = 27, 145
+# 27 and 145; ``from_rank_zero`` (rank 0's file work, its failure included, reaching every rank) 146. These
+# bounds are what a save enters now, so that it cannot grow unnoticed.
+MAX_FILES, MAX_FUNCTIONS = 27, 146
 
 
 def _profiled_sync_save(model_path: str, root: str) -> list[tuple[str, str]]:

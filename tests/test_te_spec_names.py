@@ -90,13 +90,14 @@ def test_parallel_export_of_the_te_spec_equals_mbridge_and_the_source(case, tmp_
         assert torch.equal(exported[name], tensor) and torch.equal(gathered[name], tensor), name
 
 
-def _checkpoint_on_te_spec(src: str, root: str, async_mode: str | None) -> dict:
+def _checkpoint_on_te_spec(src: str, root: str, async_mode: str | None, use_dist_checkpointing: bool = False) -> dict:
     """One rank: a TE-spec actor steps its optimizer once (gradients set directly: the stand-in runs no
     forward), saves the step through the worker's path (the manager, then the commit step), and a second
     actor loads it back."""
     from verl.workers.megatron_rank import ActorSettings, MegatronActor
 
-    settings = ActorSettings(model_path=src, async_save=async_mode is not None, async_mode=async_mode or "background_write")
+    writer = {"async_save": async_mode is not None, "async_mode": async_mode or "background_write"}
+    settings = ActorSettings(model_path=src, use_dist_checkpointing=use_dist_checkpointing, **writer)
     actor = MegatronActor(settings)
     generator = torch.Generator().manual_seed(0)  # the same on every rank: replicas stay equal
     for chunk in actor.model:
@@ -131,3 +132,33 @@ def test_a_te_spec_checkpoint_saves_and_loads_back_bit_exactly(tiny_moe_path, tm
     assert all(r["hf_in_fork"] is (async_mode == "snapshot") for r in results)
     assert any(name.endswith("mlp.experts.linear_fc1.weight3") for name in results[0]["names"])
     assert [r["differ"] for r in results] == [[], []]
+
+
+def test_a_te_spec_model_saved_as_megatron_shards_loads_back_bit_exactly(tiny_moe_path, tmp_path):
+    """megatron-core's TE attention leaves its ``_extra_state`` out of its sharded state dict: the strict model
+    load accepts exactly that absence (it failed with ``Missing key(s) ... core_attention._extra_state``)."""
+    results = run_on_te_host(str(tmp_path), f"{__name__}:_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path), None, True))
+    assert [r["differ"] for r in results] == [[], []] and results[0]["names"]
+
+
+def test_the_model_load_stays_strict_for_every_other_key():
+    from verl.utils.checkpoint.integrity import CheckpointError
+    from verl.utils.checkpoint.megatron_checkpoint_load import _load_chunk_strictly
+
+    class WithExtraState(torch.nn.Linear):
+        def get_extra_state(self):
+            return torch.zeros(1)
+
+        def set_extra_state(self, state):
+            pass
+
+    module = torch.nn.Sequential(WithExtraState(2, 2))
+    full = module.state_dict()
+    weights_only = {k: v for k, v in full.items() if not k.endswith("_extra_state")}
+    _load_chunk_strictly(module, weights_only, set(weights_only), "ckpt")  # left out of the checkpoint by the model
+    with pytest.raises(CheckpointError, match=r"ckpt does not fit this model: missing \['0._extra_state'\]"):
+        _load_chunk_strictly(module, weights_only, set(full), "ckpt")  # the model checkpoints it: damage
+    with pytest.raises(CheckpointError, match=r"missing \['0.bias'\]"):
+        _load_chunk_strictly(module, {k: v for k, v in full.items() if k != "0.bias"}, set(full), "ckpt")
+    with pytest.raises(CheckpointError, match=r"unexpected \['0.other'\]"):
+        _load_chunk_strictly(module, {**full, "0.other": torch.zeros(1)}, set(full), "ckpt")

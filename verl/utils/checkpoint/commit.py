@@ -14,15 +14,7 @@ import torch
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, list_step_dirs
 from verl.utils.checkpoint.integrity import CheckpointError, read_ckpt_contents, read_manifest, verify_checkpoint
 from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout
-
-
-def _agreed(check) -> str | None:
-    """Rank 0 runs ``check`` (returns a problem or None); every rank learns the verdict."""
-    verdict = [None]
-    if torch.distributed.get_rank() == 0:
-        verdict = [check()]
-    torch.distributed.broadcast_object_list(verdict, src=0)
-    return verdict[0]
+from verl.utils.checkpoint.step_commit import from_rank_zero
 
 
 def check_before_load(manager: BaseCheckpointManager, local_path: str) -> None:
@@ -38,7 +30,7 @@ def check_before_load(manager: BaseCheckpointManager, local_path: str) -> None:
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    problem = _agreed(check)
+    problem = from_rank_zero(check, f"check {local_path}", local_path)
     if problem is not None:
         raise CheckpointError(f"cannot load {local_path}; nothing was loaded. {problem}")
     if not manager.should_load_optimizer and torch.distributed.get_rank() == 0:

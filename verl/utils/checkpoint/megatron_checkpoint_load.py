@@ -12,6 +12,7 @@ import warnings
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
+from megatron.core.utils import unwrap_model
 
 from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import not_implemented_unless_default
@@ -99,7 +100,7 @@ class MegatronLoads:
                 raise CheckpointError(f"{path} holds no '{key}' state (saved with use_dist_checkpointing=False?)")
             if len(self.model) > 1:
                 mpu.set_virtual_pipeline_model_parallel_rank(index)
-            chunk.load_state_dict(loaded[key])
+            _load_chunk_strictly(chunk, loaded[key], set(model_state[key]), path)
 
     def _load_model_as_hf_via_bridge(self, hf_model_path: str) -> None:
         self.bridge.load_weights(self.model, hf_model_path)
@@ -170,3 +171,16 @@ class MegatronLoads:
         if "rng_state" not in loaded:
             raise CheckpointError(f"{path} holds no rng_state")
         self.load_rng_states([loaded[RANK_RNG_STATE_KEY]] if per_rank else loaded["rng_state"])
+
+
+def _load_chunk_strictly(chunk: torch.nn.Module, state: dict, checkpointed: set[str], path: str) -> None:
+    """``load_state_dict`` strict in all but one case: an ``_extra_state`` the model's own sharded state dict
+    leaves out (megatron-core's TE attention does, for its FP8 metadata) is not in the checkpoint by design,
+    so its absence is no damage. Any other missing or unexpected key fails the load, named."""
+    result = unwrap_model(chunk).load_state_dict(state, strict=False)  # megatron's DDP returns no result
+    missing = [k for k in result.missing_keys if not (k.endswith("._extra_state") and k not in checkpointed)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(
+            f"{path} does not fit this model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {result.unexpected_keys[:5]}{'...' if len(result.unexpected_keys) > 5 else ''}"
+        )

@@ -13,8 +13,9 @@ into the staging directory the transaction hands out; the transaction does every
 7. the tracker, last: only now does a resume take this step.
 
 Every rank enters and leaves each phase together; rank 0 does the file work and every rank learns its
-verdict. A failure anywhere (the writer's included) discards the staging directory and leaves every committed
-step and the tracker as they were. ``commit`` (or ``finalize`` for a writer that finishes in the background)
+verdict, a failure there included (``from_rank_zero``: no rank waits for a verdict that never comes). A failure
+anywhere (the writer's included) discards the staging directory, and a step already renamed into place but not
+yet tracked, and leaves every committed step and the tracker as they were. ``commit`` (or ``finalize`` for a writer that finishes in the background)
 returns a ``CommittedStep``, the record the driver trusts instead of reading the step again.
 
 Handed an explicit ``StepSpec``: this module imports nothing of the manager's, nor megatron.
@@ -30,11 +31,11 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from verl.utils.checkpoint import layout
+from verl.utils.checkpoint import layout, os_errors
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
 from verl.utils.checkpoint.integrity import FORMAT_VERSION, CheckpointError, build_manifest, fsync_tree
 from verl.utils.fs import atomic_open, atomic_write_text, fsync_path
@@ -48,8 +49,30 @@ class Retention(Protocol):
     def register_checkpoint(self, new_path: str, max_ckpt_to_keep: int | None) -> None: ...
 
 
+T = TypeVar("T")
+
+
 def _no_phase(phase: str) -> None:
     """The default phase hook: nothing observes the phases."""
+
+
+def from_rank_zero(work: Callable[[], T], what: str, path: str) -> T:
+    """All ranks: rank 0 runs ``work`` and every rank returns its value. When it fails there, every rank raises
+    the same ``CheckpointError`` naming the cause (an OS error with its errno and path), so the other ranks do
+    not wait in the broadcast until the collective times out."""
+    outcome: list = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            outcome = [(True, work())]
+        except Exception as exc:
+            found = os_errors.explain(exc, path)
+            cause = found.describe(path) if found else (str(exc).strip().splitlines() or [""])[-1]
+            outcome = [(False, f"rank 0 could not {what} ({type(exc).__name__}: {cause})")]
+    torch.distributed.broadcast_object_list(outcome, src=0)
+    ok, value = outcome[0]
+    if not ok:
+        raise CheckpointError(value)
+    return value
 
 
 @dataclasses.dataclass
@@ -114,6 +137,8 @@ class StepCommit:
         self.phase_seconds: dict[str, float] = {}
         self.committed: CommittedStep | None = None
         self.deferred = False
+        self.placed = False  # renamed into place; not committed until the tracker (when asked) names it
+        self.tracker_moved = False
         self._rank = torch.distributed.get_rank()
 
     # ------------------------------------------------------------------ the block
@@ -156,21 +181,16 @@ class StepCommit:
             hf_tensors = self._verify_hf_export()
         with self._phase("commit"):
             sealed = self._sealed_checksums()
-            record = [None]
-            if self._rank == 0:
-                record = [self._mark_and_rename(sealed)]
-            torch.distributed.broadcast_object_list(record, src=0)
+            files, contents = from_rank_zero(lambda: self._mark_and_rename(sealed), f"commit step {self.step}", self.staging)
+            self.placed = True
         with self._phase("retention"):
             if self.spec.retention is not None:
                 self._apply_retention(self.spec.retention)
             torch.distributed.barrier()
-        files, contents = record[0]
         if self.spec.step_files or self.spec.track:
             with self._phase("tracker"):
                 torch.distributed.barrier()  # every rank got here: a rank lost now leaves the tracker where it was
-                if self._rank == 0:
-                    self._write_step_files_and_tracker()
-                torch.distributed.barrier()
+                from_rank_zero(self._write_step_files_and_tracker, f"track step {self.step}", self.step_dir)
         self.committed = CommittedStep(self.path, self.step, files, contents, hf_tensors, self.spec.track, dict(self.phase_seconds))
         return self.committed
 
@@ -178,12 +198,12 @@ class StepCommit:
         """Fix 2's proof, once per save: the bridge wrote every tensor the config implies. The count checked."""
         if self.spec.hf_config is None:
             return None
-        verdict: list = [None]
-        if self._rank == 0:
+
+        def verdict() -> tuple[bool, str, int]:
             report = verify_hf_checkpoint(layout.hf_path(self.staging), self.spec.hf_config)
-            verdict = [(report.ok, report.describe() if not report.ok else "", report.expected)]
-        torch.distributed.broadcast_object_list(verdict, src=0)
-        ok, problem, expected = verdict[0]
+            return report.ok, report.describe() if not report.ok else "", report.expected
+
+        ok, problem, expected = from_rank_zero(verdict, "verify the HF export", self.staging)
         if ok:
             return expected
         if self.spec.strict_hf_verify:
@@ -214,7 +234,12 @@ class StepCommit:
             superseded = self.path + layout.SUPERSEDED_SUFFIX
             shutil.rmtree(superseded, ignore_errors=True)
             os.replace(self.path, superseded)
-        os.replace(self.staging, self.path)
+        try:
+            os.replace(self.staging, self.path)
+        except OSError:
+            if superseded:  # the older copy goes back where it was
+                os.replace(superseded, self.path)
+            raise
         fsync_path(self.step_dir)
         if superseded:
             shutil.rmtree(superseded, ignore_errors=True)
@@ -233,6 +258,7 @@ class StepCommit:
                 handle.write(data)
         if self.spec.track:
             atomic_write_text(layout.tracker_path(self.root), str(self.step))
+            self.tracker_moved = True
 
     # ------------------------------------------------------------------ failure
 
@@ -244,11 +270,17 @@ class StepCommit:
             self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
-        """Discard the staging directory (and a ``global_step_N`` it leaves empty), then re-raise: a
-        ``CheckpointError`` of the same class, saying that nothing was committed."""
+        """Discard the staging directory, the step placed but not tracked with the step files written for it
+        (and a ``global_step_N`` left empty), then re-raise: a ``CheckpointError`` of the same class, saying
+        that nothing was committed."""
         self.deferred = False
         if self._rank == 0:
             shutil.rmtree(self.staging, ignore_errors=True)
+            if self.placed and self.spec.track and not self.tracker_moved:
+                shutil.rmtree(self.path, ignore_errors=True)
+                for name in self.spec.step_files:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(self.step_dir, name))
             with contextlib.suppress(OSError):  # not empty (another role's save, the data position) or already gone
                 os.rmdir(self.step_dir)
         if isinstance(exc, CheckpointError):
@@ -262,3 +294,4 @@ class StepCommit:
         start = time.monotonic()
         yield
         self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.monotonic() - start
+
