@@ -1,10 +1,11 @@
 """What an async save's forked process is given and runs: state dicts' sources, paths, a communicator; no manager.
 
-A process forked from the rank writes the dist-checkpoint files the rank planned (``in_one_fork``: the
-``background_write`` writer) or, for the ``snapshot`` writer, runs the save's pipeline on its copy-on-write image
-of the rank (``ForkedSave``): the NaN/Inf check, the dist checkpoints (planned in the rank, or planned here once
-megatron's plan is reusable) and, when the bridge saves in parallel, the HF export over the forks' own group
-(``HFExport``). Everything it touches is named in the dataclasses below (model and optimizer objects, the
+A process forked from the rank runs a save's background part (``ForkedSave``): for the ``background_write``
+writer the dist-checkpoint files the rank planned; for the ``snapshot`` writer the pipeline on its copy-on-write
+image of the rank: the NaN/Inf check, the dist checkpoints (planned in the rank, or planned here once megatron's
+plan is reusable) and, when the bridge saves in parallel, the HF export over the forks' own group (``HFExport``).
+Either fork leaves its outcome for the ranks, which agree on it before megatron's finalize, so a fork that died
+(killed in its first instant included) fails the save on every rank naming its own. Everything it touches is named in the dataclasses below (model and optimizer objects, the
 strategies, the bridge, paths); of the manager it calls only the public ``on_save_phase`` hook it is handed, so
 tests can observe (and kill) the fork at a phase. ``finish_forked_save`` agrees on the forks' outcomes in the ranks.
 """
@@ -47,14 +48,16 @@ class HFExport:
 
 @dataclasses.dataclass
 class ForkedSave:
-    """What the ``snapshot`` writer's fork is given: the step's staging directory, the state's sources, megatron's
-    save strategies (content -> (structure, strategy)) and, with ``hf``, the export and its forks' group name."""
+    """What a save's fork is given: the step's staging directory, the state's sources, megatron's save strategies
+    (content -> (structure, strategy)), whether it checks the state for NaN/Inf and, with ``hf``, the export and
+    its forks' group name."""
 
     staging: str
     rank: int
     refusal: str  # the NaN/Inf error's prefix
     parts: DistParts
     strategies: dict[str, tuple]
+    check: bool = True
     hf: HFExport | None = None
     group: str | None = None
 
@@ -79,17 +82,6 @@ def planned_writes(requests: list[AsyncRequest]) -> Callable[[], None] | None:
     return write_all if calls else None
 
 
-def in_one_fork(requests: list[AsyncRequest]) -> AsyncRequest:
-    """One request that runs the writes of ``requests`` in a single forked process, which ends with its rank."""
-    writes = planned_writes(requests)
-
-    def run() -> None:
-        snapshot_save.fail_when_a_writer_dies(snapshot_save.report_to_stderr)
-        writes()
-
-    return megatron_core.async_request(run if writes else None, (), [fn for request in requests for fn in request.finalize_fns])
-
-
 def forked_request(save: ForkedSave, planned: list[AsyncRequest] | None) -> AsyncRequest:
     """The request whose fork runs ``save``'s pipeline (``run_in_fork``) on the writes the rank ``planned``, or,
     with ``planned`` None, plans them there too (``plan_and_write``). Finalized: the forks' outcomes agreed on
@@ -104,11 +96,12 @@ def forked_request(save: ForkedSave, planned: list[AsyncRequest] | None) -> Asyn
 
 
 def run_in_fork(save: ForkedSave, write_dist: Callable[[], dict | None]) -> dict:
-    """The forked process: the NaN/Inf check of the state it is about to write, this rank's dist checkpoints, then
-    with ``save.hf`` the HF export over the forks' group. The group is formed first: a fork that fails later makes
+    """The forked process: with ``save.check`` the NaN/Inf check of the state it is about to write, this rank's dist
+    checkpoints, then with ``save.hf`` the HF export over the forks' group. The group is formed first: a fork that fails later makes
     the others fail fast, not wait."""
     comm = ForkedRankComm(save.group) if save.hf is not None else None
-    finite.check_finite_here(save.parts.model, save.parts.optimizer, save.refusal, save.rank)
+    if save.check:
+        finite.check_finite_here(save.parts.model, save.parts.optimizer, save.refusal, save.rank)
     outcome: dict[str, Any] = {"writes": write_dist() or {}}
     if comm is not None:
         save.hf.run(save.rank, comm)

@@ -310,7 +310,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         )  # fmt: skip
 
     def _forked_save(self, save: SaveReport) -> ForkedSave:
-        """What the snapshot writer's fork is given; the RNG state is taken here (a fork reseeds ``random``)."""
+        """What an async writer's fork is given; the RNG state is taken here (a fork reseeds ``random``)."""
         self._forked_saves += 1
         hf = None
         if save.hf_weights_in_background:
@@ -318,7 +318,8 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             config = functools.partial(write_hf_config, hf_path, self.processing_class, self.hf_config, self.model_path)
             hf = HFExport(self.bridge, self.model, hf_path, self.bridge_save_kwargs, config)
         group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if hf is not None else None
-        return ForkedSave(save.local_path, self.rank, self._refusal(save), self._dist_parts(), self._save_strategies, hf, group)
+        parts = self._dist_parts()
+        return ForkedSave(save.local_path, self.rank, self._refusal(save), parts, self._save_strategies, save.checked_in_background, hf, group)
 
     def _save_hf_config(self, save: SaveReport) -> None:
         """Rank 0: the HF config, tokenizer and generation config; then every rank waits for them (fix 2), so no

@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from verl.utils.checkpoint.async_modes import AsyncMode
-from verl.utils.checkpoint.forked_save import ForkedSave, forked_request, in_one_fork
+from verl.utils.checkpoint.forked_save import ForkedSave, forked_request
 from verl.utils.checkpoint.integrity import file_checksum, files_under
 from verl.utils.fs import fsync_path
 
@@ -124,7 +124,7 @@ class BackgroundWriter:
     exports_hf_in_rank = True
 
     def save_dist_parts(self, job: SaveJob) -> AsyncRequest | None:
-        return in_one_fork(job.plan_in_rank(True))
+        return forked_request(job.fork(), job.plan_in_rank(True))
 
 
 class SnapshotWriter:
