@@ -8,10 +8,10 @@ each layout -- (TP,PP,EP,ETP) = (2,2,2,2) on 8 ranks, (1,2,2,1) on 4 and (1,1,1,
 2. saves a full checkpoint (model, optimizer, extra, hf_model) through MegatronCheckpointManager
    three times (cold, plan validated, warm: the plan reused); the manager's own phase times are read
    from the save's report (``MegatronCheckpointManager.last_save.phase_seconds``, commit step included);
-3. saves it twice more with ``async_save``, once in each async mode (``AsyncMode``): ``SNAPSHOT`` (the
-   fourth save of one structure: the whole save runs in a process forked from each rank), then
-   ``BACKGROUND_WRITE`` (planned and HF-exported in the rank, written by the fork; chosen through the
-   manager's public ``save_mode``): how long the call blocks training, where that time goes (the save's
+3. saves it twice more with ``async_save``, once with each async writer (``checkpoint.async_mode``, set on
+   the manager between saves): ``snapshot`` (the fourth save of one structure: the whole save runs in a
+   process forked from each rank), then ``background_write`` (checked, planned and HF-exported in the rank,
+   written by the fork: a CUDA host's path): how long the call blocks training, where that time goes (the save's
    report), and how long the background part takes until ``finalize_async_save`` has committed the step;
 4. loads it back (model, optimizer, extra), timed;
 5. exports HF weights standalone with the bridge's parallel ``save_weights`` and with mbridge's own
@@ -275,30 +275,13 @@ def _save(actor, step_dir: str, step: int, peak: PeakRSS) -> dict:
     return out
 
 
-def _mode_choosing_manager() -> type:
-    """The checkpoint manager with one public hook overridden: ``save_mode`` returns ``chosen`` when set, so the
-    benchmark can time ``BACKGROUND_WRITE`` on a warm plan (the manager itself takes the snapshot then)."""
-    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
-
-    class ModeChoosingManager(MegatronCheckpointManager):
-        chosen = None
-
-        def save_mode(self):
-            return self.chosen or super().save_mode()
-
-    return ModeChoosingManager
-
-
-def _save_async(actor, step_dir: str, step: int, peak: PeakRSS, mode: str | None = None) -> dict:
-    """One async save (in ``mode``, else the manager's choice): the time the call blocks, where it goes (the
+def _save_async(actor, step_dir: str, step: int, peak: PeakRSS, mode: str) -> dict:
+    """One async save with ``mode``'s writer: the time the call blocks, where it goes (the
     save's report), then the background write until finalized."""
     import torch
 
-    from verl.utils.checkpoint.megatron_checkpoint_manager import AsyncMode
-
     manager = actor.checkpoint_manager
-    manager.async_save = True
-    manager.chosen = AsyncMode(mode) if mode else None
+    manager.async_save, manager.async_mode = True, mode
     gc.collect()
     torch.distributed.barrier()
     rss_before = rss_now()
@@ -306,14 +289,14 @@ def _save_async(actor, step_dir: str, step: int, peak: PeakRSS, mode: str | None
     out = {"blocked_s": _timed_collective(actor.save_checkpoint, step_dir, step), "rss_before": rss_before}
     report = manager.last_save
     out["mode"] = report.mode.value
-    out["from_snapshot"] = report.mode is AsyncMode.SNAPSHOT
+    out["from_snapshot"] = report.planned_in_background
     out["manager_blocked_s"] = report.blocked_seconds
     out["hf_weights_in_background"] = report.hf_weights_in_background
     out["phases"] = dict(report.phase_seconds)  # in the rank, before save_checkpoint returned
     out["finalize_s"] = _timed_collective(actor.finalize_checkpoint)
     out["phases_after_finalize"] = dict(report.phase_seconds)
     out["peak"] = peak.stop()
-    manager.async_save, manager.chosen = False, None
+    manager.async_save = False
     return out
 
 
@@ -326,7 +309,7 @@ def bench_rank(model_path: str, work: str) -> dict:
     out: dict = {"rank": rank, "rss_runtime": rss_now()}
     peak = PeakRSS()
     start = time.monotonic()
-    actor = MegatronActor(ActorSettings(model_path=model_path, dtype=torch.float32), manager_cls=_mode_choosing_manager())
+    actor = MegatronActor(ActorSettings(model_path=model_path, dtype=torch.float32), )
     data = torch.randint(4, 90, (4, 33), generator=torch.Generator().manual_seed(0))
     actor.train_step([data[:2], data[2:]])
     out["build_and_train_s"] = time.monotonic() - start
@@ -338,7 +321,7 @@ def bench_rank(model_path: str, work: str) -> dict:
     _save(actor, os.path.join(work, "ckpt", "global_step_2", "actor"), 2, peak)
     step_dir = os.path.join(work, "ckpt", "global_step_3", "actor")
     out["warm"] = _save(actor, step_dir, 3, peak)
-    out["async"] = _save_async(actor, os.path.join(work, "ckpt", "global_step_4", "actor"), 4, peak)
+    out["async"] = _save_async(actor, os.path.join(work, "ckpt", "global_step_4", "actor"), 4, peak, "snapshot")
     out["async_background_write"] = _save_async(actor, os.path.join(work, "ckpt", "global_step_5", "actor"), 5, peak, "background_write")
 
     gc.collect()

@@ -173,8 +173,8 @@ def _differing(a: dict, b: dict) -> list[str]:
     return sorted(set(a) ^ set(b)) + [key for key in a if key in b and not same(a[key], b[key])]
 
 
-def _async_and_sync_saves_of_one_state(src: str, root: str) -> dict:
-    actor = _actor(src, async_save=True)
+def _async_and_sync_saves_of_one_state(src: str, root: str, async_mode: str) -> dict:
+    actor = _actor(src, async_save=True, async_mode=async_mode)
     manager = actor.checkpoint_manager
     actor.train_step(_batches(0))
     manager.async_save = False  # the reference: the same state, saved synchronously
@@ -188,8 +188,10 @@ def _async_and_sync_saves_of_one_state(src: str, root: str) -> dict:
     step_1_visible_while_pending = os.path.exists(_step_path(async_root, 1))
     before_step_3 = _params_and_optimizer(actor)
     actor.save_checkpoint(_step_path(async_root, 3), global_step=3)  # finalizes step 1 first
-    # The third save of this structure: megatron's plan is reusable, so the fork plans, writes and exports.
-    step_3_from_snapshot = manager.last_save.mode is AsyncMode.SNAPSHOT
+    # The third save of this structure: megatron's plan is reusable, so the snapshot's fork plans, writes and
+    # exports; the background write (a CUDA host's) checks, plans and exports in the rank, on every save.
+    report = manager.last_save
+    step_3_where = (report.mode, report.checked_in_background, report.planned_in_background, report.hf_weights_in_background)
     step_1_committed_by_next_save = os.path.exists(_step_path(async_root, 1))
     actor.train_step(_batches(3))
     finalized = actor.finalize_checkpoint()
@@ -203,7 +205,7 @@ def _async_and_sync_saves_of_one_state(src: str, root: str) -> dict:
     actor.save_checkpoint(os.path.join(root, "sync", "global_step_3", "actor"), global_step=3)
     return {
         "pending": pending,
-        "step_3_from_snapshot": step_3_from_snapshot,
+        "step_3_where": step_3_where,
         "visible_while_pending": step_1_visible_while_pending,
         "committed_by_next_save": step_1_committed_by_next_save,
         "finalized": finalized,
@@ -213,9 +215,11 @@ def _async_and_sync_saves_of_one_state(src: str, root: str) -> dict:
     }
 
 
-def test_async_save_equals_a_sync_save_while_training_goes_on(tiny_moe_path, tmp_path):
+@pytest.mark.parametrize("async_mode", ["background_write", "snapshot"])
+def test_async_save_equals_a_sync_save_while_training_goes_on(tiny_moe_path, tmp_path, async_mode):
     root = str(tmp_path)
-    for result in run_on_ranks(_async_and_sync_saves_of_one_state, WORLD, LAYOUT, args=(tiny_moe_path, root)):
+    in_fork = async_mode == "snapshot"  # the check, the planning of step 3 and the HF export
+    for result in run_on_ranks(_async_and_sync_saves_of_one_state, WORLD, LAYOUT, args=(tiny_moe_path, root, async_mode)):
         assert result["pending"] is True
         assert not result["visible_while_pending"], "an async step must stay in staging until finalized"
         assert result["committed_by_next_save"], "a second save must first finalize the pending one"
@@ -223,7 +227,7 @@ def test_async_save_equals_a_sync_save_while_training_goes_on(tiny_moe_path, tmp
         assert result["sync_vs_trained_on"] > 0, "training after the save must have changed the state"
         assert result["async_vs_sync"] == []
         assert result["async3_vs_state_at_save"] == [], result["async3_vs_state_at_save"][:5] + result["async3_vs_state_at_save"][-5:]
-        assert result["step_3_from_snapshot"], "the third save of one structure must run whole in the fork"
+        assert result["step_3_where"] == (AsyncMode(async_mode), in_fork, in_fork, in_fork), result["step_3_where"]
     for step in (1, 3):
         verify_checkpoint(_step_path(os.path.join(root, "async"), step))
         # The HF export (in the parent for step 1, in the forks for step 3) equals a foreground one.
@@ -317,9 +321,9 @@ def test_disk_full_fails_clearly_and_loses_nothing(tiny_moe_path, base_root, tmp
     verify_checkpoint(_step_path(root, 2))
 
 
-def _save_onto_a_full_disk(src: str, root: str, async_save: bool) -> str:
+def _save_onto_a_full_disk(src: str, root: str, async_mode: str | None) -> str:
     path, _ = find_resume_checkpoint(root)
-    actor = _actor(src, async_save=async_save)
+    actor = _actor(src, async_save=async_mode is not None, async_mode=async_mode or "background_write")
     actor.load_checkpoint(path)
     actor.train_step(_batches(1))
     try:
@@ -332,8 +336,8 @@ def _save_onto_a_full_disk(src: str, root: str, async_save: bool) -> str:
     return message
 
 
-@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_a_full_disk_is_named_enospc_with_the_path(tiny_moe_path, base_root, tmp_path, async_save):
+@pytest.mark.parametrize("async_mode", ["background_write", "snapshot", None], ids=["background_write", "snapshot", "sync"])
+def test_a_full_disk_is_named_enospc_with_the_path(tiny_moe_path, base_root, tmp_path, async_mode):
     """A real filesystem that fills during the save (a tmpfs with room for about half a step): every rank's error
     names ENOSPC and the path being written, from an async save's fork too (not "exited without a result");
     nothing is committed and the previous step stays whole."""
@@ -342,7 +346,7 @@ def test_a_full_disk_is_named_enospc_with_the_path(tiny_moe_path, base_root, tmp
     used = sum(-(-os.path.getsize(f) // 4096) * 4096 for f in _files(base_root))
     with small_tmpfs(str(tmp_path / "disk"), str(used + (used // 2 // 4096) * 4096)) as disk:
         root = _copy_run(base_root, type("Dir", (), {"__truediv__": lambda self, name: os.path.join(disk, name)})())
-        for message in run_on_ranks(_save_onto_a_full_disk, WORLD, LAYOUT, args=(tiny_moe_path, root, async_save), timeout_s=300):
+        for message in run_on_ranks(_save_onto_a_full_disk, WORLD, LAYOUT, args=(tiny_moe_path, root, async_mode), timeout_s=300):
             assert f"No space left on device (ENOSPC) writing {root}/global_step_2/actor" in message, message
             assert "without a result" not in message and "previous checkpoint and the tracker are unchanged" in message, message
         assert _tracked(root) == "1" and not os.path.exists(os.path.join(root, "global_step_2", "actor"))
@@ -614,9 +618,10 @@ def _poison(actor, where: str) -> None:
 
 
 def _save_with_a_non_finite_state(src: str, root: str, where: str, mode: str) -> dict:
-    """Sync: the save refuses at once. Async (the background write of a run's first save, the snapshot from its
-    third): the fork finds it on the state it was about to write and the save fails when finalized."""
-    actor = _actor(src, async_save=mode != "sync")
+    """Sync and the background write: the save refuses at once, in the rank. The snapshot (its first save, planned
+    in the rank, and from its third, planned in the fork): the fork finds it on the state it was about to write
+    and the save fails when finalized."""
+    actor = _actor(src, async_save=mode != "sync", async_mode="snapshot" if mode.startswith("snapshot") else "background_write")
     actor.load_checkpoint(_step_path(root, 1))
     step = 2
     if mode == "snapshot":
@@ -627,19 +632,31 @@ def _save_with_a_non_finite_state(src: str, root: str, where: str, mode: str) ->
         step = 4
     actor.train_step(_batches(step))
     _poison(actor, where)
-    taken = None
+    returned = False
     try:
         actor.save_checkpoint(_step_path(root, step), global_step=step)
-        taken = actor.checkpoint_manager.last_save.mode
+        returned = True
         actor.finalize_checkpoint()
     except CheckpointError as exc:
         torch.distributed.barrier()  # rank 0 discards the staging directory
-        return {"error": str(exc), "mode": taken, "step": step, "step_dir": os.path.exists(os.path.join(root, f"global_step_{step}"))}
+        report = actor.checkpoint_manager.last_save
+        where = (report.mode, report.checked_in_background, report.planned_in_background, returned)
+        return {"error": str(exc), "where": where, "step": step, "step_dir": os.path.exists(os.path.join(root, f"global_step_{step}"))}
     return {"error": None}
 
 
+# (mode, checked in the fork, planned in the fork, save_checkpoint returned before the refusal)
+WHERE_CHECKED = {
+    "sync": (AsyncMode.SYNC, False, False, False),
+    "background_write": (AsyncMode.BACKGROUND_WRITE, False, False, False),
+    "snapshot_first_save": (AsyncMode.SNAPSHOT, True, False, True),
+    "snapshot": (AsyncMode.SNAPSHOT, True, True, True),
+}
+
+
 @pytest.mark.parametrize(
-    ("where", "mode"), [("model", "sync"), ("optimizer", "sync"), ("model", "background_write"), ("optimizer", "snapshot")]
+    ("where", "mode"),
+    [("model", "sync"), ("optimizer", "sync"), ("model", "background_write"), ("model", "snapshot_first_save"), ("optimizer", "snapshot")],
 )
 def test_a_non_finite_state_is_never_saved(tiny_moe_path, base_root, tmp_path, where, mode):
     root = _copy_run(base_root, tmp_path)
@@ -647,7 +664,7 @@ def test_a_non_finite_state_is_never_saved(tiny_moe_path, base_root, tmp_path, w
     for result in results:
         assert result["error"] is not None and "rank 1's" in result["error"] and "NaN or Inf" in result["error"]
         assert ("exp_avg" in result["error"]) == (where == "optimizer")
-        assert result["mode"] is {"sync": None, "background_write": AsyncMode.BACKGROUND_WRITE, "snapshot": AsyncMode.SNAPSHOT}[mode]
+        assert result["where"] == WHERE_CHECKED[mode], result["where"]
         assert not result["step_dir"], "nothing of the refused step may be written"
     previous = results[0]["step"] - 1
     verify_checkpoint(_step_path(root, previous))  # the previous step is whole
@@ -752,14 +769,14 @@ class _ForkDiesManager(MegatronCheckpointManager):
 
 def _snapshot_save_whose_fork_dies(src: str, root: str) -> dict:
     path, _ = find_resume_checkpoint(root)
-    actor = _actor(src, manager_cls=_ForkDiesManager, async_save=True)
+    actor = _actor(src, manager_cls=_ForkDiesManager, async_save=True, async_mode="snapshot")
     actor.load_checkpoint(path)
     actor.train_step(_batches(1))
     for step in (2, 3):  # planned here: the first plan of this process, then its validation
         actor.save_checkpoint(_step_path(root, step), global_step=step, track=True)
         actor.finalize_checkpoint()
     actor.save_checkpoint(_step_path(root, 4), global_step=4)
-    from_snapshot = actor.checkpoint_manager.last_save.mode is AsyncMode.SNAPSHOT
+    from_snapshot = actor.checkpoint_manager.last_save.planned_in_background
     actor.train_step(_batches(2))
     try:
         actor.finalize_checkpoint()
@@ -807,10 +824,10 @@ class _WriterDiesManager(MegatronCheckpointManager):
         super().on_save_phase(phase)
 
 
-def _async_save_whose_writer_dies(src: str, root: str, kill_at: int, pid_dir: str) -> dict:
+def _async_save_whose_writer_dies(src: str, root: str, kill_at: int, pid_dir: str, async_mode: str) -> dict:
     path, _ = find_resume_checkpoint(root)
     manager_cls = type("WriterDies", (_WriterDiesManager,), {"kill_at": kill_at, "pid_dir": pid_dir})
-    actor = _actor(src, manager_cls=manager_cls, async_save=True)
+    actor = _actor(src, manager_cls=manager_cls, async_save=True, async_mode=async_mode)
     actor.load_checkpoint(path)
     for step in range(2, kill_at + 1):
         actor.train_step(_batches(step))
@@ -823,12 +840,16 @@ def _async_save_whose_writer_dies(src: str, root: str, kill_at: int, pid_dir: st
     return {"step": None, "error": None}
 
 
-@pytest.mark.parametrize("kill_at", [2, 4], ids=["megatron_background_write", "whole_save_in_the_fork"])
-def test_a_killed_dist_checkpoint_writer_fails_the_save_fast_and_leaves_no_process(tiny_moe_path, base_root, tmp_path, kill_at):
+@pytest.mark.parametrize(
+    ("kill_at", "async_mode"),
+    [(2, "background_write"), (2, "snapshot"), (4, "snapshot")],
+    ids=["background_write", "snapshot-planned_in_the_rank", "snapshot-whole_save_in_the_fork"],
+)
+def test_a_killed_dist_checkpoint_writer_fails_the_save_fast_and_leaves_no_process(tiny_moe_path, base_root, tmp_path, kill_at, async_mode):
     root = _copy_run(base_root, tmp_path)
     pid_dir = tmp_path / "writer_pids"
     pid_dir.mkdir()
-    results = run_on_ranks(_async_save_whose_writer_dies, WORLD, LAYOUT, args=(tiny_moe_path, root, kill_at, str(pid_dir)), timeout_s=300)
+    results = run_on_ranks(_async_save_whose_writer_dies, WORLD, LAYOUT, args=(tiny_moe_path, root, kill_at, str(pid_dir), async_mode), timeout_s=300)
     for result in results:
         assert result["step"] == kill_at and f"saving step {kill_at}" in result["error"], result
         assert result["seconds"] < 30, result
@@ -1110,7 +1131,7 @@ def _async_save_with_a_crafted_outcome(src: str, root: str, marker: str) -> str:
     from verl.utils.checkpoint import snapshot_save
 
     path, _ = find_resume_checkpoint(root)
-    actor = _actor(src, async_save=True)
+    actor = _actor(src, async_save=True, async_mode="snapshot")  # the writer whose fork leaves an outcome file
     actor.load_checkpoint(path)
     actor.save_checkpoint(_step_path(root, 2), global_step=2)
     rank = actor.checkpoint_manager.rank

@@ -26,13 +26,16 @@ from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fix
 
 POINTS_DIR = str(Path(__file__).resolve().parent / "save_points")
 ASYNC = "actor_rollout_ref.actor.checkpoint.async_save=True"
+MODE = "actor_rollout_ref.actor.checkpoint.async_mode"
 
 
-def _start_at(env: dict, tmp_path: Path, model: str, point: str, ranks: str, action: str, async_save: bool):
+def _start_at(env: dict, tmp_path: Path, model: str, point: str, ranks: str, action: str, async_mode: str | None):
+    """A one-step run whose save takes ``async_mode``'s writer (None: the sync one), held at ``point``."""
     reached = tmp_path / "reached"
     reached.mkdir()
     run_env = {**env, "PYTHONPATH": os.pathsep.join([POINTS_DIR, env["PYTHONPATH"]]), POINT: point, RANKS: ranks, ACTION: action, DIR: str(reached)}
-    overrides = [*_two_ranks_ep2(model, tmp_path / "ckpt"), "trainer.total_training_steps=1", *([ASYNC] if async_save else [])]
+    writer = [ASYNC, f"{MODE}={async_mode}"] if async_mode else []
+    overrides = [*_two_ranks_ep2(model, tmp_path / "ckpt"), "trainer.total_training_steps=1", *writer]
     log = tmp_path / "run.log"
     return _start(overrides, tmp_path, run_env, log), reached, log
 
@@ -80,15 +83,25 @@ def _started_by_a_save(procs: list[psutil.Process]) -> set[int]:
     return {child.pid for pid in ranks for child in psutil.Process(pid).children(recursive=True)}
 
 
+# Each writer strategy at each of its phases where a process may be left: the sync writer's in-rank phases, and
+# each async writer's fork in its first instant and its writers done writing.
 @pytest.mark.parametrize(
-    "async_save, point, ranks",
-    [(False, "dist_checkpoint", "0,1"), (False, "hf_weights", "0,1"), (True, "fork_start", "1"), (True, "writer", "0,1")],
-    ids=["sync-dist_checkpoint", "sync-hf_weights", "async-fork_first_instant", "async-writers_done_writing"],
-)
-def test_sigkill_of_the_whole_run_mid_save_leaves_no_process(tmp_path, env, tiny_moe_path, async_save, point, ranks):
+    "async_mode, point, ranks",
+    [
+        (None, "dist_checkpoint", "0,1"), (None, "hf_weights", "0,1"),
+        ("background_write", "fork_start", "1"), ("background_write", "writer", "0,1"),
+        ("snapshot", "fork_start", "1"), ("snapshot", "writer", "0,1"),
+    ],
+    ids=[
+        "sync-dist_checkpoint", "sync-hf_weights", "background_write-fork_first_instant", "background_write-writers_done_writing",
+        "snapshot-fork_first_instant", "snapshot-writers_done_writing",
+    ],
+)  # fmt: skip
+def test_sigkill_of_the_whole_run_mid_save_leaves_no_process(tmp_path, env, tiny_moe_path, async_mode, point, ranks):
     """A sync save writes in the rank's threads (it starts no process: tests/test_dist_writer.py), so there the
     whole run must be gone; an async save's fork and megatron's writers below it must die by themselves."""
-    proc, reached, log = _start_at(env, tmp_path, tiny_moe_path, point, ranks, "pause", async_save)
+    async_save = async_mode is not None
+    proc, reached, log = _start_at(env, tmp_path, tiny_moe_path, point, ranks, "pause", async_mode)
     try:
         _wait_until_reached(proc, reached, ranks, log)
         time.sleep(1.0)  # the other ranks' processes get where this point holds them
@@ -109,11 +122,15 @@ def test_sigkill_of_the_whole_run_mid_save_leaves_no_process(tmp_path, env, tiny
     assert not survivors, f"{len(survivors)} of the {len(saves)} processes of the save outlived the run by 10 s: {_describe(survivors)}"
 
 
-@pytest.mark.parametrize("point", ["writer", "fork_start"], ids=["a_writer", "the_fork_in_its_first_instant"])
-def test_a_killed_save_process_fails_the_run_within_seconds_blaming_its_rank(tmp_path, env, tiny_moe_path, point):
+@pytest.mark.parametrize(
+    "async_mode, point",
+    [("background_write", "writer"), ("background_write", "fork_start"), ("snapshot", "fork_start")],
+    ids=["background_write-a_writer", "background_write-the_fork_in_its_first_instant", "snapshot-the_fork_in_its_first_instant"],
+)
+def test_a_killed_save_process_fails_the_run_within_seconds_blaming_its_rank(tmp_path, env, tiny_moe_path, async_mode, point):
     """Rank 1's process of an async save SIGKILLed (was: "rank 0 failed first", rank 0's echo; a fork killed as
     it started failed the run only after the forks' 2-minute wait to meet, 123 s)."""
-    proc, reached, log = _start_at(env, tmp_path, tiny_moe_path, point, "1", "kill", True)
+    proc, reached, log = _start_at(env, tmp_path, tiny_moe_path, point, "1", "kill", async_mode)
     try:
         _wait_until_reached(proc, reached, "1", log)
         killed = time.monotonic()
@@ -132,32 +149,34 @@ def test_a_killed_save_process_fails_the_run_within_seconds_blaming_its_rank(tmp
 # ------------------------------------------------------------------ on the ranks of run_on_ranks (no Ray)
 
 
-def _async_saves_from_a_thread(src: str, root: str) -> list[str]:
+def _async_saves_from_a_thread(src: str, root: str, async_mode: str) -> list[str]:
     """Each save called from a thread that ends before the save is finalized (a threaded actor's call): its fork
-    must neither die with that thread nor hang; the third save runs from the snapshot (HF export in the forks)."""
+    must neither die with that thread nor hang; with the snapshot the third save runs whole in the forks."""
     import threading
 
     from tests.test_checkpoint_lifecycle import _actor, _batches, _step_path
 
-    actor = _actor(src, async_save=True)
+    actor = _actor(src, async_save=True, async_mode=async_mode)
     modes = []
     for step in (1, 2, 3):
         actor.train_step(_batches(step))
         caller = threading.Thread(target=actor.save_checkpoint, args=(_step_path(root, step),), kwargs={"global_step": step})
         caller.start()
         caller.join()
-        modes.append(actor.checkpoint_manager.last_save.mode.value)
+        report = actor.checkpoint_manager.last_save
+        modes.append((report.mode.value, report.planned_in_background))
         assert actor.finalize_checkpoint() == _step_path(root, step)
     return modes
 
 
-def test_async_saves_forked_from_a_thread_complete(tiny_moe_path, tmp_path):
+@pytest.mark.parametrize("async_mode", ["background_write", "snapshot"])
+def test_async_saves_forked_from_a_thread_complete(tiny_moe_path, tmp_path, async_mode):
     from tests.test_checkpoint_lifecycle import LAYOUT, WORLD, _step_path
     from verl.utils.checkpoint.integrity import verify_checkpoint
     from verl.utils.distributed import run_on_ranks
 
     root = str(tmp_path / "run")
-    modes = run_on_ranks(_async_saves_from_a_thread, WORLD, LAYOUT, args=(tiny_moe_path, root), timeout_s=300)[0]
-    assert modes[-1] == "snapshot", modes
+    modes = run_on_ranks(_async_saves_from_a_thread, WORLD, LAYOUT, args=(tiny_moe_path, root, async_mode), timeout_s=300)[0]
+    assert modes == [(async_mode, False), (async_mode, False), (async_mode, async_mode == "snapshot")], modes
     for step in (1, 2, 3):
         verify_checkpoint(_step_path(root, step))

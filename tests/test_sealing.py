@@ -6,7 +6,7 @@ import os
 import zlib
 
 from verl.utils.checkpoint.integrity import build_manifest
-from verl.utils.checkpoint.sealing import Sealer, share_of
+from verl.utils.checkpoint.save_writers import Sealer, share_of
 
 
 def test_every_file_goes_to_exactly_one_rank_and_the_bytes_are_balanced():

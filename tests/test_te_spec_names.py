@@ -90,13 +90,14 @@ def test_parallel_export_of_the_te_spec_equals_mbridge_and_the_source(case, tmp_
         assert torch.equal(exported[name], tensor) and torch.equal(gathered[name], tensor), name
 
 
-def _checkpoint_on_te_spec(src: str, root: str, async_save: bool, use_dist_checkpointing: bool = False) -> dict:
+def _checkpoint_on_te_spec(src: str, root: str, async_mode: str | None, use_dist_checkpointing: bool = False) -> dict:
     """One rank: a TE-spec actor steps its optimizer once (gradients set directly: the stand-in runs no
     forward), saves the step through the worker's path (the manager, then the commit step), and a second
     actor loads it back."""
     from verl.workers.megatron_rank import ActorSettings, MegatronActor
 
-    settings = ActorSettings(model_path=src, async_save=async_save, use_dist_checkpointing=use_dist_checkpointing)
+    writer = {"async_save": async_mode is not None, "async_mode": async_mode or "background_write"}
+    settings = ActorSettings(model_path=src, use_dist_checkpointing=use_dist_checkpointing, **writer)
     actor = MegatronActor(settings)
     generator = torch.Generator().manual_seed(0)  # the same on every rank: replicas stay equal
     for chunk in actor.model:
@@ -119,15 +120,16 @@ def _checkpoint_on_te_spec(src: str, root: str, async_save: bool, use_dist_check
     }
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_te_spec_checkpoint_saves_and_loads_back_bit_exactly(tiny_moe_path, tmp_path, async_save):
-    """The checkpoint of a TE-spec model (HF weights, optimizer, RNG) at EP2, saved sync or async (the HF
-    export then runs in the forked processes), verified and committed, loads back bit for bit."""
+@pytest.mark.parametrize("async_mode", [None, "background_write", "snapshot"], ids=["sync", "background_write", "snapshot"])
+def test_a_te_spec_checkpoint_saves_and_loads_back_bit_exactly(tiny_moe_path, tmp_path, async_mode):
+    """The checkpoint of a TE-spec model (HF weights, optimizer, RNG) at EP2, saved sync, async as a CUDA host
+    does (the background write: HF export in the rank) or from the snapshot (HF export in the forked processes),
+    verified and committed, loads back bit for bit."""
     results = run_on_te_host(
-        str(tmp_path), f"{__name__}:_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path), async_save)
+        str(tmp_path), f"{__name__}:_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path), async_mode)
     )
-    assert {r["mode"] for r in results} == {"background_write" if async_save else "sync"}
-    assert all(r["hf_in_fork"] is async_save for r in results)
+    assert {r["mode"] for r in results} == {async_mode or "sync"}
+    assert all(r["hf_in_fork"] is (async_mode == "snapshot") for r in results)
     assert any(name.endswith("mlp.experts.linear_fc1.weight3") for name in results[0]["names"])
     assert [r["differ"] for r in results] == [[], []]
 
@@ -135,7 +137,7 @@ def test_a_te_spec_checkpoint_saves_and_loads_back_bit_exactly(tiny_moe_path, tm
 def test_a_te_spec_model_saved_as_megatron_shards_loads_back_bit_exactly(tiny_moe_path, tmp_path):
     """megatron-core's TE attention leaves its ``_extra_state`` out of its sharded state dict: the strict model
     load accepts exactly that absence (it failed with ``Missing key(s) ... core_attention._extra_state``)."""
-    results = run_on_te_host(str(tmp_path), f"{__name__}:_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path), False, True))
+    results = run_on_te_host(str(tmp_path), f"{__name__}:_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path), None, True))
     assert [r["differ"] for r in results] == [[], []] and results[0]["names"]
 
 

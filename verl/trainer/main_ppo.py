@@ -33,6 +33,7 @@ from verl.trainer.data_plan import RunData, load_run_data, load_tokenizer
 from verl.trainer.run_control import StopSignals, stop_message, take_writer_lock
 from verl.trainer.validation import (
     ConfigError,
+    check_async_mode,
     check_cluster,
     check_config,
     check_device,
@@ -80,7 +81,7 @@ def prepare(config) -> RunPlan:
     device = None
     if not problems or config.trainer.device in ("cuda", "npu"):
         device, device_problems = check_device(config, cluster)
-        problems += device_problems
+        problems += device_problems + check_async_mode(config, device)
     if problems:
         raise ConfigError(problems)
     if model_path is None:
@@ -249,6 +250,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
         if plan.cluster:
             alive = sum(1 for node in ray.nodes() if node.get("Alive"))
             device, problems = check_cluster(config, plan.device, ray.cluster_resources(), alive)
+            problems += check_async_mode(config, device)
             if problems:
                 _exit_config_error(ConfigError(problems))
         _print_plan(config, plan, device)

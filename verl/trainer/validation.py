@@ -512,6 +512,22 @@ def check_device(config: Any, cluster: bool) -> tuple[str | None, list[str]]:
     return device, []
 
 
+def check_async_mode(config: Any, device: str | None) -> list[str]:
+    """``checkpoint.async_mode`` on the device the run computes on (None: not known yet); the typed config's own
+    check, which each rank's checkpoint manager repeats. A config that does not build was reported already."""
+    if device is None:
+        return []
+    try:
+        checkpoint = build_megatron_actor_configs({"checkpoint": config.actor_rollout_ref.actor.get("checkpoint")}, path=_ACTOR).checkpoint
+    except ValueError:
+        return []
+    try:
+        checkpoint.validate(device, key=f"{_CHECKPOINT}async_mode")
+    except ValueError as exc:
+        return [str(exc)]
+    return []
+
+
 def check_cluster(config: Any, requested: str | None, resources: dict, alive_nodes: int) -> tuple[str, list[str]]:
     """Device and capacity of the Ray cluster the run joined."""
     gpus = int(resources.get("GPU", 0))

@@ -34,7 +34,7 @@ from verl.utils.megatron.optimizer import (
 class ActorSettings:
     """One rank's actor. ``optim`` / ``checkpoint``: the typed configs the worker builds from the Hydra node
     (``verl.workers.config.build_megatron_actor_configs``); when given they are used whole and the plain
-    fields they cover (lr .. weight_decay, save_contents .. async_save) are ignored."""
+    fields they cover (lr .. weight_decay, save_contents .. async_mode) are ignored."""
 
     model_path: str
     use_distributed_optimizer: bool = False
@@ -46,6 +46,7 @@ class ActorSettings:
     load_contents: tuple[str, ...] | None = None
     strict_hf_verify: bool = True
     async_save: bool = False
+    async_mode: str = "background_write"
     use_dist_checkpointing: bool = False
     optim: Any = None
     checkpoint: Any = None
@@ -59,6 +60,7 @@ class ActorSettings:
             "load_contents": list(self.load_contents or self.save_contents),
             "strict_hf_verify": self.strict_hf_verify,
             "async_save": self.async_save,
+            "async_mode": self.async_mode,
         }
 
     def schedule_from_checkpoint(self) -> bool:

@@ -1,16 +1,19 @@
-"""The fork machinery of ``MegatronCheckpointManager``'s async saves, out of the manager's module.
+"""What an async save's forked process is given and runs: state dicts' sources, paths, a communicator; no manager.
 
-An async save gives training back while a process forked from the rank writes (``BACKGROUND_WRITE``: the
-dist checkpoints planned in the rank) or plans and writes (``SNAPSHOT``: reusable plans, tensors on the host)
-the parts; on the CPU runtime the fork also runs the NaN/Inf check on its copy-on-write image and, when the
-bridge saves in parallel, the HF export with the forks' own barrier. ``finalize_async_save`` agrees on the
-forks' outcomes and completes the save. ``ForkedSaves`` holds the manager's methods for it.
+A process forked from the rank runs a save's background part (``ForkedSave``): for the ``background_write``
+writer the dist-checkpoint files the rank planned; for the ``snapshot`` writer the pipeline on its copy-on-write
+image of the rank: the NaN/Inf check, the dist checkpoints (planned in the rank, or planned here once megatron's
+plan is reusable) and, when the bridge saves in parallel, the HF export over the forks' own group (``HFExport``).
+Either fork leaves its outcome for the ranks, which agree on it before megatron's finalize, so a fork that died
+(killed in its first instant included) fails the save on every rank naming its own. Everything it touches is named in the dataclasses below (model and optimizer objects, the
+strategies, the bridge, paths); of the manager it calls only the public ``on_save_phase`` hook it is handed, so
+tests can observe (and kill) the fork at a phase. ``finish_forked_save`` agrees on the forks' outcomes in the ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,15 +21,45 @@ import torch
 
 from verl.utils.checkpoint import finite, layout, snapshot_save
 from verl.utils.checkpoint.integrity import CheckpointError
-from verl.utils.checkpoint.megatron_state_dicts import optimizer_layout, sharded_structure
+from verl.utils.checkpoint.megatron_state_dicts import DistParts, sharded_structure
 from verl.utils.internals import megatron_core
-from verl.utils.megatron_utils import get_hf_model_checkpoint_path
 from verl.utils.rank_comm import ForkedRankComm
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-    from verl.utils.checkpoint.megatron_checkpoint_manager import SaveReport
+
+@dataclasses.dataclass
+class HFExport:
+    """The HF export as one unit over any group of ranks: rank 0's config -> barrier (fix 2) -> every rank's weights."""
+
+    bridge: Any
+    model: list
+    hf_path: str
+    save_kwargs: dict
+    write_config: Callable[[], None]  # rank 0's ``megatron_metadata.write_hf_config``, bound to its arguments
+
+    def run(self, rank: int, comm: ForkedRankComm) -> None:
+        if rank == 0:
+            self.write_config()
+        comm.barrier()
+        self.bridge.save_weights(self.model, self.hf_path, comm=comm, **self.save_kwargs)
+
+
+@dataclasses.dataclass
+class ForkedSave:
+    """What a save's fork is given: the step's staging directory, the state's sources, megatron's save strategies
+    (content -> (structure, strategy)), whether it checks the state for NaN/Inf and, with ``hf``, the export and
+    its forks' group name."""
+
+    staging: str
+    rank: int
+    refusal: str  # the NaN/Inf error's prefix
+    parts: DistParts
+    strategies: dict[str, tuple]
+    check: bool = True
+    hf: HFExport | None = None
+    group: str | None = None
 
 
 def planned_writes(requests: list[AsyncRequest]) -> Callable[[], None] | None:
@@ -49,94 +82,55 @@ def planned_writes(requests: list[AsyncRequest]) -> Callable[[], None] | None:
     return write_all if calls else None
 
 
-def in_one_fork(requests: list[AsyncRequest]) -> AsyncRequest:
-    """One request that runs the writes of ``requests`` in a single forked process, which ends with its rank."""
-    writes = planned_writes(requests)
+def forked_request(save: ForkedSave, planned: list[AsyncRequest] | None) -> AsyncRequest:
+    """The request whose fork runs ``save``'s pipeline (``run_in_fork``) on the writes the rank ``planned``, or,
+    with ``planned`` None, plans them there too (``plan_and_write``). Finalized: the forks' outcomes agreed on
+    first (``finish_forked_save``), then megatron's finalize of what the rank planned."""
+    write_dist = functools.partial(plan_and_write, save) if planned is None else planned_writes(planned) or dict
+    snapshot_save.reserve_outcome(save.staging, save.rank)  # so a fork that fills the disk can still say so
+    return megatron_core.async_request(
+        snapshot_save.ForkedJob(save.staging, save.rank, functools.partial(run_in_fork, save, write_dist), save.group),
+        (),
+        [functools.partial(finish_forked_save, save.staging, save.rank, save.strategies), *[fn for r in planned or () for fn in r.finalize_fns]],
+    )
 
-    def run() -> None:
-        snapshot_save.fail_when_a_writer_dies(snapshot_save.report_to_stderr)
-        writes()
 
-    return megatron_core.async_request(run if writes else None, (), [fn for request in requests for fn in request.finalize_fns])
+def run_in_fork(save: ForkedSave, write_dist: Callable[[], dict | None]) -> dict:
+    """The forked process: with ``save.check`` the NaN/Inf check of the state it is about to write, this rank's dist
+    checkpoints, then with ``save.hf`` the HF export over the forks' group. The group is formed first: a fork that fails later makes
+    the others fail fast, not wait."""
+    comm = ForkedRankComm(save.group) if save.hf is not None else None
+    if save.check:
+        finite.check_finite_here(save.parts.model, save.parts.optimizer, save.refusal, save.rank)
+    outcome: dict[str, Any] = {"writes": write_dist() or {}}
+    if comm is not None:
+        save.hf.run(save.rank, comm)
+    return outcome
 
 
-class ForkedSaves:
-    """``MegatronCheckpointManager``'s async-save methods (a mixin: they use the manager's state and builders)."""
+def plan_and_write(save: ForkedSave) -> dict:
+    """In the fork: plan this rank's dist checkpoints with the reused (validated) plans and write them; the write
+    results per content, which the ranks' finalize turns into each checkpoint's ``.metadata``."""
+    writes = {}
+    for content, state, path in save.parts.build(save.staging):
+        structure, strategy = save.strategies[content]
+        if sharded_structure(state) != structure:
+            raise CheckpointError(f"the {content} checkpoint's sharded structure changed after its save plan was validated")
+        writes[content] = snapshot_save.write_dist_checkpoint(strategy, state, path, save.parts.metadata)
+    return writes
 
-    def _continue_in_background(self, save: SaveReport, request: AsyncRequest) -> SaveReport:
-        """Fork the background part and give training back; ``finalize_async_save`` completes the save."""
-        if self._async_queue is None:
-            self._async_queue = megatron_core.async_calls_queue()
-        self._timed("fork", snapshot_save.fork, self._async_queue, request)
-        self._pending = save
-        save.blocked_seconds = time.monotonic() - save.started
-        self._log(f"step {save.global_step}: returned after {save.blocked_seconds:.2f}s; {save.mode.value} runs in the background")
-        return save
 
-    def _plans_are_reusable(self) -> bool:
-        """Whether the fork can do the whole save: every plan reusable without a collective, same structure."""
-        if not self.async_save or not snapshot_save.on_host(self.model):
-            return False
-        if not all(megatron_core.save_plan_is_reusable(self._save_strategies.get(c, (None, None))[1]) for c in self._dist_contents()):
-            return False
-        return not self.should_save_optimizer or optimizer_layout(self.optimizer) == self._planned_optimizer_layout
-
-    def _forked_request(
-        self, save: SaveReport, write_dist: Callable[[], dict | None], finalize_planned: list[Callable] = ()
-    ) -> AsyncRequest:
-        """What an async save's fork runs when it holds the state (``checked_in_background``): the rest of the
-        pipeline, ``_save_in_fork``, around ``write_dist`` (the writes planned in the rank, whose megatron
-        finalize is ``finalize_planned``, or the snapshot's planning and writing, which returns its write
-        results). When the save is finalized the forks' outcomes are agreed on first."""
-        self._forked_saves += 1
-        hf_group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if save.hf_weights_in_background else None
-        job = functools.partial(self._save_in_fork, save, write_dist, hf_group)
-        snapshot_save.reserve_outcome(save.local_path, self.rank)  # so a fork that fills the disk can still say so
-        return megatron_core.async_request(
-            snapshot_save.ForkedJob(save.local_path, self.rank, job, hf_group),
-            (),
-            [functools.partial(self._finish_forked_save, save.local_path), *finalize_planned],
-        )
-
-    def _save_in_fork(self, save: SaveReport, write_dist: Callable[[], dict | None], hf_group: str | None) -> dict:
-        """The forked process, the save's pipeline on its copy-on-write image of the rank: the NaN/Inf check,
-        this rank's dist checkpoints, then with ``hf_group`` the HF config (rank 0), the forks' barrier (fix 2)
-        and the HF weights.
-
-        The forks' group is formed first: a fork that fails later makes the others fail fast, not wait."""
-        comm = ForkedRankComm(hf_group) if hf_group is not None else None
-        finite.check_finite_here(self.model, self.optimizer, self._refusal(save), self.rank)
-        outcome: dict[str, Any] = {"writes": write_dist() or {}}
-        if comm is not None:
-            self._save_hf_config_and_tokenizer(save.local_path)
-            comm.barrier()
-            self.bridge.save_weights(self.model, get_hf_model_checkpoint_path(save.local_path), comm=comm, **self.bridge_save_kwargs)
-        return outcome
-
-    def _plan_and_write_in_fork(self, local_path: str, extra_state: dict) -> dict:
-        """The snapshot's dist part, in its fork: plan this rank's dist checkpoints with the reused plans and
-        write them; the write results per content. The RNG state ``extra_state`` was taken in the rank (a forked
-        process reseeds Python's ``random``)."""
-        writes = {}
-        metadata = self._build_sharded_state_dict_metadata()
-        for content, state, path in self._dist_checkpoint_parts(local_path, metadata, extra_state):
-            structure, strategy = self._save_strategies[content]
-            if sharded_structure(state) != structure:
-                raise CheckpointError(f"the {content} checkpoint's sharded structure changed after its save plan was validated")
-            writes[content] = snapshot_save.write_dist_checkpoint(strategy, state, path, metadata)
-        return writes
-
-    def _finish_forked_save(self, local_path: str) -> None:
-        """Every rank: agree on the forks' outcomes, then rank 0 writes the metadata of each dist checkpoint the
-        forks planned (the snapshot's; megatron's own finalize does it for the writes planned in the rank)."""
-        outcome = snapshot_save.read_outcome(local_path, self.rank)
-        everyone = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, outcome)
-        failed = [(rank, o["error"].strip().splitlines()[-1]) for rank, o in enumerate(everyone) if not o["ok"]]
-        if failed:
-            failed.sort(key=lambda f: "without a result" not in f[1])  # a fork that died first is the cause
-            raise CheckpointError(f"the background save failed on {len(failed)} rank(s): " + "; ".join(f"rank {r}: {e}" for r, e in failed))
-        if self.rank == 0:
-            for content in outcome["writes"]:
-                path = layout.dist_path(local_path, content)
-                snapshot_save.finish_dist_checkpoint(self._save_strategies[content][1], path, [o["writes"][content] for o in everyone])
+def finish_forked_save(staging: str, rank: int, strategies: dict[str, tuple]) -> None:
+    """Every rank: agree on the forks' outcomes, then rank 0 writes the metadata of each dist checkpoint the forks
+    planned (megatron's own finalize does it for the writes planned in the rank)."""
+    outcome = snapshot_save.read_outcome(staging, rank)
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, outcome)
+    failed = [(r, o["error"].strip().splitlines()[-1]) for r, o in enumerate(everyone) if not o["ok"]]
+    if failed:
+        failed.sort(key=lambda f: "without a result" not in f[1])  # a fork that died first is the cause
+        raise CheckpointError(f"the background save failed on {len(failed)} rank(s): " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+    if rank == 0:
+        for content in outcome["writes"]:
+            path = layout.dist_path(staging, content)
+            snapshot_save.finish_dist_checkpoint(strategies[content][1], path, [o["writes"][content] for o in everyone])

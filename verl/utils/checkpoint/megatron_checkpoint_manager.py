@@ -14,18 +14,16 @@
 7. metadata: rank 0 writes ``transformer_config.json`` and, last, ``ckpt_contents.json``; upstream's retention.
 
 A rank saves through the step transaction (``verl.utils.checkpoint.step_commit``), which hands this manager
-its staging directory and then verifies, marks, renames, prunes and tracks the step. The async mode decides
-only where steps 2-6 run (``verl.utils.checkpoint.forked_save``): ``SYNC`` all in the rank;
-``BACKGROUND_WRITE`` the dist parts planned in the rank, written by a forked process; ``SNAPSHOT`` planned and
-written by the fork. ``finalize_async_save`` completes the save. The builders and RNG methods are in
-``megatron_state_dicts``, the load in ``megatron_checkpoint_load``.
+its staging directory and then verifies, marks, renames, prunes and tracks the step. The writer, chosen once
+when the manager is built from ``async_save`` and ``async_mode`` (``verl.utils.checkpoint.save_writers``),
+decides where steps 2-6 run; the phases ask it, never the host. ``finalize_async_save`` completes an async
+save. The builders and RNG methods are in ``megatron_state_dicts``, the load in ``megatron_checkpoint_load``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
 import os
 import shutil
@@ -38,39 +36,31 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
 from verl.utils import process_lifetime
-from verl.utils.checkpoint import dist_writer, finite, os_errors, sealing, snapshot_save
+from verl.utils.checkpoint import dist_writer, finite, os_errors, save_writers, snapshot_save
+from verl.utils.checkpoint.async_modes import AsyncMode, choose_mode
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get, not_implemented_unless_default
-from verl.utils.checkpoint.forked_save import (
-    ForkedSaves,
-    in_one_fork,
-    optimizer_layout,
-    planned_writes,
-    sharded_structure,
-)
-from verl.utils.checkpoint.integrity import CheckpointError, files_under
+from verl.utils.checkpoint.forked_save import ForkedSave, HFExport
+from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.mbridge_config import save_weights_kwargs
 from verl.utils.checkpoint.megatron_checkpoint_load import MegatronLoads
-from verl.utils.checkpoint.megatron_metadata import DIST_CHECKPOINT_PATHS, MegatronMetadata
-from verl.utils.checkpoint.megatron_state_dicts import MegatronStateDicts, without_view_copies
-from verl.utils.fs import local_mkdir_safe
-from verl.utils.megatron.dist_checkpointing import load_dist_checkpointing, save_dist_checkpointing  # noqa: F401 (upstream's seams)
-from verl.utils.megatron_utils import (
-    get_extra_dist_checkpoint_path,
-    get_hf_model_checkpoint_path,
-    get_model_dist_checkpoint_path,
-    get_optimizer_dist_checkpoint_path,
+from verl.utils.checkpoint.megatron_metadata import DIST_CHECKPOINT_PATHS, MegatronMetadata, write_hf_config
+from verl.utils.checkpoint.megatron_state_dicts import (
+    DistParts,
+    MegatronStateDicts,
+    optimizer_layout,
+    sharded_structure,
 )
+from verl.utils.device import get_device_name
+from verl.utils.fs import local_mkdir_safe
+from verl.utils.internals import megatron_core
+from verl.utils.megatron.dist_checkpointing import load_dist_checkpointing, save_dist_checkpointing  # noqa: F401 (upstream's seams)
+from verl.utils.megatron_utils import get_hf_model_checkpoint_path
 from verl.utils.rank_comm import forked_groups_possible
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-class AsyncMode(str, enum.Enum):
-    """Where a save's dist checkpoints and HF export run; chosen per save (``MegatronCheckpointManager.save_mode``)."""
-
-    SYNC = "sync"  # everything in the rank before save_checkpoint returns
-    BACKGROUND_WRITE = "background_write"  # planned in the rank; a forked process writes the dist-checkpoint files
-    SNAPSHOT = "snapshot"  # a forked process plans and writes them and does the HF export (a reusable plan, on host)
+__all__ = ["AsyncMode", "MegatronCheckpointManager", "SaveReport"]
 
 
 @dataclasses.dataclass
@@ -79,17 +69,18 @@ class SaveReport:
     rank's time per phase (``dist_checkpoints``, ``hf_config``, ``hf_weights``, ``fork``, ``background_wait``,
     ``metadata``, ``finite_check`` when the rank ran it; saved through ``MegatronActor``, the step transaction's
     ``staging``, ``hf_verify``, ``commit``, ``retention`` and ``tracker`` are added once it committed); ``blocked_seconds`` how long save_checkpoint
-    held training; ``checked_in_background`` whether the fork ran the NaN/Inf check (an async save on the CPU
-    runtime, where the fork sees the tensors), ``hf_weights_in_background`` whether it wrote the HF config and
-    weights (that, and a bridge that saves in parallel)."""
+    held training; ``mode`` the manager's writer; ``checked_in_background`` whether the fork ran the NaN/Inf
+    check, ``hf_weights_in_background`` whether it wrote the HF config and weights, ``planned_in_background``
+    whether it planned the dist checkpoints (the snapshot writer's, each as its writer decided when built)."""
 
     local_path: str
     global_step: int
     mode: AsyncMode
     max_ckpt_to_keep: int | None = None
     checked_in_background: bool = False
-    sealer: sealing.Sealer | None = None  # a sync save's dist-checkpoint files, being hashed and fsynced since written
+    sealer: save_writers.Sealer | None = None  # a sync save's dist-checkpoint files, being hashed and fsynced since written
     hf_weights_in_background: bool = False
+    planned_in_background: bool = False
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     blocked_seconds: float | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
@@ -97,15 +88,16 @@ class SaveReport:
 
 
 
-class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, MegatronMetadata, BaseCheckpointManager):
+class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetadata, BaseCheckpointManager):
     """Saves and loads a Megatron model, its optimizer, LR scheduler and RNG state, with upstream verl's interface.
 
     ``use_dist_checkpointing`` picks the format of the ``model`` content: False (upstream's default) keeps it
     as HF weights through ``bridge`` (any object with mbridge's ``save_weights`` / ``load_weights``), True as
     Megatron shards under ``model/dist_ckpt``; ``hf_model`` adds the HF export to the latter. Optimizer, LR
     scheduler and RNG always go through dist checkpoints. ``checkpoint_config`` keys: ``save_contents``,
-    ``load_contents``, ``async_save`` (see ``finalize_async_save``), ``mbridge_config`` (keyword arguments of the
-    bridge's ``save_weights``).
+    ``load_contents``, ``async_save`` (see ``finalize_async_save``), ``async_mode`` (ours: ``background_write``,
+    the default, or ``snapshot``; ``verl.utils.checkpoint.async_modes``), ``mbridge_config`` (keyword arguments of
+    the bridge's ``save_weights``).
     """
 
     def __init__(
@@ -159,7 +151,6 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
         self.provider = provider
         self.vanilla_bridge = provider is None
         self.peft_cls = peft_cls
-        self.async_save = bool(config_get(checkpoint_config, "async_save", False))
         self._check_bridge_for_hf_contents()
         mbridge_config = config_get(checkpoint_config, "mbridge_config", None) or {}
         # the keyword arguments of every HF weight save (ValueError naming an entry the bridge does not take)
@@ -173,6 +164,36 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
         self._save_strategies: dict[str, tuple[tuple, TorchDistSaveShardedStrategy]] = {}
         self._planned_optimizer_layout: tuple | None = None  # at the optimizer checkpoint's last planning here
         self._forked_saves = 0
+        self._async_save = bool(config_get(checkpoint_config, "async_save", False))
+        self._async_mode = str(config_get(checkpoint_config, "async_mode", AsyncMode.BACKGROUND_WRITE.value))
+        self._choose_writer()
+
+    def _choose_writer(self) -> None:
+        """The writer of every save (``save_writers``), chosen here from the config and this rank's device: a mode
+        this host cannot take (``snapshot`` with parameters on an accelerator) is refused in one line."""
+        mode = choose_mode(self._async_save, self._async_mode, get_device_name())
+        hf_in_fork = self.should_save_hf_model and getattr(self.bridge, "saves_in_parallel", False) and forked_groups_possible()
+        self._writer = save_writers.make_writer(mode, hf_in_fork)
+
+    @property
+    def async_save(self) -> bool:
+        """Upstream's ``checkpoint.async_save``; set, the writer is chosen again (between saves, never during one)."""
+        return self._async_save
+
+    @async_save.setter
+    def async_save(self, value: bool) -> None:
+        self._async_save = bool(value)
+        self._choose_writer()
+
+    @property
+    def async_mode(self) -> str:
+        """Ours, ``checkpoint.async_mode``: which async writer (``background_write`` or ``snapshot``); set, chosen again."""
+        return self._async_mode
+
+    @async_mode.setter
+    def async_mode(self, value: str) -> None:
+        self._async_mode = str(value)
+        self._choose_writer()
 
     def _check_bridge_for_hf_contents(self) -> None:
         for contents, verb in ((self.checkpoint_save_contents, "save"), (self.checkpoint_load_contents, "load")):
@@ -212,12 +233,12 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
     ) -> SaveReport:
         """Write this step's parts into ``local_path`` (created if needed; the worker passes its staging directory).
 
-        The body is the pipeline. The async mode (``save_mode``) is chosen once, up front, and decides only where
-        the dist parts and the HF weights run: here (``SYNC``); planned here, written by a forked process
-        (``BACKGROUND_WRITE``); planned and written by the fork, HF export included where the bridge saves in
-        parallel (``SNAPSHOT``). Off ``SYNC`` this returns once the fork runs; ``finalize_async_save`` (which a
-        later save or load calls first) writes the metadata. Verifying the HF export and committing the staging
-        directory follow in ``verl.utils.checkpoint.commit``. Returns the save's report (also ``last_save``).
+        The body is the pipeline; each phase asks the writer chosen when the manager was built where it runs:
+        all here (``sync``); checked, planned and exported here, the files written by a forked process
+        (``background_write``); checked, written and exported by the fork (``snapshot``). Off ``sync`` this
+        returns once the fork runs; ``finalize_async_save`` (which a later save or load calls first) writes the
+        metadata. The step transaction then verifies and commits the staging directory. Returns the save's
+        report (also ``last_save``).
         """
         not_implemented_unless_default(hdfs_path=hdfs_path)
         self.finalize_async_save(blocking=True)  # one save in flight at a time
@@ -227,7 +248,6 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
             if save.mode is AsyncMode.SYNC:
                 self.ensure_checkpoint_capacity(max_ckpt_to_keep)
             background = self._save_dist_parts(save)
-            self._seal_dist_parts(save)
             self._save_hf_config(save)
             self._save_hf_weights(save)
             if background is not None:
@@ -235,35 +255,26 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
         return self._finish_save(save)
 
     def save_mode(self) -> AsyncMode:
-        """The mode the next save takes: sync without ``async_save``; the snapshot once every dist checkpoint's
-        plan is reusable without a collective (megatron validated it twice) and the tensors are in host memory."""
-        if not self.async_save:
-            return AsyncMode.SYNC
-        return AsyncMode.SNAPSHOT if self._plans_are_reusable() else AsyncMode.BACKGROUND_WRITE
+        """The mode every save of this manager takes (its writer's): ``sync`` without ``async_save``, else
+        ``async_mode``'s (``verl.utils.checkpoint.async_modes``)."""
+        return self._writer.mode
 
     def _start_save(self, local_path: str, global_step: int, max_ckpt_to_keep: int | None) -> SaveReport:
-        """The step's directory and report, with the async mode and where the HF export goes decided once here."""
+        """The step's directory and report; where each phase runs is the writer's (``save_writers``)."""
         self.previous_global_step = global_step
-        mode = self.save_mode()
-        checked_in_fork = mode is not AsyncMode.SYNC and snapshot_save.on_host(self.model)
-        hf_in_fork = (
-            checked_in_fork
-            and self.should_save_hf_model
-            and getattr(self.bridge, "saves_in_parallel", False)  # mbridge's own path needs the default group
-            and forked_groups_possible()
-        )
+        writer = self._writer
         save = SaveReport(
-            local_mkdir_safe(local_path), global_step, mode, max_ckpt_to_keep,
-            checked_in_background=checked_in_fork, hf_weights_in_background=hf_in_fork,
-        )
+            local_mkdir_safe(local_path), global_step, writer.mode, max_ckpt_to_keep,
+            checked_in_background=not writer.checks_in_rank, hf_weights_in_background=self.should_save_hf_model and not writer.exports_hf_in_rank,
+        )  # fmt: skip
         self.last_save = save
         return save
 
     def _check_state_is_finite(self, save: SaveReport) -> None:
-        """No NaN/Inf is ever saved: checked here, before anything is written or removed, unless an async save's
-        fork checks the very state it writes (``checked_in_background``, off the training path); a failure there
-        fails the save when it is finalized, still before the commit."""
-        if not save.checked_in_background:
+        """No NaN/Inf is ever saved: checked here, before anything is written or removed, unless the writer's
+        fork checks the very state it writes (``snapshot``, off the training path); a failure there fails the
+        save when it is finalized, still before the commit."""
+        if self._writer.checks_in_rank:
             self.on_save_phase("finite_check")
             self._timed("finite_check", finite.check_finite, self.model, self.optimizer, self._refusal(save))
 
@@ -272,48 +283,70 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
         return f"refusing to save step {save.global_step}: nothing was written"
 
     def _save_dist_parts(self, save: SaveReport) -> AsyncRequest | None:
-        """The dist checkpoints (optimizer + scheduler, RNG, model shards if asked): written here (``SYNC``) or
-        planned here (``BACKGROUND_WRITE``), or all left to the snapshot's fork. Returns what the fork is to run:
-        with ``checked_in_background``, the rest of the pipeline that runs there (``_save_in_fork``) too."""
-        if save.mode is AsyncMode.SNAPSHOT:
-            return self._forked_request(save, functools.partial(self._plan_and_write_in_fork, save.local_path, self._build_extra_state_dict()))
-        self.on_save_phase("dist_checkpoint")
-        requests = self._timed("dist_checkpoints", self._save_dist_checkpoints, save.local_path, save.mode is AsyncMode.BACKGROUND_WRITE)
-        self.on_save_phase("after_dist_checkpoint")
-        if requests is None:
-            return None
-        if not save.checked_in_background:
-            return in_one_fork(requests)
-        return self._forked_request(
-            save, planned_writes(requests) or (lambda: None), [fn for planned in requests for fn in planned.finalize_fns]
+        """The dist checkpoints (optimizer + scheduler, RNG, model shards if asked), as the writer does them (the
+        sync writer also starts hashing and fsyncing each rank's share of their files while the HF export runs);
+        returns what its forked process is to run, if anything."""
+        job = save_writers.SaveJob(
+            save.local_path, self.rank, self.world_size, [DIST_CHECKPOINT_PATHS[c](save.local_path) for c in self._dist_contents()],
+            plan_in_rank=functools.partial(self._timed, "dist_checkpoints", self._save_dist_checkpoints, save.local_path),
+            plans_reusable=self._plans_are_reusable,
+            fork=lambda: self._forked_save(save),
         )
+        request = self._writer.save_dist_parts(job)
+        save.planned_in_background, save.sealer = job.planned_in_background, job.sealer
+        return request
 
-    def _seal_dist_parts(self, save: SaveReport) -> None:
-        """Sync mode: the dist checkpoints are complete on every rank; each rank starts hashing and fsyncing its
-        share of their files while the HF export runs (``verl.utils.checkpoint.sealing``)."""
-        if save.mode is not AsyncMode.SYNC:
-            return
-        directories = [DIST_CHECKPOINT_PATHS[content](save.local_path) for content in self._dist_contents()]
-        relpaths = files_under(save.local_path, directories)
-        sizes = [os.path.getsize(os.path.join(save.local_path, r)) for r in relpaths]
-        save.sealer = sealing.Sealer(save.local_path)
-        save.sealer.seal(sealing.share_of(relpaths, sizes, self.rank, self.world_size))
+    def _plans_are_reusable(self) -> bool:
+        """Whether a fork can plan this save alone: every plan reusable without a collective, same structure."""
+        if not all(megatron_core.save_plan_is_reusable(self._save_strategies.get(c, (None, None))[1]) for c in self._dist_contents()):
+            return False
+        return not self.should_save_optimizer or optimizer_layout(self.optimizer) == self._planned_optimizer_layout
+
+    def _dist_parts(self) -> DistParts:
+        """The sources of this save's dist checkpoints (references: no state dict built yet) and its RNG state."""
+        return DistParts(
+            self.model, self.optimizer, self.lr_scheduler, tuple(self._dist_contents()), self._build_sharded_state_dict_metadata(),
+            self._build_extra_state_dict() if self.should_save_extra else None, self.on_save_phase,
+        )  # fmt: skip
+
+    def _forked_save(self, save: SaveReport) -> ForkedSave:
+        """What an async writer's fork is given; the RNG state is taken here (a fork reseeds ``random``)."""
+        self._forked_saves += 1
+        hf = None
+        if save.hf_weights_in_background:
+            hf_path = get_hf_model_checkpoint_path(save.local_path)
+            config = functools.partial(write_hf_config, hf_path, self.processing_class, self.hf_config, self.model_path)
+            hf = HFExport(self.bridge, self.model, hf_path, self.bridge_save_kwargs, config)
+        group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if hf is not None else None
+        parts = self._dist_parts()
+        return ForkedSave(save.local_path, self.rank, self._refusal(save), parts, self._save_strategies, save.checked_in_background, hf, group)
 
     def _save_hf_config(self, save: SaveReport) -> None:
         """Rank 0: the HF config, tokenizer and generation config; then every rank waits for them (fix 2), so no
-        rank starts the HF weights before the config is on disk. An async save's fork does both when it exports."""
+        rank starts the HF weights before the config is on disk. The snapshot writer's fork does both when it exports."""
         if not self.should_save_hf_model or save.hf_weights_in_background:
             return
         if self.rank == 0:
             self.on_save_phase("hf_config")
-            self._timed("hf_config", self._save_hf_config_and_tokenizer, save.local_path)
+            hf_path = get_hf_model_checkpoint_path(save.local_path)
+            self._timed("hf_config", write_hf_config, hf_path, self.processing_class, self.hf_config, self.model_path)
         self.wait_for_hf_config()
 
     def _save_hf_weights(self, save: SaveReport) -> None:
-        """Every rank: the bridge's HF weight save, unless an async save's fork does it."""
+        """Every rank: the bridge's HF weight save, unless the snapshot writer's fork does it."""
         if self.should_save_hf_model and not save.hf_weights_in_background:
             self.on_save_phase("hf_weights")
             self._timed("hf_weights", self._save_model_as_hf_via_bridge, get_hf_model_checkpoint_path(save.local_path))
+
+    def _continue_in_background(self, save: SaveReport, request: AsyncRequest) -> SaveReport:
+        """Fork the writer's background part and give training back; ``finalize_async_save`` completes the save."""
+        if self._async_queue is None:
+            self._async_queue = megatron_core.async_calls_queue()
+        self._timed("fork", snapshot_save.fork, self._async_queue, request)
+        self._pending = save
+        save.blocked_seconds = time.monotonic() - save.started
+        self._log(f"step {save.global_step}: returned after {save.blocked_seconds:.2f}s; {save.mode.value} runs in the background")
+        return save
 
     def _finish_save(self, save: SaveReport) -> SaveReport:
         """Every part is on disk: rank 0 writes the metadata (``transformer_config.json``, ``ckpt_contents.json``
@@ -371,9 +404,10 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
 
     def _save_dist_checkpoints(self, local_path: str, in_background: bool) -> list[AsyncRequest] | None:
         """Write (or, ``in_background``, plan) the dist checkpoints; return the writes still to run."""
-        metadata = self._build_sharded_state_dict_metadata()
+        self.on_save_phase("dist_checkpoint")
         requests = []
-        for content, state, path in self._dist_checkpoint_parts(local_path, metadata):
+        parts = self._dist_parts()
+        for content, state, path in parts.build(local_path):
             # One strategy per content and structure, kept across saves: from the second save of the same
             # structure on, the plan is reused instead of gathering and checking every rank's plan again
             # (dist_writer), and the access-integrity check (each shard written exactly once) is needed
@@ -389,7 +423,7 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
                 sharded_state_dict=state,
                 ckpt_path=path,
                 async_save=in_background,
-                content_metadata=metadata,
+                content_metadata=parts.metadata,
                 sharded_strategy=strategy,
                 validate_access_integrity=fresh,
             )
@@ -398,40 +432,13 @@ class MegatronCheckpointManager(ForkedSaves, MegatronLoads, MegatronStateDicts, 
                 requests.append(request)
         if not in_background:
             torch.distributed.barrier()
-            return None
-        return requests
-
-    def _dist_checkpoint_parts(
-        self, local_path: str, metadata: dict, extra_state: dict | None = None
-    ) -> Iterator[tuple[str, dict, str]]:
-        """(content, sharded state dict, directory) of each dist checkpoint to save, built when reached:
-        a save consumes the state dict it is given. ``extra_state``: taken before a fork (a forked process
-        reseeds Python's ``random``)."""
-        if self.should_save_dist_ckpt_model:
-            yield "model", without_view_copies(self._build_model_sharded_state_dict(metadata)), get_model_dist_checkpoint_path(local_path)
-        self.on_save_phase("dist_checkpoint_optimizer")
-        if self.should_save_optimizer:
-            state = self._build_optimizer_state_dict(self._build_model_sharded_state_dict(metadata), metadata)
-            yield "optimizer", without_view_copies(state), get_optimizer_dist_checkpoint_path(local_path)
-        if self.should_save_extra:
-            yield "extra", extra_state or self._build_extra_state_dict(), get_extra_dist_checkpoint_path(local_path)
+        self.on_save_phase("after_dist_checkpoint")
+        return requests if in_background else None
 
     def _dist_contents(self) -> list[str]:
         """The dist checkpoints this manager saves."""
         wanted = {"model": self.should_save_dist_ckpt_model, "optimizer": self.should_save_optimizer, "extra": self.should_save_extra}
         return [content for content in DIST_CHECKPOINT_PATHS if wanted[content]]
-
-    def _save_hf_config_and_tokenizer(self, local_path: str) -> None:
-        """Rank 0 only: everything the HF folder needs besides the weights, written before them."""
-        if self.rank != 0:
-            return
-        hf_path = get_hf_model_checkpoint_path(local_path)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(hf_path)
-        self.hf_config.save_pretrained(hf_path)
-        generation_config = os.path.join(self.model_path or "", "generation_config.json")
-        if self.model_path and os.path.isfile(generation_config):
-            shutil.copyfile(generation_config, os.path.join(hf_path, "generation_config.json"))
 
     def wait_for_hf_config(self) -> None:
         """Fix 2: no rank may start the bridge's HF weight save until rank 0's config is on disk. Public so

@@ -1,6 +1,7 @@
 """The metadata files of a ``MegatronCheckpointManager`` step: upstream's ``ckpt_contents.json`` (what each
 content is, where it lies, in which format) and ``transformer_config.json`` (what the model-identity check
-reads at resume). Rank 0 writes both once the parts are on disk, ``ckpt_contents.json`` last.
+reads at resume). Rank 0 writes both once the parts are on disk, ``ckpt_contents.json`` last. Also the HF
+folder's non-weight files (``write_hf_config``), which rank 0 writes before any HF weight, in the rank or a fork.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from typing import Any
 
 from verl.utils.checkpoint.layout import DIRECTORY_NOTES
@@ -37,6 +39,16 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _json_safe(v) for k, v in value.items()}
     return str(value)
+
+
+def write_hf_config(hf_path: str, processing_class: Any, hf_config: Any, model_path: str | None) -> None:
+    """Everything the HF folder needs besides the weights (tokenizer, config, generation config), written first."""
+    if processing_class is not None:
+        processing_class.save_pretrained(hf_path)
+    hf_config.save_pretrained(hf_path)
+    generation_config = os.path.join(model_path or "", "generation_config.json")
+    if model_path and os.path.isfile(generation_config):
+        shutil.copyfile(generation_config, os.path.join(hf_path, "generation_config.json"))
 
 
 class MegatronMetadata:

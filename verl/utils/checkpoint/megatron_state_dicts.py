@@ -1,12 +1,15 @@
 """The sharded state dicts ``MegatronCheckpointManager`` saves and loads: model, optimizer + LR scheduler, RNG.
 
-Upstream verl's builders and RNG methods, as a mixin of the manager, and the one transformation a save applies
-to them before megatron writes (``without_view_copies``).
+Upstream verl's builders and RNG methods, as a mixin of the manager over free builders (which a save's forked
+process calls on its own references, never the manager), and the one transformation a save applies to them
+before megatron writes (``without_view_copies``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -20,6 +23,11 @@ from verl.utils.checkpoint.checkpoint_manager import config_get
 from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.layout import RANK_RNG_STATE_KEY
 from verl.utils.device import get_device_name, get_torch_device
+from verl.utils.megatron_utils import (
+    get_extra_dist_checkpoint_path,
+    get_model_dist_checkpoint_path,
+    get_optimizer_dist_checkpoint_path,
+)
 
 
 def without_view_copies(state: dict) -> dict:
@@ -82,6 +90,54 @@ def current_parallel_layout() -> dict[str, int]:
     }
 
 
+def model_sharded_state_dict(model: list, metadata: dict) -> dict:
+    """Every model chunk's sharded state dict ("model", or "model0".. with virtual pipeline stages)."""
+    state = {}
+    model_metadata = {**metadata, "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+    for index, chunk in enumerate(model):
+        if len(model) > 1:
+            mpu.set_virtual_pipeline_model_parallel_rank(index)
+        module = chunk.module if hasattr(chunk, "module") else chunk
+        state["model" if len(model) == 1 else f"model{index}"] = module.sharded_state_dict(metadata=model_metadata)
+    return state
+
+
+def optimizer_sharded_state_dict(optimizer, lr_scheduler, model_state: dict, metadata: dict, is_loading: bool = False) -> dict:
+    """The optimizer's sharded state (mapped onto the model's shards, which it reads only) and the scheduler's."""
+    state = {"optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)}
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    return state
+
+
+@dataclasses.dataclass
+class DistParts:
+    """The dist checkpoints of one save, each state dict built when reached (a save consumes the one it gets).
+
+    ``contents``: of "model", "optimizer", "extra"; ``extra_state``: the RNG state, taken in the rank (a forked
+    process reseeds Python's ``random``); ``on_phase``: the manager's public phase hook."""
+
+    model: list
+    optimizer: Any
+    lr_scheduler: Any
+    contents: tuple[str, ...]
+    metadata: dict
+    extra_state: dict | None
+    on_phase: Callable[[str], None]
+
+    def build(self, local_path: str) -> Iterator[tuple[str, dict, str]]:
+        """(content, sharded state dict, directory) of each dist checkpoint, in the order they are written."""
+        if "model" in self.contents:
+            yield "model", without_view_copies(model_sharded_state_dict(self.model, self.metadata)), get_model_dist_checkpoint_path(local_path)
+        self.on_phase("dist_checkpoint_optimizer")
+        if "optimizer" in self.contents:
+            model_state = model_sharded_state_dict(self.model, self.metadata)
+            state = optimizer_sharded_state_dict(self.optimizer, self.lr_scheduler, model_state, self.metadata)
+            yield "optimizer", without_view_copies(state), get_optimizer_dist_checkpoint_path(local_path)
+        if "extra" in self.contents:
+            yield "extra", self.extra_state, get_extra_dist_checkpoint_path(local_path)
+
+
 class MegatronStateDicts:
     """The manager's state dict builders and RNG state methods (a mixin over its model, optimizer and config)."""
 
@@ -102,22 +158,10 @@ class MegatronStateDicts:
         return metadata
 
     def _build_model_sharded_state_dict(self, metadata: dict) -> dict:
-        """Every model chunk's sharded state dict ("model", or "model0".. with virtual pipeline stages)."""
-        state = {}
-        model_metadata = {**metadata, "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
-        for index, chunk in enumerate(self.model):
-            if len(self.model) > 1:
-                mpu.set_virtual_pipeline_model_parallel_rank(index)
-            module = chunk.module if hasattr(chunk, "module") else chunk
-            state["model" if len(self.model) == 1 else f"model{index}"] = module.sharded_state_dict(metadata=model_metadata)
-        return state
+        return model_sharded_state_dict(self.model, metadata)
 
     def _build_optimizer_state_dict(self, model_sharded_state_dict: dict, metadata: dict, is_loading: bool = False) -> dict:
-        """The optimizer's sharded state (mapped onto the model's shards, which it reads only) and the scheduler's."""
-        state = {"optimizer": self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)}
-        if self.lr_scheduler is not None:
-            state["lr_scheduler"] = self.lr_scheduler.state_dict()
-        return state
+        return optimizer_sharded_state_dict(self.optimizer, self.lr_scheduler, model_sharded_state_dict, metadata, is_loading)
 
     def _build_extra_state_dict(self, per_rank: bool = True) -> dict:
         """Upstream's ``rng_state`` (one per PP/TP rank, from data-parallel rank 0) and, ours, every rank's own

@@ -8,8 +8,9 @@ together with the HF export over a gloo group of the forked processes (``ForkedR
 stays in the parent is what needs the parent's process groups: the ``.metadata`` of each dist
 checkpoint, made from every rank's write results when the save is finalized.
 
-On an accelerator the fork sees no device memory: this path is for tensors in host memory (the CPU
-runtime); elsewhere the manager keeps megatron's own async save.
+On an accelerator the fork sees no device memory: this path is for tensors in host memory, the
+``snapshot`` writer's (``verl.utils.checkpoint.save_writers``), which ``checkpoint.async_mode`` picks and the
+config check refuses on an accelerator run (``verl.utils.checkpoint.async_modes``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from verl.utils import process_lifetime, rank_comm
 from verl.utils.checkpoint import os_errors
-from verl.utils.device import get_device_name
 from verl.utils.fs import atomic_open
 from verl.utils.internals import InternalsChangedError, megatron_core
 from verl.utils.internals import torch as torch_internals
@@ -309,8 +309,3 @@ def read_outcome(staging: str, rank: int) -> dict[str, Any]:
         isinstance(outcome.get("writes"), dict) if outcome.get("ok") is True else isinstance(outcome.get("error"), str)
     )
     return outcome if valid else {"ok": False, "error": f"the outcome file {path} is not a background save's outcome"}
-
-
-def on_host(models: list) -> bool:
-    """Whether this is the CPU runtime with every parameter in host memory, where a fork sees it."""
-    return get_device_name() == "cpu" and all(p.device.type == "cpu" for model in models for p in model.parameters())

@@ -1,4 +1,4 @@
-"""``McoreCheckpointConfig``: the Megatron backend's checkpoint settings (upstream verl's name and fields)."""
+"""``McoreCheckpointConfig``: the Megatron backend's checkpoint settings (upstream verl's name and fields, plus ours)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from verl.trainer.config import CheckpointConfig
+from verl.utils.checkpoint.async_modes import AsyncMode, mode_refusal
 
 __all__ = ["McoreCheckpointConfig"]
 
@@ -17,11 +18,25 @@ class McoreCheckpointConfig(CheckpointConfig):
     Args:
         mbridge_config: keyword arguments for the bridge's HF weight save (e.g. mbridge's
             ``memory_efficient``); a key the bridge's ``save_weights`` does not take is refused, naming it.
+        async_mode: ours, not upstream's. With ``async_save``, which writer runs in the background:
+            ``background_write`` (every host; checked, planned and HF-exported in the rank, written by a forked
+            process) or ``snapshot`` (host memory only: the forked process checks, plans, writes and exports).
+            Chosen once for the run; ``validate(device)`` refuses ``snapshot`` on an accelerator.
     """
 
     mbridge_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    async_mode: str = AsyncMode.BACKGROUND_WRITE.value
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.mbridge_config, dict):
             raise ValueError(f"{type(self).__name__}.mbridge_config must be a mapping, got {self.mbridge_config!r}")
+        refusal = mode_refusal(self.async_save, self.async_mode, "cpu", key=f"{type(self).__name__}.async_mode")
+        if refusal is not None:  # the device is not known here: only the value is checked
+            raise ValueError(refusal)
+
+    def validate(self, device: str, key: str = "checkpoint.async_mode") -> None:
+        """Refuse a mode the run's ``device`` ("cpu", "cuda", "npu") cannot take, in one line naming ``key``."""
+        refusal = mode_refusal(self.async_save, self.async_mode, device, key=key)
+        if refusal is not None:
+            raise ValueError(refusal)
