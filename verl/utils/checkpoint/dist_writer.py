@@ -80,7 +80,7 @@ def planned_bytes(plan: SavePlan) -> int:
 
 
 def split_items(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
-    """``items`` in at most ``count`` non-empty files of about equal bytes: the largest item first to the file
+    """``items`` in at most ``count`` files of about equal bytes: the largest item first to the file
     with the fewest bytes so far (bytes items last, to whichever file is then lightest)."""
     files: list[list[WriteItem]] = [[] for _ in range(max(1, count))]
     loads = [0] * len(files)
@@ -88,7 +88,8 @@ def split_items(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
         lightest = loads.index(min(loads))
         files[lightest].append(item)
         loads[lightest] += item_bytes(item)
-    return [items_of_file for items_of_file in files if items_of_file]
+    nonempty = [items_of_file for items_of_file in files if items_of_file]
+    return nonempty or [[]]  # a rank with nothing to write: one empty file, as DCP writes
 
 
 class InRankWriter(FileSystemWriter):

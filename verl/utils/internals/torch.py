@@ -120,8 +120,10 @@ def save_without_record_crc(tensor: torch.Tensor, stream: BinaryIO) -> None:
     before writing anything where either is gone (the in-rank writer then writes through DCP's own)."""
     writer_type, save = ZIP_WRITER.get(), ZIP_SAVE.get()
     writer = writer_type(stream, False, serialization_config.save.storage_alignment)
-    save(tensor, writer, pickle, 2, False)
-    writer.write_end_of_file()
+    try:
+        save(tensor, writer, pickle, 2, False)
+    finally:  # as torch.save does even when a write failed: an unfinished writer's destructor aborts the process
+        writer.write_end_of_file()
 
 
 def set_allocator_expandable_segments(enable: bool) -> None:
