@@ -218,3 +218,26 @@ def test_an_item_without_record_crc_is_torch_saves_archive_and_loads_back():
     assert ours.getvalue() == theirs.getvalue()
     ours.seek(0)
     assert torch.equal(torch.load(ours, weights_only=True), tensor)
+
+
+def test_items_split_into_files_of_about_equal_bytes_and_a_rank_with_none_writes_one_empty_file():
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    def item(name: str, numel: int) -> WriteItem:
+        chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([numel]))
+        data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size([numel]))
+        return WriteItem(index=MetadataIndex(name), type=WriteItemType.TENSOR, tensor_data=data)
+
+    items = [
+        item("a", 100),
+        item("b", 60),
+        item("c", 50),
+        item("d", 10),
+        WriteItem(index=MetadataIndex("obj"), type=WriteItemType.BYTE_IO),
+    ]
+    files = dist_writer.split_items(items, 2)
+    assert sorted(sum(dist_writer.item_bytes(i) for i in f) for f in files) == [440, 440]
+    assert sorted(i.index.fqn for f in files for i in f) == ["a", "b", "c", "d", "obj"]
+    assert dist_writer.split_items(items[:1], 4) == [items[:1]]  # no empty files beside one with items
+    assert dist_writer.split_items([], 2) == [[]]
