@@ -7,6 +7,7 @@ Contract: tests/test_internals_contract.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import warnings
@@ -122,8 +123,13 @@ def save_without_record_crc(tensor: torch.Tensor, stream: BinaryIO) -> None:
     writer = writer_type(stream, False, serialization_config.save.storage_alignment)
     try:
         save(tensor, writer, pickle, 2, False)
-    finally:  # as torch.save does even when a write failed: an unfinished writer's destructor aborts the process
-        writer.write_end_of_file()
+    except BaseException:
+        # finished even so (torch.save does too: an unfinished writer's destructor aborts the process); the
+        # write's own error (ENOSPC, EFBIG) is the one raised, not the writer's complaint about the short archive
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
+    writer.write_end_of_file()
 
 
 def set_allocator_expandable_segments(enable: bool) -> None:
