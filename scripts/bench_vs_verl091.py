@@ -240,6 +240,8 @@ class Server:
         argv = [python, os.path.abspath(__file__), "_serve", "--side", side, "--layout", layout, "--model", model]
         argv += ["--root", root, "--threads", str(threads), "--timeout", str(timeout)]
         kwargs = interop.side_process_kwargs()  # outside the repository, no PYTHONPATH: each side imports its own verl
+        if side == "ours":  # this checkout's verl, also where the venv's editable install points at another one
+            kwargs["env"]["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, **kwargs
         )

@@ -155,24 +155,89 @@ def _save_without(internal_index: int, root: str) -> dict:
 
     from verl.utils.internals import torch as torch_internals
 
-    internal = (megatron_core.PLAN_SAVE, megatron_core.FINALIZE_SAVE, torch_internals.DCP_STORAGE_PREFIX)[internal_index]
+    internal = (
+        megatron_core.PLAN_SAVE,
+        megatron_core.FINALIZE_SAVE,
+        torch_internals.DCP_STORAGE_PREFIX,
+        torch_internals.ZIP_SAVE,
+    )[internal_index]
     module_name, _, name = internal.path.partition(":")
-    delattr(__import__(module_name, fromlist=[name]), name)
+    module = __import__(module_name, fromlist=[name])
+    if internal is torch_internals.ZIP_SAVE:  # torch.save itself calls it: changed (a parameter renamed), not gone
+        original = getattr(module, name)
+        setattr(
+            module,
+            name,
+            lambda obj, zip_file, pickle_module, pickle_protocol, renamed: original(
+                obj, zip_file, pickle_module, pickle_protocol, renamed
+            ),
+        )
+    else:
+        delattr(module, name)
     strategy = dist_writer.InRankSaveStrategy()
     weight = torch.arange(16.0).reshape(4, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", weight, replica_id=0)}, root, sharded_strategy=strategy)
+        dist_checkpointing.save(
+            {"w": ShardedTensor.from_rank_offsets("w", weight, replica_id=0)}, root, sharded_strategy=strategy
+        )
     loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4), replica_id=0)}, root)
     messages = [str(w.message) for w in caught if internal.name in str(w.message)]
     return {"warned": messages, "threads": strategy.last_threads, "loaded": torch.equal(loaded["w"], weight)}
 
 
-@pytest.mark.parametrize("internal_index", range(3))
+@pytest.mark.parametrize("internal_index", range(4))
 def test_an_in_rank_writer_internal_gone_falls_back_to_megatrons_writer_naming_it(tmp_path, internal_index):
     """Removed from the module the adapter reads (megatron's strategy module keeps its own bindings, so its
-    writer still runs). The torch-strategy helpers megatron's writer calls by module name themselves cannot be
-    removed without removing that writer too: a release without them changes megatron's strategy as well."""
+    writer still runs), or changed where torch.save itself calls it. The torch-strategy helpers megatron's writer
+    calls by module name themselves (and ``_StorageInfo``, ``PyTorchFileWriter``) cannot be removed without
+    removing that writer too: a release without them changes megatron's strategy as well."""
     report = run_on_ranks(_save_without, 1, ParallelSizes(), args=(internal_index, str(tmp_path)))[0]
     assert report["loaded"] and report["threads"] == 0  # megatron's forked writer wrote it
     assert report["warned"] and "forked writer" in report["warned"][0]
+
+
+def test_an_item_without_record_crc_is_torch_saves_archive_and_loads_back():
+    """The in-rank writer's tensor item: the bytes torch.save writes with its (process-wide) CRC switch off,
+    and what DCP's reader does with them (torch.load) gives the tensor back; torch.save's own setting is
+    left as it was."""
+    import io
+
+    from verl.utils.internals import torch as torch_internals
+
+    tensor = torch.randn(3, 5)
+    ours = io.BytesIO()
+    torch_internals.save_without_record_crc(tensor, ours)
+    assert torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        theirs = io.BytesIO()
+        torch.save(tensor, theirs)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert ours.getvalue() == theirs.getvalue()
+    ours.seek(0)
+    assert torch.equal(torch.load(ours, weights_only=True), tensor)
+
+
+def test_items_split_into_files_of_about_equal_bytes_and_a_rank_with_none_writes_one_empty_file():
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    def item(name: str, numel: int) -> WriteItem:
+        chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([numel]))
+        data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size([numel]))
+        return WriteItem(index=MetadataIndex(name), type=WriteItemType.TENSOR, tensor_data=data)
+
+    items = [
+        item("a", 100),
+        item("b", 60),
+        item("c", 50),
+        item("d", 10),
+        WriteItem(index=MetadataIndex("obj"), type=WriteItemType.BYTE_IO),
+    ]
+    files = dist_writer.split_items(items, 2)
+    assert sorted(sum(dist_writer.item_bytes(i) for i in f) for f in files) == [440, 440]
+    assert sorted(i.index.fqn for f in files for i in f) == ["a", "b", "c", "d", "obj"]
+    assert dist_writer.split_items(items[:1], 4) == [items[:1]]  # no empty files beside one with items
+    assert dist_writer.split_items([], 2) == [[]]

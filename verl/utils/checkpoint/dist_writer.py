@@ -4,8 +4,15 @@ megatron's torch_dist strategy writes every save through ``FileSystemWriterAsync
 process per file bucket from the whole rank (page tables of a GiB-sized process, twice per checkpoint, even for
 the few KB of RNG state), waits for and reaps them, and reports through a results queue that a spawned manager
 process serves (started by a process's first save). This module keeps megatron's planning (same planner, keys,
-file names and ``.metadata``: the format upstream verl reads) and writes with torch DCP's own
-``FileSystemWriter`` in threads of the rank (``torch.save`` and the writes release the GIL), each file fsynced.
+file names and ``.metadata``: the format upstream verl reads) and writes the files torch DCP's
+``FileSystemWriter`` writes, in threads of the rank (``torch.save`` and the writes release the GIL).
+
+What a save's bytes cost beyond the copy into the page cache: DCP ``torch.save``s each tensor item (a zip
+archive, which ``torch.load`` reads back: the reader's requirement, so the format stays) and computes a CRC-32
+of every record, ~40% of a 460 MiB optimizer's serialization CPU here; the step's manifest already has a CRC-32
+of every whole file, so the items are written without record CRCs. The manager's save does not fsync here
+(``fsync=False``): its sealer fsyncs each file in the background while the HF export runs, and the step commit
+fsyncs the whole tree before its rename (tests/test_dist_writer.py audits that).
 
 Threads per save (``writer_threads``): one per ``BYTES_PER_THREAD`` of this rank's bytes, at most the cores
 this rank may use (the CPUs of its affinity mask shared by the local ranks) and ``MAX_THREADS``. A thread below
@@ -27,12 +34,15 @@ import math
 import os
 import traceback
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from verl.utils.internals import InternalsChangedError, megatron_core
 from verl.utils.internals import torch as torch_internals
@@ -57,24 +67,46 @@ def writer_threads(nbytes: int, cores: int | None = None) -> int:
     return max(1, min(math.ceil(nbytes / BYTES_PER_THREAD), cores, MAX_THREADS))
 
 
+def item_bytes(item: WriteItem) -> int:
+    """A tensor item's bytes; 0 for a bytes item (a few KB of objects)."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
 def planned_bytes(plan: SavePlan) -> int:
-    """The tensor bytes a rank's save plan writes (bytes items, a few KB of objects, are not counted)."""
-    total = 0
-    for item in plan.items:
-        if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
-            total += math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
-    return total
+    """The tensor bytes a rank's save plan writes (bytes items are not counted)."""
+    return sum(item_bytes(item) for item in plan.items)
+
+
+def split_items(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
+    """``items`` in at most ``count`` files of about equal bytes: the largest item first to the file
+    with the fewest bytes so far (bytes items last, to whichever file is then lightest)."""
+    files: list[list[WriteItem]] = [[] for _ in range(max(1, count))]
+    loads = [0] * len(files)
+    for item in sorted(items, key=item_bytes, reverse=True):
+        lightest = loads.index(min(loads))
+        files[lightest].append(item)
+        loads[lightest] += item_bytes(item)
+    nonempty = [items_of_file for items_of_file in files if items_of_file]
+    return nonempty or [[]]  # a rank with nothing to write: one empty file, as DCP writes
 
 
 class InRankWriter(FileSystemWriter):
-    """DCP's file-system writer (one file per thread, each fsynced; ``.metadata`` fsynced, then renamed into
-    place) as megatron's planning drives it: the plan is made without a collective where it can be, and the
-    write runs when the caller says (``write``), not inside planning."""
+    """DCP's file-system writer (one file per thread; ``.metadata`` written, then renamed into place) as
+    megatron's planning drives it: the plan is made without a collective where it can be, and the write runs
+    when the caller says (``write``), not inside planning.
+
+    The files are the ones DCP's ``FileSystemWriter`` writes (each tensor item one ``torch.save`` archive at an
+    offset, each bytes item its raw bytes; file names, offsets and lengths in ``.metadata``), written by
+    ``write_file``: the archives without record CRCs (``save_without_record_crc``) and, with ``fsync=False``,
+    no fsync (the caller makes them durable: the manager's sealer fsyncs each file while the HF export
+    runs, and the step commit fsyncs the tree before its rename)."""
 
     can_run_decentralized_global_plan = True  # megatron's planner then names files per rank, as its writer does
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+    def __init__(self, path: str | os.PathLike, fsync: bool = True) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=fsync, thread_count=1, overwrite=True)
         self._planned: tuple[SavePlan, SavePlanner] | None = None
         self._results: list | tuple | None = None
 
@@ -91,21 +123,44 @@ class InRankWriter(FileSystemWriter):
         self._planned = (plan, planner)
 
     def write(self, threads: int | None = None) -> int:
-        """Write this rank's files; returns the threads used. A failure is kept for ``retrieve_write_results``
-        (megatron's finalize then fails the save on every rank, naming this one), not raised here."""
+        """Write this rank's files, one per thread; returns the threads used. A failure is kept for
+        ``retrieve_write_results`` (megatron's finalize then fails the save on every rank, naming this one),
+        not raised here."""
         plan, planner = self._planned
         self.thread_count = threads or writer_threads(planned_bytes(plan))
+        files = split_items(plan.items, self.thread_count)
+        names = [f"{plan.storage_data.prefix}{index}{DEFAULT_SUFFIX}" for index in range(len(files))]
         try:
-            results = self.write_data(plan, planner).wait()
-            if len(results) != len(plan.items):
-                raise RuntimeError(
-                    f"writing {self.path}: {len(plan.items) - len(results)} of {len(plan.items)} items were not "
-                    "written (a writer thread failed; its traceback is on stderr)"
-                )
-            self._results = results
+            with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="dist-writer") as pool:
+                written = list(pool.map(self.write_file, names, files, [planner] * len(files)))
+            self._results = [result for results in written for result in results]
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the finalize
             self._results = (exc, traceback.extract_tb(exc.__traceback__))  # DCP's WRAPPED_EXCEPTION
         return self.thread_count
+
+    def write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        """One file of ``items``, bytes items first (as DCP orders them); each item's place in the results."""
+        storage_info = torch_internals.dcp_storage_info()
+        results = []
+        with open(os.path.join(self.path, name), "wb") as stream:
+            for item in sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO):
+                data = planner.resolve_data(item)
+                offset = stream.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(data.getbuffer())
+                else:
+                    tensor = data.detach().cpu()
+                    if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                        tensor = tensor.clone()  # a view: torch.save would write its whole storage
+                    torch_internals.save_without_record_crc(tensor, stream)
+                length = stream.tell() - offset
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, offset, length))
+                )
+            if self.sync_files:
+                stream.flush()
+                os.fsync(stream.fileno())
+        return results
 
     def retrieve_write_results(self) -> list | tuple:
         """This rank's write results, or its failure as DCP wraps one (what megatron's finalize gathers)."""
@@ -118,15 +173,17 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
     """megatron's torch_dist save strategy whose sync ``save`` writes in the rank's threads (``InRankWriter``)
     and reuses its plan from the second save; ``async_save`` stays megatron's (a forked writer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fsync: bool = True) -> None:
         super().__init__("torch_dist", 1, cached_metadata=True)
+        self.fsync = fsync  # False: the caller fsyncs every file before it relies on them (the step commit)
         self.last_threads = 0  # writer threads of the last sync save (0: megatron's writer took it)
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
         reuse = _everyone_agrees(self.cached_central_plan is not None)
-        writer = InRankWriter(checkpoint_dir)
+        writer = InRankWriter(checkpoint_dir, self.fsync)
         try:
-            torch_internals.DCP_STORAGE_PREFIX.get()  # checked before planning, like the megatron internals
+            for internal in torch_internals.IN_RANK_WRITER:  # checked before planning, like the megatron internals
+                internal.get()
             metadata, dist_wrapper = megatron_core.plan_torch_dist_save(self, sharded_state_dict, writer, reuse)
         except InternalsChangedError as exc:
             warnings.warn(f"{exc} This save is written by megatron's forked writer processes.", stacklevel=2)

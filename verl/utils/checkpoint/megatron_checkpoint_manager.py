@@ -416,7 +416,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             structure = sharded_structure(state)
             known = self._save_strategies.get(content)
             fresh = known is None or known[0] != structure
-            strategy = dist_writer.InRankSaveStrategy() if fresh else known[1]  # sync saves: written in-rank
+            strategy = dist_writer.InRankSaveStrategy(fsync=False) if fresh else known[1]  # in-rank; sealer + commit fsync
             if content == "optimizer":
                 self._planned_optimizer_layout = optimizer_layout(self.optimizer)
             request = save_dist_checkpointing(

@@ -7,11 +7,15 @@ Contract: tests/test_internals_contract.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import warnings
+from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
+from torch.utils.serialization import config as serialization_config
 
 from verl.utils.internals import Internal, InternalsChangedError, warn_if_untested
 
@@ -31,7 +35,24 @@ DCP_STORAGE_INFO = Internal(
 DCP_STORAGE_PREFIX = Internal(
     "torch", "torch.distributed.checkpoint.filesystem:_StoragePrefix", "the sync dist-checkpoint save's in-rank writer"
 )
-INTERNALS = (DYNAMO_DISABLE, DEFAULT_STORE, STORAGE_CDATA, ALLOCATOR_SETTINGS, DCP_STORAGE_INFO, DCP_STORAGE_PREFIX)
+ZIP_WRITER = Internal("torch", "torch._C:PyTorchFileWriter", "the in-rank writer's tensor items without a record CRC")
+ZIP_SAVE = Internal(
+    "torch",
+    "torch.serialization:_save",
+    "the in-rank writer's tensor items without a record CRC",
+    params=("obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"),
+)
+IN_RANK_WRITER = (DCP_STORAGE_INFO, DCP_STORAGE_PREFIX, ZIP_WRITER, ZIP_SAVE)  # what dist_writer's write needs
+INTERNALS = (
+    DYNAMO_DISABLE,
+    DEFAULT_STORE,
+    STORAGE_CDATA,
+    ALLOCATOR_SETTINGS,
+    DCP_STORAGE_INFO,
+    DCP_STORAGE_PREFIX,
+    ZIP_WRITER,
+    ZIP_SAVE,
+)
 
 
 def disable_dynamo() -> None:
@@ -88,6 +109,27 @@ def dcp_storage_prefix(prefix: str) -> object:
     rank that plans without a collective sets itself (``__<rank>_``, as megatron's writer does). Without it:
     ``InternalsChangedError``, and the in-rank writer falls back to megatron's (dist_writer.py)."""
     return DCP_STORAGE_PREFIX.get()(prefix)
+
+
+def save_without_record_crc(tensor: torch.Tensor, stream: BinaryIO) -> None:
+    """``torch.save(tensor, stream)`` with no CRC-32 computed for its zip records: the same archive ``torch.load``
+    reads (it does not check record CRCs; the fields are 0), ~40% less CPU for a dist-checkpoint item, where
+    the step's manifest holds a CRC-32 of the whole file anyway. torch's only public switch,
+    ``set_crc32_options``, is process-wide, and would reach every other thread's ``torch.save`` during a save;
+    this builds the writer ``torch.save`` builds (``torch._C.PyTorchFileWriter``, then
+    ``torch.serialization._save``) with the flag off for this call alone. Raises ``InternalsChangedError``
+    before writing anything where either is gone (the in-rank writer then writes through DCP's own)."""
+    writer_type, save = ZIP_WRITER.get(), ZIP_SAVE.get()
+    writer = writer_type(stream, False, serialization_config.save.storage_alignment)
+    try:
+        save(tensor, writer, pickle, 2, False)
+    except BaseException:
+        # finished even so (torch.save does too: an unfinished writer's destructor aborts the process); the
+        # write's own error (ENOSPC, EFBIG) is the one raised, not the writer's complaint about the short archive
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
+    writer.write_end_of_file()
 
 
 def set_allocator_expandable_segments(enable: bool) -> None:
