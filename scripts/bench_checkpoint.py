@@ -263,7 +263,7 @@ def _save(actor, step_dir: str, step: int, peak: PeakRSS) -> dict:
     out = {"rss_before": rss_now()}
     ended: list[float] = []
     peak.start()
-    out["save_s"] = _timed_collective(lambda: (actor.save_checkpoint(step_dir, step), ended.append(time.monotonic())))
+    out["save_s"] = _timed_collective(lambda: (actor.save_checkpoint(step_dir, global_step=step), ended.append(time.monotonic())))
     out["peak"] = peak.stop()
     if torch.distributed.get_rank() == 0:
         out["phases"] = dict(actor.checkpoint_manager.last_save.phase_seconds)  # the save's report, commit step included
@@ -303,7 +303,7 @@ def _save_async(actor, step_dir: str, step: int, peak: PeakRSS, mode: str | None
     torch.distributed.barrier()
     rss_before = rss_now()
     peak.start()
-    out = {"blocked_s": _timed_collective(actor.save_checkpoint, step_dir, step), "rss_before": rss_before}
+    out = {"blocked_s": _timed_collective(lambda: actor.save_checkpoint(step_dir, global_step=step)), "rss_before": rss_before}
     report = manager.last_save
     out["mode"] = report.mode.value
     out["from_snapshot"] = report.mode is AsyncMode.SNAPSHOT

@@ -149,7 +149,7 @@ def rank_main(model_path: str, work: str, pairs: int) -> dict:
             if side == "ours":
                 sampler = RssSampler()
                 start = time.monotonic()
-                actor.save_checkpoint(step_dir, index + 1)
+                actor.save_checkpoint(step_dir, global_step=index + 1)
                 pair["ours_s"] = time.monotonic() - start
                 pair["rss"] = sampler.stop()
                 report = actor.checkpoint_manager.last_save

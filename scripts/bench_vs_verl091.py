@@ -98,7 +98,7 @@ def build_saver(side: str, model_path: str, seed: int):
         prime_optimizer(actor.model, actor.optimizer, actor.scheduler, seed)
 
         def save(step_dir: str, step: int) -> dict:
-            actor.save_checkpoint(step_dir, step)  # sync: returns once the step is committed
+            actor.save_checkpoint(step_dir, global_step=step)  # sync: returns once the step is committed
             report = actor.checkpoint_manager.last_save
             return {"mode": report.mode.value, "phases": dict(report.phase_seconds)}
 
