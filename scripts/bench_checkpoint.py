@@ -320,13 +320,13 @@ def _save_async(actor, step_dir: str, step: int, peak: PeakRSS, mode: str | None
 def bench_rank(model_path: str, work: str) -> dict:
     import torch
 
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
     rank = torch.distributed.get_rank()
     out: dict = {"rank": rank, "rss_runtime": rss_now()}
     peak = PeakRSS()
     start = time.monotonic()
-    actor = MegatronActor(ActorSettings(model_path=model_path, dtype=torch.float32), manager_cls=_mode_choosing_manager())
+    actor = MegatronEngine(ActorSettings(model_path=model_path, dtype=torch.float32), manager_cls=_mode_choosing_manager())
     data = torch.randint(4, 90, (4, 33), generator=torch.Generator().manual_seed(0))
     actor.train_step([data[:2], data[2:]])
     out["build_and_train_s"] = time.monotonic() - start

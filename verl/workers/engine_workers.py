@@ -332,6 +332,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         hdfs_path: str | None = None,
         global_step: int = 0,
         max_ckpt_to_keep: int | None = None,
+        *,
         step_files: dict[str, bytes] | None = None,
         track: bool = False,
     ) -> dict:
