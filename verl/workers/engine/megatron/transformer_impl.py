@@ -219,7 +219,8 @@ class MegatronEngine(BaseEngine):
         self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True, **kwargs: Any
     ) -> None:
         """Check the step (every rank fails together, before anything loads), then load it (upstream's arguments;
-        ``del_local_after_load`` removes only a remote checkpoint's local copy, so a local step is never removed).
+        upstream's ``del_local_after_load`` removes only a remote checkpoint's local copy: here there is none, so
+        the step is kept either way).
 
         The manager loads the weights before the optimizer state, so a bf16 run's fp32 master weights come from
         the checkpoint, never from the bf16 weights. Weights loaded without the optimizer state are copied into
