@@ -263,7 +263,7 @@ def _save(actor, step_dir: str, step: int, peak: PeakRSS) -> dict:
     out = {"rss_before": rss_now()}
     ended: list[float] = []
     peak.start()
-    out["save_s"] = _timed_collective(lambda: (actor.save_checkpoint(step_dir, step), ended.append(time.monotonic())))
+    out["save_s"] = _timed_collective(lambda: (actor.save_checkpoint(step_dir, global_step=step), ended.append(time.monotonic())))
     out["peak"] = peak.stop()
     if torch.distributed.get_rank() == 0:
         out["phases"] = dict(actor.checkpoint_manager.last_save.phase_seconds)  # the save's report, commit step included
@@ -286,7 +286,7 @@ def _save_async(actor, step_dir: str, step: int, peak: PeakRSS, mode: str) -> di
     torch.distributed.barrier()
     rss_before = rss_now()
     peak.start()
-    out = {"blocked_s": _timed_collective(actor.save_checkpoint, step_dir, step), "rss_before": rss_before}
+    out = {"blocked_s": _timed_collective(lambda: actor.save_checkpoint(step_dir, global_step=step)), "rss_before": rss_before}
     report = manager.last_save
     out["mode"] = report.mode.value
     out["from_snapshot"] = report.planned_in_background
@@ -303,13 +303,13 @@ def _save_async(actor, step_dir: str, step: int, peak: PeakRSS, mode: str) -> di
 def bench_rank(model_path: str, work: str) -> dict:
     import torch
 
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
     rank = torch.distributed.get_rank()
     out: dict = {"rank": rank, "rss_runtime": rss_now()}
     peak = PeakRSS()
     start = time.monotonic()
-    actor = MegatronActor(ActorSettings(model_path=model_path, dtype=torch.float32), )
+    actor = MegatronEngine(ActorSettings(model_path=model_path, dtype=torch.float32))
     data = torch.randint(4, 90, (4, 33), generator=torch.Generator().manual_seed(0))
     actor.train_step([data[:2], data[2:]])
     out["build_and_train_s"] = time.monotonic() - start

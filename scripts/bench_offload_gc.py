@@ -34,9 +34,9 @@ def _measure(model_path: str, cycles: int) -> dict:
 
     from verl.utils.host_memory import freeze_long_lived_objects
     from verl.utils.megatron_utils import load_megatron_model_to_gpu, offload_megatron_model_to_cpu
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor, MegatronReference
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine, MegatronReference
 
-    actor = MegatronActor(ActorSettings(model_path=model_path, dtype=torch.float32))
+    actor = MegatronEngine(ActorSettings(model_path=model_path, dtype=torch.float32))
     reference = MegatronReference(model_path)
 
     def cycle() -> float:

@@ -125,10 +125,10 @@ def rank_main(model_path: str, work: str, pairs: int) -> dict:
     import torch
 
     from verl.workers.config.optimizer import McoreOptimizerConfig
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
     torch.set_num_threads(1)
-    actor = MegatronActor(ActorSettings(model_path=model_path, dtype=torch.float32, optim=McoreOptimizerConfig(**interop.OPTIM)))
+    actor = MegatronEngine(ActorSettings(model_path=model_path, dtype=torch.float32, optim=McoreOptimizerConfig(**interop.OPTIM)))
     prime_optimizer(actor.model, actor.optimizer, actor.scheduler, interop.SEED)
     state = state_bytes(actor)
     plain_path = os.path.join(work, "plain.safetensors")
@@ -149,7 +149,7 @@ def rank_main(model_path: str, work: str, pairs: int) -> dict:
             if side == "ours":
                 sampler = RssSampler()
                 start = time.monotonic()
-                actor.save_checkpoint(step_dir, index + 1)
+                actor.save_checkpoint(step_dir, global_step=index + 1)
                 pair["ours_s"] = time.monotonic() - start
                 pair["rss"] = sampler.stop()
                 report = actor.checkpoint_manager.last_save

@@ -5,7 +5,7 @@ The same Qwen3-MoE (``scripts/bench_checkpoint.py``'s ``make_model``: hidden 512
 ~60M parameters, written once), ``use_distributed_optimizer=False``, save contents model / optimizer / extra /
 hf_model, each side's default ``use_dist_checkpointing`` (False: the model is kept as HF weights), sync mode:
 
-* **ours**: ``MegatronActor.save_checkpoint`` (``verl/workers/megatron_rank.py``), the worker's path with the
+* **ours**: ``MegatronEngine.save_checkpoint`` (``verl/workers/engine/megatron/transformer_impl.py``), the worker's path with the
   product's defaults: staging directory, the manager's parts, then the commit step (HF folder verified against
   the config, manifest with CRC-32 checksums, fsync of the tree, rename into place); it returns once committed;
 * **verl 0.9.1**: its ``MegatronCheckpointManager.save_checkpoint`` (it returns once its ``ckpt_contents.json``
@@ -90,15 +90,15 @@ def build_saver(side: str, model_path: str, seed: int):
     from verl.workers.config.optimizer import McoreOptimizerConfig
 
     if side == "ours":
-        from verl.workers.megatron_rank import ActorSettings, MegatronActor
+        from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
-        actor = MegatronActor(
+        actor = MegatronEngine(
             ActorSettings(model_path=model_path, dtype=torch.float32, optim=McoreOptimizerConfig(**interop.OPTIM))
         )
         prime_optimizer(actor.model, actor.optimizer, actor.scheduler, seed)
 
         def save(step_dir: str, step: int) -> dict:
-            actor.save_checkpoint(step_dir, step)  # sync: returns once the step is committed
+            actor.save_checkpoint(step_dir, global_step=step)  # sync: returns once the step is committed
             report = actor.checkpoint_manager.last_save
             return {"mode": report.mode.value, "phases": dict(report.phase_seconds)}
 

@@ -2,7 +2,7 @@
 
 Everything else in the project runs on CPU ranks over gloo. This joins a one-rank process group (NCCL on
 ``--device cuda``, gloo on ``--device cpu``), builds the embedded tiny Qwen3-MoE through the bridge into
-Megatron DDP with megatron's optimizer (the project's ``MegatronActor``), and runs one row per check:
+Megatron DDP with megatron's optimizer (the project's ``MegatronEngine``), and runs one row per check:
 
 - ``environment``: the device, the backend and the versions imported (megatron-core from where);
 - ``offload DO=False`` / ``offload DO=True``: ``get_megatron_module_device`` resident / offloaded / reloaded,
@@ -122,11 +122,11 @@ def _differing(before: dict, after: dict) -> list[str]:
 
 
 def _actor(ctx: Context, **settings):
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
     manager_cls = settings.pop("manager_cls", None)
     kwargs = {"manager_cls": manager_cls} if manager_cls is not None else {}
-    return MegatronActor(ActorSettings(model_path=ctx.model_path, **settings), **kwargs)
+    return MegatronEngine(ActorSettings(model_path=ctx.model_path, **settings), **kwargs)
 
 
 @dataclasses.dataclass

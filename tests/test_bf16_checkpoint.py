@@ -47,9 +47,9 @@ def _batches(seed: int) -> list[torch.Tensor]:
 
 
 def _actor(src: str, dtype: torch.dtype, use_distributed_optimizer: bool, **settings):
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
-    return MegatronActor(ActorSettings(model_path=src, dtype=dtype, use_distributed_optimizer=use_distributed_optimizer, **settings))
+    return MegatronEngine(ActorSettings(model_path=src, dtype=dtype, use_distributed_optimizer=use_distributed_optimizer, **settings))
 
 
 def _save_load_save(src: str, root: str, use_distributed_optimizer: bool) -> dict:

@@ -39,9 +39,9 @@ def _batches(seed: int) -> list[torch.Tensor]:
 
 
 def _actor(src: str, manager_cls=MegatronCheckpointManager, **settings):
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
-    return MegatronActor(ActorSettings(model_path=src, **settings), manager_cls=manager_cls)
+    return MegatronEngine(ActorSettings(model_path=src, **settings), manager_cls=manager_cls)
 
 
 def _step_path(root: str, step: int) -> str:

@@ -15,9 +15,9 @@ def _prompts(rows: int) -> torch.Tensor:
 
 def _build(model_path: str, micro_batch_size: int = 2, temperature: float = 1.0):
     from verl.workers.actor.megatron_actor import MegatronPPOActor, PPOActorSettings
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
-    actor = MegatronActor(ActorSettings(model_path=model_path, lr=1e-3))
+    actor = MegatronEngine(ActorSettings(model_path=model_path, lr=1e-3))
     settings = PPOActorSettings(response_length=RESPONSE_LEN, temperature=temperature, micro_batch_size=micro_batch_size)
     return actor, MegatronPPOActor(settings, actor.model, actor.optimizer, actor.scheduler)
 
@@ -119,7 +119,7 @@ def _reference_kl_and_entropy(model_path: str) -> dict:
         load_megatron_model_to_gpu,
         offload_megatron_model_to_cpu,
     )
-    from verl.workers.megatron_rank import MegatronReference
+    from verl.workers.engine.megatron.transformer_impl import MegatronReference
 
     temperature, rows = 0.9, 8
     actor, ppo = _build(model_path, temperature=temperature)

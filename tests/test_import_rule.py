@@ -1,7 +1,10 @@
 """The import rule of docs/design.md ("Which package imports which"), enforced on every module of ``verl/``.
 
 Each ``verl`` import (module level or inside a function: a lazy import still ties the layers) is checked
-against ``ALLOWED``; the two exceptions upstream's layout brings are listed by module, not by layer.
+against ``ALLOWED``; the two exceptions upstream's layout brings are listed by module, not by layer. Inside
+``verl/workers/`` the engine (one rank) imports neither Ray's side nor the worker, and the two import paths
+from before upstream's engine layout only re-export their new home, which no module of ``verl/`` imports
+them for.
 """
 
 from __future__ import annotations
@@ -29,6 +32,20 @@ EXCEPTIONS = {
 }
 # verl/utils/internals/ (one adapter per dependency) imports no other verl package.
 SELF_CONTAINED = "verl.utils.internals"
+# (importing module, imported module) inside a layer: the rank's engine runs without Ray and without its worker.
+FORBIDDEN = {
+    ("verl.workers.engine", "verl.single_controller"),
+    ("verl.workers.engine", "verl.workers.engine_workers"),
+}
+# The import paths from before upstream's engine layout (#6067) -> the module they re-export; nothing else in them.
+REEXPORTS = {
+    "verl.workers.megatron_rank": "verl.workers.engine.megatron.transformer_impl",
+    "verl.workers.megatron_workers": "verl.workers.engine_workers",
+}
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
@@ -53,6 +70,8 @@ def _imported(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, s
 
 
 def _allowed(importer: str, imported: str) -> bool:
+    if any(_under(importer, a) and _under(imported, b) for a, b in FORBIDDEN) or imported in REEXPORTS:
+        return False
     if importer.startswith(SELF_CONTAINED):
         return imported.startswith(SELF_CONTAINED)
     source, target = importer.split(".")[1:2], imported.split(".")[1:2]
@@ -63,12 +82,29 @@ def _allowed(importer: str, imported: str) -> bool:
     return target[0] in ALLOWED.get(source[0], set())
 
 
+def _not_a_reexport(tree: ast.Module, target: str) -> list[tuple[int, str]]:
+    """Statements of an import path other than its docstring, ``__all__`` and imports from ``target``."""
+    found = []
+    for node in tree.body:
+        docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        names_all = isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+        from_target = isinstance(node, ast.ImportFrom) and node.module == target and not node.level
+        if not (docstring or names_all or from_target):
+            found.append((node.lineno, type(node).__name__))
+    return found
+
+
 def import_rule_violations(root: pathlib.Path) -> list[str]:
-    """``path:line: importer imports imported`` for each import of a module under ``root/verl`` that breaks the rule."""
+    """``path:line: importer imports imported`` for each import of a module under ``root/verl`` that breaks the
+    rule, and ``path:line: module defines <statement>`` for code in an import path that only re-exports."""
     problems = []
     for path in sorted((root / "verl").rglob("*.py")):
         module = _module_name(path, root)
-        for line, imported in _imported(ast.parse(path.read_text()), module, path.name == "__init__.py"):
+        tree = ast.parse(path.read_text())
+        if module in REEXPORTS:
+            problems += [f"{path.relative_to(root)}:{line}: {module} defines {kind}" for line, kind in _not_a_reexport(tree, REEXPORTS[module])]
+            continue
+        for line, imported in _imported(tree, module, path.name == "__init__.py"):
             if not _allowed(module, imported):
                 problems.append(f"{path.relative_to(root)}:{line}: {module} imports {imported}")
     return problems
@@ -93,3 +129,19 @@ def test_an_upward_import_is_reported(tmp_path):
     assert len(problems) == 2
     assert any(p.endswith("verl.utils.checkpoint.integrity imports verl.models.support") for p in problems)
     assert any(p.endswith("verl.utils.internals.torch imports verl.utils") for p in problems)
+
+
+def test_the_engine_and_the_old_import_paths_are_reported(tmp_path):
+    shutil.copytree(REPO / "verl", tmp_path / "verl", ignore=shutil.ignore_patterns("__pycache__"))
+    workers = tmp_path / "verl" / "workers"
+    engine = workers / "engine" / "megatron" / "transformer_impl.py"
+    engine.write_text(engine.read_text() + "\n\ndef _late():\n    from verl.single_controller.base.decorator import register\n")
+    old_rank = workers / "megatron_rank.py"
+    old_rank.write_text(old_rank.read_text() + "\n\ndef helper():\n    return None\n")
+    trainer = tmp_path / "verl" / "trainer" / "ppo" / "ray_trainer.py"
+    trainer.write_text(trainer.read_text() + "\nfrom verl.workers.megatron_workers import ActorRolloutRefWorker as _Old\n")
+    problems = import_rule_violations(tmp_path)
+    assert len(problems) == 3, problems
+    assert any(p.endswith("verl.workers.engine.megatron.transformer_impl imports verl.single_controller.base.decorator") for p in problems)
+    assert any(p.endswith("verl.workers.megatron_rank defines FunctionDef") for p in problems)
+    assert any(p.endswith("verl.trainer.ppo.ray_trainer imports verl.workers.megatron_workers") for p in problems)

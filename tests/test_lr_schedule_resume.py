@@ -21,10 +21,10 @@ def _batches(step: int) -> list[torch.Tensor]:
 
 
 def _actor(src: str, optim: McoreOptimizerConfig, distributed: bool):
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
     settings = ActorSettings(model_path=src, optim=optim, use_distributed_optimizer=distributed, save_contents=("model", "optimizer", "extra"))
-    return MegatronActor(settings)
+    return MegatronEngine(settings)
 
 
 def _train(actor, steps: range) -> list[float]:

@@ -22,11 +22,11 @@ def _batches(seed: int) -> list[torch.Tensor]:
 
 
 def _actor(src: str, **settings):
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
     wrap_bridge = settings.pop("wrap_bridge", None)
     manager_cls = settings.pop("manager_cls", MegatronCheckpointManager)
-    return MegatronActor(ActorSettings(model_path=src, **settings), wrap_bridge=wrap_bridge, manager_cls=manager_cls)
+    return MegatronEngine(ActorSettings(model_path=src, **settings), wrap_bridge=wrap_bridge, manager_cls=manager_cls)
 
 
 def _hf_state(path: str) -> dict:

@@ -24,12 +24,12 @@ WORLD = 2
 
 
 def _train_and_save(src: str, root: str) -> None:
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
     batch = torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))
     for use_dist_checkpointing in (True, False):
         settings = ActorSettings(model_path=src, use_dist_checkpointing=use_dist_checkpointing, save_contents=("model", "optimizer", "extra"))
-        actor = MegatronActor(settings)
+        actor = MegatronEngine(settings)
         actor.train_step([batch])
         actor.save_checkpoint(os.path.join(root, f"dc_{use_dist_checkpointing}", "global_step_1", "actor"), global_step=1)
         if use_dist_checkpointing:

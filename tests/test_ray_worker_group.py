@@ -182,7 +182,7 @@ def test_actor_worker_async_save_is_pending_until_finalized(local_ray, tiny_moe_
     from omegaconf import OmegaConf
 
     from verl.utils.checkpoint.integrity import verify_checkpoint
-    from verl.workers.megatron_workers import ActorRolloutRefWorker
+    from verl.workers.engine_workers import ActorRolloutRefWorker
 
     megatron = "actor_rollout_ref.actor.megatron."
     overrides = [f"{megatron}tensor_model_parallel_size=1", f"{megatron}pipeline_model_parallel_size=1",

@@ -327,9 +327,9 @@ MAX_FILES, MAX_FUNCTIONS = 27, 148
 def _profiled_sync_save(model_path: str, root: str) -> list[tuple[str, str]]:
     import sys
 
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
-    actor = MegatronActor(ActorSettings(model_path=model_path))
+    actor = MegatronEngine(ActorSettings(model_path=model_path))
     package = os.path.join(REPO, "verl") + os.sep
     entered = set()
     path = layout.role_dir(root, 1, "actor")

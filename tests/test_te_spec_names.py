@@ -94,11 +94,11 @@ def _checkpoint_on_te_spec(src: str, root: str, async_mode: str | None, use_dist
     """One rank: a TE-spec actor steps its optimizer once (gradients set directly: the stand-in runs no
     forward), saves the step through the worker's path (the manager, then the commit step), and a second
     actor loads it back."""
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
     writer = {"async_save": async_mode is not None, "async_mode": async_mode or "background_write"}
     settings = ActorSettings(model_path=src, use_dist_checkpointing=use_dist_checkpointing, **writer)
-    actor = MegatronActor(settings)
+    actor = MegatronEngine(settings)
     generator = torch.Generator().manual_seed(0)  # the same on every rank: replicas stay equal
     for chunk in actor.model:
         for param in chunk.parameters():
@@ -109,7 +109,7 @@ def _checkpoint_on_te_spec(src: str, root: str, async_mode: str | None, use_dist
     if actor.save_checkpoint(path, global_step=1):
         assert actor.finalize_checkpoint(blocking=True) == path
     report = actor.checkpoint_manager.last_save
-    other = MegatronActor(settings)
+    other = MegatronEngine(settings)
     other.load_checkpoint(path)
     loaded = other.parameters_snapshot()
     return {

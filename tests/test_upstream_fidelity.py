@@ -64,15 +64,15 @@ def test_upstream_only_options_are_refused_by_name(name):
 
 
 def _save_and_reload(src: str, root: str, use_dist_checkpointing: bool) -> dict:
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
     settings = ActorSettings(model_path=src, save_contents=("model", "optimizer", "extra"), use_dist_checkpointing=use_dist_checkpointing)
-    actor = MegatronActor(settings)
+    actor = MegatronEngine(settings)
     batch = torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))
     actor.train_step([batch])
     path = os.path.join(root, "global_step_1", "actor")
     actor.save_checkpoint(path, global_step=1)
-    fresh = MegatronActor(settings)
+    fresh = MegatronEngine(settings)
     fresh.load_checkpoint(path)
     saved, loaded = actor.parameters_snapshot(), fresh.parameters_snapshot()
     return {"equal": all(torch.equal(saved[k], loaded[k]) for k in saved), "path": path}

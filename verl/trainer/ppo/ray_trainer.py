@@ -56,7 +56,7 @@ from verl.utils.dataset.rl_dataset import left_pad, left_pad_attention_mask
 from verl.utils.reward_score import default_compute_score
 from verl.utils.tracking import Tracking
 from verl.workers.config import MegatronActorConfigs, build_megatron_actor_configs
-from verl.workers.megatron_workers import ActorRolloutRefWorker
+from verl.workers.engine_workers import ActorRolloutRefWorker
 
 METRICS_FILENAME = "metrics.jsonl"
 REWARD_PLOT_FILENAME = "reward_curve.png"

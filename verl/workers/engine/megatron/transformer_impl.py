@@ -1,0 +1,300 @@
+"""The Megatron engine of one rank (upstream's ``verl/workers/engine/megatron/transformer_impl.py``):
+HF model -> bridge -> DDP model, optimizer, scheduler and checkpoint manager, built in ``MegatronEngine``'s
+constructor; its ``save_checkpoint`` runs the step transaction around the manager's save, its
+``load_checkpoint`` checks the step before the manager loads it. ``MegatronReference``: the reference policy,
+the same HF model -> bridge -> a frozen model that is never trained or saved.
+
+The Ray worker (``verl.workers.engine_workers``) and the tests both drive a rank through these classes;
+parallel state must already be initialised on the rank (``ParallelSizes.initialize_megatron``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from verl.models.mcore import load_hf_config, make_bridge
+from verl.models.mcore.forward import compute_log_probs, forward_logits, train_step
+from verl.models.mcore.model import build_megatron_model
+from verl.utils.checkpoint import commit, finite, precision
+from verl.utils.checkpoint.checkpoint_manager import config_get
+from verl.utils.checkpoint.integrity import CheckpointError
+from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout
+from verl.utils.checkpoint.step_commit import CommittedStep, StepCommit, StepSpec
+from verl.utils.host_memory import release_free_heap
+from verl.utils.megatron.optimizer import (
+    get_megatron_optimizer,
+    get_megatron_optimizer_and_scheduler,
+    get_megatron_optimizer_param_scheduler,
+    init_megatron_optim_config,
+)
+from verl.workers.engine.base import BaseEngine
+
+
+@dataclasses.dataclass
+class ActorSettings:
+    """One rank's actor. ``optim`` / ``checkpoint``: the typed configs the worker builds from the Hydra node
+    (``verl.workers.config.build_megatron_actor_configs``); when given they are used whole and the plain
+    fields they cover (lr .. weight_decay, save_contents .. async_mode) are ignored."""
+
+    model_path: str
+    use_distributed_optimizer: bool = False
+    lr: float = 3e-3
+    clip_grad: float = 1.0
+    weight_decay: float = 0.0
+    dtype: torch.dtype = torch.float32
+    save_contents: tuple[str, ...] = ("model", "optimizer", "extra", "hf_model")
+    load_contents: tuple[str, ...] | None = None
+    strict_hf_verify: bool = True
+    async_save: bool = False
+    async_mode: str = "background_write"
+    use_dist_checkpointing: bool = False
+    optim: Any = None
+    checkpoint: Any = None
+    refuse_unsupported: bool = True  # False: build a config verl.models.support refuses (to show what it prevents)
+
+    def checkpoint_config(self) -> Any:
+        if self.checkpoint is not None:
+            return self.checkpoint
+        return {
+            "save_contents": list(self.save_contents),
+            "load_contents": list(self.load_contents or self.save_contents),
+            "strict_hf_verify": self.strict_hf_verify,
+            "async_save": self.async_save,
+            "async_mode": self.async_mode,
+        }
+
+    def schedule_from_checkpoint(self) -> bool:
+        """Where a load takes the LR schedule's settings from (its position is always restored): upstream's
+        ``optim.use_checkpoint_opt_param_scheduler`` (default False: this config) when the typed config is
+        given; the plain settings' schedule is the checkpoint's, as their scheduler is built."""
+        return bool(self.optim.use_checkpoint_opt_param_scheduler) if self.optim is not None else True
+
+
+class MegatronEngine(BaseEngine):
+    """One rank's actor, built whole by the constructor (upstream builds it in ``initialize``, which this
+    engine has not: nothing is half-built here). ``verl.workers.megatron_rank.MegatronActor`` is this class."""
+
+    def __init__(self, settings: ActorSettings, wrap_bridge=None, manager_cls: type = MegatronCheckpointManager):
+        """``wrap_bridge(bridge)`` gives the object the manager saves HF weights through (tests observe
+        the real bridge with it); ``manager_cls`` replaces the checkpoint manager class."""
+        from transformers import AutoTokenizer
+
+        self.settings = settings
+        self.hf_config = load_hf_config(settings.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+        self.bridge = make_bridge(self.hf_config, dtype=settings.dtype, refuse_unsupported=settings.refuse_unsupported)
+        self.model = build_megatron_model(self.bridge, use_distributed_optimizer=settings.use_distributed_optimizer)
+        self.bridge.load_weights(self.model, settings.model_path)
+        release_free_heap()  # the load's temporary tensors, ~the model's size, would stay resident
+        self.optimizer, self.scheduler = self._build_optimizer(settings)
+        self.checkpoint_manager = manager_cls(
+            config={"model": {"path": settings.model_path}},
+            checkpoint_config=settings.checkpoint_config(),
+            model_config=self.hf_config,
+            transformer_config=self.bridge.config,
+            role="actor",
+            model=self.model,
+            arch=self.hf_config.architectures[0] if getattr(self.hf_config, "architectures", None) else None,
+            hf_config=self.hf_config,
+            param_dtype=settings.dtype,
+            share_embeddings_and_output_weights=bool(getattr(self.hf_config, "tie_word_embeddings", False)),
+            processing_class=self.tokenizer,
+            optimizer=self.optimizer,
+            optimizer_scheduler=self.scheduler,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+            use_checkpoint_opt_param_scheduler=settings.schedule_from_checkpoint(),
+            use_dist_checkpointing=settings.use_dist_checkpointing,
+            bridge=wrap_bridge(self.bridge) if wrap_bridge is not None else self.bridge,
+        )
+        self._pending: StepCommit | None = None  # the async save's transaction, until finalize_checkpoint commits it
+        self.last_committed: CommittedStep | None = None  # the record of the latest committed save
+
+    def _build_optimizer(self, settings: ActorSettings) -> tuple:
+        """Through upstream's three helpers from the typed optim config, or from the plain settings."""
+        if settings.optim is None:
+            return get_megatron_optimizer_and_scheduler(
+                self.model,
+                lr=settings.lr,
+                clip_grad=settings.clip_grad,
+                weight_decay=settings.weight_decay,
+                use_distributed_optimizer=settings.use_distributed_optimizer,
+            )
+        megatron_config = init_megatron_optim_config(
+            settings.optim,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+            fp16=settings.dtype is torch.float16,
+            bf16=settings.dtype is torch.bfloat16,
+        )
+        optimizer = get_megatron_optimizer(self.model, megatron_config)
+        return optimizer, get_megatron_optimizer_param_scheduler(optimizer, settings.optim)
+
+    def train_step(self, microbatches: list[torch.Tensor]) -> dict:
+        return train_step(self.model, self.optimizer, self.scheduler, microbatches)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return forward_logits(self.model, tokens)
+
+    def save_checkpoint(
+        self,
+        local_path: str,
+        hdfs_path: str | None = None,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+        *,
+        step_files: dict[str, bytes] | None = None,
+        track: bool = False,
+        **kwargs: Any,
+    ) -> bool:
+        """Save the step (upstream's arguments): the manager writes its parts into the step transaction's staging
+        directory, the transaction commits them as ``local_path`` (``verl.utils.checkpoint.step_commit``).
+        ``step_files`` (name -> bytes, beside ``local_path``'s directory) and, with ``track``, the tracker follow
+        the commit. With async_save the write goes on in the background and this returns True (upstream's
+        returns None): ``finalize_checkpoint`` commits. A failed save raises and leaves every committed step
+        as it was. The record: ``last_committed``."""
+        if hdfs_path is not None or kwargs:
+            raise _unsupported("save_checkpoint", hdfs_path, kwargs, ", step_files and track")
+        self.finalize_checkpoint(blocking=True)  # one save in flight at a time
+        manager = self.checkpoint_manager
+        transaction = StepCommit(local_path, global_step, self._step_spec(max_ckpt_to_keep, step_files or {}, track))
+        with transaction as staging:
+            manager.save_checkpoint(staging, global_step=global_step)
+            if manager.async_save_pending:
+                transaction.defer()
+        if transaction.deferred:
+            self._pending = transaction
+            return True
+        self._committed(transaction.committed)
+        return False
+
+    def finalize_checkpoint(self, blocking: bool = True) -> str | None:
+        """Commit a pending async save once its background write is durable; the committed path, or None when
+        nothing was pending (or, with ``blocking=False``, the write is still running)."""
+        transaction = self._pending
+        if transaction is None:
+            return None
+        manager = self.checkpoint_manager
+        try:
+            # the manager's own finalize, unless a direct call to it completed the write already
+            committed = transaction.finalize(lambda b: manager.finalize_async_save(b) if manager.async_save_pending else True, blocking)
+        except BaseException:
+            self._pending = None
+            raise
+        if committed is None:
+            return None
+        self._pending = None
+        return self._committed(committed).path
+
+    def _step_spec(self, max_ckpt_to_keep: int | None, step_files: dict[str, bytes], track: bool) -> StepSpec:
+        """What the step transaction is told of this save: the manager's contents and hooks, made explicit."""
+        manager = self.checkpoint_manager
+
+        def sealed() -> dict[str, str]:
+            sealer = manager.last_save.sealer if manager.last_save is not None else None
+            return sealer.results() if sealer is not None else {}
+
+        return StepSpec(
+            role=manager.role,
+            hf_config=manager.hf_config if manager.should_save_hf_model else None,
+            strict_hf_verify=bool(config_get(manager.checkpoint_config, "strict_hf_verify", True)),
+            parallel=current_parallel_layout(),
+            use_distributed_optimizer=manager.use_distributed_optimizer,
+            sealed=sealed,
+            retention=manager,
+            max_ckpt_to_keep=max_ckpt_to_keep,
+            step_files=step_files,
+            track=track,
+            on_phase=manager.on_save_phase,
+        )
+
+    def _committed(self, committed: CommittedStep) -> CommittedStep:
+        """Keep the record; the manager's save report gets the transaction's phases (one report per save)."""
+        self.last_committed = committed
+        if self.checkpoint_manager.last_save is not None:
+            self.checkpoint_manager.last_save.phase_seconds.update(committed.phase_seconds)
+        return committed
+
+    def load_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True, **kwargs: Any
+    ) -> None:
+        """Check the step (every rank fails together, before anything loads), then load it (upstream's arguments;
+        upstream's ``del_local_after_load`` removes only a remote checkpoint's local copy: here there is none, so
+        the step is kept either way).
+
+        The manager loads the weights before the optimizer state, so a bf16 run's fp32 master weights come from
+        the checkpoint, never from the bf16 weights. Weights loaded without the optimizer state are copied into
+        the master weights (megatron's ``reload_model_params``): otherwise the next step would write the masters,
+        still this run's initial weights, back over them."""
+        if hdfs_path is not None or kwargs:
+            raise _unsupported("load_checkpoint", hdfs_path, kwargs)
+        self.finalize_checkpoint(blocking=True)
+        manager = self.checkpoint_manager
+        if manager.should_load_optimizer:
+            problem = precision.optimizer_dtype_problem(local_path, str(self.settings.dtype).removeprefix("torch."))
+            if problem is not None:
+                raise CheckpointError(f"cannot load {local_path}; nothing was loaded. {problem}")
+        commit.check_before_load(manager, local_path)
+        manager.load_checkpoint(local_path)
+        if (manager.should_load_hf_model or manager.should_load_dist_ckpt_model) and not manager.should_load_optimizer:
+            self.optimizer.reload_model_params()
+        finite.check_finite(self.model, self.optimizer, f"{local_path} loaded a corrupt state; do not train on it")
+
+    def export_hf(self, path: str) -> None:
+        """Write the current weights as an HF folder through the bridge (all ranks take part)."""
+        self.bridge.save_weights(self.model, path)
+
+    def parameters_snapshot(self) -> dict[str, torch.Tensor]:
+        """Clones of this rank's parameters by name (to compare runs bit for bit)."""
+        return {
+            f"{index}.{name}": param.detach().clone()
+            for index, chunk in enumerate(self.model)
+            for name, param in chunk.named_parameters()
+        }
+
+
+def _unsupported(method: str, hdfs_path: str | None, extra: dict[str, Any], ours: str = "") -> Exception:
+    """The refusal of upstream's remote copy, or of keywords this engine does not know (upstream's engine
+    ignores them; a misspelt ``step_files`` would lose the step's data), raised before any work."""
+    if hdfs_path is not None:
+        return NotImplementedError(f"MegatronEngine.{method}: hdfs_path={hdfs_path!r} is not supported; copy the local checkpoint yourself")
+    return TypeError(f"MegatronEngine.{method}: unknown keyword(s) {sorted(extra)}; it takes upstream's arguments{ours} only")
+
+
+class MegatronReference:
+    """The reference policy of the KL term: a second Megatron model on the actor's ranks and layout, built
+    from the same HF weights the actor started from (``model_path``), frozen, never trained and never saved
+    (upstream checkpoints no reference). A resumed run rebuilds it from ``model_path``, so it is always the
+    initial model. As upstream's, it is not DDP-wrapped: it only runs forward, and holds no grad buffers."""
+
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32) -> None:
+        self.hf_config = load_hf_config(model_path)
+        self.bridge = make_bridge(self.hf_config, dtype=dtype)
+        self.model = build_megatron_model(self.bridge, wrap_with_ddp=False)
+        self.bridge.load_weights(self.model, model_path)
+        release_free_heap()
+        for chunk in self.model:
+            chunk.requires_grad_(False)
+
+    def compute_log_prob(
+        self, input_ids: torch.Tensor, response_length: int, temperature: float, micro_batch_size: int,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[rows, response_length]`` log-probabilities of each row's response under the reference weights
+        (``attention_mask``: 0 on the prompts' left padding)."""
+        return compute_log_probs(self.model, input_ids, response_length, temperature, micro_batch_size, attention_mask)
+
+    def params_digest(self) -> str:
+        """SHA-256 of this rank's reference parameters (names and bytes, in order): equal digests, equal weights.
+        The weights must be resident (not offloaded)."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for index, chunk in enumerate(self.model):
+            for name, param in chunk.named_parameters():
+                digest.update(f"{index}.{name}".encode())
+                # a copy: exporting the parameter's own storage to numpy would make it non-resizable (no offload)
+                digest.update(param.detach().to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
