@@ -25,9 +25,9 @@ WORLD = 2
 
 
 def _actor(src: str):
-    from verl.workers.megatron_rank import ActorSettings, MegatronActor
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
-    return MegatronActor(ActorSettings(model_path=src))
+    return MegatronEngine(ActorSettings(model_path=src))
 
 
 def _recording_fsync_and_rename(events: list) -> None:
