@@ -173,6 +173,12 @@ class MegatronEngine(BaseEngine):
         self._committed(transaction.committed)
         return False
 
+    @property
+    def save_pending(self) -> bool:
+        """Whether a save's step transaction waits for ``finalize_checkpoint``: the rank's one marker of a
+        pending save (the manager's own ``async_save_pending`` serves a direct call of the manager)."""
+        return self._pending is not None
+
     def finalize_checkpoint(self, blocking: bool = True) -> str | None:
         """Commit a pending async save once its background write is durable; the committed path, or None when
         nothing was pending (or, with ``blocking=False``, the write is still running)."""
