@@ -42,6 +42,7 @@ import torch
 
 from verl.utils.checkpoint import layout
 from verl.utils.device import get_device_id, get_device_name, get_torch_device
+from verl.utils.fs import local_mkdir_safe
 from verl.utils.host_memory import malloc_trim
 from verl.utils.internals import torch as torch_internals
 
@@ -606,58 +607,54 @@ def describe_megatron_storages(models: Iterable, optimizers: Any = None) -> list
 # Checkpoint layout (upstream verl's helpers over ``verl.utils.checkpoint.layout``, which defines the names)
 # ---------------------------------------------------------------------------
 #
-# Like upstream, each directory helper creates the directory it names; none checks its contents.
-
-
-def _subdir(*parts: str) -> str:
-    path = os.path.join(*parts)
-    os.makedirs(path, exist_ok=True)
-    return path
+# Like upstream, each directory helper creates the directory it names; none checks its contents. Each one
+# takes its path from the layout module and creates it (parents included) in one step, so a caller enters
+# the one helper it calls.
 
 
 def get_model_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/model``."""
-    return _subdir(checkpoint_path, layout.MODEL_DIR)
+    return local_mkdir_safe(os.path.join(checkpoint_path, layout.MODEL_DIR))
 
 
 def get_optimizer_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/optimizer``."""
-    return _subdir(checkpoint_path, layout.OPTIMIZER_DIR)
+    return local_mkdir_safe(os.path.join(checkpoint_path, layout.OPTIMIZER_DIR))
 
 
 def get_extra_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/extra``."""
-    return _subdir(checkpoint_path, layout.EXTRA_DIR)
+    return local_mkdir_safe(os.path.join(checkpoint_path, layout.EXTRA_DIR))
 
 
 def get_model_dist_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/model/dist_ckpt``: Megatron sharded model state."""
-    return _subdir(get_model_checkpoint_path(checkpoint_path), layout.DIST_CKPT_DIRNAME)
+    return local_mkdir_safe(layout.dist_path(checkpoint_path, layout.MODEL_DIR))
 
 
 def get_optimizer_dist_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/optimizer/dist_ckpt``: optimizer state and lr scheduler."""
-    return _subdir(get_optimizer_checkpoint_path(checkpoint_path), layout.DIST_CKPT_DIRNAME)
+    return local_mkdir_safe(layout.dist_path(checkpoint_path, layout.OPTIMIZER_DIR))
 
 
 def get_extra_dist_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/extra/dist_ckpt``: RNG state."""
-    return _subdir(get_extra_checkpoint_path(checkpoint_path), layout.DIST_CKPT_DIRNAME)
+    return local_mkdir_safe(layout.dist_path(checkpoint_path, layout.EXTRA_DIR))
 
 
 def get_hf_model_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/model/huggingface``: HF config, tokenizer and weights."""
-    return _subdir(get_model_checkpoint_path(checkpoint_path), layout.HF_DIRNAME)
+    return local_mkdir_safe(layout.hf_path(checkpoint_path))
 
 
 def get_transformer_config_checkpoint_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/transformer_config.json`` (the checkpoint directory is created)."""
-    return os.path.join(_subdir(checkpoint_path), layout.TRANSFORMER_CONFIG_FILENAME)
+    return os.path.join(local_mkdir_safe(checkpoint_path), layout.TRANSFORMER_CONFIG_FILENAME)
 
 
 def get_checkpoint_contents_manifest_path(checkpoint_path: str) -> str:
     """``<checkpoint_path>/ckpt_contents.json``, the contents file (the checkpoint directory is created)."""
-    return os.path.join(_subdir(checkpoint_path), layout.CONTENTS_FILENAME)
+    return os.path.join(local_mkdir_safe(checkpoint_path), layout.CONTENTS_FILENAME)
 
 
 def get_legacy_dist_checkpoint_path(checkpoint_path: str) -> str:

@@ -395,7 +395,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             "rank": self.rank,
             "path": path,
             "committed": dataclasses.asdict(self.actor.last_committed) if path is not None else None,
-            "pending": self.actor.checkpoint_manager.async_save_pending,
+            "pending": self.actor.save_pending,
             "seconds": time.monotonic() - start,
         }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 
 import torch
 from mbridge.core.bridge import Bridge
@@ -131,12 +132,19 @@ class _LocalSpecBridgeMixin:
         return get_local_decoder_block_spec(self.config, vp_stage=vp_stage)
 
     def _weight_name_mapping_mcore_local_to_global(self, model: torch.nn.Module, consider_ep: bool = True) -> dict[str, str]:
-        mapping = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=consider_ep)
-        moe_layers = moe_layer_list(self.config)
-        offset = 0
-        if self.config.num_moe_experts and consider_ep and self.mpu.ep_size > 1:
-            offset = self.mpu.ep_rank * (self.config.num_moe_experts // self.mpu.ep_size)
-        return {local: local_name_to_te_name(name, moe_layers, offset) for local, name in mapping.items()}
+        """mbridge's names, each translated to the TE spec's. A constant of the built chunk (its parameters, the
+        layer pattern, this rank's expert-parallel place), so it is computed when the chunk is first named (its
+        load, as the engine is built); every save and export after that reads the same names (a copy)."""
+        chunk = unwrap_model(model)
+        named = self.__dict__.setdefault("_te_names", weakref.WeakKeyDictionary()).setdefault(chunk, {})
+        if consider_ep not in named:
+            mapping = super()._weight_name_mapping_mcore_local_to_global(chunk, consider_ep=consider_ep)
+            moe_layers = moe_layer_list(self.config)
+            offset = 0
+            if self.config.num_moe_experts and consider_ep and self.mpu.ep_size > 1:
+                offset = self.mpu.ep_rank * (self.config.num_moe_experts // self.mpu.ep_size)
+            named[consider_ep] = {local: local_name_to_te_name(name, moe_layers, offset) for local, name in mapping.items()}
+        return dict(named[consider_ep])
 
     def load_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
         """Load HF weights; rank 0 of each TP (or expert-TP) group reads, then scatters the shards."""

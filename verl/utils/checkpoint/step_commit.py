@@ -154,8 +154,10 @@ class StepCommit:
         if exc is not None:
             self._fail(exc)
         if not self.deferred:
-            with self._discarding_on_failure():
+            try:
                 self.commit()
+            except BaseException as failure:
+                self._fail(failure)
         return False
 
     def defer(self) -> None:
@@ -165,12 +167,14 @@ class StepCommit:
     def finalize(self, wait: Callable[[bool], Any], blocking: bool = True) -> CommittedStep | None:
         """Commit once ``wait(blocking)`` (the writer's own finalize) returns anything but None; None while
         it is still writing. A failure of the writer or of the commit discards the step and raises."""
-        with self._discarding_on_failure():
+        try:
             start = time.monotonic()
             if wait(blocking) is None:
                 return None
             self.phase_seconds["background_wait"] = time.monotonic() - start
             return self.commit()
+        except BaseException as failure:
+            self._fail(failure)
 
     # ------------------------------------------------------------------ the commit
 
@@ -184,8 +188,11 @@ class StepCommit:
             files, contents = from_rank_zero(lambda: self._mark_and_rename(sealed), f"commit step {self.step}", self.staging)
             self.placed = True
         with self._phase("retention"):
-            if self.spec.retention is not None:
-                self._apply_retention(self.spec.retention)
+            retention = self.spec.retention
+            if retention is not None:  # every rank (removal tolerates a shared filesystem)
+                # the committed path takes the place of the staging directory the writer registered as its save
+                retention.previous_saved_paths = [p for p in retention.previous_saved_paths if os.path.abspath(p) != self.staging]
+                retention.register_checkpoint(self.path, self.spec.max_ckpt_to_keep)
             torch.distributed.barrier()
         if self.spec.step_files or self.spec.track:
             with self._phase("tracker"):
@@ -245,12 +252,6 @@ class StepCommit:
             shutil.rmtree(superseded, ignore_errors=True)
         return tuple(manifest["files"]), contents
 
-    def _apply_retention(self, retention: Retention) -> None:
-        """Every rank (removal tolerates a shared filesystem): the committed path takes the place of the staging
-        directory a writer registered as its save, then upstream's rule prunes the oldest."""
-        retention.previous_saved_paths = [p for p in retention.previous_saved_paths if os.path.abspath(p) != self.staging]
-        retention.register_checkpoint(self.path, self.spec.max_ckpt_to_keep)
-
     def _write_step_files_and_tracker(self) -> None:
         """Rank 0, every role committed: the step's own files durable, then the tracker names the step."""
         for name, data in self.spec.step_files.items():
@@ -261,13 +262,6 @@ class StepCommit:
             self.tracker_moved = True
 
     # ------------------------------------------------------------------ failure
-
-    @contextlib.contextmanager
-    def _discarding_on_failure(self) -> Iterator[None]:
-        try:
-            yield
-        except BaseException as exc:
-            self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
         """Discard the staging directory, the step placed but not tracked with the step files written for it

@@ -110,6 +110,7 @@ class MegatronEngine(BaseEngine):
             use_dist_checkpointing=settings.use_dist_checkpointing,
             bridge=wrap_bridge(self.bridge) if wrap_bridge is not None else self.bridge,
         )
+        self._save_spec = self._step_spec()  # the step transaction's spec, but for what each save adds
         self._pending: StepCommit | None = None  # the async save's transaction, until finalize_checkpoint commits it
         self.last_committed: CommittedStep | None = None  # the record of the latest committed save
 
@@ -157,9 +158,11 @@ class MegatronEngine(BaseEngine):
         as it was. The record: ``last_committed``."""
         if hdfs_path is not None or kwargs:
             raise _unsupported("save_checkpoint", hdfs_path, kwargs, ", step_files and track")
-        self.finalize_checkpoint(blocking=True)  # one save in flight at a time
+        if self._pending is not None:  # one save in flight at a time
+            self.finalize_checkpoint(blocking=True)
         manager = self.checkpoint_manager
-        transaction = StepCommit(local_path, global_step, self._step_spec(max_ckpt_to_keep, step_files or {}, track))
+        spec = dataclasses.replace(self._save_spec, max_ckpt_to_keep=max_ckpt_to_keep, step_files=step_files or {}, track=track)
+        transaction = StepCommit(local_path, global_step, spec)
         with transaction as staging:
             manager.save_checkpoint(staging, global_step=global_step)
             if manager.async_save_pending:
@@ -169,6 +172,12 @@ class MegatronEngine(BaseEngine):
             return True
         self._committed(transaction.committed)
         return False
+
+    @property
+    def save_pending(self) -> bool:
+        """Whether a save's step transaction waits for ``finalize_checkpoint``: the rank's one marker of a
+        pending save (the manager's own ``async_save_pending`` serves a direct call of the manager)."""
+        return self._pending is not None
 
     def finalize_checkpoint(self, blocking: bool = True) -> str | None:
         """Commit a pending async save once its background write is durable; the committed path, or None when
@@ -188,8 +197,10 @@ class MegatronEngine(BaseEngine):
         self._pending = None
         return self._committed(committed).path
 
-    def _step_spec(self, max_ckpt_to_keep: int | None, step_files: dict[str, bytes], track: bool) -> StepSpec:
-        """What the step transaction is told of this save: the manager's contents and hooks, made explicit."""
+    def _step_spec(self) -> StepSpec:
+        """What the step transaction is told of every save of this engine, made explicit once it is built: the
+        manager's role, contents, verification and hooks, and the parallel layout, all fixed from here on
+        (each save adds its retention limit, step files and tracking)."""
         manager = self.checkpoint_manager
 
         def sealed() -> dict[str, str]:
@@ -204,9 +215,6 @@ class MegatronEngine(BaseEngine):
             use_distributed_optimizer=manager.use_distributed_optimizer,
             sealed=sealed,
             retention=manager,
-            max_ckpt_to_keep=max_ckpt_to_keep,
-            step_files=step_files,
-            track=track,
             on_phase=manager.on_save_phase,
         )
 
