@@ -29,11 +29,14 @@ waits for one that does not. An async save (``checkpoint.async_save``) keeps meg
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import os
 import traceback
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -199,6 +202,23 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.agreed, writer.direct, self.last_direct = plan.agreed, plan.direct, len(plan.direct)
         self.last_threads = writer.write()
         megatron_core.finish_torch_dist_save(writer, plan.metadata, plan.dist_wrapper)
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a save builds, plans and writes its dist checkpoints (left
+    off if it was off). Their state dicts, plans and write results are thousands of objects alive for the
+    whole phase: a collection inside it promotes them, and every few saves that sets off a full collection
+    of the trainer's heap (~0.3 s at the bench's 60M model, half a million objects). With none inside, they
+    are freed by reference counting when the phase ends, never promoted; any cycle among them is still
+    collected by the next young collection after it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _everyone_agrees(mine: bool) -> bool:
