@@ -24,7 +24,10 @@ The save plan is reused from the first save: megatron validates its cached plan 
 plans, so only its third save skips planning. The manager keys each strategy by the sharded structure of
 what it saves (every item's kind, key, place, shape, dtype) and starts afresh when that changes, which is
 what makes a plan valid; the ranks agree on reusing it (one small collective), so a rank that replans never
-waits for one that does not. An async save (``checkpoint.async_save``) keeps megatron's forked writer.
+waits for one that does not. A reused plan needs only each item's current data, so megatron's conversion
+into torch ``ShardedTensor``s (validated shard by shard, most of a reused plan's cost) is skipped for the
+items a fresh plan found resolved to the very same tensors (``megatron_core.plan_torch_dist_save``). An
+async save (``checkpoint.async_save``) keeps megatron's forked writer.
 """
 
 from __future__ import annotations

@@ -359,9 +359,9 @@ def plan_torch_dist_save(
 
     megatron's ``mcore_to_pyt_state_dict`` builds a torch ``ShardedTensor`` per key and validates its shards
     (most of a reused plan's cost); a reused plan only resolves each write item's data from it. So a fresh
-    plan converts everything and then checks, item by item, which keys ``_direct_tensors`` resolves to the
+    plan converts everything and then checks, item by item, which places ``_direct_tensors`` resolves to the
     very tensor the planner does (``agreed``, the caller keeps it with the plan); a reused plan converts only
-    the other keys and hands the agreed ones' current tensors to the writer (``TorchDistPlan.direct``). A
+    the other keys and hands the agreed places' current tensors to the writer (``TorchDistPlan.direct``). A
     release that resolves differently only loses the shortcut. Raises ``InternalsChangedError`` before
     planning where an internal is gone."""
     for internal in IN_RANK_SAVE:  # all checked before anything is planned
