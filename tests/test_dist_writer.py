@@ -241,3 +241,41 @@ def test_items_split_into_files_of_about_equal_bytes_and_a_rank_with_none_writes
     assert sorted(i.index.fqn for f in files for i in f) == ["a", "b", "c", "d", "obj"]
     assert dist_writer.split_items(items[:1], 4) == [items[:1]]  # no empty files beside one with items
     assert dist_writer.split_items([], 2) == [[]]
+
+
+def _collections_inside_the_dist_checkpoint_phase(src: str, root: str) -> dict:
+    import gc
+
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+
+    window = {"inside": False, "collections": []}
+
+    class Observed(MegatronCheckpointManager):
+        def on_save_phase(self, phase):
+            window["inside"] = {"dist_checkpoint": True, "after_dist_checkpoint": False}.get(phase, window["inside"])
+            super().on_save_phase(phase)
+
+    def record(phase, info):
+        if phase == "start" and window["inside"]:
+            window["collections"].append(info["generation"])
+
+    actor = MegatronEngine(ActorSettings(model_path=src), manager_cls=Observed)
+    actor.train_step([torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))] * 2)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50, 1, 1)  # a collection, and a full one, every few dozen objects: certain inside the phase
+    gc.callbacks.append(record)
+    try:
+        for step in (1, 2):
+            actor.save_checkpoint(os.path.join(root, f"global_step_{step}", "actor"), global_step=step)
+    finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*thresholds)
+    return {"collections": window["collections"], "enabled_after": gc.isenabled()}
+
+
+def test_no_garbage_collection_runs_while_the_dist_checkpoints_are_saved(tiny_moe_path, tmp_path):
+    """A collection inside the phase would promote its thousands of live objects and, every few saves, set
+    off a full collection of the trainer's heap (~0.3 s at the bench's model); the collector is back on after."""
+    report = run_on_ranks(_collections_inside_the_dist_checkpoint_phase, 1, ParallelSizes(), args=(tiny_moe_path, str(tmp_path)))[0]
+    assert report["collections"] == [] and report["enabled_after"]

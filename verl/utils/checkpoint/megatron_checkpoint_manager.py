@@ -402,6 +402,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             cause = found.describe(save.local_path) if found else (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             raise CheckpointError(f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause})") from exc
 
+    @dist_writer.collection_paused()  # no full collection of the trainer's heap set off by this phase's objects
     def _save_dist_checkpoints(self, local_path: str, in_background: bool) -> list[AsyncRequest] | None:
         """Write (or, ``in_background``, plan) the dist checkpoints; return the writes still to run."""
         self.on_save_phase("dist_checkpoint")

@@ -17,7 +17,7 @@ import importlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -290,9 +290,64 @@ def write_checkpoint_metadata(strategy: TorchDistSaveShardedStrategy, path: str,
     save_config(config_class(backend, version), path)
 
 
+Place = tuple[str, tuple[int, ...]]  # a write item's key and global offset (DCP's ``MetadataIndex`` fqn, offset)
+
+
+class TorchDistPlan(NamedTuple):
+    """A planned torch_dist save: what ``finish_torch_dist_save`` takes, and the tensors resolved directly.
+
+    ``direct``: tensor write items' data by place, resolved from megatron's own ``ShardedTensor`` (no torch
+    ``ShardedTensor`` built for them); every other item resolves through the planner as before. ``agreed``:
+    the places whose direct resolution is the very tensor megatron's conversion resolves (checked on a fresh
+    plan; carried unchanged by a reused one), the only places a reused plan may resolve directly."""
+
+    metadata: Any
+    dist_wrapper: Any
+    direct: dict[Place, torch.Tensor]
+    agreed: frozenset[Place]
+
+
+def _direct_tensors(flat: dict) -> dict[Place, torch.Tensor]:
+    """Each local ``ShardedTensor``'s write item data by place, as ``mcore_to_pyt_state_dict`` resolves it,
+    without building its torch ``ShardedTensor``: the data itself, or, where megatron builds a torch
+    ``ShardedTensor`` (prepended axes on a regular grid), the data contiguous with the prepended axes as
+    leading singleton dimensions. Keys it wraps in one ``LocalShardsContainer`` (several shards, no prepended
+    axes) and flattened ranges are left out; the first shard at a place is the one DCP finds. Used only where
+    a fresh plan found the two the same tensor (``plan_torch_dist_save``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    direct: dict[Place, torch.Tensor] = {}
+    for key, shards in flat.items():
+        first = shards[0]
+        if not isinstance(first, ShardedTensor) or first.flattened_range is not None:
+            continue
+        torch_sharded = bool(first.prepend_axis_num) and getattr(first, "has_regular_grid", False)
+        if len(shards) > 1 and not torch_sharded:
+            continue
+        for shard in shards:
+            if not isinstance(shard, ShardedTensor) or shard.data is None:
+                break
+            data = shard.data.detach()
+            if torch_sharded:
+                data = data.contiguous().view((1,) * first.prepend_axis_num + tuple(shard.local_shape))
+            direct.setdefault((key, tuple(shard.global_offset)), data)
+    return direct
+
+
+def _same_tensor(a: torch.Tensor, b: Any) -> bool:
+    """The same memory seen the same way (what torch.save writes the same)."""
+    return type(b) is torch.Tensor and (a.device, a.dtype, a.shape, a.stride(), a.data_ptr()) == (
+        b.device,
+        b.dtype,
+        b.shape,
+        b.stride(),
+        b.data_ptr(),
+    )
+
+
 def plan_torch_dist_save(
-    strategy: TorchDistSaveShardedStrategy, sharded_state_dict: dict, writer: Any, reuse: bool
-) -> tuple[Any, Any]:
+    strategy: TorchDistSaveShardedStrategy, sharded_state_dict: dict, writer: Any, reuse: bool, agreed: frozenset[Place] = frozenset()
+) -> TorchDistPlan:
     """Plan a torch_dist save of ``sharded_state_dict`` to be written by ``writer`` (a DCP ``StorageWriter`` that
     can plan decentrally), as ``TorchDistSaveShardedStrategy.async_save`` does up to its writer, which it
     hard-codes (``FileSystemWriterAsync``: forked writer processes, a spawned results queue). Same planner,
@@ -301,14 +356,25 @@ def plan_torch_dist_save(
     ``reuse``: plan from the strategy's cached plans (the caller checked, on every rank, that the sharded
     structure is the one planned), with no collective. Either way the strategy's plan cache is left valid for
     the next save (``validated_cache_reuse``), which megatron itself grants only from a third save.
-    Returns (global metadata on the coordinator, else None; the planning's dist wrapper), for
-    ``finish_torch_dist_save``. Raises ``InternalsChangedError`` before planning where an internal is gone."""
+
+    megatron's ``mcore_to_pyt_state_dict`` builds a torch ``ShardedTensor`` per key and validates its shards
+    (most of a reused plan's cost); a reused plan only resolves each write item's data from it. So a fresh
+    plan converts everything and then checks, item by item, which places ``_direct_tensors`` resolves to the
+    very tensor the planner does (``agreed``, the caller keeps it with the plan); a reused plan converts only
+    the other keys and hands the agreed places' current tensors to the writer (``TorchDistPlan.direct``). A
+    release that resolves differently only loses the shortcut. Raises ``InternalsChangedError`` before
+    planning where an internal is gone."""
     for internal in IN_RANK_SAVE:  # all checked before anything is planned
         internal.get()
     for internal in (*PLAN_CACHE[:3], *STRATEGY_SETTINGS):
         internal.get(strategy)
     keep_main = strategy.keep_only_main_replica
     flat, _, _ = REPLACE_KEYS.get()(sharded_state_dict, keep_main)
+    direct = _direct_tensors(flat)
+    if reuse:
+        direct = {place: tensor for place, tensor in direct.items() if place in agreed}
+        flat = {key: shards for key, shards in flat.items() if any((key, tuple(s.global_offset)) not in direct for s in shards)}
+        direct = {place: tensor for place, tensor in direct.items() if place[0] not in flat}  # whole keys only
     pyt_state = TO_PYT_STATE_DICT.get()(flat, False)
     planner = SAVE_PLANNER.get()(dedup_replicated_tensors=not keep_main, flatten_state_dict=False)
     cached = (strategy.cached_central_plan, strategy.cached_local_plan, True) if reuse else None
@@ -320,7 +386,26 @@ def plan_torch_dist_save(
         strategy.cached_global_metadata = metadata
     elif dist_wrapper.is_coordinator:
         metadata = strategy.cached_global_metadata
-    return metadata, dist_wrapper
+    if not reuse:
+        agreed = _agreed_places(central, planner, direct)
+        direct = {}  # this save resolves everything through megatron's conversion, as it checked
+    return TorchDistPlan(metadata, dist_wrapper, direct, agreed)
+
+
+def _agreed_places(central: Any, planner: Any, direct: dict[Place, torch.Tensor]) -> frozenset[Place]:
+    """The places of ``direct`` with exactly one write item in the plan, which the planner resolves to that tensor."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    items: dict[Place, list] = {}
+    for item in central.items:
+        items.setdefault((item.index.fqn, tuple(item.index.offset or ())), []).append(item)
+    return frozenset(
+        place
+        for place, tensor in direct.items()
+        if len(items.get(place, ())) == 1
+        and items[place][0].type == WriteItemType.SHARD
+        and _same_tensor(tensor, planner.resolve_data(items[place][0]))
+    )
 
 
 def finish_torch_dist_save(writer: Any, metadata: Any, dist_wrapper: Any) -> None:
