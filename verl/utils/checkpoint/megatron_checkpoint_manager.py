@@ -72,7 +72,8 @@ class SaveReport:
     ``staging``, ``hf_verify``, ``commit``, ``retention`` and ``tracker`` are added once it committed); ``blocked_seconds`` how long save_checkpoint
     held training; ``mode`` the manager's writer; ``checked_in_background`` whether the fork ran the NaN/Inf
     check, ``hf_weights_in_background`` whether it wrote the HF config and weights, ``planned_in_background``
-    whether it planned the dist checkpoints (the snapshot writer's, each as its writer decided when built)."""
+    whether it planned the dist checkpoints (the snapshot writer's, each as its writer decided when built);
+    ``hf_exported`` whether the rank's HF export ran, ``hf_comm`` set when it ran beside the dist write (its group)."""
 
     local_path: str
     global_step: int
@@ -81,7 +82,7 @@ class SaveReport:
     checked_in_background: bool = False
     sealer: save_writers.Sealer | None = None  # a sync save's dist-checkpoint and HF files, being hashed and fsynced since written
     hf_comm: RankComm | None = None  # the group the HF export runs over beside the dist write (None: the default group)
-    hf_exported: bool = False
+    hf_exported: bool = False  # the rank's HF export ran (beside the dist write, or after it)
     hf_weights_in_background: bool = False
     planned_in_background: bool = False
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
