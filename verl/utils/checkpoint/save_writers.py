@@ -128,19 +128,24 @@ class SyncWriter:
         self.exports_hf_beside = hf_beside  # see [2]_: the host can run the export beside the dist write
 
     def save_dist_parts(self, job: SaveJob) -> AsyncRequest | None:
-        """Write the dist checkpoints; once they are complete on every rank, start sealing this rank's share,
-        then that of the HF files exported beside them. The export thread is always waited for: a save never
+        """Write the dist checkpoints; once they are complete on every rank, start sealing this rank's share.
+        The HF export beside them seals its share as soon as its files are complete on every rank (its last
+        barrier), while the dist write may still run. The export thread is always waited for: a save never
         returns (or fails) with it still writing."""
+        job.sealer = Sealer(job.staging)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hf") as pool:
-            hf = pool.submit(job.hf_beside) if job.hf_beside is not None else None
+            hf = pool.submit(self._export_and_seal, job) if job.hf_beside is not None else None
             job.plan_in_rank(False)
-            job.sealer = Sealer(job.staging)
             job.sealer.seal_share(job.dist_dirs, job.rank, job.world_size)
         if hf is not None:
             hf.result()
-            job.sealer.seal_share([job.hf_dir], job.rank, job.world_size)
             job.hf_exported = True
         return None
+
+    @staticmethod
+    def _export_and_seal(job: SaveJob) -> None:
+        job.hf_beside()
+        job.sealer.seal_share([job.hf_dir], job.rank, job.world_size)
 
 
 class BackgroundWriter:
