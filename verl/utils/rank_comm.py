@@ -1,6 +1,7 @@
-"""The few collectives the parallel HF export needs, over one of two groups of ranks.
+"""The few collectives the parallel HF export needs, over one of three groups of ranks.
 
-``RankComm`` is torch.distributed's default group: what a rank uses while it trains. ``ForkedRankComm``
+``RankComm`` is torch.distributed's default group: what a rank uses while it trains; ``GroupRankComm`` a gloo
+group of the same ranks, for collectives beside the default group's in another thread. ``ForkedRankComm``
 joins processes forked from every rank (the background save writes from such a snapshot): a child
 must never touch its parent's process groups, whose sockets and threads belong to the parent, so it
 opens a gloo group of its own, meeting the other children through a new client of the default
@@ -43,6 +44,29 @@ class RankComm:
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+class GroupRankComm(RankComm):
+    """A gloo group of every rank, made collectively once (``dist.new_group``): collectives on it from a second
+    thread cannot interleave with the default group's, which the rank's main thread goes on using (CPU tensors only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._group = dist.new_group(backend="gloo")
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self._group)
+        return gathered
+
+    def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
+        works = [dist.isend(t, peer, group=self._group, tag=tag) for t, peer, tag in sends]
+        works += [dist.irecv(t, peer, group=self._group, tag=tag) for t, peer, tag in recvs]
+        for work in works:
+            work.wait()
+
+    def barrier(self) -> None:
+        dist.barrier(group=self._group)
 
 
 class ForkedRankComm(RankComm):

@@ -36,6 +36,7 @@ from mbridge.core.util import unwrap_model
 from safetensors.torch import save_file
 
 from verl.models.mcore.local_spec import is_expert_te_name
+from verl.utils.checkpoint.integrity import start_writeback
 from verl.utils.checkpoint.names import INDEX_FILENAME
 from verl.utils.internals import mbridge as mbridge_internals
 from verl.utils.rank_comm import RankComm, Transfer
@@ -295,4 +296,5 @@ def _write_file(bridge, weights_path, file, names, te_list, meta, my_tensors, re
                 out[name] = tensor.contiguous().cpu()
     if out:
         save_file(out, os.path.join(weights_path, file))
+        start_writeback(os.path.join(weights_path, file))  # the disk writes it while the next file is converted
     return {name: tensor.numel() * tensor.element_size() for name, tensor in out.items()}

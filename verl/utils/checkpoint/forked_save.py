@@ -23,27 +23,40 @@ from verl.utils.checkpoint import finite, layout, snapshot_save
 from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.megatron_state_dicts import DistParts, sharded_structure
 from verl.utils.internals import megatron_core
-from verl.utils.rank_comm import ForkedRankComm
+from verl.utils.rank_comm import ForkedRankComm, RankComm
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 
+def _untimed(phase: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """A fork's phases: neither announced nor timed (no manager hook crosses a fork)."""
+    return fn(*args)
+
+
 @dataclasses.dataclass
 class HFExport:
-    """The HF export as one unit over any group of ranks: rank 0's config -> barrier (fix 2) -> every rank's weights."""
+    """The HF export as one unit, in a rank or a fork, over any group of ranks: rank 0's config -> barrier (fix 2)
+    -> every rank's weights -> barrier (every file complete on every rank); the step transaction then verifies it
+    once. ``timed(phase, fn, *args)``: how the rank announces and times ``hf_config`` and ``hf_weights``."""
 
     bridge: Any
     model: list
     hf_path: str
     save_kwargs: dict
     write_config: Callable[[], None]  # rank 0's ``megatron_metadata.write_hf_config``, bound to its arguments
+    timed: Callable[..., Any] = _untimed
 
-    def run(self, rank: int, comm: ForkedRankComm) -> None:
+    def run(self, rank: int, comm: RankComm | None = None, wait_for_config: Callable[[], None] | None = None) -> None:
+        """``comm`` None: the default group and any bridge; else a bridge that saves in parallel, over ``comm``.
+        ``wait_for_config``: fix 2's barrier (the rank's public ``wait_for_hf_config``; default ``comm``'s)."""
+        barrier = (comm or RankComm()).barrier
         if rank == 0:
-            self.write_config()
-        comm.barrier()
-        self.bridge.save_weights(self.model, self.hf_path, comm=comm, **self.save_kwargs)
+            self.timed("hf_config", self.write_config)
+        (wait_for_config or barrier)()
+        kwargs = self.save_kwargs if comm is None else {**self.save_kwargs, "comm": comm}
+        self.timed("hf_weights", functools.partial(self.bridge.save_weights, self.model, self.hf_path, **kwargs))
+        barrier()
 
 
 @dataclasses.dataclass

@@ -8,9 +8,10 @@
    anything is written or removed; then, in sync mode, upstream's pre-save retention;
 3. dist parts (``save_dist_checkpointing``): the optimizer + LR scheduler, the RNG state (extra), and the model
    only with ``use_dist_checkpointing=True``; upstream's default keeps the model as HF only;
-4. rank 0 writes the HF config, tokenizer and generation config into ``model/huggingface``;
-5. a barrier (``wait_for_hf_config``): no rank starts the HF weights before the config is on disk (verl #6821);
-6. HF weights: every rank takes part in the bridge's save;
+4-6. the HF export, one unit (``forked_save.HFExport``, the same in a rank or a fork): rank 0 writes the HF
+   config, tokenizer and generation config into ``model/huggingface``; a barrier (``wait_for_hf_config``): no rank
+   starts the HF weights before the config is on disk (verl #6821); every rank takes part in the bridge's weight
+   save. The sync writer runs it beside step 3 when it can (``save_writers``, note [2]) and seals its files;
 7. metadata: rank 0 writes ``transformer_config.json`` and, last, ``ckpt_contents.json``; upstream's retention.
 
 A rank saves through the step transaction (``verl.utils.checkpoint.step_commit``), which hands this manager
@@ -55,7 +56,7 @@ from verl.utils.fs import local_mkdir_safe
 from verl.utils.internals import megatron_core
 from verl.utils.megatron.dist_checkpointing import load_dist_checkpointing, save_dist_checkpointing  # noqa: F401 (upstream's seams)
 from verl.utils.megatron_utils import get_hf_model_checkpoint_path
-from verl.utils.rank_comm import forked_groups_possible
+from verl.utils.rank_comm import GroupRankComm, RankComm, forked_groups_possible
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -71,14 +72,17 @@ class SaveReport:
     ``staging``, ``hf_verify``, ``commit``, ``retention`` and ``tracker`` are added once it committed); ``blocked_seconds`` how long save_checkpoint
     held training; ``mode`` the manager's writer; ``checked_in_background`` whether the fork ran the NaN/Inf
     check, ``hf_weights_in_background`` whether it wrote the HF config and weights, ``planned_in_background``
-    whether it planned the dist checkpoints (the snapshot writer's, each as its writer decided when built)."""
+    whether it planned the dist checkpoints (the snapshot writer's, each as its writer decided when built);
+    ``hf_exported`` whether the rank's HF export ran, ``hf_comm`` set when it ran beside the dist write (its group)."""
 
     local_path: str
     global_step: int
     mode: AsyncMode
     max_ckpt_to_keep: int | None = None
     checked_in_background: bool = False
-    sealer: save_writers.Sealer | None = None  # a sync save's dist-checkpoint files, being hashed and fsynced since written
+    sealer: save_writers.Sealer | None = None  # a sync save's dist-checkpoint and HF files, being hashed and fsynced since written
+    hf_comm: RankComm | None = None  # the group the HF export runs over beside the dist write (None: the default group)
+    hf_exported: bool = False  # the rank's HF export ran (beside the dist write, or after it)
     hf_weights_in_background: bool = False
     planned_in_background: bool = False
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -164,6 +168,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         self._save_strategies: dict[str, tuple[tuple, TorchDistSaveShardedStrategy]] = {}
         self._planned_optimizer_layout: tuple | None = None  # at the optimizer checkpoint's last planning here
         self._forked_saves = 0
+        self._hf_comm: GroupRankComm | None = None  # the HF export's own group beside the dist write, made at its first save
         self._async_save = bool(config_get(checkpoint_config, "async_save", False))
         self._async_mode = str(config_get(checkpoint_config, "async_mode", AsyncMode.BACKGROUND_WRITE.value))
         self._choose_writer()
@@ -171,9 +176,10 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
     def _choose_writer(self) -> None:
         """The writer of every save (``save_writers``), chosen here from the config and this rank's device: a mode
         this host cannot take (``snapshot`` with parameters on an accelerator) is refused in one line."""
-        mode = choose_mode(self._async_save, self._async_mode, get_device_name())
+        device = get_device_name()
+        mode = choose_mode(self._async_save, self._async_mode, device)
         hf_in_fork = self.should_save_hf_model and getattr(self.bridge, "saves_in_parallel", False) and forked_groups_possible()
-        self._writer = save_writers.make_writer(mode, hf_in_fork)
+        self._writer = save_writers.make_writer(mode, hf_in_fork, hf_beside=device == "cpu")
 
     @property
     def async_save(self) -> bool:
@@ -248,8 +254,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             if save.mode is AsyncMode.SYNC:
                 self.ensure_checkpoint_capacity(max_ckpt_to_keep)
             background = self._save_dist_parts(save)
-            self._save_hf_config(save)
-            self._save_hf_weights(save)
+            self._export_hf(save)
             if background is not None:
                 return self._continue_in_background(save, background)
         return self._finish_save(save)
@@ -291,10 +296,23 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             plan_in_rank=functools.partial(self._timed, "dist_checkpoints", self._save_dist_checkpoints, save.local_path),
             plans_reusable=self._plans_are_reusable,
             fork=lambda: self._forked_save(save),
+            hf_beside=self._hf_beside(save),
+            hf_dir=get_hf_model_checkpoint_path(save.local_path) if self.should_save_hf_model else None,
         )
         request = self._writer.save_dist_parts(job)
-        save.planned_in_background, save.sealer = job.planned_in_background, job.sealer
+        save.planned_in_background, save.sealer, save.hf_exported = job.planned_in_background, job.sealer, job.hf_exported
         return request
+
+    def _hf_beside(self, save: SaveReport) -> Callable[[], None] | None:
+        """The HF export the sync writer may run beside the dist write: over a gloo group of its own, made
+        collectively at the first such save, so no collective of the two threads shares a group. Only a bridge
+        that saves in parallel takes another group than the default one (the same on every rank)."""
+        if not (self.should_save_hf_model and self._writer.exports_hf_beside and getattr(self.bridge, "saves_in_parallel", False)):
+            return None
+        if self._hf_comm is None:
+            self._hf_comm = GroupRankComm()
+        save.hf_comm = self._hf_comm
+        return functools.partial(self._hf_export(save.local_path, in_rank=True).run, self.rank, self._hf_comm, self.wait_for_hf_config)
 
     def _plans_are_reusable(self) -> bool:
         """Whether a fork can plan this save alone: every plan reusable without a collective, same structure."""
@@ -312,31 +330,29 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
     def _forked_save(self, save: SaveReport) -> ForkedSave:
         """What an async writer's fork is given; the RNG state is taken here (a fork reseeds ``random``)."""
         self._forked_saves += 1
-        hf = None
-        if save.hf_weights_in_background:
-            hf_path = get_hf_model_checkpoint_path(save.local_path)
-            config = functools.partial(write_hf_config, hf_path, self.processing_class, self.hf_config, self.model_path)
-            hf = HFExport(self.bridge, self.model, hf_path, self.bridge_save_kwargs, config)
+        hf = self._hf_export(save.local_path, in_rank=False) if save.hf_weights_in_background else None
         group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if hf is not None else None
         parts = self._dist_parts()
         return ForkedSave(save.local_path, self.rank, self._refusal(save), parts, self._save_strategies, save.checked_in_background, hf, group)
 
-    def _save_hf_config(self, save: SaveReport) -> None:
-        """Rank 0: the HF config, tokenizer and generation config; then every rank waits for them (fix 2), so no
-        rank starts the HF weights before the config is on disk. The snapshot writer's fork does both when it exports."""
-        if not self.should_save_hf_model or save.hf_weights_in_background:
-            return
-        if self.rank == 0:
-            self.on_save_phase("hf_config")
-            hf_path = get_hf_model_checkpoint_path(save.local_path)
-            self._timed("hf_config", write_hf_config, hf_path, self.processing_class, self.hf_config, self.model_path)
-        self.wait_for_hf_config()
+    def _hf_export(self, local_path: str, in_rank: bool) -> HFExport:
+        """The step's HF export unit; ``in_rank``: its phases announced (``on_save_phase``) and timed here."""
+        hf_path = get_hf_model_checkpoint_path(local_path)
+        config = functools.partial(write_hf_config, hf_path, self.processing_class, self.hf_config, self.model_path)
+        export = HFExport(self.bridge, self.model, hf_path, self.bridge_save_kwargs, config)
+        if in_rank:
+            export.timed = self._announced
+        return export
 
-    def _save_hf_weights(self, save: SaveReport) -> None:
-        """Every rank: the bridge's HF weight save, unless the snapshot writer's fork does it."""
-        if self.should_save_hf_model and not save.hf_weights_in_background:
-            self.on_save_phase("hf_weights")
-            self._timed("hf_weights", self._save_model_as_hf_via_bridge, get_hf_model_checkpoint_path(save.local_path))
+    def _export_hf(self, save: SaveReport) -> None:
+        """Every rank, over the default group, unless the writer's fork exports (``snapshot``) or the sync writer
+        already did beside the dist write; a sync save then seals the HF files with the dist files."""
+        if not self.should_save_hf_model or save.hf_weights_in_background or save.hf_exported:
+            return
+        self._hf_export(save.local_path, in_rank=True).run(self.rank, None, self.wait_for_hf_config)
+        save.hf_exported = True
+        if save.sealer is not None:
+            save.sealer.seal_share([get_hf_model_checkpoint_path(save.local_path)], self.rank, self.world_size)
 
     def _continue_in_background(self, save: SaveReport, request: AsyncRequest) -> SaveReport:
         """Fork the writer's background part and give training back; ``finalize_async_save`` completes the save."""
@@ -443,13 +459,18 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
 
     def wait_for_hf_config(self) -> None:
         """Fix 2: no rank may start the bridge's HF weight save until rank 0's config is on disk. Public so
-        that tests can show what a save without it gets wrong, and where a rank waits for rank 0."""
-        torch.distributed.barrier()
+        that tests can show what a save without it gets wrong, and where a rank waits for rank 0. A barrier over
+        the group the export runs over (its own one beside the dist write)."""
+        comm = self.last_save.hf_comm if self.last_save is not None else None
+        if comm is not None:
+            comm.barrier()
+        else:
+            torch.distributed.barrier()
 
-    def _save_model_as_hf_via_bridge(self, hf_ckpt_path: str) -> None:
-        """Every rank: the bridge writes the HF weights (safetensors + index) into ``hf_ckpt_path``."""
-        self.bridge.save_weights(self.model, hf_ckpt_path, **self.bridge_save_kwargs)
-        torch.distributed.barrier()
+    def _announced(self, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A phase of the current save, announced to ``on_save_phase`` first, then timed."""
+        self.on_save_phase(phase)
+        return self._timed(phase, fn, *args)
 
     def _timed(self, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Run one phase of the current save, adding its time to the save's report."""

@@ -1,6 +1,8 @@
 """The metadata files of a ``MegatronCheckpointManager`` step: upstream's ``ckpt_contents.json`` (what each
 content is, where it lies, in which format) and ``transformer_config.json`` (what the model-identity check
-reads at resume). Rank 0 writes both once the parts are on disk, ``ckpt_contents.json`` last. Also the HF
+reads at resume). Rank 0 writes both once the parts are on disk, ``ckpt_contents.json`` last, each whole or not
+at all but not fsynced: they go into a step's staging directory, which the step transaction fsyncs whole before
+its rename (an fsync here waited for the journal behind the dist files' writeback). Also the HF
 folder's non-weight files (``write_hf_config``), which rank 0 writes before any HF weight, in the rank or a fork.
 """
 
@@ -13,7 +15,7 @@ import shutil
 from typing import Any
 
 from verl.utils.checkpoint.layout import DIRECTORY_NOTES
-from verl.utils.fs import atomic_write_text
+from verl.utils.fs import atomic_open
 from verl.utils.megatron_utils import (
     get_checkpoint_contents_manifest_path,
     get_extra_dist_checkpoint_path,
@@ -41,6 +43,12 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+def _write_json(path: str, data: dict, **dump_options: Any) -> None:
+    """``data`` into ``path`` whole or not at all, not fsynced (the step transaction's fsync of the tree is)."""
+    with atomic_open(path, "w", durable=False) as handle:
+        json.dump(data, handle, **dump_options)
+
+
 def write_hf_config(hf_path: str, processing_class: Any, hf_config: Any, model_path: str | None) -> None:
     """Everything the HF folder needs besides the weights (tokenizer, config, generation config), written first."""
     if processing_class is not None:
@@ -61,7 +69,7 @@ class MegatronMetadata:
         config = self.transformer_config
         names = [f.name for f in dataclasses.fields(config)] if dataclasses.is_dataclass(config) else list(vars(config))
         fields = {name: _json_safe(getattr(config, name)) for name in names if not callable(getattr(config, name))}
-        atomic_write_text(get_transformer_config_checkpoint_path(local_path), json.dumps(fields, indent=2))
+        _write_json(get_transformer_config_checkpoint_path(local_path), fields, indent=2)
 
     def _build_checkpoint_manifest(self, local_path: str, global_step: int) -> dict:
         """``ckpt_contents.json``: what each content is, where it lies (relative paths) and in which format."""
@@ -113,4 +121,4 @@ class MegatronMetadata:
         if self.rank != 0:
             return
         contents = self._build_checkpoint_manifest(local_path, global_step)
-        atomic_write_text(get_checkpoint_contents_manifest_path(local_path), json.dumps(contents, indent=2, sort_keys=True))
+        _write_json(get_checkpoint_contents_manifest_path(local_path), contents, indent=2, sort_keys=True)

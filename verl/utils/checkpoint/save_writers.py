@@ -7,22 +7,26 @@ sources, paths, strategies, the HF export) and returns what a forked process is 
 ================  ============================  ==========================  ============  =============
 writer            dist checkpoints: plan/write  NaN/Inf check               HF export     hosts
 ================  ============================  ==========================  ============  =============
-``sync``          rank / rank (its threads)     rank, before anything       rank          every host
+``sync``          rank / rank (its threads)     rank, before anything       rank [2]_     every host
 ``background``    rank / forked process         rank, before anything       rank          every host
 ``snapshot``      rank, then fork / fork        fork, on what it writes     fork [1]_     host memory
 ================  ============================  ==========================  ============  =============
 
 .. [1] When the bridge saves in parallel over any group and the ranks met through a TCP store (the forks form
    their own group); else in the rank. Decided when the manager is built, like the rest.
+.. [2] Beside the dist write, in a thread over a gloo group of its own (``GroupRankComm``, made once), when the
+   bridge saves in parallel over any group and the parameters are in host memory (gloo sends CPU tensors); else
+   after it, over the default group. Two threads never share a group: gloo's collectives would interleave.
 
 The snapshot writer plans in the rank until megatron's plan is reusable without a collective (validated on two
 saves of one structure), then in the fork: a fork has no process group of the rank's to plan with.
 
-The sync writer also seals its dist checkpoints (``Sealer``): the step transaction needs every file's CRC-32 (the
-manifest) and every file durable (before the rename). Done by rank 0 at the end, that is one more pass over the
-whole step on one rank; instead each rank takes its share of the dist-checkpoint files as soon as they are
-complete and hashes and fsyncs them in background threads (zlib and fsync release the GIL) while the HF export
-runs; the step transaction gathers the shares and hashes only what is left.
+The sync writer also seals its files (``Sealer``): the step transaction needs every file's CRC-32 (the manifest)
+and every file durable (before the rename). Done by rank 0 at the end, that is one more pass over the whole step
+on one rank; instead each rank takes its share of the dist-checkpoint files, and then of the HF files, as soon
+as they are complete on every rank and hashes and fsyncs them in background threads (zlib and fsync release the
+GIL) while the rest of the save runs; the step transaction gathers the shares and hashes only what is left (the
+small metadata files), and its fsync of the tree finds the sealed files clean.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from verl.utils.checkpoint.async_modes import AsyncMode
 from verl.utils.checkpoint.forked_save import ForkedSave, forked_request
-from verl.utils.checkpoint.integrity import file_checksum, files_under
+from verl.utils.checkpoint.integrity import file_checksum, files_under, start_writeback
 from verl.utils.fs import fsync_path
 
 if TYPE_CHECKING:
@@ -71,8 +75,17 @@ class Sealer:
         self._pending: dict[str, Future] = {}
 
     def seal(self, relpaths: list[str]) -> None:
+        """Start every file's writeback at once (the disk writes while the threads hash), then hash and fsync each."""
+        for relpath in relpaths:
+            start_writeback(os.path.join(self.step_path, relpath))
         for relpath in relpaths:
             self._pending[relpath] = self._pool.submit(checksum_and_sync, os.path.join(self.step_path, relpath))
+
+    def seal_share(self, directories: list[str], rank: int, world_size: int) -> None:
+        """This rank's share (``share_of``) of the files under ``directories``, complete on every rank."""
+        relpaths = files_under(self.step_path, directories)
+        sizes = [os.path.getsize(os.path.join(self.step_path, r)) for r in relpaths]
+        self.seal(share_of(relpaths, sizes, rank, world_size))
 
     def results(self) -> dict[str, str]:
         """Relative path -> checksum of every file given to ``seal`` that could be read; one that could not is
@@ -86,7 +99,8 @@ class SaveJob:
     """One save as a writer sees it. ``plan_in_rank(in_background)``: the rank's dist-checkpoint save (written
     here, or only planned with ``in_background``; the writes still to run); ``plans_reusable``: megatron's plans
     need no collective any more; ``fork``: what a forked pipeline is given (built when asked); ``dist_dirs``: the
-    dist checkpoints' directories in ``staging``."""
+    dist checkpoints' directories in ``staging``; ``hf_beside``: the rank's HF export over a group of its own,
+    which the sync writer runs beside the dist write (None: the manager exports after it); ``hf_dir``: its folder."""
 
     staging: str
     rank: int
@@ -95,25 +109,43 @@ class SaveJob:
     plan_in_rank: Callable[[bool], list[AsyncRequest] | None]
     plans_reusable: Callable[[], bool]
     fork: Callable[[], ForkedSave]
+    hf_beside: Callable[[], None] | None = None
+    hf_dir: str | None = None
     planned_in_background: bool = False  # set by the writer: the fork planned this save's dist checkpoints
-    sealer: Sealer | None = None  # set by the sync writer: its dist-checkpoint files, being hashed and fsynced
+    sealer: Sealer | None = None  # set by the sync writer: its files, being hashed and fsynced
+    hf_exported: bool = False  # set by the sync writer: it ran ``hf_beside``
 
 
 class SyncWriter:
-    """Everything in the rank before ``save_checkpoint`` returns (the dist checkpoints by ``dist_writer``)."""
+    """Everything in the rank before ``save_checkpoint`` returns (the dist checkpoints by ``dist_writer``); with
+    ``hf_beside`` the HF export in a thread of its own while the dist checkpoints are written and sealed."""
 
     mode = AsyncMode.SYNC
     checks_in_rank = True
     exports_hf_in_rank = True
 
+    def __init__(self, hf_beside: bool = False) -> None:
+        self.exports_hf_beside = hf_beside  # see [2]_: the host can run the export beside the dist write
+
     def save_dist_parts(self, job: SaveJob) -> AsyncRequest | None:
-        """Write the dist checkpoints; once they are complete on every rank, start sealing this rank's share."""
-        job.plan_in_rank(False)
-        relpaths = files_under(job.staging, job.dist_dirs)
-        sizes = [os.path.getsize(os.path.join(job.staging, r)) for r in relpaths]
+        """Write the dist checkpoints; once they are complete on every rank, start sealing this rank's share.
+        The HF export beside them seals its share as soon as its files are complete on every rank (its last
+        barrier), while the dist write may still run. The export thread is always waited for: a save never
+        returns (or fails) with it still writing."""
         job.sealer = Sealer(job.staging)
-        job.sealer.seal(share_of(relpaths, sizes, job.rank, job.world_size))
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hf") as pool:
+            hf = pool.submit(self._export_and_seal, job) if job.hf_beside is not None else None
+            job.plan_in_rank(False)
+            job.sealer.seal_share(job.dist_dirs, job.rank, job.world_size)
+        if hf is not None:
+            hf.result()
+            job.hf_exported = True
         return None
+
+    @staticmethod
+    def _export_and_seal(job: SaveJob) -> None:
+        job.hf_beside()
+        job.sealer.seal_share([job.hf_dir], job.rank, job.world_size)
 
 
 class BackgroundWriter:
@@ -122,6 +154,7 @@ class BackgroundWriter:
     mode = AsyncMode.BACKGROUND_WRITE
     checks_in_rank = True
     exports_hf_in_rank = True
+    exports_hf_beside = False
 
     def save_dist_parts(self, job: SaveJob) -> AsyncRequest | None:
         return forked_request(job.fork(), job.plan_in_rank(True))
@@ -133,6 +166,7 @@ class SnapshotWriter:
 
     mode = AsyncMode.SNAPSHOT
     checks_in_rank = False
+    exports_hf_beside = False
 
     def __init__(self, hf_in_fork: bool) -> None:
         self.exports_hf_in_rank = not hf_in_fork
@@ -147,8 +181,9 @@ class SnapshotWriter:
 Writer = SyncWriter | BackgroundWriter | SnapshotWriter
 
 
-def make_writer(mode: AsyncMode, hf_in_fork: bool) -> Writer:
-    """The writer of ``mode`` (``async_modes.choose_mode``); ``hf_in_fork`` matters to the snapshot's only."""
+def make_writer(mode: AsyncMode, hf_in_fork: bool, hf_beside: bool = False) -> Writer:
+    """The writer of ``mode`` (``async_modes.choose_mode``); ``hf_in_fork`` matters to the snapshot's only,
+    ``hf_beside`` (the parameters are in host memory) to the sync one's only."""
     if mode is AsyncMode.SNAPSHOT:
         return SnapshotWriter(hf_in_fork)
-    return BackgroundWriter() if mode is AsyncMode.BACKGROUND_WRITE else SyncWriter()
+    return BackgroundWriter() if mode is AsyncMode.BACKGROUND_WRITE else SyncWriter(hf_beside)
