@@ -331,12 +331,18 @@ def test_the_step_names_are_defined_once():
 #   internals/transformers): 6 files, 31 functions;
 # - upstream's creating path helpers (megatron_utils, 6 functions: the manager's, its metadata's and its state
 #   dicts' call sites still call them), the engine (2), internals/__init__ (2): 3 files.
+# Since then the profile also counts the threads a save starts (until then it saw the main thread only, and
+# missed the dist writer's file writes and the HF export that now runs beside the dist write): 26 and 147. The
+# issue-25 work added the reused plan's direct tensors (internals/megatron_core +2), the collector pause, the
+# writer's file function, the HF export unit in the rank with its own group (forked_save, rank_comm's
+# GroupRankComm) and the sealing of the HF files (save_writers +3, integrity +2).
 # These bounds are what a save enters now, so that it cannot grow unnoticed.
-MAX_FILES, MAX_FUNCTIONS = 25, 134
+MAX_FILES, MAX_FUNCTIONS = 26, 147
 
 
 def _profiled_sync_save(model_path: str, root: str) -> list[tuple[str, str]]:
     import sys
+    import threading
 
     from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
@@ -354,11 +360,13 @@ def _profiled_sync_save(model_path: str, root: str) -> list[tuple[str, str]]:
         if event == "call" and code.co_filename.startswith(package) and code.co_filename != cpu_runtime and "<" not in code.co_qualname:  # no comprehensions
             entered.add((os.path.relpath(code.co_filename, REPO), code.co_qualname))
 
+    threading.setprofile(note)  # the threads the save starts (writers, sealers, the HF export beside) count too
     sys.setprofile(note)
     try:
         actor.save_checkpoint(path, global_step=1, track=True)
     finally:
         sys.setprofile(None)
+        threading.setprofile(None)
     return sorted(entered)
 
 
