@@ -57,3 +57,32 @@ def test_a_bad_rank_fails_fast_with_its_story(rank_fn, timeout_s, story):
 def test_layout_is_validated_before_any_rank_starts():
     with pytest.raises(ParallelConfigError, match="not divisible by TP x PP x CP"):
         run_on_ranks(_rank_and_sum, 3, ParallelSizes(tp=2))
+
+
+def test_the_rendezvous_port_is_one_no_other_process_is_handed_and_leaves_the_seeded_streams_alone():
+    """Chosen now, bound by rank 0 later: outside the kernel's ephemeral range, so no bind to port 0 nor
+    outgoing connection (Ray's, by the dozen while the ranks start) can take it in between."""
+    import random
+    import socket
+
+    from verl.utils.distributed import find_free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+        ephemeral_low = int(handle.read().split()[0])
+    random.seed(7)
+    state = random.getstate()
+    port = find_free_port("127.0.0.1")
+    assert random.getstate() == state  # the training's seeded ``random`` stream is not drawn from
+    assert 20000 <= port < ephemeral_low
+    taken = []
+    try:
+        for _ in range(500):  # what other processes starting meanwhile are handed
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            taken.append(sock)
+        assert port not in {sock.getsockname()[1] for sock in taken}
+        with socket.create_server(("127.0.0.1", port)):  # rank 0's bind, as rendezvous_store makes it
+            pass
+    finally:
+        for sock in taken:
+            sock.close()

@@ -11,6 +11,7 @@ import datetime
 import multiprocessing
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -28,9 +29,42 @@ class RankFailure(RuntimeError):
     """One or more ranks failed; the message carries their tracebacks."""
 
 
-def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+# Ports at or above this may be Ray's worker ports (its default worker port range ends at 19999).
+_LOWEST_RENDEZVOUS_PORT = 20000
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it hands out itself (bind to port 0, outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low, high = (int(field) for field in handle.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, for rank 0's rendezvous store, chosen below the kernel's ephemeral range.
+
+    The port is chosen here and bound later, by rank 0 once its process is up. A port the kernel picks (bind
+    to 0) lies in the ephemeral range, from which every other bind to 0 and every outgoing connection draws
+    too, and Ray starts servers and clients by the dozen while the ranks start: one of them took the chosen
+    port before rank 0 bound it often enough to fail a CLI test (EADDRINUSE). Below that range, and above
+    Ray's worker ports, a port is only ever taken by name. Falls back to the kernel's choice where the range
+    leaves no room."""
+    low, _ = _ephemeral_ports()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    candidates = list(range(_LOWEST_RENDEZVOUS_PORT, low))
+    random.SystemRandom().shuffle(candidates)  # not the global ``random``: training seeds that stream
+    for port in candidates[:200]:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

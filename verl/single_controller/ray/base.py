@@ -30,7 +30,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from verl.single_controller.base.decorator import Dispatch, registered_methods
-from verl.single_controller.base.worker import get_free_port, get_node_ip
+from verl.single_controller.base.worker import get_node_ip
+from verl.utils.distributed import find_free_port
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ def _bind_address(ifname: str | None) -> str:
 @ray.remote(num_cpus=0)
 def _address_and_free_port(host: str | None, ifname: str | None) -> tuple[str, int]:
     ip = host or _bind_address(ifname)
-    return ip, get_free_port(ip)
+    return ip, find_free_port(ip)
 
 
 # Set by the group for every rank; a ``worker_env`` may not override them (upstream refuses the same way).
@@ -333,7 +334,7 @@ class RayWorkerGroup:
         ifname = env_vars.get("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME"))
         if node_ids[0] == ray.get_runtime_context().get_node_id():
             ip = host or _bind_address(ifname)
-            return ip, get_free_port(ip)
+            return ip, find_free_port(ip)
         strategy = NodeAffinitySchedulingStrategy(node_id=node_ids[0], soft=False)
         return ray.get(_address_and_free_port.options(scheduling_strategy=strategy).remote(host, ifname), timeout=120)
 
