@@ -50,9 +50,3 @@ def get_node_ip() -> str:
     except ImportError:
         pass
     return socket.gethostbyname(socket.gethostname())
-
-
-def get_free_port(host: str = "") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
