@@ -72,7 +72,10 @@ def start_writeback(path: str) -> None:
     instead of starting the whole write then. A hint only (a failure is ignored): durability is the fsync's."""
     if _LIBC_SYNC_FILE_RANGE is None:
         return
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # a file that cannot be opened is the checksum's and the commit's to report, not a hint's
     try:
         _LIBC_SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
     finally:
