@@ -25,25 +25,26 @@ Transfer = tuple[torch.Tensor, int, int]
 
 
 class RankComm:
-    """torch.distributed's default group."""
+    """torch.distributed's default group, or ``group`` (of the same ranks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.group = group
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
+        dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
 
     def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
         """Post every send and receive as one batch (NCCL needs them grouped), then wait for all."""
-        ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t, peer, tag in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for t, peer, tag in recvs]
+        ops = [dist.P2POp(dist.isend, t, peer, group=self.group, tag=tag) for t, peer, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=self.group, tag=tag) for t, peer, tag in recvs]
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
 
     def barrier(self) -> None:
-        dist.barrier()
+        dist.barrier(group=self.group)
 
 
 class GroupRankComm(RankComm):
@@ -51,22 +52,7 @@ class GroupRankComm(RankComm):
     thread cannot interleave with the default group's, which the rank's main thread goes on using (CPU tensors only)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._group = dist.new_group(backend="gloo")
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self._group)
-        return gathered
-
-    def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
-        works = [dist.isend(t, peer, group=self._group, tag=tag) for t, peer, tag in sends]
-        works += [dist.irecv(t, peer, group=self._group, tag=tag) for t, peer, tag in recvs]
-        for work in works:
-            work.wait()
-
-    def barrier(self) -> None:
-        dist.barrier(group=self._group)
+        super().__init__(dist.new_group(backend="gloo"))
 
 
 class ForkedRankComm(RankComm):
