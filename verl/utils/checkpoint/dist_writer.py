@@ -51,12 +51,14 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from verl.utils.checkpoint.integrity import start_range_writeback
 from verl.utils.internals import InternalsChangedError, megatron_core
 from verl.utils.internals import torch as torch_internals
 
 MiB = 1 << 20
 BYTES_PER_THREAD = 128 * MiB
 MAX_THREADS = 8
+WRITEBACK_BYTES = 16 * MiB  # a file's written bytes are handed to the disk in steps of this, while it grows
 
 
 def cores_per_rank() -> int:
@@ -150,6 +152,7 @@ class InRankWriter(FileSystemWriter):
         """One file of ``items``, bytes items first (as DCP orders them); each item's place in the results."""
         storage_info = torch_internals.dcp_storage_info()
         results = []
+        handed_to_disk = 0  # the file's bytes whose writeback has been started
         with open(os.path.join(self.path, name), "wb") as stream:
             for item in sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO):
                 data = self.direct.get((item.index.fqn, item.index.offset)) if item.type != WriteItemType.BYTE_IO else None
@@ -167,6 +170,10 @@ class InRankWriter(FileSystemWriter):
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, offset, length))
                 )
+                if offset + length - handed_to_disk >= WRITEBACK_BYTES:
+                    stream.flush()
+                    start_range_writeback(stream.fileno(), handed_to_disk, offset + length - handed_to_disk)
+                    handed_to_disk = offset + length
             if self.sync_files:
                 stream.flush()
                 os.fsync(stream.fileno())
