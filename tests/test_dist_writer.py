@@ -321,3 +321,31 @@ def test_a_file_is_handed_to_the_disk_while_it_is_written_not_left_for_the_fsync
     page = os.sysconf("SC_PAGE_SIZE")
     assert dist_writer.WRITEBACK_BYTES <= 16 << 20  # a quarter of the file, at most
     assert all(dirty * page <= dist_writer.WRITEBACK_BYTES for _, dirty in files.values()), files
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: torch.randn(3, 4, 5, generator=g),
+        lambda g: torch.randn(64, generator=g).to(torch.bfloat16),
+        lambda g: torch.randn((), generator=g),  # 0-d
+        lambda g: torch.empty(0),
+        lambda g: torch.randint(0, 9, (4, 4), generator=g),
+        lambda g: torch.randn(4, 6, generator=g).t(),  # not contiguous: saved whole
+        lambda g: torch.randn(8, generator=g)[2:],  # a view at an offset: saved whole
+        lambda g: torch.randn(5, generator=g).requires_grad_(),  # its flag is in the archive: saved whole
+    ],
+)
+def test_a_templated_archive_is_the_bytes_torch_save_writes_for_every_tensor_of_the_kind(make):
+    import io
+
+    from verl.utils.internals import torch as torch_internals
+
+    templates, g = dist_writer.ArchiveTemplates(), torch.Generator().manual_seed(0)
+    for tensor in (make(g), make(g), make(g)):  # the first builds the template, the others are written around it
+        ours, torchs = io.BytesIO(), io.BytesIO()
+        templates.write(tensor, ours)
+        torch_internals.save_without_record_crc(tensor, torchs)
+        assert ours.getvalue() == torchs.getvalue()
+        ours.seek(0)
+        assert torch.equal(torch.load(ours), tensor.detach())
