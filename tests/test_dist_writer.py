@@ -341,10 +341,10 @@ def test_a_templated_archive_is_the_bytes_torch_save_writes_for_every_tensor_of_
 
     from verl.utils.internals import torch as torch_internals
 
-    templates, g = dist_writer.ArchiveTemplates(), torch.Generator().manual_seed(0)
+    templates, g = {}, torch.Generator().manual_seed(0)
     for tensor in (make(g), make(g), make(g)):  # the first builds the template, the others are written around it
         ours, torchs = io.BytesIO(), io.BytesIO()
-        templates.write(tensor, ours)
+        dist_writer.write_archive(tensor, ours, templates)
         torch_internals.save_without_record_crc(tensor, torchs)
         assert ours.getvalue() == torchs.getvalue()
         ours.seek(0)

@@ -102,29 +102,23 @@ def split_items(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
     return nonempty or [[]]  # a rank with nothing to write: one empty file, as DCP writes
 
 
-class ArchiveTemplates:
-    """Each tensor item's ``torch.save`` archive (without record CRCs), built once per kind of tensor (type,
-    dtype, shape, strides) and then written around each later tensor's data: the same bytes
-    (``torch_internals.archive_around_data``), without the pickling and archive writing per item that held
-    the GIL for most of a reused plan's write (886 items at the bench's model; docs/perf.md). A strategy
-    keeps one across its saves; a kind it cannot template is saved whole."""
-
-    def __init__(self) -> None:
-        self._parts: dict[tuple, tuple[bytes, bytes] | None] = {}
-
-    def write(self, tensor: torch.Tensor, stream: BinaryIO) -> None:
-        """Write ``tensor``'s archive to ``stream`` (a contiguous CPU tensor whose storage is its bytes)."""
-        templated = type(tensor) is torch.Tensor and tensor.is_contiguous() and not tensor.requires_grad and tensor.storage_offset() == 0
-        key = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())) if templated else None
-        if key is not None and key not in self._parts:
-            self._parts[key] = torch_internals.archive_around_data(tensor)
-        parts = self._parts.get(key)
-        if parts is None:
-            torch_internals.save_without_record_crc(tensor, stream)
-            return
-        stream.write(parts[0])
-        stream.write(tensor.reshape(-1).view(torch.uint8).numpy())
-        stream.write(parts[1])
+def write_archive(tensor: torch.Tensor, stream: BinaryIO, templates: dict) -> None:
+    """Write ``tensor``'s ``torch.save`` archive (without record CRCs) to ``stream``: built once per kind of
+    tensor (dtype, shape, strides) into ``templates`` and then written around each later tensor's data, the
+    same bytes (``torch_internals.archive_around_data``) without the pickling and archive writing per item
+    that held the GIL for most of a reused plan's write (886 items at the bench's model; docs/perf.md). A
+    strategy keeps its ``templates`` across its saves; a kind that cannot be templated is saved whole."""
+    templated = type(tensor) is torch.Tensor and tensor.is_contiguous() and not tensor.requires_grad and tensor.storage_offset() == 0
+    key = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())) if templated else None
+    if key is not None and key not in templates:
+        templates[key] = torch_internals.archive_around_data(tensor)
+    parts = templates.get(key)
+    if parts is None:
+        torch_internals.save_without_record_crc(tensor, stream)
+        return
+    stream.write(parts[0])
+    stream.write(tensor.reshape(-1).view(torch.uint8).numpy())
+    stream.write(parts[1])
 
 
 class InRankWriter(FileSystemWriter):
@@ -134,15 +128,15 @@ class InRankWriter(FileSystemWriter):
 
     The files are the ones DCP's ``FileSystemWriter`` writes (each tensor item one ``torch.save`` archive at an
     offset, each bytes item its raw bytes; file names, offsets and lengths in ``.metadata``), written by
-    ``write_file``: the archives without record CRCs (``ArchiveTemplates``) and, with ``fsync=False``, no fsync
+    ``write_file``: the archives without record CRCs (``write_archive``) and, with ``fsync=False``, no fsync
     (the caller makes them durable: the manager's sealer fsyncs each file while the HF export runs, and the
     step commit fsyncs the tree before its rename)."""
 
     can_run_decentralized_global_plan = True  # megatron's planner then names files per rank, as its writer does
 
-    def __init__(self, path: str | os.PathLike, fsync: bool = True, archives: ArchiveTemplates | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, fsync: bool = True, archives: dict | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=fsync, thread_count=1, overwrite=True)
-        self.archives = archives or ArchiveTemplates()
+        self.archives = {} if archives is None else archives  # ``write_archive``'s templates
         self._planned: tuple[SavePlan, SavePlanner] | None = None
         self._results: list | tuple | None = None
         self.direct: dict[megatron_core.Place, torch.Tensor] = {}  # tensor items' data, resolved without the planner
@@ -192,7 +186,7 @@ class InRankWriter(FileSystemWriter):
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().nbytes() != tensor.nbytes:
                         tensor = tensor.clone()  # a view: torch.save would write its whole storage
-                    self.archives.write(tensor, stream)
+                    write_archive(tensor, stream, self.archives)
                 length = stream.tell() - offset
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, offset, length))
@@ -223,7 +217,7 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.last_threads = 0  # writer threads of the last sync save (0: megatron's writer took it)
         self.agreed: frozenset[megatron_core.Place] = frozenset()  # what a reused plan resolves directly
         self.last_direct = 0  # tensor items the last sync save resolved without megatron's conversion
-        self.archives = ArchiveTemplates()  # the tensor items' archives, kept across this strategy's saves
+        self.archives: dict = {}  # the tensor items' archive templates (``write_archive``), kept across saves
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
         reuse = _everyone_agrees(self.cached_central_plan is not None)

@@ -67,14 +67,8 @@ def expected_hf_tensors(hf_config) -> dict[str, tuple[int, ...]]:
     JSON, so a changed config is built again): a meta model costs far more than reading the files' headers.
     """
     key = hf_config.to_json_string(use_diff=False)
-    if key not in _EXPECTED:
-        if len(_EXPECTED) >= _EXPECTED_KEPT:
-            _EXPECTED.pop(next(iter(_EXPECTED)))
-        _EXPECTED[key] = _expected_from_meta_model(hf_config)
-    return dict(_EXPECTED[key])
-
-
-def _expected_from_meta_model(hf_config) -> dict[str, tuple[int, ...]]:
+    if key in _EXPECTED:
+        return dict(_EXPECTED[key])
     from transformers import AutoModelForCausalLM
 
     # Weight initialisation on the meta device computes nothing but still walks every module: ~90% of
@@ -84,7 +78,10 @@ def _expected_from_meta_model(hf_config) -> dict[str, tuple[int, ...]]:
     state = model.state_dict()
     if getattr(hf_config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    return {name: tuple(t.shape) for name, t in transformers_internals.as_saved(model, state).items()}
+    if len(_EXPECTED) >= _EXPECTED_KEPT:
+        _EXPECTED.pop(next(iter(_EXPECTED)))
+    _EXPECTED[key] = {name: tuple(t.shape) for name, t in transformers_internals.as_saved(model, state).items()}
+    return dict(_EXPECTED[key])
 
 
 def read_saved_tensors(path: str) -> tuple[dict[str, tuple[int, ...]], list[str]]:

@@ -79,7 +79,8 @@ def start_writeback(path: str) -> None:
     except OSError:
         return  # a file that cannot be opened is the checksum's and the commit's to report, not a hint's
     try:
-        start_range_writeback(fd, 0, 0)
+        if _LIBC_SYNC_FILE_RANGE is not None:
+            _LIBC_SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
     finally:
         os.close(fd)
 

@@ -139,7 +139,7 @@ def archive_around_data(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     """The bytes ``save_without_record_crc(tensor)`` writes before and after the tensor's data: with record CRCs
     off, its archive depends on the data only there (its serialization id is made of the record CRCs), so
     the archive of any tensor of the same type, dtype, shape and strides is ``before + data + after``, the
-    same bytes, with no pickling or archive writer per item (``dist_writer.ArchiveTemplates``). None for a
+    same bytes, with no pickling or archive writer per item (``dist_writer.write_archive``). None for a
     tensor whose archive is not one storage record holding exactly its bytes (then it is saved as a whole).
     Raises ``InternalsChangedError`` like ``save_without_record_crc``."""
     data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
