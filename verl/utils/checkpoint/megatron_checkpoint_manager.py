@@ -37,14 +37,14 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
 from verl.utils import process_lifetime
-from verl.utils.checkpoint import dist_writer, finite, os_errors, save_writers, snapshot_save
+from verl.utils.checkpoint import dist_writer, finite, layout, os_errors, save_writers, snapshot_save
 from verl.utils.checkpoint.async_modes import AsyncMode, choose_mode
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get, not_implemented_unless_default
 from verl.utils.checkpoint.forked_save import ForkedSave, HFExport
 from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.mbridge_config import save_weights_kwargs
 from verl.utils.checkpoint.megatron_checkpoint_load import MegatronLoads
-from verl.utils.checkpoint.megatron_metadata import DIST_CHECKPOINT_PATHS, MegatronMetadata, write_hf_config
+from verl.utils.checkpoint.megatron_metadata import MegatronMetadata, write_hf_config
 from verl.utils.checkpoint.megatron_state_dicts import (
     DistParts,
     MegatronStateDicts,
@@ -52,10 +52,8 @@ from verl.utils.checkpoint.megatron_state_dicts import (
     sharded_structure,
 )
 from verl.utils.device import get_device_name
-from verl.utils.fs import local_mkdir_safe
 from verl.utils.internals import megatron_core
 from verl.utils.megatron.dist_checkpointing import load_dist_checkpointing, save_dist_checkpointing  # noqa: F401 (upstream's seams)
-from verl.utils.megatron_utils import get_hf_model_checkpoint_path
 from verl.utils.rank_comm import GroupRankComm, RankComm, forked_groups_possible
 
 if TYPE_CHECKING:
@@ -268,8 +266,9 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         """The step's directory and report; where each phase runs is the writer's (``save_writers``)."""
         self.previous_global_step = global_step
         writer = self._writer
+        os.makedirs(local_path, exist_ok=True)
         save = SaveReport(
-            local_mkdir_safe(local_path), global_step, writer.mode, max_ckpt_to_keep,
+            local_path, global_step, writer.mode, max_ckpt_to_keep,
             checked_in_background=not writer.checks_in_rank, hf_weights_in_background=self.should_save_hf_model and not writer.exports_hf_in_rank,
         )  # fmt: skip
         self.last_save = save
@@ -290,14 +289,18 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
     def _save_dist_parts(self, save: SaveReport) -> AsyncRequest | None:
         """The dist checkpoints (optimizer + scheduler, RNG, model shards if asked), as the writer does them (the
         sync writer also starts hashing and fsyncing each rank's share of their files while the HF export runs);
-        returns what its forked process is to run, if anything."""
+        returns what its forked process is to run, if anything. Their directories are made here, before any."""
+        dist_dirs = [layout.dist_path(save.local_path, content) for content in self._dist_contents()]
+        hf_dir = layout.hf_path(save.local_path) if self.should_save_hf_model else None
+        for directory in [*dist_dirs, hf_dir] if hf_dir else dist_dirs:
+            os.makedirs(directory, exist_ok=True)
         job = save_writers.SaveJob(
-            save.local_path, self.rank, self.world_size, [DIST_CHECKPOINT_PATHS[c](save.local_path) for c in self._dist_contents()],
+            save.local_path, self.rank, self.world_size, dist_dirs,
             plan_in_rank=functools.partial(self._timed, "dist_checkpoints", self._save_dist_checkpoints, save.local_path),
             plans_reusable=self._plans_are_reusable,
             fork=lambda: self._forked_save(save),
             hf_beside=self._hf_beside(save),
-            hf_dir=get_hf_model_checkpoint_path(save.local_path) if self.should_save_hf_model else None,
+            hf_dir=hf_dir,
         )
         request = self._writer.save_dist_parts(job)
         save.planned_in_background, save.sealer, save.hf_exported = job.planned_in_background, job.sealer, job.hf_exported
@@ -337,7 +340,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
 
     def _hf_export(self, local_path: str, in_rank: bool) -> HFExport:
         """The step's HF export unit; ``in_rank``: its phases announced (``on_save_phase``) and timed here."""
-        hf_path = get_hf_model_checkpoint_path(local_path)
+        hf_path = layout.hf_path(local_path)
         config = functools.partial(write_hf_config, hf_path, self.processing_class, self.hf_config, self.model_path)
         export = HFExport(self.bridge, self.model, hf_path, self.bridge_save_kwargs, config)
         if in_rank:
@@ -352,7 +355,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         self._hf_export(save.local_path, in_rank=True).run(self.rank, None, self.wait_for_hf_config)
         save.hf_exported = True
         if save.sealer is not None:
-            save.sealer.seal_share([get_hf_model_checkpoint_path(save.local_path)], self.rank, self.world_size)
+            save.sealer.seal_share([layout.hf_path(save.local_path)], self.rank, self.world_size)
 
     def _continue_in_background(self, save: SaveReport, request: AsyncRequest) -> SaveReport:
         """Fork the writer's background part and give training back; ``finalize_async_save`` completes the save."""
@@ -455,7 +458,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
     def _dist_contents(self) -> list[str]:
         """The dist checkpoints this manager saves."""
         wanted = {"model": self.should_save_dist_ckpt_model, "optimizer": self.should_save_optimizer, "extra": self.should_save_extra}
-        return [content for content in DIST_CHECKPOINT_PATHS if wanted[content]]
+        return [content for content in layout.DIST_CKPT_DIRS if wanted[content]]
 
     def wait_for_hf_config(self) -> None:
         """Fix 2: no rank may start the bridge's HF weight save until rank 0's config is on disk. Public so
