@@ -86,7 +86,7 @@ class SaveReport:
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     blocked_seconds: float | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
-    completed: bool = False
+    completed: bool = False  # every part on disk: False while an async save's background write runs
 
 
 
@@ -244,8 +244,10 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         metadata. The step transaction then verifies and commits the staging directory. Returns the save's
         report (also ``last_save``).
         """
-        not_implemented_unless_default(hdfs_path=hdfs_path)
-        self.finalize_async_save(blocking=True)  # one save in flight at a time
+        if hdfs_path is not None:
+            not_implemented_unless_default(hdfs_path=hdfs_path)
+        if self._pending is not None:  # one save in flight at a time
+            self.finalize_async_save(blocking=True)
         save = self._start_save(local_path, global_step, max_ckpt_to_keep)
         with self._failure_reported(save):
             self._check_state_is_finite(save)
@@ -279,8 +281,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         fork checks the very state it writes (``snapshot``, off the training path); a failure there fails the
         save when it is finalized, still before the commit."""
         if self._writer.checks_in_rank:
-            self.on_save_phase("finite_check")
-            self._timed("finite_check", finite.check_finite, self.model, self.optimizer, self._refusal(save))
+            self._timed("finite_check", finite.check_finite, self.model, self.optimizer, self._refusal(save), announce=True)
 
     @staticmethod
     def _refusal(save: SaveReport) -> str:
@@ -344,7 +345,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         config = functools.partial(write_hf_config, hf_path, self.processing_class, self.hf_config, self.model_path)
         export = HFExport(self.bridge, self.model, hf_path, self.bridge_save_kwargs, config)
         if in_rank:
-            export.timed = self._announced
+            export.timed = functools.partial(self._timed, announce=True)
         return export
 
     def _export_hf(self, save: SaveReport) -> None:
@@ -370,8 +371,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
     def _finish_save(self, save: SaveReport) -> SaveReport:
         """Every part is on disk: rank 0 writes the metadata (``transformer_config.json``, ``ckpt_contents.json``
         last), then upstream's retention."""
-        self.on_save_phase("metadata")
-        self._timed("metadata", self._write_metadata, save)
+        self._timed("metadata", self._write_metadata, save, announce=True)
         save.completed = True
         self._log(f"wrote step {save.global_step} to {save.local_path} in {time.monotonic() - save.started:.1f}s ({save.mode.value})")
         self.register_checkpoint(save.local_path, save.max_ckpt_to_keep)
@@ -470,13 +470,11 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         else:
             torch.distributed.barrier()
 
-    def _announced(self, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """A phase of the current save, announced to ``on_save_phase`` first, then timed."""
-        self.on_save_phase(phase)
-        return self._timed(phase, fn, *args)
-
-    def _timed(self, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one phase of the current save, adding its time to the save's report."""
+    def _timed(self, phase: str, fn: Callable[..., Any], *args: Any, announce: bool = False) -> Any:
+        """Run one phase of the current save, adding its time to the save's report; ``announce``: tell
+        ``on_save_phase`` first."""
+        if announce:
+            self.on_save_phase(phase)
         start = time.monotonic()
         result = fn(*args)
         seconds = time.monotonic() - start
