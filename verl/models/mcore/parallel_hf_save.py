@@ -35,7 +35,6 @@ import torch
 from mbridge.core.util import unwrap_model
 from safetensors.torch import save_file
 
-from verl.models.mcore.local_spec import is_expert_te_name
 from verl.utils.checkpoint.integrity import start_writeback
 from verl.utils.checkpoint.names import INDEX_FILENAME
 from verl.utils.internals import mbridge as mbridge_internals
@@ -62,6 +61,12 @@ class _Shard:
         for size in self.shape:
             numel *= size
         return numel * _dtype(self.dtype).itemsize
+
+
+def is_expert_te_name(te_name: str) -> bool:
+    """Whether a (TE-spec) parameter is a routed expert's weight: those are split over expert-tensor-parallel
+    ranks (ETP), every other tensor-parallel weight over TP (which ranks hold which piece, here and in the load)."""
+    return ".mlp.experts.linear_fc" in te_name
 
 
 def _dtype(name: str) -> torch.dtype:
