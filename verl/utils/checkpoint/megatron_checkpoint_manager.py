@@ -248,10 +248,19 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             not_implemented_unless_default(hdfs_path=hdfs_path)
         if self._pending is not None:  # one save in flight at a time
             self.finalize_async_save(blocking=True)
-        save = self._start_save(local_path, global_step, max_ckpt_to_keep)
+        self.previous_global_step = global_step
+        os.makedirs(local_path, exist_ok=True)
+        writer = self._writer  # where each phase runs (``save_writers``)
+        save = self.last_save = SaveReport(
+            local_path, global_step, writer.mode, max_ckpt_to_keep,
+            checked_in_background=not writer.checks_in_rank, hf_weights_in_background=self.should_save_hf_model and not writer.exports_hf_in_rank,
+        )  # fmt: skip
         with self._failure_reported(save):
-            self._check_state_is_finite(save)
-            if save.mode is AsyncMode.SYNC:
+            # No NaN/Inf is ever saved: checked before anything is written or removed, unless the writer's fork
+            # checks the very state it writes (``snapshot``); a failure there fails the save at its finalize.
+            if writer.checks_in_rank:
+                self._timed("finite_check", finite.check_finite, self.model, self.optimizer, self._refusal(save), announce=True)
+            if save.mode is AsyncMode.SYNC and max_ckpt_to_keep:  # upstream's pre-save retention, with a limit
                 self.ensure_checkpoint_capacity(max_ckpt_to_keep)
             background = self._save_dist_parts(save)
             self._export_hf(save)
@@ -263,25 +272,6 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         """The mode every save of this manager takes (its writer's): ``sync`` without ``async_save``, else
         ``async_mode``'s (``verl.utils.checkpoint.async_modes``)."""
         return self._writer.mode
-
-    def _start_save(self, local_path: str, global_step: int, max_ckpt_to_keep: int | None) -> SaveReport:
-        """The step's directory and report; where each phase runs is the writer's (``save_writers``)."""
-        self.previous_global_step = global_step
-        writer = self._writer
-        os.makedirs(local_path, exist_ok=True)
-        save = SaveReport(
-            local_path, global_step, writer.mode, max_ckpt_to_keep,
-            checked_in_background=not writer.checks_in_rank, hf_weights_in_background=self.should_save_hf_model and not writer.exports_hf_in_rank,
-        )  # fmt: skip
-        self.last_save = save
-        return save
-
-    def _check_state_is_finite(self, save: SaveReport) -> None:
-        """No NaN/Inf is ever saved: checked here, before anything is written or removed, unless the writer's
-        fork checks the very state it writes (``snapshot``, off the training path); a failure there fails the
-        save when it is finalized, still before the commit."""
-        if self._writer.checks_in_rank:
-            self._timed("finite_check", finite.check_finite, self.model, self.optimizer, self._refusal(save), announce=True)
 
     @staticmethod
     def _refusal(save: SaveReport) -> str:
