@@ -132,13 +132,10 @@ class _Holdings:
     holders: dict[tuple[str, int], list[int]]
     meta: dict[str, _Shard]
     te_names: list[str]
+    device: torch.device  # where this rank's pieces are, and so where it receives others' (CPU when it holds none)
 
     def pieces(self, te: str) -> list[tuple[str, int]]:
         return [(te, i) for i in range(self.meta[te].count)]
-
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.my_tensors.values())).device if self.my_tensors else torch.device("cpu")
 
 
 def _gather_holdings(bridge, models: list, comm: RankComm) -> _Holdings:
@@ -152,7 +149,8 @@ def _gather_holdings(bridge, models: list, comm: RankComm) -> _Holdings:
         for shard in (_Shard(**{**f, "shape": tuple(f["shape"])}) for f in fields):
             holders[(shard.te_name, shard.index)].append(holder)
             meta.setdefault(shard.te_name, shard)
-    return _Holdings(my_tensors, holders, meta, sorted(meta, key=_natural_key))
+    device = next(iter(my_tensors.values())).device if my_tensors else torch.device("cpu")
+    return _Holdings(my_tensors, holders, meta, sorted(meta, key=_natural_key), device)
 
 
 def gather_hf_weights(bridge, models: list, receivers: list[int]) -> dict[str, torch.Tensor]:
