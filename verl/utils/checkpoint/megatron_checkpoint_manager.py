@@ -285,28 +285,26 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         hf_dir = layout.hf_path(save.local_path) if self.should_save_hf_model else None
         for directory in [*dist_dirs, hf_dir] if hf_dir else dist_dirs:
             os.makedirs(directory, exist_ok=True)
+        hf_beside = None
+        # The HF export the sync writer may run beside the dist write: over a gloo group of its own, made
+        # collectively at the first such save, so no collective of the two threads shares a group. Only a bridge
+        # that saves in parallel takes another group than the default one (the same on every rank).
+        if hf_dir and self._writer.exports_hf_beside and getattr(self.bridge, "saves_in_parallel", False):
+            if self._hf_comm is None:
+                self._hf_comm = GroupRankComm()
+            save.hf_comm = self._hf_comm
+            hf_beside = functools.partial(self._hf_export(save.local_path, in_rank=True).run, self.rank, self._hf_comm, self.wait_for_hf_config)
         job = save_writers.SaveJob(
             save.local_path, self.rank, self.world_size, dist_dirs,
             plan_in_rank=functools.partial(self._timed, "dist_checkpoints", self._save_dist_checkpoints, save.local_path),
             plans_reusable=self._plans_are_reusable,
             fork=lambda: self._forked_save(save),
-            hf_beside=self._hf_beside(save),
+            hf_beside=hf_beside,
             hf_dir=hf_dir,
         )
         request = self._writer.save_dist_parts(job)
         save.planned_in_background, save.sealer, save.hf_exported = job.planned_in_background, job.sealer, job.hf_exported
         return request
-
-    def _hf_beside(self, save: SaveReport) -> Callable[[], None] | None:
-        """The HF export the sync writer may run beside the dist write: over a gloo group of its own, made
-        collectively at the first such save, so no collective of the two threads shares a group. Only a bridge
-        that saves in parallel takes another group than the default one (the same on every rank)."""
-        if not (self.should_save_hf_model and self._writer.exports_hf_beside and getattr(self.bridge, "saves_in_parallel", False)):
-            return None
-        if self._hf_comm is None:
-            self._hf_comm = GroupRankComm()
-        save.hf_comm = self._hf_comm
-        return functools.partial(self._hf_export(save.local_path, in_rank=True).run, self.rank, self._hf_comm, self.wait_for_hf_config)
 
     def _plans_are_reusable(self) -> bool:
         """Whether a fork can plan this save alone: every plan reusable without a collective, same structure."""
