@@ -337,7 +337,7 @@ def test_the_step_names_are_defined_once():
 # writer's file function, the HF export unit in the rank with its own group (forked_save, rank_comm's
 # GroupRankComm) and the sealing of the HF files (save_writers +3, integrity +2).
 # These bounds are what a save enters now, so that it cannot grow unnoticed.
-MAX_FILES, MAX_FUNCTIONS = 24, 130
+MAX_FILES, MAX_FUNCTIONS = 24, 129
 
 
 def _profiled_sync_save(model_path: str, root: str) -> list[tuple[str, str]]:
