@@ -6,8 +6,9 @@ from setuptools import find_packages, setup
 here = Path(__file__).parent
 
 # The releases declared for the dependencies whose private internals verl reads (verl/utils/internals
-# checks each where it is first used). requirements.txt pins the exact stack the CPU suite runs, which the
-# scripts install; verl.utils.internals.TESTED names the releases tested, and docs/cpu.md ("The stack") both.
+# checks each where it is first used), and for exactly pinned ones that need a wider range. requirements.txt
+# pins the exact stack the CPU suite runs, which the scripts install; verl.utils.internals.TESTED names the
+# releases tested, and docs/cpu.md ("The stack") both.
 DECLARED = {
     "torch": ">=2.11,<2.14",
     "megatron-core": ">=0.16.1,<0.19",
@@ -15,6 +16,8 @@ DECLARED = {
     # 4.57 and 5.10 tested (scripts/test.sh's two legs); 5.6.0 is excluded by verl 0.9.1 and upstream too;
     # <5.20 keeps vLLM's CPU build (5.16.1-5.19) inside the range
     "transformers": ">=4.57,!=5.6.0,<5.20",
+    # public API only (its crc32); every release since 1.0 has it, and without it the standard zlib computes the same
+    "zlib-ng": ">=1.0",
 }
 
 

@@ -279,3 +279,73 @@ def test_no_garbage_collection_runs_while_the_dist_checkpoints_are_saved(tiny_mo
     off a full collection of the trainer's heap (~0.3 s at the bench's model); the collector is back on after."""
     report = run_on_ranks(_collections_inside_the_dist_checkpoint_phase, 1, ParallelSizes(), args=(tiny_moe_path, str(tmp_path)))[0]
     assert report["collections"] == [] and report["enabled_after"]
+
+
+def _dirty_pages(path: str) -> int:
+    """The file's page-cache pages not yet handed to the disk (Linux ``cachestat``, 6.5+)."""
+    import ctypes
+
+    class Range(ctypes.Structure):
+        _fields_ = [("offset", ctypes.c_uint64), ("length", ctypes.c_uint64)]
+
+    class Stat(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_uint64) for name in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
+
+    libc, stat = ctypes.CDLL(None, use_errno=True), Stat()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.syscall(451, fd, ctypes.byref(Range(0, 0)), ctypes.byref(stat), 0) != 0:  # SYS_cachestat
+            raise OSError(ctypes.get_errno(), f"cachestat {path}")
+    finally:
+        os.close(fd)
+    return stat.dirty
+
+
+def _unsynced_save_of(nbytes: int, root: str) -> dict:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tensors = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(nbytes >> 22)}  # 4 MiB each
+    sharded = {key: ShardedTensor.from_rank_offsets(key, value, replica_id=0) for key, value in tensors.items()}
+    dist_checkpointing.save(sharded, root, sharded_strategy=dist_writer.InRankSaveStrategy(fsync=False))
+    data = [os.path.join(root, name) for name in os.listdir(root) if name.endswith(".distcp")]
+    return {path: (os.path.getsize(path), _dirty_pages(path)) for path in data}
+
+
+def test_a_file_is_handed_to_the_disk_while_it_is_written_not_left_for_the_fsync(tmp_path):
+    """Unsynced (the sealer fsyncs later), a 48 MiB file still has at most its last ``WRITEBACK_BYTES`` dirty:
+    the rest was handed to the disk as it was written, so the disk writes while the save goes on (without the
+    hint the kernel leaves every page dirty for up to 30 s, and the fsync then starts the whole write)."""
+    files = run_on_ranks(_unsynced_save_of, 1, ParallelSizes(), args=(48 << 20, str(tmp_path)))[0]
+    assert [size >= 48 << 20 for size, _ in files.values()] == [True]
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert dist_writer.WRITEBACK_BYTES <= 16 << 20  # a quarter of the file, at most
+    assert all(dirty * page <= dist_writer.WRITEBACK_BYTES for _, dirty in files.values()), files
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: torch.randn(3, 4, 5, generator=g),
+        lambda g: torch.randn(64, generator=g).to(torch.bfloat16),
+        lambda g: torch.randn((), generator=g),  # 0-d
+        lambda g: torch.empty(0),
+        lambda g: torch.randint(0, 9, (4, 4), generator=g),
+        lambda g: torch.randn(4, 6, generator=g).t(),  # not contiguous: saved whole
+        lambda g: torch.randn(8, generator=g)[2:],  # a view at an offset: saved whole
+        lambda g: torch.randn(5, generator=g).requires_grad_(),  # its flag is in the archive: saved whole
+    ],
+)
+def test_a_templated_archive_is_the_bytes_torch_save_writes_for_every_tensor_of_the_kind(make):
+    import io
+
+    from verl.utils.internals import torch as torch_internals
+
+    templates, g = dist_writer.ArchiveTemplates(), torch.Generator().manual_seed(0)
+    for tensor in (make(g), make(g), make(g)):  # the first builds the template, the others are written around it
+        ours, torchs = io.BytesIO(), io.BytesIO()
+        templates.write(tensor, ours)
+        torch_internals.save_without_record_crc(tensor, torchs)
+        assert ours.getvalue() == torchs.getvalue()
+        ours.seek(0)
+        assert torch.equal(torch.load(ours), tensor.detach())

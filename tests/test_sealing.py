@@ -38,3 +38,31 @@ def test_a_file_hashed_while_the_save_went_on_is_not_read_again(tmp_path):
     (tmp_path / "c.bin").write_bytes(b"xyz")
     manifest = build_manifest(str(tmp_path), known_checksums={"c.bin": "crc32:0badf00d"})
     assert manifest["files"]["c.bin"] == {"size": 3, "checksum": "crc32:0badf00d"}
+
+
+_CHECKSUM_WITHOUT_ZLIB_NG = """
+import sys
+sys.modules["zlib_ng"] = None  # not installed
+from verl.utils.checkpoint import integrity
+print(integrity.crc32.__module__, integrity.file_checksum(sys.argv[1]))
+"""
+
+
+def test_the_checksum_is_zlibs_crc32_with_zlib_ng_and_without_it(tmp_path):
+    """zlib-ng computes the manifest's CRC-32 where installed (requirements.txt), the standard zlib elsewhere:
+    the same value either way, over files spanning several of the hash's chunks, so manifests cross over."""
+    import subprocess
+    import sys
+
+    import verl
+    from verl.utils.checkpoint import integrity
+
+    payload = os.urandom(1 << 20) * 19 + b"tail"  # 19 MiB and a few bytes: three chunks, the last one short
+    path = tmp_path / "big.bin"
+    path.write_bytes(payload)
+    expected = f"crc32:{zlib.crc32(payload):08x}"
+    assert integrity.crc32.__module__.startswith("zlib_ng")
+    assert integrity.file_checksum(str(path)) == expected
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(verl.__file__)), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", _CHECKSUM_WITHOUT_ZLIB_NG, str(path)], capture_output=True, text=True, env=env, timeout=120, check=True)
+    assert out.stdout.split() == ["zlib", expected]

@@ -34,6 +34,15 @@ def test_the_expected_tensors_are_the_ones_the_files_hold(tiny_moe_path):
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in expected
 
 
+def test_the_expectation_follows_a_changed_config():
+    config = tiny_hf_config("moe")
+    before = expected_hf_tensors(config)
+    assert expected_hf_tensors(config) == before
+    config.num_hidden_layers += 1
+    after = expected_hf_tensors(config)
+    assert set(after) > set(before) and any(name.startswith(f"model.layers.{config.num_hidden_layers - 1}.") for name in after)
+
+
 def test_the_rollout_takes_the_files_tensors_and_runs_the_model_transformers_loads(tiny_moe_path):
     from transformers import AutoModelForCausalLM
 
@@ -51,7 +60,10 @@ def test_the_rollout_takes_the_files_tensors_and_runs_the_model_transformers_loa
 @pytest.mark.skipif(not transformers_internals.converts_weights_on_save(), reason="transformers 4.x converts no weight names (the 4.57 leg)")
 def test_the_save_conversion_gone_fails_the_export_check_naming_it(monkeypatch):
     import transformers.core_model_loading as core_model_loading
+    import transformers.modeling_utils  # noqa: F401 - imported before the name goes, as in a trainer (it imports the name)
 
     monkeypatch.delattr(core_model_loading, "revert_weight_conversion")
+    config = tiny_hf_config("moe")
+    config.vocab_size += 1  # a config no other test builds: its expectation is not known yet
     with pytest.raises(InternalsChangedError, match=r"transformers\.core_model_loading\.revert_weight_conversion is missing"):
-        expected_hf_tensors(tiny_hf_config("moe"))
+        expected_hf_tensors(config)

@@ -25,7 +25,11 @@ Transfer = tuple[torch.Tensor, int, int]
 
 
 class RankComm:
-    """torch.distributed's default group, or ``group`` (of the same ranks)."""
+    """torch.distributed's default group, or ``group`` (of the same ranks). ``host_only``: the group sends
+    tensors from host memory only (gloo's point-to-point), so a tensor on an accelerator travels as a host
+    copy; the default group (NCCL on a GPU host) sends them where they are."""
+
+    host_only = False
 
     def __init__(self, group: Any = None) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -49,14 +53,16 @@ class RankComm:
 
 class GroupRankComm(RankComm):
     """A gloo group of every rank, made collectively once (``dist.new_group``): collectives on it from a second
-    thread cannot interleave with the default group's, which the rank's main thread goes on using (CPU tensors only)."""
+    thread cannot interleave with the default group's, which the rank's main thread goes on using."""
+
+    host_only = True
 
     def __init__(self) -> None:
         super().__init__(dist.new_group(backend="gloo"))
 
 
 class ForkedRankComm(RankComm):
-    """A gloo group of the processes that every rank forked for the same purpose (CPU tensors only).
+    """A gloo group of the processes that every rank forked for the same purpose (host tensors only).
 
     Every rank's child calls ``ForkedRankComm(name)`` with the same ``name`` (unique per use, e.g. per
     save); they meet under that prefix in the default group's store, which the parent of rank 0 keeps
@@ -66,6 +72,8 @@ class ForkedRankComm(RankComm):
     ``timeout`` bounds each collective after that; it is long because a dead peer fails them at once
     anyway, and the first one waits for the slowest fork's dist-checkpoint write.
     """
+
+    host_only = True
 
     def __init__(
         self,

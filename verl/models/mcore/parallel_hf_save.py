@@ -242,9 +242,10 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
         load[writer] += file_bytes[file]
         writer_files[writer].append(file)
 
-    # 4. rounds: shards to writers, merge, convert, write
+    # 4. rounds: shards to writers, merge, convert, write (over a host-only group, from host copies: the
+    # file write needs them there anyway)
     written: dict[str, int] = {}
-    device = held.device
+    device = torch.device("cpu") if comm.host_only else held.device
     tag = 0
     for round_index in range(max(len(f) for f in writer_files)):
         jobs = [(w, fs[round_index]) for w, fs in enumerate(writer_files) if round_index < len(fs)]
@@ -259,14 +260,14 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
                     if source == writer:
                         continue
                     if rank == source:
-                        sends.append((my_tensors[key].detach().contiguous(), writer, tag))
+                        sends.append((my_tensors[key].detach().contiguous().to(device), writer, tag))
                     elif rank == writer:
                         received[key] = torch.empty(meta[te].shape, dtype=_dtype(meta[te].dtype), device=device)
                         recvs.append((received[key], source, tag))
         comm.exchange(sends, recvs)  # one batch per round
         for writer, file in jobs:
             if writer == rank:
-                written.update(_write_file(bridge, weights_path, file, files[file], te_for_file[file], meta, my_tensors, received))
+                written.update(_write_file(bridge, weights_path, file, files[file], te_for_file[file], meta, my_tensors, received, device))
         del received
 
     # 5. index and config
@@ -290,10 +291,10 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
     comm.barrier()
 
 
-def _write_file(bridge, weights_path, file, names, te_list, meta, my_tensors, received) -> dict[str, int]:
+def _write_file(bridge, weights_path, file, names, te_list, meta, my_tensors, received, device) -> dict[str, int]:
     out: dict[str, torch.Tensor] = {}
     for te in te_list:
-        pieces = [my_tensors[(te, i)].detach() if (te, i) in my_tensors else received[(te, i)] for i in range(meta[te].count)]
+        pieces = [my_tensors[(te, i)].detach().to(device) if (te, i) in my_tensors else received[(te, i)] for i in range(meta[te].count)]
         for name, tensor in _to_hf(bridge, te, meta[te], pieces).items():
             if name in names:
                 out[name] = tensor.contiguous().cpu()

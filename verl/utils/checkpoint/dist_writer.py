@@ -42,6 +42,7 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -51,12 +52,14 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from verl.utils.checkpoint.integrity import start_range_writeback
 from verl.utils.internals import InternalsChangedError, megatron_core
 from verl.utils.internals import torch as torch_internals
 
 MiB = 1 << 20
 BYTES_PER_THREAD = 128 * MiB
 MAX_THREADS = 8
+WRITEBACK_BYTES = 16 * MiB  # a file's written bytes are handed to the disk in steps of this, while it grows
 
 
 def cores_per_rank() -> int:
@@ -99,6 +102,31 @@ def split_items(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
     return nonempty or [[]]  # a rank with nothing to write: one empty file, as DCP writes
 
 
+class ArchiveTemplates:
+    """Each tensor item's ``torch.save`` archive (without record CRCs), built once per kind of tensor (type,
+    dtype, shape, strides) and then written around each later tensor's data: the same bytes
+    (``torch_internals.archive_around_data``), without the pickling and archive writing per item that held
+    the GIL for most of a reused plan's write (886 items at the bench's model; docs/perf.md). A strategy
+    keeps one across its saves; a kind it cannot template is saved whole."""
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple, tuple[bytes, bytes] | None] = {}
+
+    def write(self, tensor: torch.Tensor, stream: BinaryIO) -> None:
+        """Write ``tensor``'s archive to ``stream`` (a contiguous CPU tensor whose storage is its bytes)."""
+        templated = type(tensor) is torch.Tensor and tensor.is_contiguous() and not tensor.requires_grad and tensor.storage_offset() == 0
+        key = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())) if templated else None
+        if key is not None and key not in self._parts:
+            self._parts[key] = torch_internals.archive_around_data(tensor)
+        parts = self._parts.get(key)
+        if parts is None:
+            torch_internals.save_without_record_crc(tensor, stream)
+            return
+        stream.write(parts[0])
+        stream.write(tensor.reshape(-1).view(torch.uint8).numpy())
+        stream.write(parts[1])
+
+
 class InRankWriter(FileSystemWriter):
     """DCP's file-system writer (one file per thread; ``.metadata`` written, then renamed into place) as
     megatron's planning drives it: the plan is made without a collective where it can be, and the write runs
@@ -106,14 +134,15 @@ class InRankWriter(FileSystemWriter):
 
     The files are the ones DCP's ``FileSystemWriter`` writes (each tensor item one ``torch.save`` archive at an
     offset, each bytes item its raw bytes; file names, offsets and lengths in ``.metadata``), written by
-    ``write_file``: the archives without record CRCs (``save_without_record_crc``) and, with ``fsync=False``,
-    no fsync (the caller makes them durable: the manager's sealer fsyncs each file while the HF export
-    runs, and the step commit fsyncs the tree before its rename)."""
+    ``write_file``: the archives without record CRCs (``ArchiveTemplates``) and, with ``fsync=False``, no fsync
+    (the caller makes them durable: the manager's sealer fsyncs each file while the HF export runs, and the
+    step commit fsyncs the tree before its rename)."""
 
     can_run_decentralized_global_plan = True  # megatron's planner then names files per rank, as its writer does
 
-    def __init__(self, path: str | os.PathLike, fsync: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, fsync: bool = True, archives: ArchiveTemplates | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=fsync, thread_count=1, overwrite=True)
+        self.archives = archives or ArchiveTemplates()
         self._planned: tuple[SavePlan, SavePlanner] | None = None
         self._results: list | tuple | None = None
         self.direct: dict[megatron_core.Place, torch.Tensor] = {}  # tensor items' data, resolved without the planner
@@ -150,6 +179,7 @@ class InRankWriter(FileSystemWriter):
         """One file of ``items``, bytes items first (as DCP orders them); each item's place in the results."""
         storage_info = torch_internals.dcp_storage_info()
         results = []
+        handed_to_disk = 0  # the file's bytes whose writeback has been started
         with open(os.path.join(self.path, name), "wb") as stream:
             for item in sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO):
                 data = self.direct.get((item.index.fqn, item.index.offset)) if item.type != WriteItemType.BYTE_IO else None
@@ -162,11 +192,15 @@ class InRankWriter(FileSystemWriter):
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().nbytes() != tensor.nbytes:
                         tensor = tensor.clone()  # a view: torch.save would write its whole storage
-                    torch_internals.save_without_record_crc(tensor, stream)
+                    self.archives.write(tensor, stream)
                 length = stream.tell() - offset
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=length, storage_data=storage_info(name, offset, length))
                 )
+                if offset + length - handed_to_disk >= WRITEBACK_BYTES:
+                    stream.flush()
+                    start_range_writeback(stream.fileno(), handed_to_disk, offset + length - handed_to_disk)
+                    handed_to_disk = offset + length
             if self.sync_files:
                 stream.flush()
                 os.fsync(stream.fileno())
@@ -189,10 +223,11 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.last_threads = 0  # writer threads of the last sync save (0: megatron's writer took it)
         self.agreed: frozenset[megatron_core.Place] = frozenset()  # what a reused plan resolves directly
         self.last_direct = 0  # tensor items the last sync save resolved without megatron's conversion
+        self.archives = ArchiveTemplates()  # the tensor items' archives, kept across this strategy's saves
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
         reuse = _everyone_agrees(self.cached_central_plan is not None)
-        writer = InRankWriter(checkpoint_dir, self.fsync)
+        writer = InRankWriter(checkpoint_dir, self.fsync, self.archives)
         try:
             for internal in torch_internals.IN_RANK_WRITER:  # checked before planning, like the megatron internals
                 internal.get()

@@ -54,13 +54,27 @@ class HFVerifyReport:
         return "\n".join(parts)
 
 
+_EXPECTED: dict[str, dict[str, tuple[int, ...]]] = {}  # a config's JSON -> its tensors (``expected_hf_tensors``)
+_EXPECTED_KEPT = 4  # configs remembered: a trainer verifies one config at every save
+
+
 def expected_hf_tensors(hf_config) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the tensors ``save_pretrained`` would write for this config.
 
     transformers 5 fuses MoE experts in memory (``experts.gate_up_proj`` [E, 2I, H]) but writes one tensor per
     expert, as 4.x and the bridge do: the model's own save-time conversion, applied here to the meta state,
-    gives the names the files hold, still from the config alone.
+    gives the names the files hold, still from the config alone. Built once per config (keyed by its whole
+    JSON, so a changed config is built again): a meta model costs far more than reading the files' headers.
     """
+    key = hf_config.to_json_string(use_diff=False)
+    if key not in _EXPECTED:
+        if len(_EXPECTED) >= _EXPECTED_KEPT:
+            _EXPECTED.pop(next(iter(_EXPECTED)))
+        _EXPECTED[key] = _expected_from_meta_model(hf_config)
+    return dict(_EXPECTED[key])
+
+
+def _expected_from_meta_model(hf_config) -> dict[str, tuple[int, ...]]:
     from transformers import AutoModelForCausalLM
 
     # Weight initialisation on the meta device computes nothing but still walks every module: ~90% of

@@ -174,10 +174,9 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
     def _choose_writer(self) -> None:
         """The writer of every save (``save_writers``), chosen here from the config and this rank's device: a mode
         this host cannot take (``snapshot`` with parameters on an accelerator) is refused in one line."""
-        device = get_device_name()
-        mode = choose_mode(self._async_save, self._async_mode, device)
+        mode = choose_mode(self._async_save, self._async_mode, get_device_name())
         hf_in_fork = self.should_save_hf_model and getattr(self.bridge, "saves_in_parallel", False) and forked_groups_possible()
-        self._writer = save_writers.make_writer(mode, hf_in_fork, hf_beside=device == "cpu")
+        self._writer = save_writers.make_writer(mode, hf_in_fork)
 
     @property
     def async_save(self) -> bool:

@@ -15,8 +15,9 @@ writer            dist checkpoints: plan/write  NaN/Inf check               HF e
 .. [1] When the bridge saves in parallel over any group and the ranks met through a TCP store (the forks form
    their own group); else in the rank. Decided when the manager is built, like the rest.
 .. [2] Beside the dist write, in a thread over a gloo group of its own (``GroupRankComm``, made once), when the
-   bridge saves in parallel over any group and the parameters are in host memory (gloo sends CPU tensors); else
-   after it, over the default group. Two threads never share a group: gloo's collectives would interleave.
+   bridge saves in parallel over any group, on every host: gloo sends host tensors, so on an accelerator each
+   piece travels as the host copy the file write needs anyway (``RankComm.host_only``). Else (mbridge's gathered
+   save) after it, over the default group. Two threads never share a group: their collectives would interleave.
 
 The snapshot writer plans in the rank until megatron's plan is reusable without a collective (validated on two
 saves of one structure), then in the fork: a fork has no process group of the rank's to plan with.
@@ -123,9 +124,7 @@ class SyncWriter:
     mode = AsyncMode.SYNC
     checks_in_rank = True
     exports_hf_in_rank = True
-
-    def __init__(self, hf_beside: bool = False) -> None:
-        self.exports_hf_beside = hf_beside  # see [2]_: the host can run the export beside the dist write
+    exports_hf_beside = True  # see [2]_
 
     def save_dist_parts(self, job: SaveJob) -> AsyncRequest | None:
         """Write the dist checkpoints; once they are complete on every rank, start sealing this rank's share.
@@ -181,9 +180,8 @@ class SnapshotWriter:
 Writer = SyncWriter | BackgroundWriter | SnapshotWriter
 
 
-def make_writer(mode: AsyncMode, hf_in_fork: bool, hf_beside: bool = False) -> Writer:
-    """The writer of ``mode`` (``async_modes.choose_mode``); ``hf_in_fork`` matters to the snapshot's only,
-    ``hf_beside`` (the parameters are in host memory) to the sync one's only."""
+def make_writer(mode: AsyncMode, hf_in_fork: bool) -> Writer:
+    """The writer of ``mode`` (``async_modes.choose_mode``); ``hf_in_fork`` matters to the snapshot's only."""
     if mode is AsyncMode.SNAPSHOT:
         return SnapshotWriter(hf_in_fork)
-    return BackgroundWriter() if mode is AsyncMode.BACKGROUND_WRITE else SyncWriter(hf_beside)
+    return BackgroundWriter() if mode is AsyncMode.BACKGROUND_WRITE else SyncWriter()

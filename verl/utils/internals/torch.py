@@ -8,9 +8,12 @@ Contract: tests/test_internals_contract.py.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
+import struct
 import warnings
+import zipfile
 from typing import BinaryIO
 
 import torch
@@ -130,6 +133,28 @@ def save_without_record_crc(tensor: torch.Tensor, stream: BinaryIO) -> None:
             writer.write_end_of_file()
         raise
     writer.write_end_of_file()
+
+
+def archive_around_data(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+    """The bytes ``save_without_record_crc(tensor)`` writes before and after the tensor's data: with record CRCs
+    off, its archive depends on the data only there (its serialization id is made of the record CRCs), so
+    the archive of any tensor of the same type, dtype, shape and strides is ``before + data + after``, the
+    same bytes, with no pickling or archive writer per item (``dist_writer.ArchiveTemplates``). None for a
+    tensor whose archive is not one storage record holding exactly its bytes (then it is saved as a whole).
+    Raises ``InternalsChangedError`` like ``save_without_record_crc``."""
+    data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    stream = io.BytesIO()
+    save_without_record_crc(tensor, stream)
+    archive = stream.getvalue()
+    records = [info for info in zipfile.ZipFile(stream).infolist() if "/data/" in info.filename and not info.filename.endswith("/serialization_id")]
+    if len(records) != 1 or records[0].file_size != len(data):
+        return None
+    header = records[0].header_offset
+    name_length, extra_length = struct.unpack_from("<HH", archive, header + 26)  # the zip local header's lengths
+    start = header + 30 + name_length + extra_length
+    if archive[start : start + len(data)] != data:
+        return None
+    return archive[:start], archive[start + len(data) :]
 
 
 def set_allocator_expandable_segments(enable: bool) -> None:
