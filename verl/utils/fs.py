@@ -171,8 +171,17 @@ def atomic_open(path: str, mode: str = "w", durable: bool = True) -> Iterator[IO
     """
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    # A new file, never a symlink followed nor an existing file reused: the temp name is predictable, so one
+    # planted in a shared directory could otherwise redirect the write. A leftover of a crashed writer is
+    # unlinked (the link itself, not its target) and the creation tried once more.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        with os.fdopen(_create_exclusive(tmp), mode) as handle:
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            os.unlink(tmp)
+            fd = os.open(tmp, flags, 0o666)
+        with os.fdopen(fd, mode) as handle:
             yield handle
             if durable:
                 handle.flush()
@@ -183,18 +192,6 @@ def atomic_open(path: str, mode: str = "w", durable: bool = True) -> Iterator[IO
             os.remove(tmp)
     if durable:
         fsync_path(directory)
-
-
-def _create_exclusive(path: str) -> int:
-    """A new file at ``path``, never a symlink followed nor an existing file reused: the temp name is
-    predictable, so one planted in a shared directory could otherwise redirect the write. A leftover of a
-    crashed writer is unlinked (the link itself, not its target) and the creation tried once more."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        return os.open(path, flags, 0o666)
-    except FileExistsError:
-        os.unlink(path)
-        return os.open(path, flags, 0o666)
 
 
 def atomic_write_text(path: str, text: str) -> None:

@@ -56,12 +56,6 @@ def get_local_decoder_block_spec(config: TransformerConfig, vp_stage: int | None
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
 
-def is_expert_te_name(te_name: str) -> bool:
-    """Whether a (TE-spec) parameter is a routed expert's weight: those are split over expert-tensor-parallel
-    ranks (ETP), every other tensor-parallel weight over TP."""
-    return ".mlp.experts.linear_fc" in te_name
-
-
 _LAYER_NUMBER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 

@@ -20,12 +20,11 @@ from transformers import PretrainedConfig
 
 from verl.models.mcore.local_spec import (
     get_local_decoder_block_spec,
-    is_expert_te_name,
     local_name_to_te_name,
     moe_layer_list,
     transformer_engine_available,
 )
-from verl.models.mcore.parallel_hf_save import save_weights_in_parallel
+from verl.models.mcore.parallel_hf_save import is_expert_te_name, save_weights_in_parallel
 from verl.models.support import (
     MOE_MODEL_TYPES,
     hf_config_problems,

@@ -35,7 +35,6 @@ import torch
 from mbridge.core.util import unwrap_model
 from safetensors.torch import save_file
 
-from verl.models.mcore.local_spec import is_expert_te_name
 from verl.utils.checkpoint.integrity import start_writeback
 from verl.utils.checkpoint.names import INDEX_FILENAME
 from verl.utils.internals import mbridge as mbridge_internals
@@ -62,6 +61,12 @@ class _Shard:
         for size in self.shape:
             numel *= size
         return numel * _dtype(self.dtype).itemsize
+
+
+def is_expert_te_name(te_name: str) -> bool:
+    """Whether a (TE-spec) parameter is a routed expert's weight: those are split over expert-tensor-parallel
+    ranks (ETP), every other tensor-parallel weight over TP (which ranks hold which piece, here and in the load)."""
+    return ".mlp.experts.linear_fc" in te_name
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -127,13 +132,10 @@ class _Holdings:
     holders: dict[tuple[str, int], list[int]]
     meta: dict[str, _Shard]
     te_names: list[str]
+    device: torch.device  # where this rank's pieces are, and so where it receives others' (CPU when it holds none)
 
     def pieces(self, te: str) -> list[tuple[str, int]]:
         return [(te, i) for i in range(self.meta[te].count)]
-
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.my_tensors.values())).device if self.my_tensors else torch.device("cpu")
 
 
 def _gather_holdings(bridge, models: list, comm: RankComm) -> _Holdings:
@@ -147,7 +149,8 @@ def _gather_holdings(bridge, models: list, comm: RankComm) -> _Holdings:
         for shard in (_Shard(**{**f, "shape": tuple(f["shape"])}) for f in fields):
             holders[(shard.te_name, shard.index)].append(holder)
             meta.setdefault(shard.te_name, shard)
-    return _Holdings(my_tensors, holders, meta, sorted(meta, key=_natural_key))
+    device = next(iter(my_tensors.values())).device if my_tensors else torch.device("cpu")
+    return _Holdings(my_tensors, holders, meta, sorted(meta, key=_natural_key), device)
 
 
 def gather_hf_weights(bridge, models: list, receivers: list[int]) -> dict[str, torch.Tensor]:

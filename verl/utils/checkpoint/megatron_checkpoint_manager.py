@@ -37,14 +37,14 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
 from verl.utils import process_lifetime
-from verl.utils.checkpoint import dist_writer, finite, os_errors, save_writers, snapshot_save
+from verl.utils.checkpoint import dist_writer, finite, layout, os_errors, save_writers, snapshot_save
 from verl.utils.checkpoint.async_modes import AsyncMode, choose_mode
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get, not_implemented_unless_default
 from verl.utils.checkpoint.forked_save import ForkedSave, HFExport
 from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.mbridge_config import save_weights_kwargs
 from verl.utils.checkpoint.megatron_checkpoint_load import MegatronLoads
-from verl.utils.checkpoint.megatron_metadata import DIST_CHECKPOINT_PATHS, MegatronMetadata, write_hf_config
+from verl.utils.checkpoint.megatron_metadata import MegatronMetadata, write_hf_config
 from verl.utils.checkpoint.megatron_state_dicts import (
     DistParts,
     MegatronStateDicts,
@@ -52,10 +52,8 @@ from verl.utils.checkpoint.megatron_state_dicts import (
     sharded_structure,
 )
 from verl.utils.device import get_device_name
-from verl.utils.fs import local_mkdir_safe
 from verl.utils.internals import megatron_core
 from verl.utils.megatron.dist_checkpointing import load_dist_checkpointing, save_dist_checkpointing  # noqa: F401 (upstream's seams)
-from verl.utils.megatron_utils import get_hf_model_checkpoint_path
 from verl.utils.rank_comm import GroupRankComm, RankComm, forked_groups_possible
 
 if TYPE_CHECKING:
@@ -88,7 +86,7 @@ class SaveReport:
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     blocked_seconds: float | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
-    completed: bool = False
+    completed: bool = False  # every part on disk: False while an async save's background write runs
 
 
 
@@ -245,12 +243,23 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         metadata. The step transaction then verifies and commits the staging directory. Returns the save's
         report (also ``last_save``).
         """
-        not_implemented_unless_default(hdfs_path=hdfs_path)
-        self.finalize_async_save(blocking=True)  # one save in flight at a time
-        save = self._start_save(local_path, global_step, max_ckpt_to_keep)
+        if hdfs_path is not None:
+            not_implemented_unless_default(hdfs_path=hdfs_path)
+        if self._pending is not None:  # one save in flight at a time
+            self.finalize_async_save(blocking=True)
+        self.previous_global_step = global_step
+        os.makedirs(local_path, exist_ok=True)
+        writer = self._writer  # where each phase runs (``save_writers``)
+        save = self.last_save = SaveReport(
+            local_path, global_step, writer.mode, max_ckpt_to_keep,
+            checked_in_background=not writer.checks_in_rank, hf_weights_in_background=self.should_save_hf_model and not writer.exports_hf_in_rank,
+        )  # fmt: skip
         with self._failure_reported(save):
-            self._check_state_is_finite(save)
-            if save.mode is AsyncMode.SYNC:
+            # No NaN/Inf is ever saved: checked before anything is written or removed, unless the writer's fork
+            # checks the very state it writes (``snapshot``); a failure there fails the save at its finalize.
+            if writer.checks_in_rank:
+                self._timed("finite_check", finite.check_finite, self.model, self.optimizer, self._refusal(save), announce=True)
+            if save.mode is AsyncMode.SYNC and max_ckpt_to_keep:  # upstream's pre-save retention, with a limit
                 self.ensure_checkpoint_capacity(max_ckpt_to_keep)
             background = self._save_dist_parts(save)
             self._export_hf(save)
@@ -263,25 +272,6 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         ``async_mode``'s (``verl.utils.checkpoint.async_modes``)."""
         return self._writer.mode
 
-    def _start_save(self, local_path: str, global_step: int, max_ckpt_to_keep: int | None) -> SaveReport:
-        """The step's directory and report; where each phase runs is the writer's (``save_writers``)."""
-        self.previous_global_step = global_step
-        writer = self._writer
-        save = SaveReport(
-            local_mkdir_safe(local_path), global_step, writer.mode, max_ckpt_to_keep,
-            checked_in_background=not writer.checks_in_rank, hf_weights_in_background=self.should_save_hf_model and not writer.exports_hf_in_rank,
-        )  # fmt: skip
-        self.last_save = save
-        return save
-
-    def _check_state_is_finite(self, save: SaveReport) -> None:
-        """No NaN/Inf is ever saved: checked here, before anything is written or removed, unless the writer's
-        fork checks the very state it writes (``snapshot``, off the training path); a failure there fails the
-        save when it is finalized, still before the commit."""
-        if self._writer.checks_in_rank:
-            self.on_save_phase("finite_check")
-            self._timed("finite_check", finite.check_finite, self.model, self.optimizer, self._refusal(save))
-
     @staticmethod
     def _refusal(save: SaveReport) -> str:
         return f"refusing to save step {save.global_step}: nothing was written"
@@ -289,29 +279,31 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
     def _save_dist_parts(self, save: SaveReport) -> AsyncRequest | None:
         """The dist checkpoints (optimizer + scheduler, RNG, model shards if asked), as the writer does them (the
         sync writer also starts hashing and fsyncing each rank's share of their files while the HF export runs);
-        returns what its forked process is to run, if anything."""
+        returns what its forked process is to run, if anything. Their directories are made here, before any."""
+        dist_dirs = [layout.dist_path(save.local_path, content) for content in self._dist_contents()]
+        hf_dir = layout.hf_path(save.local_path) if self.should_save_hf_model else None
+        for directory in [*dist_dirs, hf_dir] if hf_dir else dist_dirs:
+            os.makedirs(directory, exist_ok=True)
+        hf_beside = None
+        # The HF export the sync writer may run beside the dist write: over a gloo group of its own, made
+        # collectively at the first such save, so no collective of the two threads shares a group. Only a bridge
+        # that saves in parallel takes another group than the default one (the same on every rank).
+        if hf_dir and self._writer.exports_hf_beside and getattr(self.bridge, "saves_in_parallel", False):
+            if self._hf_comm is None:
+                self._hf_comm = GroupRankComm()
+            save.hf_comm = self._hf_comm
+            hf_beside = functools.partial(self._hf_export(save.local_path, in_rank=True).run, self.rank, self._hf_comm, self.wait_for_hf_config)
         job = save_writers.SaveJob(
-            save.local_path, self.rank, self.world_size, [DIST_CHECKPOINT_PATHS[c](save.local_path) for c in self._dist_contents()],
+            save.local_path, self.rank, self.world_size, dist_dirs,
             plan_in_rank=functools.partial(self._timed, "dist_checkpoints", self._save_dist_checkpoints, save.local_path),
             plans_reusable=self._plans_are_reusable,
             fork=lambda: self._forked_save(save),
-            hf_beside=self._hf_beside(save),
-            hf_dir=get_hf_model_checkpoint_path(save.local_path) if self.should_save_hf_model else None,
+            hf_beside=hf_beside,
+            hf_dir=hf_dir,
         )
         request = self._writer.save_dist_parts(job)
         save.planned_in_background, save.sealer, save.hf_exported = job.planned_in_background, job.sealer, job.hf_exported
         return request
-
-    def _hf_beside(self, save: SaveReport) -> Callable[[], None] | None:
-        """The HF export the sync writer may run beside the dist write: over a gloo group of its own, made
-        collectively at the first such save, so no collective of the two threads shares a group. Only a bridge
-        that saves in parallel takes another group than the default one (the same on every rank)."""
-        if not (self.should_save_hf_model and self._writer.exports_hf_beside and getattr(self.bridge, "saves_in_parallel", False)):
-            return None
-        if self._hf_comm is None:
-            self._hf_comm = GroupRankComm()
-        save.hf_comm = self._hf_comm
-        return functools.partial(self._hf_export(save.local_path, in_rank=True).run, self.rank, self._hf_comm, self.wait_for_hf_config)
 
     def _plans_are_reusable(self) -> bool:
         """Whether a fork can plan this save alone: every plan reusable without a collective, same structure."""
@@ -336,11 +328,11 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
 
     def _hf_export(self, local_path: str, in_rank: bool) -> HFExport:
         """The step's HF export unit; ``in_rank``: its phases announced (``on_save_phase``) and timed here."""
-        hf_path = get_hf_model_checkpoint_path(local_path)
+        hf_path = layout.hf_path(local_path)
         config = functools.partial(write_hf_config, hf_path, self.processing_class, self.hf_config, self.model_path)
         export = HFExport(self.bridge, self.model, hf_path, self.bridge_save_kwargs, config)
         if in_rank:
-            export.timed = self._announced
+            export.timed = functools.partial(self._timed, announce=True)
         return export
 
     def _export_hf(self, save: SaveReport) -> None:
@@ -351,7 +343,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         self._hf_export(save.local_path, in_rank=True).run(self.rank, None, self.wait_for_hf_config)
         save.hf_exported = True
         if save.sealer is not None:
-            save.sealer.seal_share([get_hf_model_checkpoint_path(save.local_path)], self.rank, self.world_size)
+            save.sealer.seal_share([layout.hf_path(save.local_path)], self.rank, self.world_size)
 
     def _continue_in_background(self, save: SaveReport, request: AsyncRequest) -> SaveReport:
         """Fork the writer's background part and give training back; ``finalize_async_save`` completes the save."""
@@ -366,8 +358,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
     def _finish_save(self, save: SaveReport) -> SaveReport:
         """Every part is on disk: rank 0 writes the metadata (``transformer_config.json``, ``ckpt_contents.json``
         last), then upstream's retention."""
-        self.on_save_phase("metadata")
-        self._timed("metadata", self._write_metadata, save)
+        self._timed("metadata", self._write_metadata, save, announce=True)
         save.completed = True
         self._log(f"wrote step {save.global_step} to {save.local_path} in {time.monotonic() - save.started:.1f}s ({save.mode.value})")
         self.register_checkpoint(save.local_path, save.max_ckpt_to_keep)
@@ -454,7 +445,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
     def _dist_contents(self) -> list[str]:
         """The dist checkpoints this manager saves."""
         wanted = {"model": self.should_save_dist_ckpt_model, "optimizer": self.should_save_optimizer, "extra": self.should_save_extra}
-        return [content for content in DIST_CHECKPOINT_PATHS if wanted[content]]
+        return [content for content in layout.DIST_CKPT_DIRS if wanted[content]]
 
     def wait_for_hf_config(self) -> None:
         """Fix 2: no rank may start the bridge's HF weight save until rank 0's config is on disk. Public so
@@ -466,13 +457,11 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         else:
             torch.distributed.barrier()
 
-    def _announced(self, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """A phase of the current save, announced to ``on_save_phase`` first, then timed."""
-        self.on_save_phase(phase)
-        return self._timed(phase, fn, *args)
-
-    def _timed(self, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one phase of the current save, adding its time to the save's report."""
+    def _timed(self, phase: str, fn: Callable[..., Any], *args: Any, announce: bool = False) -> Any:
+        """Run one phase of the current save, adding its time to the save's report; ``announce``: tell
+        ``on_save_phase`` first."""
+        if announce:
+            self.on_save_phase(phase)
         start = time.monotonic()
         result = fn(*args)
         seconds = time.monotonic() - start

@@ -14,22 +14,9 @@ import os
 import shutil
 from typing import Any
 
-from verl.utils.checkpoint.layout import DIRECTORY_NOTES
+from verl.utils.checkpoint import layout
 from verl.utils.fs import atomic_open
-from verl.utils.megatron_utils import (
-    get_checkpoint_contents_manifest_path,
-    get_extra_dist_checkpoint_path,
-    get_hf_model_checkpoint_path,
-    get_model_dist_checkpoint_path,
-    get_optimizer_dist_checkpoint_path,
-    get_transformer_config_checkpoint_path,
-)
 
-DIST_CHECKPOINT_PATHS = {  # content -> where its dist checkpoint goes
-    "model": get_model_dist_checkpoint_path,
-    "optimizer": get_optimizer_dist_checkpoint_path,
-    "extra": get_extra_dist_checkpoint_path,
-}
 CKPT_CONTENTS_SCHEMA_VERSION = 2  # upstream's ckpt_contents.json schema
 
 
@@ -69,14 +56,15 @@ class MegatronMetadata:
         config = self.transformer_config
         names = [f.name for f in dataclasses.fields(config)] if dataclasses.is_dataclass(config) else list(vars(config))
         fields = {name: _json_safe(getattr(config, name)) for name in names if not callable(getattr(config, name))}
-        _write_json(get_transformer_config_checkpoint_path(local_path), fields, indent=2)
+        _write_json(os.path.join(local_path, layout.TRANSFORMER_CONFIG_FILENAME), fields, indent=2)
 
     def _build_checkpoint_manifest(self, local_path: str, global_step: int) -> dict:
         """``ckpt_contents.json``: what each content is, where it lies (relative paths) and in which format."""
-        # upstream's helpers create the directories they name: an empty model/dist_ckpt is part of upstream's layout
-        hf = os.path.relpath(get_hf_model_checkpoint_path(local_path), local_path)
-        dist = {name: os.path.relpath(where(local_path), local_path) for name, where in DIST_CHECKPOINT_PATHS.items()}
-        transformer_config = os.path.relpath(get_transformer_config_checkpoint_path(local_path), local_path)
+        hf, dist, transformer_config = layout.HF_DIR, layout.DIST_CKPT_DIRS, layout.TRANSFORMER_CONFIG_FILENAME
+        # every content directory exists, as upstream's get_*_path helpers leave it: an empty model/dist_ckpt is
+        # part of upstream's layout
+        for directory in (hf, *dist.values()):
+            os.makedirs(os.path.join(local_path, directory), exist_ok=True)
         contents: dict[str, dict] = {}
         directories: dict[str, str] = {}
         if self.should_save_hf_model:
@@ -85,19 +73,19 @@ class MegatronMetadata:
             if "hf_model" in self.checkpoint_save_contents:
                 note = "HF export next to the Megatron model shards" if self.should_save_dist_ckpt_model else "the same files as 'model'"
                 contents["hf_model"] = {"path": hf, "format": "huggingface", "note": note}
-            directories[hf] = DIRECTORY_NOTES["hf"]
+            directories[hf] = layout.DIRECTORY_NOTES["hf"]
         if self.should_save_dist_ckpt_model:
             contents["model"] = {"path": dist["model"], "format": "megatron_dist_checkpoint", "backend": "dist_checkpointing"}
-            directories[dist["model"]] = DIRECTORY_NOTES["model"]
+            directories[dist["model"]] = layout.DIRECTORY_NOTES["model"]
         if self.should_save_optimizer:
             contents["optimizer"] = {"path": dist["optimizer"], "format": "megatron_dist_checkpoint"}
             if self.lr_scheduler is not None:
                 contents["lr_scheduler"] = {"path": dist["optimizer"], "format": "megatron_dist_checkpoint", "key": "lr_scheduler"}
-            directories[dist["optimizer"]] = DIRECTORY_NOTES["optimizer"]
+            directories[dist["optimizer"]] = layout.DIRECTORY_NOTES["optimizer"]
         if self.should_save_extra:
             contents["rng_state"] = {"path": dist["extra"], "format": "megatron_dist_checkpoint", "key": "rng_state"}
             contents["transformer_config"] = {"path": transformer_config, "format": "json"}
-            directories[dist["extra"]] = DIRECTORY_NOTES["extra"]
+            directories[dist["extra"]] = layout.DIRECTORY_NOTES["extra"]
         if self.should_save_hf_model:
             contents["hf_config"] = {"path": hf, "format": "huggingface", "note": "config.json, tokenizer, generation_config.json"}
             if self.processing_class is not None:
@@ -121,4 +109,4 @@ class MegatronMetadata:
         if self.rank != 0:
             return
         contents = self._build_checkpoint_manifest(local_path, global_step)
-        _write_json(get_checkpoint_contents_manifest_path(local_path), contents, indent=2, sort_keys=True)
+        _write_json(os.path.join(local_path, layout.CONTENTS_FILENAME), contents, indent=2, sort_keys=True)

@@ -21,13 +21,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject,
 
 from verl.utils.checkpoint.checkpoint_manager import config_get
 from verl.utils.checkpoint.integrity import CheckpointError
-from verl.utils.checkpoint.layout import RANK_RNG_STATE_KEY
+from verl.utils.checkpoint.layout import RANK_RNG_STATE_KEY, dist_path
 from verl.utils.device import get_device_name, get_torch_device
-from verl.utils.megatron_utils import (
-    get_extra_dist_checkpoint_path,
-    get_model_dist_checkpoint_path,
-    get_optimizer_dist_checkpoint_path,
-)
 
 
 def without_view_copies(state: dict) -> dict:
@@ -126,16 +121,17 @@ class DistParts:
     on_phase: Callable[[str], None]
 
     def build(self, local_path: str) -> Iterator[tuple[str, dict, str]]:
-        """(content, sharded state dict, directory) of each dist checkpoint, in the order they are written."""
+        """(content, sharded state dict, directory) of each dist checkpoint, in the order they are written (the
+        manager creates the directories before any is built)."""
         if "model" in self.contents:
-            yield "model", without_view_copies(model_sharded_state_dict(self.model, self.metadata)), get_model_dist_checkpoint_path(local_path)
+            yield "model", without_view_copies(model_sharded_state_dict(self.model, self.metadata)), dist_path(local_path, "model")
         self.on_phase("dist_checkpoint_optimizer")
         if "optimizer" in self.contents:
             model_state = model_sharded_state_dict(self.model, self.metadata)
             state = optimizer_sharded_state_dict(self.optimizer, self.lr_scheduler, model_state, self.metadata)
-            yield "optimizer", without_view_copies(state), get_optimizer_dist_checkpoint_path(local_path)
+            yield "optimizer", without_view_copies(state), dist_path(local_path, "optimizer")
         if "extra" in self.contents:
-            yield "extra", self.extra_state, get_extra_dist_checkpoint_path(local_path)
+            yield "extra", self.extra_state, dist_path(local_path, "extra")
 
 
 class MegatronStateDicts:

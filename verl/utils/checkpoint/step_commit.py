@@ -184,7 +184,9 @@ class StepCommit:
         with self._phase("hf_verify"):
             hf_tensors = self._verify_hf_export()
         with self._phase("commit"):
-            sealed = self._sealed_checksums()
+            everyone: list = [None] * torch.distributed.get_world_size()  # the checksums every rank's writer computed
+            torch.distributed.all_gather_object(everyone, dict(self.spec.sealed()))
+            sealed = {relpath: checksum for share in everyone for relpath, checksum in share.items()}
             files, contents = from_rank_zero(lambda: self._mark_and_rename(sealed), f"commit step {self.step}", self.staging)
             self.placed = True
         with self._phase("retention"):
@@ -218,12 +220,6 @@ class StepCommit:
         if self._rank == 0:
             warnings.warn(problem, stacklevel=3)
         return None
-
-    def _sealed_checksums(self) -> dict[str, str]:
-        """All ranks: the checksums every rank's writer computed while it wrote."""
-        everyone: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, dict(self.spec.sealed()))
-        return {relpath: checksum for share in everyone for relpath, checksum in share.items()}
 
     def _mark_and_rename(self, sealed: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
         """Rank 0: the commit mark, the manifest (which covers every other file), fsync, then one rename."""

@@ -164,8 +164,7 @@ class MegatronEngine(BaseEngine):
         spec = dataclasses.replace(self._save_spec, max_ckpt_to_keep=max_ckpt_to_keep, step_files=step_files or {}, track=track)
         transaction = StepCommit(local_path, global_step, spec)
         with transaction as staging:
-            manager.save_checkpoint(staging, global_step=global_step)
-            if manager.async_save_pending:
+            if not manager.save_checkpoint(staging, global_step=global_step).completed:  # goes on in the background
                 transaction.defer()
         if transaction.deferred:
             self._pending = transaction
