@@ -334,7 +334,9 @@ def test_the_step_names_are_defined_once():
 # _check_state_is_finite, _hf_beside, StepCommit._sealed_checksums, fs._create_exclusive); is_expert_te_name
 # moved to parallel_hf_save, which classifies shards by it (local_spec.py: 1 file); _Holdings.device is a field.
 # The issue-25 work merged since added 3 (dist_writer's ArchiveTemplates, hf_verify's _expected_from_meta_model,
-# integrity's start_range_writeback): 24 and 132. What a save enters now, and the gap to 10/50:
+# integrity's start_range_writeback) and took them out again (write_archive over the strategy's dict, one
+# expectation function, start_writeback calling the kernel itself): 24 and 129. What a save enters now (the
+# breakdown below counted 132), and the gap to 10/50:
 # - the manager and its modules (megatron_checkpoint_manager, checkpoint_manager, megatron_state_dicts,
 #   megatron_metadata, save_writers, finite, device): 7 files, 47 functions (16 of them the manager's);
 # - the HF export (mbridge's two mixins, parallel_hf_save, forked_save's unit, rank_comm, internals/mbridge):
@@ -345,7 +347,7 @@ def test_the_step_names_are_defined_once():
 #   internals/transformers): 6 files, 32 functions;
 # - the engine (2), internals/__init__ (2): 2 files.
 # These bounds are what a save enters now, so that it cannot grow unnoticed.
-MAX_FILES, MAX_FUNCTIONS = 24, 132
+MAX_FILES, MAX_FUNCTIONS = 24, 129
 
 
 def _profiled_sync_save(model_path: str, root: str) -> list[tuple[str, str]]:
