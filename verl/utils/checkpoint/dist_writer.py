@@ -117,7 +117,7 @@ def write_archive(tensor: torch.Tensor, stream: BinaryIO, templates: dict) -> No
         torch_internals.save_without_record_crc(tensor, stream)
         return
     stream.write(parts[0])
-    stream.write(tensor.reshape(-1).view(torch.uint8).numpy())
+    stream.write(torch_internals.host_bytes(tensor))
     stream.write(parts[1])
 
 

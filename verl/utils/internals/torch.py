@@ -8,6 +8,7 @@ Contract: tests/test_internals_contract.py.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
 import pickle
@@ -135,6 +136,12 @@ def save_without_record_crc(tensor: torch.Tensor, stream: BinaryIO) -> None:
     writer.write_end_of_file()
 
 
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy. Not through ``Tensor.numpy()``: that marks the
+    storage non-resizable for good, and the offload (``megatron_utils``) then fails to free it."""
+    return memoryview((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())).cast("B")
+
+
 def archive_around_data(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     """The bytes ``save_without_record_crc(tensor)`` writes before and after the tensor's data: with record CRCs
     off, its archive depends on the data only there (its serialization id is made of the record CRCs), so
@@ -142,7 +149,7 @@ def archive_around_data(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     same bytes, with no pickling or archive writer per item (``dist_writer.write_archive``). None for a
     tensor whose archive is not one storage record holding exactly its bytes (then it is saved as a whole).
     Raises ``InternalsChangedError`` like ``save_without_record_crc``."""
-    data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    data = bytes(host_bytes(tensor))
     stream = io.BytesIO()
     save_without_record_crc(tensor, stream)
     archive = stream.getvalue()
