@@ -74,13 +74,14 @@ def start_writeback(path: str) -> None:
     """Ask the kernel to start writing the file's dirty pages to disk now, without waiting (``sync_file_range``):
     the pages stay cached, and the fsync that makes the file durable later finds them written or in flight
     instead of starting the whole write then. A hint only (a failure is ignored): durability is the fsync's."""
+    if _LIBC_SYNC_FILE_RANGE is None:
+        return
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return  # a file that cannot be opened is the checksum's and the commit's to report, not a hint's
     try:
-        if _LIBC_SYNC_FILE_RANGE is not None:
-            _LIBC_SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+        _LIBC_SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
     finally:
         os.close(fd)
 
