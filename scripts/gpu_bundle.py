@@ -45,6 +45,7 @@ BUNDLE_REQUIREMENTS = (
     "huggingface-hub>=0.34,<1.0",
     "einops",
     "psutil",
+    "zlib-ng==1.1.0",  # the manifest's CRC-32, as requirements.txt installs it for users (the check would fall back to zlib)
 )
 DEVICE_STACK_REQUIREMENTS = ("torch==2.11.0", "transformers==5.17.0")  # what the GPU host has preinstalled
 

@@ -151,6 +151,7 @@ def check_environment(ctx: Context) -> tuple[bool, dict]:
     import torch
     import transformers
 
+    from verl.utils.checkpoint import integrity
     from verl.utils.device import get_device_name
 
     numbers = {
@@ -160,6 +161,8 @@ def check_environment(ctx: Context) -> tuple[bool, dict]:
         **{name: importlib.metadata.version(name) for name in ("torch", "megatron-core", "mbridge", "transformers")},
         "megatron_core_from": _installed_in(megatron.core),
         "transformers_from": _installed_in(transformers),
+        "crc32": integrity.crc32.__module__,  # zlib_ng.zlib_ng where installed (users' path), else zlib
+        "zlib_ng_from": _installed_in(sys.modules["zlib_ng"]) if "zlib_ng" in sys.modules else None,
         "transformer_engine": importlib.util.find_spec("transformer_engine") is not None,
         "torch_compile": ctx.torch_compile,
     }

@@ -37,6 +37,7 @@ def test_the_device_bundle_resolves_offline_under_the_carry_limit(bundle):
         assert {"torch", "numpy", "safetensors"} <= set(resolved["from_the_host"]), resolved
     names = " ".join(summary["wheels"])
     assert "transformers-4.57" in names and "mbridge-0.15.1" in names  # the host's transformers 5 is shadowed
+    assert "zlib_ng-1.1.0-cp312" in names  # the manifest's CRC-32 as users install it
 
 
 def test_the_check_passes_on_cpu_from_the_bundle(bundle, tmp_path):
@@ -53,8 +54,9 @@ def test_the_check_passes_on_cpu_from_the_bundle(bundle, tmp_path):
         assert not failed, (failed, completed.stderr[-4000:])
         environment = rows["environment"]["numbers"]
         assert environment["backend"] == "gloo" and environment["device"] == "cpu"
+        assert environment["crc32"] == "zlib_ng.zlib_ng"  # the bundle's zlib-ng hashes the manifest, as on users' hosts
         # imported from the --target install, not from this interpreter's site-packages
-        for key in ("megatron_core_from", "transformers_from"):
+        for key in ("megatron_core_from", "transformers_from", "zlib_ng_from"):
             assert Path(environment[key]).name == f"megatron-core-{result['megatron_core']}", environment
         assert rows["save while offloaded"]["numbers"]["config_on_disk_at_hf_weights"] is True
         assert rows["async save DO=True"]["numbers"]["pending"] is True
