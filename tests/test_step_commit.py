@@ -7,6 +7,7 @@ its manifest, retention (upstream's ``BaseCheckpointManager`` rule), fsync, rena
 import dataclasses
 import json
 import os
+import shutil
 import threading
 
 import pytest
@@ -25,14 +26,15 @@ WORLD = 2
 class PartWriter:
     """Writes one part per rank (rank 0 also upstream's contents file), as a checkpoint manager would."""
 
-    def __init__(self, fail_after_part: bool = False) -> None:
+    def __init__(self, fail_after_part: bool = False, fill: int | None = None) -> None:
         self.fail_after_part = fail_after_part
+        self.fill = fill  # each part's byte (None: the rank's)
 
     def save_checkpoint(self, staging: str) -> None:
         rank = torch.distributed.get_rank()
         os.makedirs(staging, exist_ok=True)
         with open(os.path.join(staging, f"part{rank}.bin"), "wb") as handle:
-            handle.write(bytes([rank]) * 1000)
+            handle.write(bytes([rank if self.fill is None else self.fill]) * 1000)
         if rank == 0:
             with open(os.path.join(staging, layout.CONTENTS_FILENAME), "w") as handle:
                 json.dump({"save_contents": ["model"], "contents": {"model": {"path": "part0.bin", "format": "raw"}}}, handle)
@@ -157,6 +159,86 @@ def test_a_write_error_on_rank_zero_fails_every_rank_and_keeps_the_previous_step
     assert results[0]["tracker"] == 1
     assert results[0]["dirs"] == ["global_step_1", layout.TRACKER_FILENAME]
     verify_manifest(layout.role_dir(root, 1, "actor"))
+
+
+class FailingRetention(BaseCheckpointManager):
+    """Upstream's retention whose rule fails on every rank (a step was already renamed into place)."""
+
+    def register_checkpoint(self, new_path: str, max_ckpt_to_keep: int | None) -> None:
+        raise CheckpointError(f"retention could not remove an older step than {new_path}")
+
+
+def _re_save_the_tracked_step_failing_in(root: str, phase: str) -> dict:
+    """Step 1 is committed and tracked with its data.pt; a run resumed from an earlier point saves step 1 again
+    and fails after the new copy was renamed into place: in ``retention``, or in ``tracker`` (rank 0 has
+    replaced data.pt when the next step file meets EFBIG from a file-size limit set as the phase starts)."""
+    import resource
+    import signal
+
+    _save(root, 1, step_files={"data.pt": b"old position"}, track=True)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def limit_rank_zero(name: str) -> None:
+        if name == phase == "tracker" and torch.distributed.get_rank() == 0:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (128, limits[1]))  # data.pt fits, big.bin does not
+
+    spec = StepSpec(
+        parallel={"world_size": WORLD}, retention=FailingRetention(None, None) if phase == "retention" else None,
+        step_files={"data.pt": b"new position", "big.bin": b"x" * 4096}, track=True, on_phase=limit_rank_zero,
+    )  # fmt: skip
+    raised = None
+    try:
+        with StepCommit(layout.role_dir(root, 1, "actor"), 1, spec) as staging:
+            PartWriter(fill=7).save_checkpoint(staging)
+    except CheckpointError as exc:
+        raised = str(exc)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    torch.distributed.barrier()
+    with open(os.path.join(layout.step_dir(root, 1), "data.pt"), "rb") as handle:
+        data = handle.read()
+    return {"raised": raised, "tracker": read_tracker(root), "data": data, "step_dir": sorted(os.listdir(layout.step_dir(root, 1)))}
+
+
+@pytest.mark.parametrize("phase", ["retention", "tracker"])
+def test_a_failed_re_save_of_the_tracked_step_puts_the_committed_copy_back(tmp_path, phase):
+    """The tracker names step 1 throughout, so step 1 as it was committed must be there after the failure:
+    its parts (not the re-save's), its data.pt, nothing else."""
+    root = str(tmp_path / "run")
+    results = run_on_ranks(_re_save_the_tracked_step_failing_in, WORLD, args=(root, phase), timeout_s=120)
+    for result in results:
+        assert result["raised"].endswith("Nothing was committed; the previous checkpoint and the tracker are unchanged."), result["raised"]
+    assert results[0]["tracker"] == 1 and results[0]["data"] == b"old position"
+    assert results[0]["step_dir"] == ["actor", "data.pt"]  # no superseded copy, staging or big.bin left
+    actor = layout.role_dir(root, 1, "actor")
+    verify_manifest(actor)
+    with open(os.path.join(actor, "part0.bin"), "rb") as handle:
+        assert handle.read() == bytes([0]) * 1000
+
+
+def _commit_one_tracked_step(root: str) -> None:
+    _save(root, 1, track=True)
+
+
+def test_a_crash_between_the_renames_of_a_re_save_is_put_back_before_a_resume(tmp_path):
+    """Killed after the committed copy was moved aside and before the new one was renamed in: the tracker
+    names a step whose directory is missing. The resume check names the copy; the driver puts it back."""
+    from verl.utils.checkpoint.integrity import find_resume_checkpoint
+    from verl.utils.checkpoint.step_commit import put_back_superseded
+
+    root = str(tmp_path / "run")
+    run_on_ranks(_commit_one_tracked_step, WORLD, args=(root,))
+    actor = layout.role_dir(root, 1, "actor")
+    shutil.copytree(actor, layout.staging_path(actor))  # the re-save's staging, complete but never renamed
+    os.replace(actor, layout.superseded_path(actor))
+    with pytest.raises(CheckpointError, match=f"its committed copy is {layout.superseded_path(actor)} .*: rename it to {actor}$"):
+        find_resume_checkpoint(root)
+    assert put_back_superseded(root) == [f"put {layout.superseded_path(actor)} back in place: a re-save of the step stopped between its two renames"]
+    assert find_resume_checkpoint(root)[0] == actor  # checksums included
+    shutil.copytree(actor, layout.superseded_path(actor))  # a copy left beside the step in place: stale
+    assert put_back_superseded(root) == [f"removed {layout.superseded_path(actor)}: the older copy of a step that a later save replaced"]
+    assert sorted(os.listdir(layout.step_dir(root, 1))) == ["actor", "actor.incomplete"]  # staging: the next save's
 
 
 def _save_in_background(root: str, fail: bool) -> dict:

@@ -30,7 +30,7 @@ import hydra
 from omegaconf import OmegaConf
 
 from verl.trainer.data_plan import RunData, load_run_data, load_tokenizer
-from verl.trainer.run_control import StopSignals, stop_message, take_writer_lock
+from verl.trainer.run_control import StopSignals, output_dir, stop_message, take_writer_lock
 from verl.trainer.validation import (
     ConfigError,
     check_async_mode,
@@ -91,6 +91,11 @@ def prepare(config) -> RunPlan:
             raise ConfigError(problems)
     # Before the slow checks and before the resume step is read: one writer per checkpoint directory.
     dir_lock = take_writer_lock(config)
+    if dir_lock is not None:  # the lock held: no other run is between the two renames of a commit here
+        from verl.utils.checkpoint.step_commit import put_back_superseded  # torch: not at the driver's import
+
+        for note in put_back_superseded(output_dir(config)):
+            print(f"[main_ppo] note: {note}", flush=True)
     try:
         problems = check_model_build(model_path, config)
         if problems:

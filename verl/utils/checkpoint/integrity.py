@@ -32,6 +32,7 @@ from verl.utils.checkpoint.layout import (  # the manifest, mark and staging nam
     STEP_DIR_RE,
     TRANSFORMER_CONFIG_FILENAME,
     hf_path,
+    superseded_path,
 )
 from verl.utils.fs import fsync_path
 from verl.utils.megatron.layer_pattern import megatron_moe_layers
@@ -392,6 +393,9 @@ def find_resume_checkpoint(root: str, role: str = "actor", checksums: bool = Tru
         return None, notes
     path = os.path.join(root, STEP_DIR_FORMAT.format(tracked), role)
     if not os.path.isdir(path):
+        superseded = superseded_path(path)
+        if os.path.isdir(superseded):  # a re-save of the step stopped between its two renames (the driver puts it back)
+            raise CheckpointError(f"checkpoint tracker {tracker} names step {tracked}, but {path} does not exist; its committed copy is {superseded} (a re-save stopped between its renames): rename it to {path}")
         raise CheckpointError(
             f"checkpoint tracker {tracker} names step {tracked}, but {path} does not exist; restore it, or set "
             "trainer.resume_mode=disable or trainer.resume_from_path=<a complete step>"

@@ -75,6 +75,27 @@ def from_rank_zero(work: Callable[[], T], what: str, path: str) -> T:
     return value
 
 
+def put_back_superseded(root: str, role: str = "actor") -> list[str]:
+    """Under the run's writer lock, before a resume reads the tracker: a re-save of a committed step moves the
+    older copy aside (``layout.superseded_path``) just before renaming the new one into place, and a crash
+    between the two renames leaves only that copy. It was committed, so it goes back into place; one left
+    beside a step in place is stale (the new one was renamed in, complete) and is removed. A note per step."""
+    notes = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        path = os.path.join(root, name, role)
+        superseded = layout.superseded_path(path)
+        if not layout.STEP_DIR_RE.match(name) or not os.path.isdir(superseded):
+            continue
+        if os.path.isdir(path):
+            shutil.rmtree(superseded)
+            notes.append(f"removed {superseded}: the older copy of a step that a later save replaced")
+        else:
+            os.replace(superseded, path)
+            fsync_path(os.path.dirname(path))
+            notes.append(f"put {superseded} back in place: a re-save of the step stopped between its two renames")
+    return notes
+
+
 @dataclasses.dataclass
 class StepSpec:
     """What the transaction is told about the step; nothing is read from the writer.
@@ -139,6 +160,10 @@ class StepCommit:
         self.deferred = False
         self.placed = False  # renamed into place; not committed until the tracker (when asked) names it
         self.tracker_moved = False
+        # Rank 0, until the step is committed: what a re-save replaced, put back if the commit fails after the
+        # rename (the older copy of this step's role directory; the step files as they were, None: absent)
+        self._superseded: str | None = None
+        self._previous_step_files: dict[str, bytes | None] = {}
         self._rank = torch.distributed.get_rank()
 
     # ------------------------------------------------------------------ the block
@@ -200,6 +225,9 @@ class StepCommit:
             with self._phase("tracker"):
                 torch.distributed.barrier()  # every rank got here: a rank lost now leaves the tracker where it was
                 from_rank_zero(self._write_step_files_and_tracker, f"track step {self.step}", self.step_dir)
+        if self._superseded is not None:  # committed: the older copy of the step is no longer needed
+            shutil.rmtree(self._superseded, ignore_errors=True)
+            self._superseded = None
         self.committed = CommittedStep(self.path, self.step, files, contents, hf_tensors, self.spec.track, dict(self.phase_seconds))
         return self.committed
 
@@ -234,7 +262,7 @@ class StepCommit:
         fsync_tree(self.staging)
         superseded = None
         if os.path.exists(self.path):
-            superseded = self.path + layout.SUPERSEDED_SUFFIX
+            superseded = layout.superseded_path(self.path)
             shutil.rmtree(superseded, ignore_errors=True)
             os.replace(self.path, superseded)
         try:
@@ -244,15 +272,20 @@ class StepCommit:
                 os.replace(superseded, self.path)
             raise
         fsync_path(self.step_dir)
-        if superseded:
-            shutil.rmtree(superseded, ignore_errors=True)
+        self._superseded = superseded  # kept until the step is committed: a failure before puts it back
         return tuple(manifest["files"]), contents
 
     def _write_step_files_and_tracker(self) -> None:
         """Rank 0, every role committed: the step's own files durable, then the tracker names the step."""
         for name, data in self.spec.step_files.items():
-            with atomic_open(os.path.join(self.step_dir, name), "wb") as handle:
+            path = os.path.join(self.step_dir, name)
+            previous = None
+            with contextlib.suppress(FileNotFoundError):  # a re-saved step's file, small (the sampler position)
+                with open(path, "rb") as handle:
+                    previous = handle.read()
+            with atomic_open(path, "wb") as handle:
                 handle.write(data)
+            self._previous_step_files[name] = previous  # replaced: put back if the commit fails
         if self.spec.track:
             atomic_write_text(layout.tracker_path(self.root), str(self.step))
             self.tracker_moved = True
@@ -260,23 +293,40 @@ class StepCommit:
     # ------------------------------------------------------------------ failure
 
     def _fail(self, exc: BaseException) -> None:
-        """Discard the staging directory, the step placed but not tracked with the step files written for it
-        (and a ``global_step_N`` left empty), then re-raise: a ``CheckpointError`` of the same class, saying
-        that nothing was committed."""
+        """Discard the staging directory and a step placed but not tracked, putting back what a re-save of the
+        step replaced (its older copy, its step files as they were; a ``global_step_N`` left empty goes), then
+        re-raise: a ``CheckpointError`` of the same class, saying what was committed."""
         self.deferred = False
         if self._rank == 0:
             shutil.rmtree(self.staging, ignore_errors=True)
             if self.placed and self.spec.track and not self.tracker_moved:
                 shutil.rmtree(self.path, ignore_errors=True)
-                for name in self.spec.step_files:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(os.path.join(self.step_dir, name))
+                if self._superseded is not None:
+                    with contextlib.suppress(OSError):  # else found and put back by the next resume
+                        os.replace(self._superseded, self.path)
+                for name, data in self._previous_step_files.items():
+                    path = os.path.join(self.step_dir, name)
+                    if data is None:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(path)
+                    else:
+                        with atomic_open(path, "wb") as handle:
+                            handle.write(data)
+            elif self._superseded is not None:  # the new step stands (tracked, or not to be tracked)
+                shutil.rmtree(self._superseded, ignore_errors=True)
             with contextlib.suppress(OSError):  # not empty (another role's save, the data position) or already gone
                 os.rmdir(self.step_dir)
         if isinstance(exc, CheckpointError):
             # the same class (e.g. HFCheckpointIncompleteError), so callers can still tell the failures apart
-            raise type(exc)(f"{exc}. Nothing was committed; the previous checkpoint and the tracker are unchanged.") from exc
+            raise type(exc)(f"{exc}. {self._what_was_committed()}") from exc
         raise exc
+
+    def _what_was_committed(self) -> str:
+        """A ``CheckpointError``'s outcome: rank 0 reports its own failures before it moves the tracker, so every
+        rank knows it was not moved (a lost rank raises the collective's own error, without this sentence)."""
+        if self.placed and not self.spec.track:
+            return f"Step {self.step} is in place at {self.path}, not tracked (as asked)."
+        return "Nothing was committed; the previous checkpoint and the tracker are unchanged."
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
