@@ -85,7 +85,7 @@ def prime_optimizer(model: list, optimizer, scheduler, seed: int) -> None:
 def build_saver(side: str, model_path: str, seed: int):
     """Build this side's model, optimizer and checkpoint path; return ``save(step_dir, step) -> phases or None``."""
     import torch
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, PreTrainedTokenizerFast
 
     from verl.workers.config.optimizer import McoreOptimizerConfig
 
@@ -104,8 +104,13 @@ def build_saver(side: str, model_path: str, seed: int):
 
         return save
 
+    # The model is written by this venv's transformers 5; the 0.9.1 venv's transformers 4 knows neither its tokenizer
+    # class (TokenizersBackend: the fast tokenizer reads the same tokenizer.json) nor Qwen3-MoE's num_local_experts
+    # (its num_experts, else 128 by default).
     hf_config = AutoConfig.from_pretrained(model_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if hasattr(hf_config, "num_local_experts"):
+        hf_config.num_experts = hf_config.num_local_experts
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
     bridge = interop.build_bridge(side, hf_config)
     model = interop.build_model(side, bridge, hf_config)
     bridge.load_weights(model, model_path)
