@@ -30,11 +30,23 @@ Usage (this repository's venv; the 0.9.1 venv as in docs/upstream-interop.md)::
 
 Writes ``--out`` (JSON) and prints markdown tables; targets (ours <= 0.8x at 1 rank, <= 0.5x at 4 ranks) are
 reported, never enforced.
+
+``--profile-save`` times nothing: per layout each side makes one save (the first, as
+``tests/test_step_commit.py::test_one_sync_save_enters_few_files_and_functions`` profiles ours) under
+``sys.setprofile`` and ``threading.setprofile``, and lists the files and named functions of that side's own
+``verl/`` package the save call enters, in every thread it starts: the suite's count of code one save enters, for
+0.9.1's manager save too (what mbridge or megatron-core run is outside ``verl/`` on both sides, so not counted).
+Ours: ``MegatronEngine.save_checkpoint(..., track=True)`` as in the test, our CPU runtime left out as there;
+0.9.1: ``MegatronCheckpointManager.save_checkpoint`` (its CPU shim lives in ``verl091_interop.py``, outside
+its package). Writes ``--out`` (default ``outputs/bench_vs_verl091_profile.json``) and prints the listing::
+
+    .venv/bin/python scripts/bench_vs_verl091.py --profile-save --layouts 1rank --params 10e6
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -68,6 +80,32 @@ PHASES = ("dist_checkpoints", "hf_config", "hf_weights", "hf_verify", "commit")
 # --------------------------------------------------------------------------- one rank (either interpreter)
 
 
+@contextlib.contextmanager
+def entered_functions(found: set):
+    """Add ``(file, qualname)`` for each named function of the imported ``verl`` package entered inside the block,
+    in this thread and in threads started inside it (comprehensions and lambdas left out, and our CPU runtime:
+    device placement only, as in the suite's test). ``file`` is relative to the package's parent directory."""
+    import verl
+
+    package = os.path.dirname(os.path.abspath(verl.__file__)) + os.sep
+    root = os.path.dirname(package.rstrip(os.sep))
+    skip = os.path.join(package, "utils", "megatron", "cpu_runtime.py")
+
+    def note(frame, event, arg) -> None:
+        code = frame.f_code
+        name = code.co_filename
+        if event == "call" and name.startswith(package) and name != skip and "<" not in code.co_qualname:
+            found.add((os.path.relpath(name, root), code.co_qualname))
+
+    threading.setprofile(note)
+    sys.setprofile(note)
+    try:
+        yield found
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+
+
 def prime_optimizer(model: list, optimizer, scheduler, seed: int) -> None:
     """One optimizer step on seeded gradients, so Adam holds its moments and step as after training."""
     import torch
@@ -83,9 +121,10 @@ def prime_optimizer(model: list, optimizer, scheduler, seed: int) -> None:
 
 
 def build_saver(side: str, model_path: str, seed: int):
-    """Build this side's model, optimizer and checkpoint path; return ``save(step_dir, step) -> phases or None``."""
+    """Build this side's model, optimizer and checkpoint path; return ``save(step_dir, step, probe) -> phases or
+    None``; ``probe``, a context manager, encloses the save call alone."""
     import torch
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, PreTrainedTokenizerFast
 
     from verl.workers.config.optimizer import McoreOptimizerConfig
 
@@ -97,15 +136,21 @@ def build_saver(side: str, model_path: str, seed: int):
         )
         prime_optimizer(actor.model, actor.optimizer, actor.scheduler, seed)
 
-        def save(step_dir: str, step: int) -> dict:
-            actor.save_checkpoint(step_dir, global_step=step)  # sync: returns once the step is committed
+        def save(step_dir: str, step: int, probe=None) -> dict:
+            with probe or contextlib.nullcontext():  # sync: returns once committed; profiled: tracked, as the test
+                actor.save_checkpoint(step_dir, global_step=step, track=probe is not None)
             report = actor.checkpoint_manager.last_save
             return {"mode": report.mode.value, "phases": dict(report.phase_seconds)}
 
         return save
 
+    # The model is written by this venv's transformers 5; the 0.9.1 venv's transformers 4 knows neither its tokenizer
+    # class (TokenizersBackend: the fast tokenizer reads the same tokenizer.json) nor Qwen3-MoE's num_local_experts
+    # (its num_experts, else 128 by default).
     hf_config = AutoConfig.from_pretrained(model_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if hasattr(hf_config, "num_local_experts"):
+        hf_config.num_experts = hf_config.num_local_experts
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
     bridge = interop.build_bridge(side, hf_config)
     model = interop.build_model(side, bridge, hf_config)
     bridge.load_weights(model, model_path)
@@ -113,8 +158,9 @@ def build_saver(side: str, model_path: str, seed: int):
     prime_optimizer(model, optimizer, scheduler, seed)
     manager = interop.build_manager(model, bridge, hf_config, tokenizer, optimizer, scheduler, optim_config, model_path)
 
-    def save(step_dir: str, step: int) -> None:
-        manager.save_checkpoint(local_path=step_dir, global_step=step)
+    def save(step_dir: str, step: int, probe=None) -> None:
+        with probe or contextlib.nullcontext():
+            manager.save_checkpoint(local_path=step_dir, global_step=step)
 
     return save
 
@@ -142,15 +188,20 @@ def rank_main(
         save = build_saver(side, model_path, seed=interop.SEED + rank)
         torch.distributed.barrier()
         results.put((rank, {"build_s": time.monotonic() - start, "pid": os.getpid()}))
-        while (step := commands.get()) is not None:
+        while (command := commands.get()) is not None:
+            step = command["step"]
             step_root = os.path.join(root, f"global_step_{step}")
+            entered = set()
+            probe = entered_functions(entered) if command.get("profile") else None
             gc.collect()
             torch.distributed.barrier()
             start = time.monotonic()
-            report = save(os.path.join(step_root, "actor"), step)
+            report = save(os.path.join(step_root, "actor"), step, probe)
             seconds = time.monotonic() - start
             torch.distributed.barrier()
             out = {"save_s": seconds, "report": report}
+            if probe is not None:
+                out["entered"] = sorted(entered)
             if rank == 0:  # untimed: the step's size, then it goes, and the page cache is written back
                 out["bytes"] = interop.tree_bytes(step_root)
                 shutil.rmtree(step_root)
@@ -163,8 +214,8 @@ def rank_main(
 
 
 def serve(args) -> None:
-    """One side's ranks, kept alive; a JSON line on stdin per command ({"step": N} or {"quit": true}), a reply line
-    on stdout for each (``REPLY`` + JSON)."""
+    """One side's ranks, kept alive; a JSON line on stdin per command ({"step": N}, {"step": N, "profile": true} or
+    {"quit": true}), a reply line on stdout for each (``REPLY`` + JSON)."""
     interop.check_side(args.side)
     import torch.multiprocessing as mp
 
@@ -215,7 +266,7 @@ def serve(args) -> None:
             if command.get("quit"):
                 break
             for q in commands:
-                q.put(command["step"])
+                q.put(command)
             reply({"ranks": collect()})
     finally:
         for q in commands:
@@ -269,8 +320,8 @@ class Server:
             raise RuntimeError(f"{self.side} side failed: {got['error']}\n--- log tail ({self.log_path}) ---\n{tail}")
         return got
 
-    def save(self, step: int) -> dict:
-        self.proc.stdin.write(json.dumps({"step": step}) + "\n")
+    def save(self, step: int, profile: bool = False) -> dict:
+        self.proc.stdin.write(json.dumps({"step": step, "profile": profile}) + "\n")
         self.proc.stdin.flush()
         return self.reply()
 
@@ -300,6 +351,37 @@ def one_save(ranks: list[dict]) -> dict:
     return out
 
 
+def entered_listing(ranks: list[dict]) -> dict:
+    """One side's profiled save: rank 0's files and functions (``utils/checkpoint`` apart), each rank's counts."""
+    entered = ranks[0]["entered"]
+    files = sorted({path for path, _ in entered})
+    in_checkpoint = [path for path in files if path.startswith(os.path.join("verl", "utils", "checkpoint") + os.sep)]
+    return {
+        "files": len(files),
+        "functions": len(entered),
+        "checkpoint_files": len(in_checkpoint),
+        "checkpoint_functions": sum(1 for path, _ in entered if path in in_checkpoint),
+        "per_rank": [{"files": len({p for p, _ in r["entered"]}), "functions": len(r["entered"])} for r in ranks],
+        "listing": {path: [name for p, name in entered if p == path] for path in files},
+    }
+
+
+def profile_markdown(results: dict) -> str:
+    lines = []
+    for x in results["layouts"].values():
+        lines += [f"### {x['label']}: what one sync save enters inside each side's `verl/` (rank 0)", ""]
+        for side in SIDES:
+            p = x[side]
+            lines.append(
+                f"**{side}**: {p['files']} files, {p['functions']} functions; in verl/utils/checkpoint/: "
+                f"{p['checkpoint_files']} files, {p['checkpoint_functions']} functions"
+            )
+            lines += ["", "| file | functions | names |", "|---|---|---|"]
+            lines += [f"| `{path}` | {len(names)} | {', '.join(names)} |" for path, names in p["listing"].items()]
+            lines.append("")
+    return "\n".join(lines)
+
+
 def loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -324,10 +406,12 @@ def run_layout(layout: str, model: str, work: str, args) -> dict:
             servers[side] = Server(pythons[side], side, layout, model, root, args.threads, log, args.timeout)
         built = {side: servers[side].reply()["ready"] for side in SIDES}
         print(f"[{layout}] built both sides in {time.monotonic() - started:.0f}s; load {loadavg()}", flush=True)
+        if args.profile_save:
+            profiles = {side: entered_listing(servers[side].save(1, profile=True)["ranks"]) for side in SIDES}
         saves: dict[str, dict[str, list]] = {side: {"warmup": [], "timed": []} for side in SIDES}
         loads = []
         step = 0
-        for kind, count in (("warmup", args.warmup), ("timed", args.saves)):
+        for kind, count in () if args.profile_save else (("warmup", args.warmup), ("timed", args.saves)):
             for _ in range(count):
                 step += 1
                 for side in SIDES:  # interleaved: ours, theirs, ours, theirs, ...
@@ -342,6 +426,8 @@ def run_layout(layout: str, model: str, work: str, args) -> dict:
         for server in servers.values():
             server.close()
     shutil.rmtree(work, ignore_errors=True)
+    if args.profile_save:
+        return {"label": LABELS[layout], "wall_s": time.monotonic() - started, **profiles}
     return summarize(layout, saves, built, loads, time.monotonic() - started)
 
 
@@ -469,7 +555,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for one reply")
     parser.add_argument("--verl091-python", default=interop.DEFAULT_VERL091_PYTHON)
-    parser.add_argument("--out", default="outputs/bench_vs_verl091.json")
+    parser.add_argument(
+        "--profile-save",
+        action="store_true",
+        help="time nothing: list the files and functions of each side's verl/ one sync save enters",
+    )
+    parser.add_argument("--out", default=None, help="default outputs/bench_vs_verl091.json (_profile.json)")
     parser.add_argument(
         "--workdir", default=None, help="where models and checkpoints go (default: a temp dir under outputs/)"
     )
@@ -477,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "_serve":
         serve(args)
         return 0
+    args.out = args.out or f"outputs/bench_vs_verl091{'_profile' if args.profile_save else ''}.json"
 
     interop.check_side("ours")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -509,6 +601,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as handle:
         json.dump(results, handle, indent=2)
     print()
+    if args.profile_save:
+        print(profile_markdown(results))
+        print(f"wrote {args.out} ({results['wall_s']:.0f}s)")
+        return 0
     print(markdown(results))
     print(json.dumps(summary(results), indent=1))
     print(f"wrote {args.out} ({results['wall_s']:.0f}s)")
