@@ -124,7 +124,6 @@ def build_saver(side: str, model_path: str, seed: int):
     """Build this side's model, optimizer and checkpoint path; return ``save(step_dir, step, probe) -> phases or
     None``; ``probe``, a context manager, encloses the save call alone."""
     import torch
-    from transformers import AutoConfig, PreTrainedTokenizerFast
 
     from verl.workers.config.optimizer import McoreOptimizerConfig
 
@@ -144,13 +143,7 @@ def build_saver(side: str, model_path: str, seed: int):
 
         return save
 
-    # The model is written by this venv's transformers 5; the 0.9.1 venv's transformers 4 knows neither its tokenizer
-    # class (TokenizersBackend: the fast tokenizer reads the same tokenizer.json) nor Qwen3-MoE's num_local_experts
-    # (its num_experts, else 128 by default).
-    hf_config = AutoConfig.from_pretrained(model_path)
-    if hasattr(hf_config, "num_local_experts"):
-        hf_config.num_experts = hf_config.num_local_experts
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
+    hf_config, tokenizer = interop.load_hf(model_path)  # a model transformers 5 wrote, read by 0.9.1's transformers 4
     bridge = interop.build_bridge(side, hf_config)
     model = interop.build_model(side, bridge, hf_config)
     bridge.load_weights(model, model_path)

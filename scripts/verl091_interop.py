@@ -288,6 +288,25 @@ def setup_rank(side: str, rank: int, world: int, port: int, pp: int, ep: int, tp
     np.random.seed(SEED + rank)
 
 
+def load_hf(model_path: str):
+    """The HF config and tokenizer of ``model_path`` in this interpreter. A model written by transformers 5 (this
+    repository's venv) meets transformers 4 in the 0.9.1 venv, which knows neither its tokenizer class
+    (``TokenizersBackend``: the fast tokenizer reads the same tokenizer.json) nor Qwen3-MoE's ``num_local_experts``
+    (it reads ``num_experts``, 128 by default); under transformers 5 both load as written."""
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+
+    hf_config = AutoConfig.from_pretrained(model_path)
+    if hasattr(hf_config, "num_local_experts") and getattr(hf_config, "num_experts", None) != hf_config.num_local_experts:
+        hf_config.num_experts = hf_config.num_local_experts
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except ValueError as exc:
+        if "TokenizersBackend" not in str(exc):
+            raise
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
+    return hf_config, tokenizer
+
+
 def build_bridge(side: str, hf_config):
     import torch
 
@@ -589,11 +608,9 @@ def run_job(rank: int, world: int, port: int, job: dict) -> dict:
     side, pp, ep = job["side"], job["pp"], job["ep"]
     setup_rank(side, rank, world, port, pp, ep)
     import torch
-    from transformers import AutoConfig, AutoTokenizer
 
     model_path = job["model_path"]
-    hf_config = AutoConfig.from_pretrained(model_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    hf_config, tokenizer = load_hf(model_path)
     bridge = build_bridge(side, hf_config)
     out = {"verl_file": __import__("verl").__file__}
 
