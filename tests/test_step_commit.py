@@ -435,31 +435,19 @@ MAX_FILES, MAX_FUNCTIONS = 24, 129
 
 def _profiled_sync_save(model_path: str, root: str) -> list[tuple[str, str]]:
     import sys
-    import threading
 
     from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    # The count scripts/bench_vs_verl091.py --profile-save makes of both packages: every thread the save starts,
+    # named functions of verl/ only, and the CPU runtime left out (device placement, which a CUDA host never
+    # enters; the suite runs the CUDA path but for device placement).
+    from bench_vs_verl091 import entered_functions
+
     actor = MegatronEngine(ActorSettings(model_path=model_path))
-    package = os.path.join(REPO, "verl") + os.sep
-    # The CPU runtime only places megatron's "cuda" tensors on the CPU (its wrapped torch factories run inside
-    # every collective here); a CUDA host never enters it, and the suite runs the CUDA path but for device
-    # placement, so it is the one module left out of the count.
-    cpu_runtime = os.path.join(package, "utils", "megatron", "cpu_runtime.py")
-    entered = set()
-    path = layout.role_dir(root, 1, "actor")
-
-    def note(frame, event, arg) -> None:
-        code = frame.f_code
-        if event == "call" and code.co_filename.startswith(package) and code.co_filename != cpu_runtime and "<" not in code.co_qualname:  # no comprehensions
-            entered.add((os.path.relpath(code.co_filename, REPO), code.co_qualname))
-
-    threading.setprofile(note)  # the threads the save starts (writers, sealers, the HF export beside) count too
-    sys.setprofile(note)
-    try:
+    path, entered = layout.role_dir(root, 1, "actor"), set()
+    with entered_functions(entered):
         actor.save_checkpoint(path, global_step=1, track=True)
-    finally:
-        sys.setprofile(None)
-        threading.setprofile(None)
     return sorted(entered)
 
 
