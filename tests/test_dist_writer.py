@@ -330,6 +330,23 @@ def test_a_file_is_handed_to_the_disk_while_it_is_written_not_left_for_the_fsync
     assert all(dirty * page <= dist_writer.WRITEBACK_BYTES for _, dirty in files.values()), files
 
 
+def test_a_template_is_built_with_at_most_one_copy_of_the_tensors_bytes():
+    """The first tensor of a kind may be gigabytes (an embedding, its Adam moments): building its template holds
+    the probe archive, never further copies of the data (tracemalloc sees every Python buffer of it)."""
+    import tracemalloc
+
+    from verl.utils.internals import torch as torch_internals
+
+    tensor = torch.randn(4 << 20)  # 16 MiB
+    tracemalloc.start()
+    try:
+        parts = torch_internals.archive_around_data(tensor)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert parts is not None and peak < 1.5 * tensor.nbytes, peak / tensor.nbytes
+
+
 @pytest.mark.parametrize(
     "make",
     [

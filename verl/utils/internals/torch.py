@@ -148,20 +148,21 @@ def archive_around_data(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     the archive of any tensor of the same type, dtype, shape and strides is ``before + data + after``, the
     same bytes, with no pickling or archive writer per item (``dist_writer.write_archive``). None for a
     tensor whose archive is not one storage record holding exactly its bytes (then it is saved as a whole).
-    Raises ``InternalsChangedError`` like ``save_without_record_crc``."""
-    data = bytes(host_bytes(tensor))
+    Raises ``InternalsChangedError`` like ``save_without_record_crc``. Holds one copy of the tensor's bytes at
+    most (the probe archive's; the data is compared in place): the first tensor of a kind may be gigabytes."""
+    data = host_bytes(tensor)
     stream = io.BytesIO()
     save_without_record_crc(tensor, stream)
-    archive = stream.getvalue()
     records = [info for info in zipfile.ZipFile(stream).infolist() if "/data/" in info.filename and not info.filename.endswith("/serialization_id")]
     if len(records) != 1 or records[0].file_size != len(data):
         return None
-    header = records[0].header_offset
-    name_length, extra_length = struct.unpack_from("<HH", archive, header + 26)  # the zip local header's lengths
-    start = header + 30 + name_length + extra_length
-    if archive[start : start + len(data)] != data:
-        return None
-    return archive[:start], archive[start + len(data) :]
+    with stream.getbuffer() as archive:
+        header = records[0].header_offset
+        name_length, extra_length = struct.unpack_from("<HH", archive, header + 26)  # the zip local header's lengths
+        start = header + 30 + name_length + extra_length
+        if len(data) and not torch.equal(torch.frombuffer(archive[start : start + len(data)], dtype=torch.uint8), torch.frombuffer(data, dtype=torch.uint8)):
+            return None
+        return bytes(archive[:start]), bytes(archive[start + len(data) :])
 
 
 def set_allocator_expandable_segments(enable: bool) -> None:
