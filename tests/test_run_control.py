@@ -66,6 +66,40 @@ def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path):
         lock.release()
 
 
+def test_a_run_that_discards_its_new_directory_never_lets_two_later_runs_both_hold_it(tmp_path):
+    """Run A created the directory and stops before writing (a bad config): it removes the lock file and the
+    directory. Run B opened that file just before and locks it just after: B must notice it locked a file no
+    longer there and lock the path's new one, so run C is refused. B is paused between its open and its flock
+    by a line tracer (the real interleaving of two starts, made deterministic)."""
+    import inspect
+
+    from verl.utils.checkpoint import dir_lock
+
+    directory = tmp_path / "new_run"
+    first = lock_checkpoint_dir(str(directory))
+    source, start = inspect.getsourcelines(lock_checkpoint_dir)
+    flock_line = start + next(i for i, line in enumerate(source) if "fcntl.flock(" in line)
+    interleaved = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not dir_lock.lock_checkpoint_dir.__code__:
+            return None
+        if event == "line" and frame.f_lineno == flock_line and not interleaved:
+            first.discard()  # A stops between B's open and B's flock
+            interleaved.append(not os.path.exists(directory / LOCK_FILENAME))
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        second = lock_checkpoint_dir(str(directory))
+    finally:
+        sys.settrace(None)
+    assert interleaved == [True] and second.held
+    with pytest.raises(CheckpointDirBusyError):
+        lock_checkpoint_dir(str(directory))
+    second.release()
+
+
 def test_a_filesystem_without_locks_is_reported_not_fatal(tmp_path, monkeypatch):
     import errno
     import fcntl

@@ -17,6 +17,7 @@ lock; a child forked without exec would keep it until it exits.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -78,14 +79,16 @@ class DirLock:
 
     def discard(self) -> None:
         """Release, and remove what taking the lock created when the run stops before writing anything
-        (a bad config found after the lock leaves no empty directory behind)."""
+        (a bad config found after the lock leaves no empty directory behind). The file is unlinked while the
+        lock is still held, so no run can lock it in between; one that opened it before locks a file no
+        longer there, sees that, and locks the path's new file (``lock_checkpoint_dir``)."""
+        if self.created_dir and self.held:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
         self.release()
         if self.created_dir:
-            for remove, target in ((os.remove, self.path), (os.rmdir, os.path.dirname(self.path))):
-                try:
-                    remove(target)
-                except OSError:
-                    return  # another run is already using it
+            with contextlib.suppress(OSError):  # not empty: another run is already using it
+                os.rmdir(os.path.dirname(self.path))
 
 
 def lock_checkpoint_dir(directory: str) -> DirLock:
@@ -96,24 +99,28 @@ def lock_checkpoint_dir(directory: str) -> DirLock:
     """
     directory = os.path.abspath(os.path.expanduser(directory))
     created = not os.path.isdir(directory)
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, LOCK_FILENAME)
-    fd = _open_lock_file(path, os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            holder = _read_holder(fd)
+    while True:
+        os.makedirs(directory, exist_ok=True)
+        fd = _open_lock_file(path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise CheckpointDirBusyError(directory, path, holder) from None
             os.close(fd)
-            raise CheckpointDirBusyError(directory, path, holder) from None
-        os.close(fd)
-        return DirLock(
-            path,
-            None,
-            created_dir=created,
-            warning=f"cannot lock {path} ({exc.strerror or exc}): this filesystem does not support file locks, so nothing "
-            "stops a second run from writing the same trainer.default_local_dir; make sure only one run uses it",
-        )
+            return DirLock(
+                path,
+                None,
+                created_dir=created,
+                warning=f"cannot lock {path} ({exc.strerror or exc}): this filesystem does not support file locks, so nothing "
+                "stops a second run from writing the same trainer.default_local_dir; make sure only one run uses it",
+            )
+        if _names_the_open_file(path, fd):
+            break
+        os.close(fd)  # a run that stopped before writing removed the file after we opened it: lock the path's new one
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "command": " ".join(sys.argv)}  # fmt: skip
     os.ftruncate(fd, 0)
@@ -152,6 +159,16 @@ def _open_lock_file(path: str, flags: int) -> int:
         os.close(fd)
         raise UnsafeLockFileError(path, "not a regular file")
     return fd
+
+
+def _names_the_open_file(path: str, fd: int) -> bool:
+    """Whether ``path`` still is the file open as ``fd`` (a lock on an unlinked file stops nobody)."""
+    try:
+        named = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _read_holder(fd: int) -> dict:
