@@ -1125,6 +1125,35 @@ def test_a_crafted_bytes_item_in_a_shard_is_refused_and_nothing_of_it_runs(tiny_
     _assert_refused_everywhere(tiny_moe_path, root, _step_path(root, 1), shard, marker)
 
 
+def _point_a_tensor_item_outside(step: str, elsewhere: str) -> str:
+    """A tensor item of ``optimizer/dist_ckpt`` pointed at a copy of its shard outside the step (absolute path);
+    the ``.metadata`` stays plain DCP metadata and the manifest is re-hashed. Returns the item's new path."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from verl.utils.checkpoint.data_only import read_dcp_metadata
+
+    directory = os.path.join(step, "optimizer", "dist_ckpt")
+    metadata = read_dcp_metadata(os.path.join(directory, ".metadata"))
+    index = next(i for i in metadata.storage_data if not isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))
+    info = metadata.storage_data[index]
+    os.makedirs(elsewhere, exist_ok=True)
+    target = shutil.copy(os.path.join(directory, info.relative_path), elsewhere)  # the same bytes: only the place differs
+    info.relative_path = target
+    with open(os.path.join(directory, ".metadata"), "wb") as handle:
+        pickle.dump(metadata, handle)
+    _rewrite_manifest(step)
+    return target
+
+
+def test_a_tensor_item_pointed_outside_its_step_is_refused(tiny_moe_path, base_root, tmp_path):
+    """torch's reader would read it from anywhere on the host, past the manifest; the check and the reader refuse."""
+    root = _copy_run(base_root, tmp_path)
+    target = _point_a_tensor_item_outside(_step_path(root, 1), str(tmp_path / "elsewhere"))
+    _assert_refused_everywhere(tiny_moe_path, root, _step_path(root, 1), f"outside its directory: {target}", str(tmp_path / "ran"))
+
+
 def _async_save_with_a_crafted_outcome(src: str, root: str, marker: str) -> str:
     import pickle
 

@@ -102,6 +102,16 @@ def load_bytes_item(data: bytes, where: str) -> Any:
         ) from exc
 
 
+def check_items_inside(directory: str, metadata: Metadata) -> None:
+    """Every item of ``directory``'s ``.metadata`` lies in a file of that directory: torch's reader joins an item's
+    path to the directory unchecked, so an absolute or ``../`` path would load a tensor from elsewhere on the host,
+    past the manifest that vouches for the step's files."""
+    for index, info in (metadata.storage_data or {}).items():
+        shard = os.path.join(directory, info.relative_path)
+        if os.path.dirname(os.path.realpath(shard)) != os.path.realpath(directory):
+            raise UntrustedContentError(f"{os.path.join(directory, METADATA_FILENAME)} points item {index.fqn} outside its directory: {info.relative_path}")
+
+
 def check_dist_checkpoint(directory: str) -> None:
     """``directory``'s ``.metadata`` and every bytes item its shards hold are data (read, never run).
 
@@ -113,12 +123,11 @@ def check_dist_checkpoint(directory: str) -> None:
             "run code from it; unset it to load a checkpoint (a checkpoint is data)"
         )
     metadata = read_dcp_metadata(os.path.join(directory, METADATA_FILENAME))
+    check_items_inside(directory, metadata)
     for index, info in (metadata.storage_data or {}).items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
         shard = os.path.join(directory, info.relative_path)
-        if os.path.dirname(os.path.realpath(shard)) != os.path.realpath(directory):
-            raise UntrustedContentError(f"{os.path.join(directory, METADATA_FILENAME)} points item {index.fqn} outside its directory: {info.relative_path}")
         with open(shard, "rb") as handle:
             handle.seek(info.offset)
             load_bytes_item(handle.read(info.length), f"item {index.fqn} of {shard}")
@@ -141,6 +150,7 @@ class DataOnlyFileSystemReader(FileSystemReader):
     def read_metadata(self) -> Metadata:  # no ``rank``: torch then tries no per-rank file (megatron writes one)
         if self._metadata is None:
             self._metadata = read_dcp_metadata(os.path.join(self.path, METADATA_FILENAME))
+            check_items_inside(str(self.path), self._metadata)
             if getattr(self._metadata, "storage_meta", None) is None:
                 self._metadata.storage_meta = StorageMeta()
             self._metadata.storage_meta.load_id = self.load_id  # as torch's reader tags the load
