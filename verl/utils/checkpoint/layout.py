@@ -81,9 +81,10 @@ def staging_path(role_path: str) -> str:
     return role_path.rstrip("/") + STAGING_SUFFIX
 
 
-def superseded_path(role_path: str) -> str:
-    """Where a committed ``role_path`` waits while a re-save of its step replaces it, until that commit ends."""
-    return role_path.rstrip("/") + SUPERSEDED_SUFFIX
+def superseded_path(path: str) -> str:
+    """Where a committed role directory or step file waits while a re-save of its step replaces it, until that
+    commit ends."""
+    return path.rstrip("/") + SUPERSEDED_SUFFIX
 
 
 def hf_path(role_path: str) -> str:

@@ -75,24 +75,41 @@ def from_rank_zero(work: Callable[[], T], what: str, path: str) -> T:
     return value
 
 
+def _put_back(role_path: str) -> bool:
+    """A re-save of a committed step moves the older copy aside (``layout.superseded_path``), and the step files it
+    replaces beside it, and discards them only once its commit has ended. Where the older copy is still there,
+    that commit did not end: the older copy and its step files go back into place, the unfinished copy goes.
+    Returns whether anything was put back."""
+    superseded = layout.superseded_path(role_path)
+    if not os.path.isdir(superseded):
+        return False
+    shutil.rmtree(role_path, ignore_errors=True)
+    os.replace(superseded, role_path)
+    step_dir = os.path.dirname(role_path)
+    for name in os.listdir(step_dir):
+        older = os.path.join(step_dir, name)
+        if name.endswith(layout.SUPERSEDED_SUFFIX) and os.path.isfile(older):
+            os.replace(older, older[: -len(layout.SUPERSEDED_SUFFIX)])
+    fsync_path(step_dir)
+    return True
+
+
 def put_back_superseded(root: str, role: str = "actor") -> list[str]:
-    """Under the run's writer lock, before a resume reads the tracker: a re-save of a committed step moves the
-    older copy aside (``layout.superseded_path``) just before renaming the new one into place, and a crash
-    between the two renames leaves only that copy. It was committed, so it goes back into place; one left
-    beside a step in place is stale (the new one was renamed in, complete) and is removed. A note per step."""
+    """Under the run's writer lock, before a resume reads the tracker: each step whose re-save stopped before
+    its commit ended (a crash) gets its committed copy back (``_put_back``); an older step file left after a
+    commit ended is removed. One note per step touched."""
     notes = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        path = os.path.join(root, name, role)
-        superseded = layout.superseded_path(path)
-        if not layout.STEP_DIR_RE.match(name) or not os.path.isdir(superseded):
+        step_dir = os.path.join(root, name)
+        if not layout.STEP_DIR_RE.match(name) or not os.path.isdir(step_dir):
             continue
-        if os.path.isdir(path):
-            shutil.rmtree(superseded)
-            notes.append(f"removed {superseded}: the older copy of a step that a later save replaced")
-        else:
-            os.replace(superseded, path)
-            fsync_path(os.path.dirname(path))
-            notes.append(f"put {superseded} back in place: a re-save of the step stopped between its two renames")
+        role_path = os.path.join(step_dir, role)
+        if _put_back(role_path):
+            notes.append(f"put the committed copy of {role_path} back in place: a re-save of the step stopped before its commit ended")
+            continue
+        for leftover in (f for f in os.listdir(step_dir) if f.endswith(layout.SUPERSEDED_SUFFIX)):
+            os.remove(os.path.join(step_dir, leftover))
+            notes.append(f"removed {os.path.join(step_dir, leftover)}: the older copy of a step file that a committed save replaced")
     return notes
 
 
@@ -160,18 +177,19 @@ class StepCommit:
         self.deferred = False
         self.placed = False  # renamed into place; not committed until the tracker (when asked) names it
         self.tracker_moved = False
-        # Rank 0, until the step is committed: what a re-save replaced, put back if the commit fails after the
-        # rename (the older copy of this step's role directory; the step files as they were, None: absent)
-        self._superseded: str | None = None
-        self._previous_step_files: dict[str, bytes | None] = {}
+        self.superseded = layout.superseded_path(self.path)  # the committed copy while a re-save replaces it
+        self._replaced = False  # rank 0: a re-save moved older copies aside, discarded once the commit ends
+        self._new_step_files: list[str] = []  # rank 0: step files written where none was (removed if the commit fails)
         self._rank = torch.distributed.get_rank()
 
     # ------------------------------------------------------------------ the block
 
     def __enter__(self) -> str:
         with self._phase("staging"):
-            if self._rank == 0 and os.path.exists(self.staging):
-                shutil.rmtree(self.staging)
+            if self._rank == 0:
+                if os.path.isdir(self.superseded):  # an earlier re-save of this step stopped before its commit ended
+                    _put_back(self.path)
+                shutil.rmtree(self.staging, ignore_errors=True)
             torch.distributed.barrier()
         return self.staging
 
@@ -225,9 +243,9 @@ class StepCommit:
             with self._phase("tracker"):
                 torch.distributed.barrier()  # every rank got here: a rank lost now leaves the tracker where it was
                 from_rank_zero(self._write_step_files_and_tracker, f"track step {self.step}", self.step_dir)
-        if self._superseded is not None:  # committed: the older copy of the step is no longer needed
-            shutil.rmtree(self._superseded, ignore_errors=True)
-            self._superseded = None
+        if self._replaced:
+            with contextlib.suppress(OSError):  # committed either way; a copy left is put back or removed next run
+                self._discard_superseded()
         self.committed = CommittedStep(self.path, self.step, files, contents, hf_tensors, self.spec.track, dict(self.phase_seconds))
         return self.committed
 
@@ -260,35 +278,44 @@ class StepCommit:
             with open(os.path.join(self.staging, layout.CONTENTS_FILENAME), encoding="utf-8") as handle:
                 contents = tuple(json.load(handle).get("save_contents", ()))
         fsync_tree(self.staging)
-        superseded = None
-        if os.path.exists(self.path):
-            superseded = layout.superseded_path(self.path)
-            shutil.rmtree(superseded, ignore_errors=True)
-            os.replace(self.path, superseded)
+        if os.path.exists(self.path):  # a re-save: the committed copy waits aside until this commit ends
+            os.replace(self.path, self.superseded)
+            self._replaced = True
         try:
             os.replace(self.staging, self.path)
         except OSError:
-            if superseded:  # the older copy goes back where it was
-                os.replace(superseded, self.path)
+            if self._replaced:  # the older copy goes back where it was
+                os.replace(self.superseded, self.path)
+                self._replaced = False
             raise
         fsync_path(self.step_dir)
-        self._superseded = superseded  # kept until the step is committed: a failure before puts it back
         return tuple(manifest["files"]), contents
 
     def _write_step_files_and_tracker(self) -> None:
         """Rank 0, every role committed: the step's own files durable, then the tracker names the step."""
         for name, data in self.spec.step_files.items():
             path = os.path.join(self.step_dir, name)
-            previous = None
-            with contextlib.suppress(FileNotFoundError):  # a re-saved step's file, small (the sampler position)
-                with open(path, "rb") as handle:
-                    previous = handle.read()
+            if os.path.exists(path):  # a re-saved step's file: aside with the role's older copy until the commit ends
+                os.replace(path, layout.superseded_path(path))
+                self._replaced = True
+            else:
+                self._new_step_files.append(name)
             with atomic_open(path, "wb") as handle:
                 handle.write(data)
-            self._previous_step_files[name] = previous  # replaced: put back if the commit fails
         if self.spec.track:
             atomic_write_text(layout.tracker_path(self.root), str(self.step))
             self.tracker_moved = True
+
+    def _discard_superseded(self) -> None:
+        """Rank 0, the step committed: its older copy goes (renamed to the free staging path first, so that a
+        crash in the removal leaves an interrupted-save directory, not an older copy to put back), then the
+        older step files."""
+        if os.path.isdir(self.superseded):
+            os.replace(self.superseded, self.staging)
+            shutil.rmtree(self.staging)
+        for name in self.spec.step_files:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(layout.superseded_path(os.path.join(self.step_dir, name)))
 
     # ------------------------------------------------------------------ failure
 
@@ -300,20 +327,15 @@ class StepCommit:
         if self._rank == 0:
             shutil.rmtree(self.staging, ignore_errors=True)
             if self.placed and self.spec.track and not self.tracker_moved:
-                shutil.rmtree(self.path, ignore_errors=True)
-                if self._superseded is not None:
-                    with contextlib.suppress(OSError):  # else found and put back by the next resume
-                        os.replace(self._superseded, self.path)
-                for name, data in self._previous_step_files.items():
-                    path = os.path.join(self.step_dir, name)
-                    if data is None:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.remove(path)
-                    else:
-                        with atomic_open(path, "wb") as handle:
-                            handle.write(data)
-            elif self._superseded is not None:  # the new step stands (tracked, or not to be tracked)
-                shutil.rmtree(self._superseded, ignore_errors=True)
+                for name in self._new_step_files:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(self.step_dir, name))
+                with contextlib.suppress(OSError):  # else the next run's put_back_superseded does it
+                    if not _put_back(self.path):  # not a re-save: the step goes
+                        shutil.rmtree(self.path, ignore_errors=True)
+            elif self.placed and self._replaced:  # the new step stands (tracked, or not to be tracked)
+                with contextlib.suppress(OSError):
+                    self._discard_superseded()
             with contextlib.suppress(OSError):  # not empty (another role's save, the data position) or already gone
                 os.rmdir(self.step_dir)
         if isinstance(exc, CheckpointError):
