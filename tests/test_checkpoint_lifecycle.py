@@ -997,6 +997,36 @@ def test_the_data_position_is_checked_before_any_rank_starts(base_root, tmp_path
         find_resume_step(config)
 
 
+def test_a_data_position_of_other_data_is_refused_before_ray(tiny_moe_path, base_root, tmp_path):
+    """The sampler refuses another seed, order or prompt count only after every rank has loaded the step; the
+    CLI's pre-start check does it before Ray starts, naming the setting (a step saved before ``shuffle`` was
+    recorded is checked on the other two)."""
+    import subprocess
+    import sys
+
+    from verl.trainer.validation import data_position_problems
+
+    root = _copy_run(base_root, tmp_path)
+    step_dir = os.path.join(root, "global_step_1")
+    torch.save({"epoch": 0, "position": 64, "batches_served": 4, "seed": 5, "shuffle": True, "num_rows": 1000}, os.path.join(step_dir, "data.pt"))
+    config = _resume_config(root)
+    assert data_position_problems(step_dir, config.data, 1000) == [
+        f"{step_dir}/data.pt is the data position of a run with data.seed=5; this run has data.seed={config.data.seed}: "
+        "resume with the data config the step was saved with, or set trainer.resume_mode=disable"
+    ]
+    torch.save({"epoch": 0, "position": 64, "batches_served": 4, "seed": int(config.data.seed), "num_rows": 1000}, os.path.join(step_dir, "data.pt"))
+    assert data_position_problems(step_dir, config.data, 1000) == []  # no shuffle recorded
+    assert "training prompts=1000; this run has training prompts=999" in data_position_problems(step_dir, config.data, 999)[0]
+    torch.save({"epoch": 0, "position": 64, "batches_served": 4, "seed": 5, "shuffle": True, "num_rows": 1000}, os.path.join(step_dir, "data.pt"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH")) if p)}
+    cli = subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={root}", "trainer.resume_mode=auto"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    out = cli.stdout + cli.stderr
+    assert cli.returncode == 2 and "data.pt is the data position of a run with data.seed=5" in out, out[-3000:]
+
+
 def test_a_step_of_ours_stripped_of_manifest_and_commit_mark_is_refused_before_ray(tiny_moe_path, base_root, tmp_path):
     """Without manifest.json and committed.json a step would pass for upstream verl's and load unchecked; what
     else only this package writes (the per-rank RNG states, its own ckpt_contents.json words) gives it away:

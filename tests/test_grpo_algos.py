@@ -63,7 +63,7 @@ def test_sampler_deterministic_and_spans_epochs():
     flat = [r["index"] for batch in batches for r in batch]
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))  # each epoch a permutation
     assert flat[:10] != flat[10:20]  # reshuffled per epoch
-    assert a.state_dict() == {"epoch": 1, "position": 10, "batches_served": 5, "seed": 1, "num_rows": 10}
+    assert a.state_dict() == {"epoch": 1, "position": 10, "batches_served": 5, "seed": 1, "shuffle": True, "num_rows": 10}
     with pytest.raises(ValueError, match="batch_size"):
         PromptSampler(rows, batch_size=0, seed=1)
 
@@ -82,6 +82,10 @@ def test_sampler_restore_across_epoch_boundary():
     assert restored.state_dict() == reference.state_dict()
     with pytest.raises(ValueError, match="seed"):
         PromptSampler(rows, batch_size=3, seed=8).load_state_dict(state)
+    with pytest.raises(ValueError, match="shuffle=True, 10 rows; this sampler has seed=7, shuffle=False"):
+        PromptSampler(rows, batch_size=3, seed=7, shuffle=False).load_state_dict(state)
+    older = {key: value for key, value in state.items() if key != "shuffle"}  # saved before shuffle was recorded
+    PromptSampler(rows, batch_size=3, seed=7, shuffle=False).load_state_dict(older)
 
 
 # ---------------------------------------------------------------- reward

@@ -38,6 +38,7 @@ from verl.trainer.validation import (
     check_config,
     check_device,
     check_model_build,
+    data_position_problems,
     find_resume_step,
     ignored_settings,
     parallel_sizes,
@@ -103,6 +104,10 @@ def prepare(config) -> RunPlan:
         resume = find_resume_step(config, model_path)
         tokenizer = load_tokenizer(config, model_path)
         data = load_run_data(config, tokenizer)
+        if resume is not None:
+            problems = data_position_problems(resume[1], config.data, len(data.train))
+            if problems:
+                raise ConfigError(problems)
         actor_configs = build_megatron_actor_configs(config.actor_rollout_ref.actor, total_training_steps=data.total_training_steps)
     except ConfigError:
         if dir_lock is not None:

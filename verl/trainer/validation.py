@@ -643,6 +643,24 @@ def _data_state_problems(step_dir: str) -> list[str]:
     return [f"{path} is damaged (truncated or changed since the save: {damaged}); restore it, or resume an earlier step with trainer.resume_mode=resume_path trainer.resume_from_path=<its global_step_N>"]
 
 
+def data_position_problems(step_dir: str, data: Any, train_prompts: int) -> list[str]:
+    """The resumed step's data position was written for this run's data: the same ``data.seed``, ``data.shuffle``
+    and number of training prompts. The sampler refuses other ones too, but only once every rank has loaded the
+    step; a step saved before ``shuffle`` was recorded is checked on the other two."""
+    import torch
+
+    path = os.path.join(step_dir, DATA_STATE_FILENAME)
+    saved = torch.load(path, weights_only=True)  # whole: checked by _data_state_problems before
+    now = {"seed": int(data.seed), "shuffle": bool(data.shuffle), "num_rows": train_prompts}
+    differ = [key for key in now if key in saved and saved[key] != now[key]]
+    if not differ:
+        return []
+    names = {"seed": "data.seed", "shuffle": "data.shuffle", "num_rows": "training prompts"}
+    then = ", ".join(f"{names[key]}={saved[key]}" for key in differ)
+    here = ", ".join(f"{names[key]}={now[key]}" for key in differ)
+    return [f"{path} is the data position of a run with {then}; this run has {here}: resume with the data config the step was saved with, or set trainer.resume_mode=disable"]
+
+
 def schedule_length_warning(step_dir: str, optim: Any) -> str | None:
     """One line when resuming ``step_dir`` would change the LR schedule's length unasked, else None.
 

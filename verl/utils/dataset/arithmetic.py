@@ -138,15 +138,18 @@ class PromptSampler:
             "position": self.position,
             "batches_served": self.batches_served,
             "seed": self.seed,
+            "shuffle": self.shuffle,
             "num_rows": len(self.rows),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue exactly where the sampler that wrote ``state`` was; refuses a different seed or dataset size."""
-        if state["seed"] != self.seed or state["num_rows"] != len(self.rows):
+        """Continue exactly where the sampler that wrote ``state`` was; refuses a different seed, order (``shuffle``;
+        a state saved before it was recorded has none) or dataset size."""
+        shuffle = state.get("shuffle", self.shuffle)
+        if state["seed"] != self.seed or state["num_rows"] != len(self.rows) or shuffle != self.shuffle:
             raise ValueError(
-                f"sampler state is for seed={state['seed']}, {state['num_rows']} rows; this sampler has "
-                f"seed={self.seed}, {len(self.rows)} rows: resume with the data config the run was saved with"
+                f"sampler state is for seed={state['seed']}, shuffle={shuffle}, {state['num_rows']} rows; this sampler has "
+                f"seed={self.seed}, shuffle={self.shuffle}, {len(self.rows)} rows: resume with the data config the run was saved with"
             )
         if not 0 <= state["position"] <= len(self.rows):
             raise ValueError(f"sampler state position {state['position']} outside 0..{len(self.rows)}")
