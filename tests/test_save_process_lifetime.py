@@ -180,3 +180,31 @@ def test_async_saves_forked_from_a_thread_complete(tiny_moe_path, tmp_path, asyn
     assert modes == [(async_mode, False), (async_mode, False), (async_mode, async_mode == "snapshot")], modes
     for step in (1, 2, 3):
         verify_checkpoint(_step_path(root, step))
+
+
+def test_a_process_exit_is_seen_through_a_descriptor_numbered_above_1024():
+    """A rank with gloo's and Ray's sockets holds over 1024 descriptors: the pidfd that tells a rank its save's
+    fork died (and a child its parent) is then numbered above what ``select`` accepts (ValueError)."""
+    import resource
+    import subprocess
+    import sys
+
+    from verl.utils.process_lifetime import wait_for_exit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    held = []
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        pidfd = os.pidfd_open(child.pid)
+        held.append(pidfd)
+        assert pidfd > 1024
+        wait_for_exit(pidfd)
+        assert child.wait(timeout=5) == 0
+    finally:
+        child.kill()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -90,9 +90,17 @@ def die_with(parent_pid: int, started_by_leader: bool) -> None:
     threading.Thread(target=_end_when_gone, args=(parent_pid, pidfd), name="die-with-parent", daemon=True).start()
 
 
+def wait_for_exit(pidfd: int) -> None:
+    """Block until the process ``pidfd`` names has exited (its pidfd turns readable). ``poll``, not ``select``:
+    ``select`` refuses a descriptor numbered 1024 or above, which a rank with gloo's and Ray's sockets reaches."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    poller.poll()
+
+
 def _end_when_gone(parent_pid: int, pidfd: int | None) -> None:
     if pidfd is not None:
-        select.select([pidfd], [], [])  # readable once every thread of the parent has exited
+        wait_for_exit(pidfd)  # every thread of the parent has exited
     else:
         while os.getppid() == parent_pid:
             time.sleep(POLL_INTERVAL_S)

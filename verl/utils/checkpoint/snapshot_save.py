@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import sys
 import threading
 import traceback
@@ -285,7 +284,7 @@ def fork(queue: Any, request: Any) -> None:
 
 
 def _announce_if_it_fails(pidfd: int, job: ForkedJob) -> None:
-    select.select([pidfd], [], [])  # readable once the fork has exited
+    process_lifetime.wait_for_exit(pidfd)
     os.close(pidfd)
     outcome = read_outcome(job.staging, job.rank)
     if not outcome["ok"]:
