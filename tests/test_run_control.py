@@ -111,6 +111,8 @@ def test_a_filesystem_without_locks_is_reported_not_fatal(tmp_path, monkeypatch)
     lock = lock_checkpoint_dir(str(tmp_path / "ckpt"))
     assert not lock.held
     assert "does not support file locks" in lock.warning and "No locks available" in lock.warning
+    lock.discard()  # a run stopping before it writes leaves no directory behind, lock or no lock
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_a_symlink_where_the_lock_should_be_is_refused_and_its_target_untouched(tmp_path):

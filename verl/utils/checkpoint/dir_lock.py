@@ -82,7 +82,7 @@ class DirLock:
         (a bad config found after the lock leaves no empty directory behind). The file is unlinked while the
         lock is still held, so no run can lock it in between; one that opened it before locks a file no
         longer there, sees that, and locks the path's new file (``lock_checkpoint_dir``)."""
-        if self.created_dir and self.held:
+        if self.created_dir:
             with contextlib.suppress(OSError):
                 os.remove(self.path)
         self.release()
