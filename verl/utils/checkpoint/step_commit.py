@@ -107,9 +107,10 @@ def put_back_superseded(root: str, role: str = "actor") -> list[str]:
         if _put_back(role_path):
             notes.append(f"put the committed copy of {role_path} back in place: a re-save of the step stopped before its commit ended")
             continue
-        for leftover in (f for f in os.listdir(step_dir) if f.endswith(layout.SUPERSEDED_SUFFIX)):
-            os.remove(os.path.join(step_dir, leftover))
-            notes.append(f"removed {os.path.join(step_dir, leftover)}: the older copy of a step file that a committed save replaced")
+        for leftover in (os.path.join(step_dir, f) for f in os.listdir(step_dir) if f.endswith(layout.SUPERSEDED_SUFFIX)):
+            if os.path.isfile(leftover):  # another role's older copy (a directory) is that role's to put back
+                os.remove(leftover)
+                notes.append(f"removed {leftover}: the older copy of a step file that a committed save replaced")
     return notes
 
 
