@@ -492,3 +492,15 @@ def test_the_transaction_imports_nothing_of_the_manager_nor_megatron():
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     forbidden = [m for m in imported if m.startswith("megatron") or "checkpoint_manager" in m or "megatron" in m.rsplit(".", 1)[-1]]
     assert imported and forbidden == []
+
+
+def test_another_roles_older_copy_is_left_to_that_role(tmp_path):
+    """``put_back_superseded`` for the actor removes a leftover step file, never a critic's older directory."""
+    from verl.utils.checkpoint.step_commit import put_back_superseded
+
+    step_dir = tmp_path / "global_step_1"
+    (step_dir / "actor").mkdir(parents=True)
+    (step_dir / "critic.superseded").mkdir()
+    (step_dir / "data.pt.superseded").write_bytes(b"old position")
+    assert put_back_superseded(str(tmp_path)) == [f"removed {step_dir / 'data.pt.superseded'}: the older copy of a step file that a committed save replaced"]
+    assert sorted(os.listdir(step_dir)) == ["actor", "critic.superseded"]
