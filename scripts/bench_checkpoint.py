@@ -59,7 +59,7 @@ TARGETS = {
     "verify_share_of_save": 0.10,  # verification adds <= 10% to a save
     "load_vs_save": 1.0,  # load time <= save time
     "peak_rss_vs_state": 1.25,  # peak RSS per rank during save <= 1.25x model+optimizer state
-    "async_blocked_vs_sync": 0.02,  # async save: training blocked <= 2% of a sync save (issue 18)
+    "async_blocked_vs_sync": 0.02,  # async save: training blocked <= 2% of a sync save
 }
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The bridge adapter on transformers 5 (issue 16): verl 0.9.1 asks for transformers >= 5.5.3, while this
+# The bridge adapter on transformers 5: verl 0.9.1 asks for transformers >= 5.5.3, while this
 # project pins 4.57. Makes a separate venv OUTSIDE the repository (default ~/.cache/verl-tf5-venv, or $TF5_VENV)
 # with requirements.txt's stack but transformers >= 5.5, then runs scripts/check_model_families.py there:
 # every family's Megatron log-probs against transformers 5's in fp32 and the HF round trip (load through

@@ -1,4 +1,4 @@
-"""Tuning probe for issue 7: which task, reward and lr make GRPO's mean reward rise clearly in few steps?
+"""Tuning probe: which task, reward and lr make GRPO's mean reward rise clearly in few steps?
 
 A single-process, plain-PyTorch GRPO loop on the embedded tiny Qwen3-MoE (fp32, one thread): per step
 ``train_batch_size`` prompts from PromptSampler, ``n`` sampled responses each (HF generate), rule reward,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Checkpoints across verl 0.9.1 (the PyPI wheel) and this package, both directions (issue 13, item 4).
+"""Checkpoints across verl 0.9.1 (the PyPI wheel) and this package, both directions.
 
 Both packages are named ``verl``, so they never share a process: this file runs under two interpreters.
 

@@ -1,4 +1,4 @@
-"""bf16 parameters with fp32 master weights (issue 23): the masters are saved in the optimizer's dist checkpoint
+"""bf16 parameters with fp32 master weights: the masters are saved in the optimizer's dist checkpoint
 and loaded back from it, never rebuilt from the bf16 weights; a load of the weights alone rebuilds them from the
 loaded weights (not from this run's initial ones); a step saved in another dtype is refused before it loads.
 

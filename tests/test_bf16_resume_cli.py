@@ -1,4 +1,4 @@
-"""bf16 end to end through the CLI (issue 23), ``actor_rollout_ref.actor.megatron.dtype=bfloat16``: bf16 parameters,
+"""bf16 end to end through the CLI, ``actor_rollout_ref.actor.megatron.dtype=bfloat16``: bf16 parameters,
 rollout and parity gate, fp32 master weights saved in ``optimizer/dist_ckpt`` and loaded back from it.
 
 A bf16 run with a cosine schedule stopped by SIGTERM after a save and resumed with the same command equals the

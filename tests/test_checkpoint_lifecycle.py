@@ -955,7 +955,7 @@ def _save_killed_while_writers_run(src: str, root: str, pid_dir: str, async_save
 
 @pytest.mark.parametrize("async_save", [True], ids=["async"])
 def test_no_process_of_a_save_outlives_its_killed_rank(tiny_moe_path, tmp_path, async_save):
-    """Issue 27 item 5: megatron's writers stayed blocked forever (in ``JoinableQueue.task_done`` on the dead
+    """megatron's writers stayed blocked forever (in ``JoinableQueue.task_done`` on the dead
     rank's condition) when the rank was SIGKILLed mid-write. A sync save forks nothing any more (its writer is
     the rank's threads: tests/test_dist_writer.py), so only the async save's fork and writers remain."""
     pid_dir = tmp_path / "writers"

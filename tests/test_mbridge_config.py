@@ -1,4 +1,4 @@
-"""``checkpoint.mbridge_config`` reaches the bridge's HF weight save (issue 23: it was accepted and ignored); an
+"""``checkpoint.mbridge_config`` reaches the bridge's HF weight save (it was once accepted and ignored); an
 entry the save does not take is refused, naming the key, in the manager and before the run starts."""
 
 import os

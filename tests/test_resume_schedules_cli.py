@@ -1,4 +1,4 @@
-"""Resume is exact under a non-constant LR schedule, through the CLI (issue 23): a run stopped by SIGTERM after a
+"""Resume is exact under a non-constant LR schedule, through the CLI: a run stopped by SIGTERM after a
 save and resumed with the same command logs the uninterrupted run's metrics at every step (``actor/lr``, and every
 other metric: rollout samples, rewards, losses, validation) and ends with its weights, bit for bit.
 

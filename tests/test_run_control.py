@@ -1,5 +1,5 @@
-"""One writer per checkpoint directory, clean stops on SIGTERM / SIGINT, and the errors a user meets around them
-(issue 15): a second run is refused while the first's steps stay loadable; a SIGKILLed holder leaves no lock;
+"""One writer per checkpoint directory, clean stops on SIGTERM / SIGINT, and the errors a user meets around them:
+a second run is refused while the first's steps stay loadable; a SIGKILLed holder leaves no lock;
 a mistyped key or a binary tracker is one line; a killed rank is blamed, not rank 0's echo of it; a resume of
 another model is refused before Ray starts."""
 

@@ -1,4 +1,4 @@
-"""Issue 27 item 5 and its smaller items, through ``python -m verl.trainer.main_ppo`` (real Ray, ranks, megatron):
+"""No process of a save outlives its rank, and the errors around it, through ``python -m verl.trainer.main_ppo`` (real Ray, ranks, megatron):
 
 - SIGKILL of the whole run while a sync or an async save runs (the driver and every process of the run except
   those the save started: as a preemption that kills the process group, or every process it finds while the save
