@@ -1155,6 +1155,41 @@ def test_a_crafted_bytes_item_in_a_shard_is_refused_and_nothing_of_it_runs(tiny_
     _assert_refused_everywhere(tiny_moe_path, root, _step_path(root, 1), shard, marker)
 
 
+def _craft_pickled_file(root: str, relative: str, marker: str) -> str:
+    """``global_step_1/<relative>`` (a dist checkpoint's ``common.pt``, the step's ``data.pt``) replaced by a
+    ``torch.save`` naming a function, the manifest re-hashed where the file is the actor's. Returns its path."""
+    path = os.path.join(root, "global_step_1", relative)
+    torch.save({"optimizer": _CreatesFile(marker), "epoch": 0}, path)
+    if relative.startswith("actor/"):
+        _rewrite_manifest(_step_path(root, 1))
+    return path
+
+
+@pytest.mark.parametrize("relative", ["actor/optimizer/dist_ckpt/common.pt", "actor/extra/dist_ckpt/common.pt", "data.pt"])
+def test_a_crafted_pickled_step_file_is_refused_in_one_line_before_ray(base_root, tmp_path, capsys, relative):
+    """megatron's ``common.pt`` and the driver's ``data.pt`` are loaded weights-only, so a crafted one runs
+    nothing, but it used to pass ``verify`` and the pre-start check and fail only once every rank had started,
+    in torch's traceback. Both now refuse it in one line naming the file and the global it names."""
+    from verl.model_merger.__main__ import main as merger
+    from verl.trainer.validation import ConfigError, data_position_problems, find_resume_step
+
+    root = _copy_run(base_root, tmp_path)
+    marker = str(tmp_path / "ran")
+    path = _craft_pickled_file(root, relative, marker)
+    refusal = f"{path} holds something other than tensors and plain data (Unsupported global: GLOBAL io.open was not an allowed global by default); refusing to load it"
+    assert merger(["verify", "--local_dir", root]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"DAMAGED: {refusal}") and "\n" not in err and "safe_globals" not in err, err
+    config = _resume_config(root)
+    try:  # the driver's pre-start checks, in main_ppo's order
+        step = find_resume_step(config)
+        problems = data_position_problems(step[1], config.data, 1000)
+    except ConfigError as exc:
+        problems = exc.problems
+    assert len(problems) == 1 and refusal in problems[0], problems
+    assert not os.path.exists(marker), "the crafted file ran"
+
+
 def _point_a_tensor_item_outside(step: str, elsewhere: str) -> str:
     """A tensor item of ``optimizer/dist_ckpt`` pointed at a copy of its shard outside the step (absolute path);
     the ``.metadata`` stays plain DCP metadata and the manifest is re-hashed. Returns the item's new path."""
