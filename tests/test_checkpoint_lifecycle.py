@@ -1063,6 +1063,48 @@ def test_a_step_of_ours_stripped_of_manifest_and_commit_mark_is_refused_before_r
     assert any("saved by upstream verl" in str(w.message) for w in caught)
 
 
+def _strip_our_marks(step: str, notes_too: bool) -> None:
+    """What the CLI case below cannot see: a step of ours without manifest, commit mark, ``extra/`` (the
+    per-rank RNG states) and the contents file's ``directories``, an optimizer shard flipped; ``notes_too``:
+    its contents' notes gone as well, so only the contents file's ``integrity`` entry is left."""
+    for name in ("manifest.json", "committed.json"):
+        os.remove(os.path.join(step, name))
+    shutil.rmtree(os.path.join(step, "extra"))
+    path = os.path.join(step, "ckpt_contents.json")
+    contents = json.load(open(path))
+    del contents["directories"]
+    for entry in contents["contents"].values():
+        if notes_too:
+            entry.pop("note", None)
+    json.dump(contents, open(path, "w"))
+    _flip_optimizer_shard(step)
+
+
+@pytest.mark.parametrize("notes_too", [False, True], ids=["marks_stripped", "notes_stripped_too"])
+def test_a_step_of_ours_stripped_of_every_mark_is_not_taken_for_upstreams(base_root, tmp_path, capsys, notes_too):
+    """Stripped of manifest, commit mark, ``extra/`` and ``directories``, a step of ours used to pass as
+    upstream verl's (verify OK, resume accepted), a flipped shard and all. Its contents file still says whose
+    it is: verify and the pre-start check refuse it in one line naming the missing files and the fix."""
+    from verl.model_merger.__main__ import main as merger
+    from verl.trainer.validation import ConfigError, find_resume_step
+
+    root = _copy_run(base_root, tmp_path)
+    step = _step_path(root, 1)
+    _strip_our_marks(step, notes_too)
+    refusal = re.compile(
+        rf"checkpoint {re.escape(step)} has neither manifest\.json nor committed\.json, yet it was saved by this package "
+        rf"\({re.escape(step)}/ckpt_contents\.json [^)]*\): .* resume an earlier step \(trainer\.resume_mode=resume_path "
+        r"trainer\.resume_from_path=<its global_step_N>\) or restore both files from a copy of this step$"
+    )
+    assert merger(["verify", "--local_dir", step]) == 1
+    err = capsys.readouterr().err.strip()
+    assert refusal.fullmatch(err.removeprefix("DAMAGED: ")), err
+    with pytest.raises(ConfigError) as refused:
+        find_resume_step(_resume_config(root))
+    assert len(refused.value.problems) == 1 and refusal.search(refused.value.problems[0]), refused.value.problems
+    assert os.path.isdir(os.path.join(step, "optimizer"))  # nothing deleted
+
+
 # --------------------------------------------------------------------------- a checkpoint is data, not code
 
 
