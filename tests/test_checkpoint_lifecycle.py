@@ -339,8 +339,9 @@ def _save_onto_a_full_disk(src: str, root: str, async_mode: str | None) -> str:
 @pytest.mark.parametrize("async_mode", ["background_write", "snapshot", None], ids=["background_write", "snapshot", "sync"])
 def test_a_full_disk_is_named_enospc_with_the_path(tiny_moe_path, base_root, tmp_path, async_mode):
     """A real filesystem that fills during the save (a tmpfs with room for about half a step): every rank's error
-    names ENOSPC and the path being written, from an async save's fork too (not "exited without a result");
-    nothing is committed and the previous step stays whole."""
+    names ENOSPC and the path being written, from an async save's fork too (not "exited without a result"), and
+    the room a step takes against the room left; nothing is committed, the previous step stays whole, and no
+    staging directory is left to keep the disk full (rank 0 used to remove it while another rank still wrote)."""
     from tests.test_save_os_errors import small_tmpfs
 
     used = sum(-(-os.path.getsize(f) // 4096) * 4096 for f in _files(base_root))
@@ -349,7 +350,9 @@ def test_a_full_disk_is_named_enospc_with_the_path(tiny_moe_path, base_root, tmp
         for message in run_on_ranks(_save_onto_a_full_disk, WORLD, LAYOUT, args=(tiny_moe_path, root, async_mode), timeout_s=300):
             assert f"No space left on device (ENOSPC) writing {root}/global_step_2/actor" in message, message
             assert "without a result" not in message and "previous checkpoint and the tracker are unchanged" in message, message
+            assert re.search(rf"The save needed about \d+ bytes \(the size of the last committed step\); \d+ bytes are free on {re.escape(root)}'s filesystem", message), message
         assert _tracked(root) == "1" and not os.path.exists(os.path.join(root, "global_step_2", "actor"))
+        assert not os.path.exists(os.path.join(root, "global_step_2")), os.listdir(os.path.join(root, "global_step_2"))  # no staging left to fill the disk
         verify_checkpoint(_step_path(root, 1))
 
 
