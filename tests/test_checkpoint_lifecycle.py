@@ -1072,7 +1072,7 @@ def _strip_our_marks(step: str, notes_too: bool) -> None:
     its contents' notes gone as well, so only the contents file's ``integrity`` entry is left."""
     for name in ("manifest.json", "committed.json"):
         os.remove(os.path.join(step, name))
-    shutil.rmtree(os.path.join(step, "extra"))
+    shutil.rmtree(os.path.join(step, "extra"), ignore_errors=True)  # a step saved without 'extra' has none
     path = os.path.join(step, "ckpt_contents.json")
     contents = json.load(open(path))
     del contents["directories"]
