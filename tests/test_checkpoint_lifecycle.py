@@ -339,8 +339,9 @@ def _save_onto_a_full_disk(src: str, root: str, async_mode: str | None) -> str:
 @pytest.mark.parametrize("async_mode", ["background_write", "snapshot", None], ids=["background_write", "snapshot", "sync"])
 def test_a_full_disk_is_named_enospc_with_the_path(tiny_moe_path, base_root, tmp_path, async_mode):
     """A real filesystem that fills during the save (a tmpfs with room for about half a step): every rank's error
-    names ENOSPC and the path being written, from an async save's fork too (not "exited without a result");
-    nothing is committed and the previous step stays whole."""
+    names ENOSPC and the path being written, from an async save's fork too (not "exited without a result"), and
+    the room a step takes against the room left; nothing is committed, the previous step stays whole, and no
+    staging directory is left to keep the disk full (rank 0 used to remove it while another rank still wrote)."""
     from tests.test_save_os_errors import small_tmpfs
 
     used = sum(-(-os.path.getsize(f) // 4096) * 4096 for f in _files(base_root))
@@ -349,7 +350,9 @@ def test_a_full_disk_is_named_enospc_with_the_path(tiny_moe_path, base_root, tmp
         for message in run_on_ranks(_save_onto_a_full_disk, WORLD, LAYOUT, args=(tiny_moe_path, root, async_mode), timeout_s=300):
             assert f"No space left on device (ENOSPC) writing {root}/global_step_2/actor" in message, message
             assert "without a result" not in message and "previous checkpoint and the tracker are unchanged" in message, message
+            assert re.search(rf"The save needed about \d+ bytes \(the size of the last committed step\); \d+ bytes are free on {re.escape(root)}'s filesystem", message), message
         assert _tracked(root) == "1" and not os.path.exists(os.path.join(root, "global_step_2", "actor"))
+        assert not os.path.exists(os.path.join(root, "global_step_2")), os.listdir(os.path.join(root, "global_step_2"))  # no staging left to fill the disk
         verify_checkpoint(_step_path(root, 1))
 
 
@@ -1063,6 +1066,48 @@ def test_a_step_of_ours_stripped_of_manifest_and_commit_mark_is_refused_before_r
     assert any("saved by upstream verl" in str(w.message) for w in caught)
 
 
+def _strip_our_marks(step: str, notes_too: bool) -> None:
+    """What the CLI case below cannot see: a step of ours without manifest, commit mark, ``extra/`` (the
+    per-rank RNG states) and the contents file's ``directories``, an optimizer shard flipped; ``notes_too``:
+    its contents' notes gone as well, so only the contents file's ``integrity`` entry is left."""
+    for name in ("manifest.json", "committed.json"):
+        os.remove(os.path.join(step, name))
+    shutil.rmtree(os.path.join(step, "extra"), ignore_errors=True)  # a step saved without 'extra' has none
+    path = os.path.join(step, "ckpt_contents.json")
+    contents = json.load(open(path))
+    del contents["directories"]
+    for entry in contents["contents"].values():
+        if notes_too:
+            entry.pop("note", None)
+    json.dump(contents, open(path, "w"))
+    _flip_optimizer_shard(step)
+
+
+@pytest.mark.parametrize("notes_too", [False, True], ids=["marks_stripped", "notes_stripped_too"])
+def test_a_step_of_ours_stripped_of_every_mark_is_not_taken_for_upstreams(base_root, tmp_path, capsys, notes_too):
+    """Stripped of manifest, commit mark, ``extra/`` and ``directories``, a step of ours used to pass as
+    upstream verl's (verify OK, resume accepted), a flipped shard and all. Its contents file still says whose
+    it is: verify and the pre-start check refuse it in one line naming the missing files and the fix."""
+    from verl.model_merger.__main__ import main as merger
+    from verl.trainer.validation import ConfigError, find_resume_step
+
+    root = _copy_run(base_root, tmp_path)
+    step = _step_path(root, 1)
+    _strip_our_marks(step, notes_too)
+    refusal = re.compile(
+        rf"checkpoint {re.escape(step)} has neither manifest\.json nor committed\.json, yet it was saved by this package "
+        rf"\({re.escape(step)}/ckpt_contents\.json [^)]*\): .* resume an earlier step \(trainer\.resume_mode=resume_path "
+        r"trainer\.resume_from_path=<its global_step_N>\) or restore both files from a copy of this step$"
+    )
+    assert merger(["verify", "--local_dir", step]) == 1
+    err = capsys.readouterr().err.strip()
+    assert refusal.fullmatch(err.removeprefix("DAMAGED: ")), err
+    with pytest.raises(ConfigError) as refused:
+        find_resume_step(_resume_config(root))
+    assert len(refused.value.problems) == 1 and refusal.search(refused.value.problems[0]), refused.value.problems
+    assert os.path.isdir(os.path.join(step, "optimizer"))  # nothing deleted
+
+
 # --------------------------------------------------------------------------- a checkpoint is data, not code
 
 
@@ -1153,6 +1198,41 @@ def test_a_crafted_bytes_item_in_a_shard_is_refused_and_nothing_of_it_runs(tiny_
     marker = str(tmp_path / "ran")
     shard = _craft_bytes_item(_step_path(root, 1), marker)
     _assert_refused_everywhere(tiny_moe_path, root, _step_path(root, 1), shard, marker)
+
+
+def _craft_pickled_file(root: str, relative: str, marker: str) -> str:
+    """``global_step_1/<relative>`` (a dist checkpoint's ``common.pt``, the step's ``data.pt``) replaced by a
+    ``torch.save`` naming a function, the manifest re-hashed where the file is the actor's. Returns its path."""
+    path = os.path.join(root, "global_step_1", relative)
+    torch.save({"optimizer": _CreatesFile(marker), "epoch": 0}, path)
+    if relative.startswith("actor/"):
+        _rewrite_manifest(_step_path(root, 1))
+    return path
+
+
+@pytest.mark.parametrize("relative", ["actor/optimizer/dist_ckpt/common.pt", "actor/extra/dist_ckpt/common.pt", "data.pt"])
+def test_a_crafted_pickled_step_file_is_refused_in_one_line_before_ray(base_root, tmp_path, capsys, relative):
+    """megatron's ``common.pt`` and the driver's ``data.pt`` are loaded weights-only, so a crafted one runs
+    nothing, but it used to pass ``verify`` and the pre-start check and fail only once every rank had started,
+    in torch's traceback. Both now refuse it in one line naming the file and the global it names."""
+    from verl.model_merger.__main__ import main as merger
+    from verl.trainer.validation import ConfigError, data_position_problems, find_resume_step
+
+    root = _copy_run(base_root, tmp_path)
+    marker = str(tmp_path / "ran")
+    path = _craft_pickled_file(root, relative, marker)
+    refusal = f"{path} holds something other than tensors and plain data (Unsupported global: GLOBAL io.open was not an allowed global by default); refusing to load it"
+    assert merger(["verify", "--local_dir", root]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"DAMAGED: {refusal}") and "\n" not in err and "safe_globals" not in err, err
+    config = _resume_config(root)
+    try:  # the driver's pre-start checks, in main_ppo's order
+        step = find_resume_step(config)
+        problems = data_position_problems(step[1], config.data, 1000)
+    except ConfigError as exc:
+        problems = exc.problems
+    assert len(problems) == 1 and refusal in problems[0], problems
+    assert not os.path.exists(marker), "the crafted file ran"
 
 
 def _point_a_tensor_item_outside(step: str, elsewhere: str) -> str:

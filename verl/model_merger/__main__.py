@@ -19,7 +19,7 @@ from verl.utils.checkpoint.integrity import (
     read_saved_layout,
     verify_checkpoint,
 )
-from verl.utils.checkpoint.names import TRACKER_FILENAME
+from verl.utils.checkpoint.layout import DATA_STATE_FILENAME, TRACKER_FILENAME
 
 
 def _verify(local_dir: str) -> int:
@@ -30,12 +30,23 @@ def _verify(local_dir: str) -> int:
         print(f"tracked step: {path}")
         local_dir = path
     contents = verify_checkpoint(local_dir)
+    _check_data_position(local_dir)
     layout = read_saved_layout(local_dir)
     print(
         f"OK: {local_dir} is complete (step {contents['global_step']}, contents {contents['save_contents']}, "
         f"saved at {layout if layout is not None else 'a layout it does not record (saved by upstream verl)'})"
     )
     return 0
+
+
+def _check_data_position(role_dir: str) -> None:
+    """The step's ``data.pt`` beside the role's directory (the trainer's sampler position, outside the role's
+    manifest), when there is one, holds only data: the trainer's resume loads it."""
+    from verl.utils.checkpoint.data_only import load_weights_only
+
+    path = os.path.join(os.path.dirname(os.path.abspath(role_dir)), DATA_STATE_FILENAME)
+    if os.path.isfile(path):
+        load_weights_only(path, path)
 
 
 def _add_merge_parser(sub: argparse._SubParsersAction) -> None:

@@ -647,10 +647,15 @@ def data_position_problems(step_dir: str, data: Any, train_prompts: int) -> list
     """The resumed step's data position was written for this run's data: the same ``data.seed``, ``data.shuffle``
     and number of training prompts. The sampler refuses other ones too, but only once every rank has loaded the
     step; a step saved before ``shuffle`` was recorded is checked on the other two."""
-    import torch
+    from verl.utils.checkpoint.data_only import UntrustedContentError, load_weights_only
 
     path = os.path.join(step_dir, DATA_STATE_FILENAME)
-    saved = torch.load(path, weights_only=True)  # whole: checked by _data_state_problems before
+    try:  # whole (checked by _data_state_problems before); data only, as the trainer's own load
+        saved = load_weights_only(path, path)
+    except UntrustedContentError as exc:
+        return [str(exc)]
+    if not isinstance(saved, dict):
+        return [f"{path} holds a {type(saved).__name__}, not the data position a save writes (a dict): restore it, or set trainer.resume_mode=disable"]
     now = {"seed": int(data.seed), "shuffle": bool(data.shuffle), "num_rows": train_prompts}
     differ = [key for key in now if key in saved and saved[key] != now[key]]
     if not differ:

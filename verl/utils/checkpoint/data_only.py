@@ -4,9 +4,10 @@ torch's distributed checkpoint reads its ``.metadata`` with a plain ``pickle.loa
 ``.distcp`` shard (megatron's ``ShardedObject``: our RNG states) with ``torch.load(weights_only=False)``, so a
 crafted file runs whatever its ``__reduce__`` names in every rank that loads it. Here ``.metadata`` is
 unpickled admitting only DCP's own metadata classes and the torch types they hold, and a bytes item only
-with ``weights_only=True`` plus numpy's array reconstruction (numpy's RNG state is an array). Two places use
-it: the checks before a load (``check_step``: every ``.metadata`` and bytes item of the step, naming the
-file that holds anything else) and the load itself (``DataOnlyFileSystemReader`` / ``DataOnlyLoadPlanner``,
+with ``weights_only=True`` plus numpy's array reconstruction (numpy's RNG state is an array); megatron's
+``common.pt`` and the driver's ``data.pt`` with ``weights_only=True``, as their loads do. Two places use
+it: the checks before a load (``check_step``: every ``common.pt``, ``.metadata`` and bytes item of the step,
+naming the file that holds anything else) and the load itself (``DataOnlyFileSystemReader`` / ``DataOnlyLoadPlanner``,
 put in place of megatron's by ``verl.utils.megatron.dist_checkpointing``), so a file swapped after the check
 is refused too. docs/operations.md, "What loading a checkpoint trusts".
 """
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from verl.utils.checkpoint.integrity import CheckpointError
 
 METADATA_FILENAME = ".metadata"  # torch DCP's global metadata file in a dist-checkpoint directory
+COMMON_STATE_FILENAME = "common.pt"  # megatron's non-sharded state (optimizer param groups, content metadata)
 
 # What torch DCP (and megatron, which keeps every rank's save plan in it) pickles into ``.metadata``.
 _METADATA_CLASSES = {
@@ -88,18 +90,26 @@ def read_dcp_metadata(path: str) -> Metadata:
     return metadata
 
 
-def load_bytes_item(data: bytes, where: str) -> Any:
-    """A bytes item of a ``.distcp`` shard, loaded with ``weights_only=True`` (tensors, numbers, strings, tuples,
-    lists, dicts, numpy arrays); ``where`` names the item and its file in the refusal."""
+def load_weights_only(source: str | io.BytesIO, where: str, allowed: list | tuple = ()) -> Any:
+    """A ``torch.save`` file or buffer loaded with ``weights_only=True`` (tensors, numbers, strings, tuples,
+    lists, dicts; plus the ``allowed`` globals); anything else, or a stream torch cannot read, is one
+    ``UntrustedContentError`` naming ``where`` and what it holds, never torch's traceback."""
     try:
-        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError or RuntimeError for a refused global
-        reason = str(exc).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+        # torch's first line says what it refused; its advice to allow-list that global is no advice for a checkpoint
+        reason = (str(exc).split("WeightsUnpickler error:")[-1].strip().splitlines() or [type(exc).__name__])[0].split(". Please use")[0]
         raise UntrustedContentError(
             f"{where} holds something other than tensors and plain data ({reason}); refusing to load it (unpickling it "
             "could run code). A checkpoint is data: replace the file from a copy you trust."
         ) from exc
+
+
+def load_bytes_item(data: bytes, where: str) -> Any:
+    """A bytes item of a ``.distcp`` shard, loaded with ``weights_only=True`` plus numpy arrays (numpy's RNG
+    state); ``where`` names the item and its file in the refusal."""
+    return load_weights_only(io.BytesIO(data), where, _NUMPY_ARRAY_GLOBALS)
 
 
 def check_items_inside(directory: str, metadata: Metadata) -> None:
@@ -113,15 +123,20 @@ def check_items_inside(directory: str, metadata: Metadata) -> None:
 
 
 def check_dist_checkpoint(directory: str) -> None:
-    """``directory``'s ``.metadata`` and every bytes item its shards hold are data (read, never run).
+    """``directory``'s ``common.pt`` (megatron's non-sharded state), ``.metadata`` and every bytes item its
+    shards hold are data (read, never run); each file is parsed once.
 
-    megatron loads ``common.pt`` with torch's default, ``weights_only=True``; torch's own switch
-    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` would turn that into a plain unpickle, so it is refused here."""
+    megatron loads ``common.pt`` with torch's default, ``weights_only=True``: the same load here refuses a
+    crafted one before any rank starts, naming it. torch's own switch ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+    would turn megatron's load into a plain unpickle, so it is refused here."""
+    common = os.path.join(directory, COMMON_STATE_FILENAME)
     if os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):
         raise UntrustedContentError(
-            f"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: torch would unpickle {os.path.join(directory, 'common.pt')} and could "
+            f"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: torch would unpickle {common} and could "
             "run code from it; unset it to load a checkpoint (a checkpoint is data)"
         )
+    if os.path.isfile(common):
+        load_weights_only(common, common)
     metadata = read_dcp_metadata(os.path.join(directory, METADATA_FILENAME))
     check_items_inside(directory, metadata)
     for index, info in (metadata.storage_data or {}).items():
@@ -134,9 +149,10 @@ def check_dist_checkpoint(directory: str) -> None:
 
 
 def check_step(step_path: str) -> None:
-    """Every dist checkpoint of a step holds only data: the pre-start and pre-load check."""
+    """Every dist checkpoint of a step holds only data: the pre-start and pre-load check. A directory with a
+    ``common.pt`` but no ``.metadata`` is checked too (the missing ``.metadata`` is then the refusal)."""
     for directory, _, names in sorted(os.walk(step_path)):
-        if METADATA_FILENAME in names:
+        if METADATA_FILENAME in names or COMMON_STATE_FILENAME in names:
             check_dist_checkpoint(directory)
 
 

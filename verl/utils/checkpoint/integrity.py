@@ -23,8 +23,10 @@ from types import SimpleNamespace
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs, read_tracker
 from verl.utils.checkpoint.layout import (  # the manifest, mark and staging names are also imported from here
     COMMIT_MARK_FILENAME,
+    CONTENT_NOTES,
     CONTENTS_FILENAME,
     DIRECTORY_NOTES,
+    INTEGRITY_KEY,
     MANIFEST_FILENAME,
     RANK_RNG_STATE_KEY,
     STAGING_SUFFIX,
@@ -250,16 +252,20 @@ def verify_manifest(step_path: str, required: bool = True, checksums: bool = Tru
 
 
 def our_marks(step_path: str) -> list[str]:
-    """What in a step only this package writes (besides the manifest and commit mark), one line per file: the
-    per-rank RNG states (``rank_rng_state``) in a dist checkpoint's ``.metadata``, and this package's own
-    descriptions in ckpt_contents.json's ``directories``. Upstream verl writes neither."""
+    """What in a step only this package writes (besides the manifest and commit mark), one line per file:
+    ckpt_contents.json's ``integrity`` entry, this package's own notes on its contents and descriptions of its
+    ``directories``, and the per-rank RNG states (``rank_rng_state``) in a dist checkpoint's ``.metadata``.
+    Upstream verl writes none of them."""
     from verl.utils.checkpoint.data_only import METADATA_FILENAME, read_dcp_metadata
 
     marks = []
     contents_path = os.path.join(step_path, CONTENTS_FILENAME)
     if os.path.isfile(contents_path):
-        directories = _read_json(contents_path, "checkpoint contents").get("directories")
-        ours = sorted(name for name, note in directories.items() if note in DIRECTORY_NOTES.values()) if isinstance(directories, dict) else []
+        data = _read_json(contents_path, "checkpoint contents")
+        if INTEGRITY_KEY in data:
+            marks.append(f"{contents_path} names its '{INTEGRITY_KEY}' files, {MANIFEST_FILENAME} and {COMMIT_MARK_FILENAME}")
+        entries = {**_as_dict(data.get("directories")), **{name: entry.get("note") for name, entry in _as_dict(data.get("contents")).items() if isinstance(entry, dict)}}
+        ours = sorted(name for name, note in entries.items() if isinstance(note, str) and note in {*DIRECTORY_NOTES.values(), *CONTENT_NOTES.values()})
         if ours:
             marks.append(f"{contents_path} describes {', '.join(ours)} in this package's words")
     for root, _, names in sorted(os.walk(step_path)):
@@ -268,6 +274,11 @@ def our_marks(step_path: str) -> list[str]:
             if RANK_RNG_STATE_KEY in {index.split("/")[0] for index in read_dcp_metadata(path).state_dict_metadata}:
                 marks.append(f"{path} holds {RANK_RNG_STATE_KEY} (every rank's own RNG state)")
     return marks
+
+
+def _as_dict(value) -> dict:
+    """``value`` when a JSON object, else an empty one (a damaged contents file is no evidence either way)."""
+    return value if isinstance(value, dict) else {}
 
 
 def _manifest_entries(step_path: str, manifest_path: str, manifest: dict) -> tuple[dict[str, tuple[int, str]], list[str]]:

@@ -61,6 +61,18 @@ DIRECTORY_NOTES = {
 }
 
 
+# This package's notes on two contents of ckpt_contents.json (upstream words its own): evidence as DIRECTORY_NOTES.
+CONTENT_NOTES = {
+    "hf_config": "config.json, tokenizer, generation_config.json",
+    "hf_model_beside_dist": "HF export next to the Megatron model shards",
+    "hf_model_same_files": "the same files as 'model'",
+}
+# Ours, in ckpt_contents.json (upstream's readers ignore keys they do not know): the files that vouch for the
+# step's bytes. A step whose contents file holds it is ours whatever else it lost.
+INTEGRITY_KEY = "integrity"
+INTEGRITY_NOTE = {"manifest": MANIFEST_FILENAME, "commit_mark": COMMIT_MARK_FILENAME}
+
+
 def step_dir(root: str, step: int) -> str:
     """``<root>/global_step_<step>``."""
     return os.path.join(root, STEP_DIR_FORMAT.format(step))

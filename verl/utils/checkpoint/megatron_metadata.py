@@ -71,7 +71,7 @@ class MegatronMetadata:
             if not self.should_save_dist_ckpt_model:
                 contents["model"] = {"path": hf, "format": "huggingface", "backend": "mbridge"}
             if "hf_model" in self.checkpoint_save_contents:
-                note = "HF export next to the Megatron model shards" if self.should_save_dist_ckpt_model else "the same files as 'model'"
+                note = layout.CONTENT_NOTES["hf_model_beside_dist" if self.should_save_dist_ckpt_model else "hf_model_same_files"]
                 contents["hf_model"] = {"path": hf, "format": "huggingface", "note": note}
             directories[hf] = layout.DIRECTORY_NOTES["hf"]
         if self.should_save_dist_ckpt_model:
@@ -87,7 +87,7 @@ class MegatronMetadata:
             contents["transformer_config"] = {"path": transformer_config, "format": "json"}
             directories[dist["extra"]] = layout.DIRECTORY_NOTES["extra"]
         if self.should_save_hf_model:
-            contents["hf_config"] = {"path": hf, "format": "huggingface", "note": "config.json, tokenizer, generation_config.json"}
+            contents["hf_config"] = {"path": hf, "format": "huggingface", "note": layout.CONTENT_NOTES["hf_config"]}
             if self.processing_class is not None:
                 contents["tokenizer"] = {"path": hf, "format": "huggingface"}
         return {
@@ -102,6 +102,7 @@ class MegatronMetadata:
             "contents": contents,
             "directories": directories,
             "saved_any_dist_ckpt": bool(self._dist_contents()),
+            layout.INTEGRITY_KEY: dict(layout.INTEGRITY_NOTE),  # ours: tells a step of ours that lost its marks
         }
 
     def _write_checkpoint_manifest(self, local_path: str, global_step: int) -> None:

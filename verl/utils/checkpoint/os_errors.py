@@ -83,6 +83,18 @@ def disk_full(path: str) -> OsFailure | None:
     pos``, and megatron's sync finalize raises the writers' errors on the coordinator rank only (the others
     get ``CheckpointException ranks:dict_keys([])``). What is left after the failed write can be anything up
     to that write's size, hence a step's size as the measure."""
+    left = free_bytes(path)
+    if left is None:
+        return None
+    needed = max(FULL_MARGIN_BYTES, _step_size(path))
+    if left >= needed:
+        return None
+    note = f"the write failed with {left} bytes left on its filesystem, less than a step of this run takes ({needed})"
+    return OsFailure(errno.ENOSPC, "ENOSPC", os.strerror(errno.ENOSPC), None, note)
+
+
+def free_bytes(path: str) -> int | None:
+    """Room left for this user on the filesystem of ``path`` (its nearest existing parent); None if unknown."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:
         probe = os.path.dirname(probe)
@@ -90,11 +102,36 @@ def disk_full(path: str) -> OsFailure | None:
         stats = os.statvfs(probe)
     except OSError:
         return None
-    left, needed = stats.f_bavail * stats.f_frsize, max(FULL_MARGIN_BYTES, _step_size(path))
-    if left >= needed:
-        return None
-    note = f"the write failed with {left} bytes left on its filesystem, less than a step of this run takes ({needed})"
-    return OsFailure(errno.ENOSPC, "ENOSPC", os.strerror(errno.ENOSPC), None, note)
+    return stats.f_bavail * stats.f_frsize
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (0 when it is gone; files vanishing meanwhile are skipped)."""
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(root, name))
+    return total
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps, or its message: a failure another rank reported as text) is a full
+    disk or quota: ENOSPC or EDQUOT."""
+    found = find_os_error(exc)
+    if found is not None and found.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(f"({name})" in str(exc) for name in ("ENOSPC", "EDQUOT"))
+
+
+def space_needed(staging: str, written: int) -> str:
+    """For a save that failed on a full disk, once its staging directory is removed: one sentence with the bytes
+    a step of this run takes (the newest committed one of the role; else at least what was written before the
+    disk filled) against the bytes free now."""
+    step, free = _step_size(staging), free_bytes(staging)
+    needed = f"about {step} bytes (the size of the last committed step)" if step else f"more than the {written} bytes it wrote before the disk filled"
+    room = f"{free} bytes are free" if free is not None else "the free space is unknown"
+    return f"The save needed {needed}; {room} on {os.path.dirname(os.path.dirname(os.path.abspath(staging)))}'s filesystem with its staging directory removed."
 
 
 def _step_size(staging: str) -> int:

@@ -325,8 +325,12 @@ class StepCommit:
         step replaced (its older copy, its step files as they were; a ``global_step_N`` left empty goes), then
         re-raise: a ``CheckpointError`` of the same class, saying what was committed."""
         self.deferred = False
+        full = os_errors.out_of_space(exc)
+        written = os_errors.tree_bytes(self.staging) if full else 0
+        # every rank, once its own writers stopped: a rank still writing when rank 0 removed the directory
+        # would otherwise leave its part of it behind, on a disk that is full
+        shutil.rmtree(self.staging, ignore_errors=True)
         if self._rank == 0:
-            shutil.rmtree(self.staging, ignore_errors=True)
             if self.placed and self.spec.track and not self.tracker_moved:
                 for name in self._new_step_files:
                     with contextlib.suppress(FileNotFoundError):
@@ -340,8 +344,9 @@ class StepCommit:
             with contextlib.suppress(OSError):  # not empty (another role's save, the data position) or already gone
                 os.rmdir(self.step_dir)
         if isinstance(exc, CheckpointError):
+            space = f" {os_errors.space_needed(self.staging, written)}" if full else ""
             # the same class (e.g. HFCheckpointIncompleteError), so callers can still tell the failures apart
-            raise type(exc)(f"{exc}. {self._what_was_committed()}") from exc
+            raise type(exc)(f"{exc}.{space} {self._what_was_committed()}") from exc
         raise exc
 
     def _what_was_committed(self) -> str:
