@@ -109,6 +109,18 @@ def test_a_failed_async_write_is_never_committed_nor_tracked(failed_then_next):
     assert verified.returncode == 0 and "OK:" in verified.stdout, verified.stdout + verified.stderr
 
 
+def test_the_next_async_save_after_a_failed_one_loads_equal_to_the_state_it_saved(failed_then_next):
+    """Was: rank 0's fork, which had written, left its write results in the process's results queue, where step 3's
+    finalize took them for its own: step 3's optimizer ``.metadata`` described step 2's writes (no Adam moments),
+    and step 3 committed but failed to load."""
+    root, results = failed_then_next
+    for result in results:
+        assert result["step_3"] == _step_path(root, 3)
+        assert "step_3_load_error" not in result, result.get("step_3_load_error")
+        assert result["step_3_vs_state_at_save"] == [], result["step_3_vs_state_at_save"][:5]
+    verify_checkpoint(_step_path(root, 3))
+
+
 # ------------------------------------------------------------------ docs/checkpoint.md's recipe
 
 

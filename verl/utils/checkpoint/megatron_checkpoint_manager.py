@@ -393,9 +393,10 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         """Complete the pending async save once its background write is durable; all ranks call this.
 
         Returns ``FinalizeState``: ``WRITING`` (with ``blocking=False``, the write still runs), ``DONE`` (this
-        call completed it) or ``NOTHING_PENDING``. A failed write raises ``CheckpointError``. Whoever commits
-        a save asks ``completed_save`` once this stops answering ``WRITING``: a second caller may have taken
-        the ``DONE``, or the failure.
+        call completed it) or ``NOTHING_PENDING``. A failed write raises ``CheckpointError``, and what its
+        writers left unread is dropped (``megatron_core.drain_write_results``), so the next save's metadata is
+        made from its own writes. Whoever commits a save asks ``completed_save`` once this stops answering
+        ``WRITING``: a second caller may have taken the ``DONE``, or the failure.
         """
         save = self._pending
         if save is None:
@@ -404,6 +405,10 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             try:
                 if not self._timed("background_wait", self._async_queue.maybe_finalize_async_calls, blocking):
                     return FinalizeState.WRITING
+            except BaseException:
+                if not self._async_queue.get_num_unfinalized_calls():  # the failed call's fork has ended
+                    megatron_core.drain_write_results()  # megatron's finalize of each write, which reads them, never ran
+                raise
             finally:
                 if not self._async_queue.get_num_unfinalized_calls():
                     self._pending = None
