@@ -316,7 +316,12 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         return request
 
     def _plans_are_reusable(self) -> bool:
-        """Whether a fork can plan this save alone: every plan reusable without a collective, same structure."""
+        """Whether a fork can plan this save alone: every plan reusable without a collective, same structure, and
+        no state dict whose building is itself a collective: the distributed optimizer's ``fully_reshardable``
+        format gathers every parameter's state over the data-parallel group (megatron's
+        ``get_parameter_state_dp_zero``), whose sockets are the rank's; that format is planned in the rank."""
+        if self.should_save_optimizer and self._build_sharded_state_dict_metadata().get("distrib_optim_sharding_type") == "fully_reshardable":
+            return False
         if not all(megatron_core.save_plan_is_reusable(self._save_strategies.get(c, (None, None))[1]) for c in self._dist_contents()):
             return False
         return not self.should_save_optimizer or optimizer_layout(self.optimizer) == self._planned_optimizer_layout
