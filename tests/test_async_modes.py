@@ -6,6 +6,7 @@ device name a GPU host gives it.
 """
 
 import ast
+import os
 import pathlib
 
 import pytest
@@ -100,3 +101,59 @@ def test_no_save_phase_tests_a_host_flag():
     assert found == [], found
     chooser = [n for n in ast.walk(ast.parse((ROOT / "verl/utils/checkpoint/megatron_checkpoint_manager.py").read_text())) if getattr(n, "name", None) == CHOOSER[1]]
     assert chooser and any(getattr(n, "id", None) == "get_device_name" for n in ast.walk(chooser[0])), "the writer is chosen by the device"
+
+
+# ------------------------------------------------------------------ what the snapshot's fork may plan
+
+
+def _fully_reshardable_manager():
+    """Upstream's way to ask for the format: the actor config's ``megatron.dist_ckpt_optim_fully_reshardable``."""
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+
+    class FullyReshardable(MegatronCheckpointManager):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__({**config, "megatron": {"dist_ckpt_optim_fully_reshardable": True}}, *args, **kwargs)
+
+    return FullyReshardable
+
+
+def _snapshot_saves_of_a_fully_reshardable_optimizer(src: str, root: str, calls_dir: str) -> dict:
+    """Three snapshot saves (the third is the one a fork would plan); every process that builds the distributed
+    optimizer's gathered state (megatron's ``get_parameter_state_dp_zero``, collectives over the data-parallel
+    group) leaves its pid in ``calls_dir``."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from tests.test_checkpoint_lifecycle import _actor, _batches, _step_path
+
+    gather = DistributedOptimizer.get_parameter_state_dp_zero
+
+    def recorded(self, *args, **kwargs):
+        open(os.path.join(calls_dir, str(os.getpid())), "w").close()
+        return gather(self, *args, **kwargs)
+
+    DistributedOptimizer.get_parameter_state_dp_zero = recorded
+    actor = _actor(src, manager_cls=_fully_reshardable_manager(), use_distributed_optimizer=True, async_save=True, async_mode="snapshot")
+    actor.train_step(_batches(0))
+    planned_in_fork = []
+    for step in (1, 2, 3):
+        actor.save_checkpoint(_step_path(root, step), global_step=step)
+        planned_in_fork.append(actor.checkpoint_manager.last_save.planned_in_background)
+        assert actor.finalize_checkpoint() == _step_path(root, step)
+    return {"pid": os.getpid(), "planned_in_fork": planned_in_fork}
+
+
+def test_the_snapshot_plans_a_fully_reshardable_optimizer_in_the_rank(tiny_moe_path, tmp_path):
+    """Was: from the third save on the fork planned it, running megatron's gather over the rank's data-parallel
+    group (DP 2 here) from a forked process. Now every save of that format is planned in the rank; the rest of
+    the snapshot (check, write, HF export) still runs in the fork."""
+    from tests.test_checkpoint_lifecycle import LAYOUT, WORLD, _step_path
+    from verl.utils.checkpoint.integrity import verify_checkpoint
+    from verl.utils.distributed import run_on_ranks
+
+    root, calls = tmp_path / "run", tmp_path / "gathered_by"
+    calls.mkdir()
+    results = run_on_ranks(_snapshot_saves_of_a_fully_reshardable_optimizer, WORLD, LAYOUT, args=(tiny_moe_path, str(root), str(calls)), timeout_s=240)
+    assert [r["planned_in_fork"] for r in results] == [[False, False, False]] * WORLD
+    assert {int(pid) for pid in os.listdir(calls)} == {r["pid"] for r in results}  # no fork gathered
+    for step in (1, 2, 3):
+        verify_checkpoint(_step_path(str(root), step))

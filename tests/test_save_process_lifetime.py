@@ -208,3 +208,56 @@ def test_a_process_exit_is_seen_through_a_descriptor_numbered_above_1024():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# ------------------------------------------------------------------ the blame of a dead writer, word for word
+
+
+def test_a_dead_writer_of_a_save_fork_names_the_fork_and_the_rank_it_was_forked_from(tmp_path):
+    """Was: "... of rank pid <the fork's pid>": the fork's pid called the rank's, sending an operator to the wrong
+    process. Run as a save's fork runs it (``fail_when_a_writer_dies``), its writer SIGKILLed."""
+    import signal
+
+    from verl.utils.checkpoint.snapshot_save import fail_when_a_writer_dies
+
+    report = tmp_path / "reason"
+    fork = os.fork()
+    if fork == 0:  # the save's fork: it must end here whatever happens
+        try:
+            fail_when_a_writer_dies(report.write_text, 3, interval_s=0.05)
+            if os.fork() == 0:
+                os.kill(os.getpid(), signal.SIGKILL)  # the writer
+            time.sleep(30)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(fork, 0)
+    assert os.waitstatus_to_exitcode(status) == 1  # ended by the watch, not by the sleep's end
+    expected = (
+        rf"a dist-checkpoint writer process \(pid \d+\) of rank 3's save process \(pid {fork}, forked from the rank's "
+        rf"process, pid {os.getpid()}\) died \(signal 9\)"
+    )
+    assert re.fullmatch(expected, report.read_text()), report.read_text()
+
+
+def test_a_dead_writer_of_a_sync_save_names_the_rank_and_its_pid():
+    """A sync save's writers are the rank's own children: the line a rank ends with names it and its pid."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, time\n"
+        "from verl.utils.checkpoint.snapshot_save import watch_writers_in_the_rank\n"
+        "def write(transform_list, use_msc, rank, write_buckets, global_results_queue):\n"
+        "    if os.fork() == 0:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    time.sleep(30)\n"
+        "watch_writers_in_the_rank(write)(None, False, 2, [], None)\n"
+    )
+    rank = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RANK": "2"}, stderr=subprocess.PIPE, text=True)
+    _, err = rank.communicate(timeout=60)
+    assert rank.returncode == 1, err
+    expected = (
+        rf"\[checkpoint\] rank 2: the save failed: a dist-checkpoint writer process \(pid \d+\) of rank 2 "
+        rf"\(pid {rank.pid}\) died \(signal 9\); ending this rank"
+    )
+    assert re.search(expected, err), err

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import os
 import shutil
@@ -59,7 +60,16 @@ from verl.utils.rank_comm import GroupRankComm, RankComm, forked_groups_possible
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-__all__ = ["AsyncMode", "MegatronCheckpointManager", "SaveReport"]
+__all__ = ["AsyncMode", "FinalizeState", "MegatronCheckpointManager", "SaveReport"]
+
+
+class FinalizeState(str, enum.Enum):
+    """``finalize_async_save``'s answer. ``NOTHING_PENDING`` says nothing of how the latest save ended: another
+    caller may have finalized it, or its write failed in their call; ``completed_save(path)`` tells."""
+
+    WRITING = "writing"  # the background write still runs (``blocking=False`` only): call again
+    DONE = "done"  # this call completed the pending save: every part is on disk
+    NOTHING_PENDING = "nothing_pending"  # no save waited for a finalize
 
 
 @dataclasses.dataclass
@@ -306,7 +316,12 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         return request
 
     def _plans_are_reusable(self) -> bool:
-        """Whether a fork can plan this save alone: every plan reusable without a collective, same structure."""
+        """Whether a fork can plan this save alone: every plan reusable without a collective, same structure, and
+        no state dict whose building is itself a collective: the distributed optimizer's ``fully_reshardable``
+        format gathers every parameter's state over the data-parallel group (megatron's
+        ``get_parameter_state_dp_zero``), whose sockets are the rank's; that format is planned in the rank."""
+        if self.should_save_optimizer and self._build_sharded_state_dict_metadata().get("distrib_optim_sharding_type") == "fully_reshardable":
+            return False
         if not all(megatron_core.save_plan_is_reusable(self._save_strategies.get(c, (None, None))[1]) for c in self._dist_contents()):
             return False
         return not self.should_save_optimizer or optimizer_layout(self.optimizer) == self._planned_optimizer_layout
@@ -379,24 +394,44 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         """Whether a save's background write is still waiting for ``finalize_async_save``."""
         return self._pending is not None
 
-    def finalize_async_save(self, blocking: bool = True) -> str | None:
+    def finalize_async_save(self, blocking: bool = True) -> FinalizeState:
         """Complete the pending async save once its background write is durable; all ranks call this.
 
-        Returns the saved path; None when nothing was pending or, with ``blocking=False``, when the write is
-        still running. A failed write raises ``CheckpointError``.
+        Returns ``FinalizeState``: ``WRITING`` (with ``blocking=False``, the write still runs), ``DONE`` (this
+        call completed it) or ``NOTHING_PENDING``. A failed write raises ``CheckpointError``, and what its
+        writers left unread is dropped (``megatron_core.drain_write_results``), so the next save's metadata is
+        made from its own writes. Whoever commits a save asks ``completed_save`` once this stops answering
+        ``WRITING``: a second caller may have taken the ``DONE``, or the failure.
         """
         save = self._pending
         if save is None:
-            return None
+            return FinalizeState.NOTHING_PENDING
         with self._failure_reported(save):
             try:
                 if not self._timed("background_wait", self._async_queue.maybe_finalize_async_calls, blocking):
-                    return None
+                    return FinalizeState.WRITING
+            except BaseException:
+                if not self._async_queue.get_num_unfinalized_calls():  # the failed call's fork has ended
+                    megatron_core.drain_write_results()  # megatron's finalize of each write, which reads them, never ran
+                raise
             finally:
                 if not self._async_queue.get_num_unfinalized_calls():
                     self._pending = None
         self._finish_save(save)
-        return save.local_path
+        return FinalizeState.DONE
+
+    def completed_save(self, local_path: str) -> SaveReport:
+        """The report of this manager's save into ``local_path`` once every part of it is on disk; else
+        ``CheckpointError`` in one line (still writing, its write failed, or a later save replaced it). What
+        a caller committing ``local_path`` checks, rather than reading "nothing pending" as "completed"."""
+        save = self.last_save
+        if save is None or os.path.abspath(save.local_path) != os.path.abspath(local_path):
+            raise CheckpointError(f"{local_path} is not the latest save of this manager, which cannot say whether it completed")
+        if save is self._pending:
+            raise CheckpointError(f"the save of step {save.global_step} into {local_path} is still writing: call finalize_async_save first")
+        if not save.completed:
+            raise CheckpointError(f"the save of step {save.global_step} into {local_path} did not complete: its write failed")
+        return save
 
     @contextlib.contextmanager
     def _failure_reported(self, save: SaveReport) -> Iterator[None]:

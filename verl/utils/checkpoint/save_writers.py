@@ -20,7 +20,9 @@ writer            dist checkpoints: plan/write  NaN/Inf check               HF e
    save) after it, over the default group. Two threads never share a group: their collectives would interleave.
 
 The snapshot writer plans in the rank until megatron's plan is reusable without a collective (validated on two
-saves of one structure), then in the fork: a fork has no process group of the rank's to plan with.
+saves of one structure), then in the fork: a fork has no process group of the rank's to plan with. A format
+whose state dict is built by a collective (the distributed optimizer's ``fully_reshardable``) is always planned
+in the rank (the manager's ``plans_reusable`` says so).
 
 The sync writer also seals its files (``Sealer``): the step transaction needs every file's CRC-32 (the manifest)
 and every file durable (before the rename). Done by rank 0 at the end, that is one more pass over the whole step

@@ -129,34 +129,40 @@ def _died(pid: int) -> str | None:
 _watched = False  # this process's children are watched already (fail_when_a_writer_dies ran here)
 
 
-def _watch_children(on_death: Callable[[str], None], stop: threading.Event, ignore: frozenset[int], interval_s: float) -> None:
+def _watch_children(
+    on_death: Callable[[str], None], stop: threading.Event, ignore: frozenset[int], interval_s: float, owner: str
+) -> None:
     """Until ``stop``: the first child process (not in ``ignore``) that died badly ends this process (status 1)
-    after ``on_death(reason)``, with every other process below it killed first, so none is left behind."""
+    after ``on_death(reason)``, with every other process below it killed first, so none is left behind.
+    ``owner``: this process, as the reason names it (a rank, or a save's fork and the rank it was forked from)."""
     me = psutil.Process()
     while not stop.wait(interval_s):
         for child in me.children():
             reason = None if child.pid in ignore else _died(child.pid)
             if reason is None:
                 continue
-            on_death(f"a dist-checkpoint writer process (pid {child.pid}) of rank pid {me.pid} died ({reason})")
+            on_death(f"a dist-checkpoint writer process (pid {child.pid}) of {owner} died ({reason})")
             for other in me.children(recursive=True):
                 with contextlib.suppress(psutil.Error):
                     other.kill()
             os._exit(1)
 
 
-def fail_when_a_writer_dies(on_death: Callable[[str], None], interval_s: float = 0.2) -> None:
-    """In a process forked for a save: end it (status 1) as soon as one of its child processes dies badly.
+def fail_when_a_writer_dies(on_death: Callable[[str], None], rank: int, interval_s: float = 0.2) -> None:
+    """In a process forked for rank ``rank``'s save: end it (status 1) as soon as one of its child processes
+    dies badly.
 
     megatron's dist-checkpoint writer runs one process per file bucket and waits on a queue for every one
     of them: a writer killed by a signal (the OOM killer, an operator) would leave this process, and every
-    rank's save with it, waiting forever. ``on_death(reason)`` records why first; the other writers are
-    killed, so none is left behind.
+    rank's save with it, waiting forever. ``on_death(reason)`` records why first (the reason names the writer,
+    this process and the rank's own process it was forked from); the other writers are killed, so none is
+    left behind.
     """
     global _watched
     _watched = True
+    owner = f"rank {rank}'s save process (pid {os.getpid()}, forked from the rank's process, pid {os.getppid()})"
     threading.Thread(
-        target=_watch_children, args=(on_death, threading.Event(), frozenset(), interval_s), name="save-writer-watch", daemon=True
+        target=_watch_children, args=(on_death, threading.Event(), frozenset(), interval_s, owner), name="save-writer-watch", daemon=True
     ).start()
 
 
@@ -172,7 +178,8 @@ def watch_writers_in_the_rank(original: Callable[..., None]) -> Callable[..., No
             return original(transform_list, use_msc, rank, write_buckets, global_results_queue)
         stop = threading.Event()
         earlier = frozenset(child.pid for child in psutil.Process().children())  # the Manager, an async fork
-        watch = threading.Thread(target=_watch_children, args=(_report_and_end, stop, earlier, 0.2), name="save-writer-watch", daemon=True)
+        owner = f"rank {rank} (pid {os.getpid()})"
+        watch = threading.Thread(target=_watch_children, args=(_report_and_end, stop, earlier, 0.2, owner), name="save-writer-watch", daemon=True)
         watch.start()
         try:
             return original(transform_list, use_msc, rank, write_buckets, global_results_queue)
@@ -259,7 +266,7 @@ class ForkedJob:
         operating-system error as such: ``_failed``). The parent reserved room for it (``reserve_outcome``).
 
         The fork dies with its rank (``verl.utils.process_lifetime``, armed by the manager)."""
-        fail_when_a_writer_dies(lambda reason: _record(self.staging, self.rank, {"ok": False, "error": reason}))
+        fail_when_a_writer_dies(lambda reason: _record(self.staging, self.rank, {"ok": False, "error": reason}), self.rank)
         try:
             outcome: dict[str, Any] = {"ok": True, **self.job()}
         except BaseException as exc:  # noqa: BLE001 - the parent reports it; a fork must not raise into multiprocessing

@@ -209,8 +209,10 @@ class StepCommit:
         self.deferred = True
 
     def finalize(self, wait: Callable[[bool], Any], blocking: bool = True) -> CommittedStep | None:
-        """Commit once ``wait(blocking)`` (the writer's own finalize) returns anything but None; None while
-        it is still writing. A failure of the writer or of the commit discards the step and raises."""
+        """Commit once ``wait(blocking)`` returns anything but None; None while it is still writing. ``wait``
+        answers for this staging directory: it raises unless the write into it completed (a writer's "nothing
+        pending" is not "completed": docs/checkpoint.md's recipe). A failure of the writer or of the commit
+        discards the step and raises."""
         try:
             start = time.monotonic()
             if wait(blocking) is None:

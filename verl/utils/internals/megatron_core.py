@@ -259,7 +259,33 @@ def tie_write_results_queue(start_manager: Callable[[], Any]) -> None:
         return queue[0]
 
     tied_write_results_queue.verl_tied = True  # type: ignore[attr-defined]
+    tied_write_results_queue.verl_made = queue  # type: ignore[attr-defined]  # for drain_write_results
     _setattr(WRITE_RESULTS_QUEUE, tied_write_results_queue)
+
+
+def drain_write_results() -> int:
+    """Drop what megatron's dist-checkpoint writers of this process left in their results queue; how many items.
+
+    Each write reports one item there, and megatron's finalize of that write reads it back. An async save whose
+    finalize failed before those finalizes ran (a fork that died, on this rank or a peer) leaves its items
+    behind, and the next save's finalize would read them as its own and write a wrong ``.metadata``. Call it
+    once the failed save's fork has ended (nothing else writes to the queue then). Only the queue made on our
+    Manager (``tie_write_results_queue``) is known here; none made yet, nothing to drop."""
+    import queue as queue_module
+
+    try:
+        made = getattr(WRITE_RESULTS_QUEUE.get(), "verl_made", None) or []
+    except InternalsChangedError:  # not tied (``guard_writers`` warned): megatron's own queue is unknown here
+        return 0
+    dropped = 0
+    for results in made:
+        while True:
+            try:
+                results.get_nowait()
+            except queue_module.Empty:
+                break
+            dropped += 1
+    return dropped
 
 
 def wrap_writer_processes(wrap: Callable[[Callable[..., None]], Callable[..., None]]) -> None:

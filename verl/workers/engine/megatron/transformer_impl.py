@@ -21,7 +21,7 @@ from verl.models.mcore.model import build_megatron_model
 from verl.utils.checkpoint import commit, finite, precision
 from verl.utils.checkpoint.checkpoint_manager import config_get
 from verl.utils.checkpoint.integrity import CheckpointError
-from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+from verl.utils.checkpoint.megatron_checkpoint_manager import FinalizeState, MegatronCheckpointManager, SaveReport
 from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout
 from verl.utils.checkpoint.step_commit import CommittedStep, StepCommit, StepSpec
 from verl.utils.host_memory import release_free_heap
@@ -180,14 +180,21 @@ class MegatronEngine(BaseEngine):
 
     def finalize_checkpoint(self, blocking: bool = True) -> str | None:
         """Commit a pending async save once its background write is durable; the committed path, or None when
-        nothing was pending (or, with ``blocking=False``, the write is still running)."""
+        nothing was pending (or, with ``blocking=False``, the write is still running). The step is committed
+        only when the manager reports that very staging directory's save completed: a direct call of the
+        manager's finalize may have completed it, or failed it (then this raises and nothing is tracked)."""
         transaction = self._pending
         if transaction is None:
             return None
         manager = self.checkpoint_manager
+
+        def written(blocking: bool) -> SaveReport | None:  # docs/checkpoint.md's recipe
+            if manager.finalize_async_save(blocking) is FinalizeState.WRITING:
+                return None
+            return manager.completed_save(transaction.staging)
+
         try:
-            # the manager's own finalize, unless a direct call to it completed the write already
-            committed = transaction.finalize(lambda b: manager.finalize_async_save(b) if manager.async_save_pending else True, blocking)
+            committed = transaction.finalize(written, blocking)
         except BaseException:
             self._pending = None
             raise
