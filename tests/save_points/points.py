@@ -4,7 +4,8 @@
 async save's fork), ``fork_start`` (the first instant of a process a rank forks: the async save's fork) or
 ``writer`` (one of megatron's dist-checkpoint writer processes: killed before it writes, paused once its file is
 written and reported);
-``VERL_TEST_SAVE_RANKS``: the ranks it applies to (``0,1``). There the process records
+``VERL_TEST_SAVE_RANKS``: the ranks it applies to (``0,1``); ``VERL_TEST_SAVE_NTH``: the how-manieth time a process
+reaches the point counts (default 1: a rank's second save is ``2``). There the process records
 ``<VERL_TEST_SAVE_DIR>/<point>.<rank>.<pid>``, then (``VERL_TEST_SAVE_ACTION``) waits (``pause``) or SIGKILLs
 itself (``kill``). Patched in
 when the modules load (``arm``), through the manager's public ``on_save_phase`` hook and megatron's writer.
@@ -18,13 +19,21 @@ import sys
 import time
 
 POINT, RANKS, ACTION, DIR = "VERL_TEST_SAVE_POINT", "VERL_TEST_SAVE_RANKS", "VERL_TEST_SAVE_ACTION", "VERL_TEST_SAVE_DIR"
+NTH = "VERL_TEST_SAVE_NTH"
 MANAGER = "verl.utils.checkpoint.checkpoint_manager"
 WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
 
+_arrivals = 0  # how often this process reached the point
+
+
 def reached(point: str) -> None:
+    global _arrivals
     rank = os.environ.get("RANK", "")
     if point != os.environ.get(POINT) or rank not in os.environ.get(RANKS, "").split(","):
+        return
+    _arrivals += 1
+    if _arrivals != int(os.environ.get(NTH, "1")):
         return
     with open(os.path.join(os.environ[DIR], f"{point}.{rank}.{os.getpid()}"), "w"):
         pass

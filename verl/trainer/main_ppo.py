@@ -251,6 +251,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
     from verl.single_controller.ray import WorkerGroupError
     from verl.trainer.ppo.log_prob_parity import LogProbParityError
     from verl.trainer.ppo.ray_trainer import MegatronGRPOTrainer
+    from verl.trainer.shared_dir import SharedDirError
     from verl.utils.checkpoint.finite import DivergedError
 
     started = _init_ray(config)
@@ -271,6 +272,9 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
         try:
             trainer.init_workers()
             trainer.fit()
+        except SharedDirError as err:
+            print(f"[main_ppo] {err}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_CONFIG_ERROR) from None
         except WorkerGroupError as err:
             print(f"[main_ppo] training failed:\n{err}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None

@@ -6,6 +6,7 @@ MASTER_PORT in its environment (the torch.distributed names); the worker reads t
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
@@ -23,6 +24,11 @@ class Worker:
         self._world_size = int(os.environ["WORLD_SIZE"])
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if "GLOO_SOCKET_IFNAME" not in os.environ and not _is_loopback(os.environ["MASTER_ADDR"]):
+            ifname = interface_of(get_node_ip())
+            if ifname is not None:
+                # gloo would take the address the host name resolves to, often 127.0.0.1 (the peers could not reach it)
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
     @property
     def rank(self) -> int:
@@ -50,3 +56,20 @@ def get_node_ip() -> str:
     except ImportError:
         pass
     return socket.gethostbyname(socket.gethostname())
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's network interface that holds ``address``, or None."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(addr.family in (socket.AF_INET, socket.AF_INET6) and addr.address.split("%")[0] == address for addr in addrs):
+            return name
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return host == "localhost"

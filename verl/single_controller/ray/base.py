@@ -134,6 +134,11 @@ class RayResourcePool:
             )
         return self.pgs
 
+    def bundle_node_ids(self) -> list[str]:
+        """The Ray node id of every rank's bundle, in rank order (after ``get_placement_groups``)."""
+        tables = [placement_group_table(pg)["bundles_to_node_id"] for pg in self.pgs]
+        return [table[index] for table in tables for index in sorted(table)]
+
     def remove(self) -> None:
         for pg in self.pgs:
             try:
@@ -272,7 +277,7 @@ class RayWorkerGroup:
         pool = self.resource_pool
         pgs = pool.get_placement_groups(strategy=strategy, timeout_s=init_timeout_s)
         resources = pool.actor_resources()
-        master_addr, master_port = self._master_addr_port(pgs, worker_env)
+        master_addr, master_port = self._master_addr_port(pool.bundle_node_ids(), worker_env)
         if master_addr == LOOPBACK:  # one host: the ranks' own sockets on loopback too, unless named
             worker_env = {**{name: "lo" for name in SOCKET_IFNAME_VARS if name not in os.environ}, **worker_env}
         cls = self.ray_cls_with_init
@@ -325,10 +330,8 @@ class RayWorkerGroup:
         self._alive = True
         self._node_pids = self.get([worker.get_node_and_pid.remote() for worker in self._workers], timeout_s=timeout_s)
 
-    def _master_addr_port(self, pgs: list[PlacementGroup], env_vars: dict[str, str]) -> tuple[str, int]:
+    def _master_addr_port(self, node_ids: list[str], env_vars: dict[str, str]) -> tuple[str, int]:
         """Where rank 0's store listens (``rendezvous_host``) and a port free there, asked on rank 0's node."""
-        tables = [placement_group_table(pg)["bundles_to_node_id"] for pg in pgs]
-        node_ids = [table[index] for table in tables for index in sorted(table)]
         address_of = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
         host = rendezvous_host([address_of.get(node, node) for node in node_ids])
         ifname = env_vars.get("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME"))
@@ -464,8 +467,11 @@ class RayWorkerGroup:
                 failures[rank], blame[rank] = text, _DIED
                 unfinished.remove(rank)
             ordered = {rank: failures[rank] for rank in sorted(failures, key=lambda r: blame[r])}  # stable: seen order within a kind
+            nodes = [node_ip for node_ip, _ in self._node_pids]
+            lost = _unreachable_nodes({nodes[rank] for rank in ordered if rank < len(nodes)} - {get_node_ip()})
             self.shutdown()
-            raise WorkerGroupError(_failure_report(ordered, unfinished, len(refs), died=blame[next(iter(ordered))] == _DIED))
+            died = blame[next(iter(ordered))] == _DIED
+            raise WorkerGroupError(_failure_report(ordered, unfinished, len(refs), died=died, nodes=nodes, lost=lost))
         return [values[rank] for rank in range(len(refs))]
 
     def _dead_processes(self, ranks: list[int]) -> dict[int, str]:
@@ -570,15 +576,51 @@ def _process_alive(pid: int) -> bool:
         return False
 
 
-def _failure_report(failures: dict[int, str], unfinished: list[int], world_size: int, died: bool = False) -> str:
+def _failure_report(
+    failures: dict[int, str], unfinished: list[int], world_size: int, died: bool = False,
+    nodes: list[str] | None = None, lost: dict[str, str] | None = None,
+) -> str:
+    """``nodes``: each rank's node address (named when the group spans several); ``lost``: the nodes where no
+    Ray node answers any more, with why (``_unreachable_nodes``)."""
     first = next(iter(failures))
+    nodes = nodes or []
+    where = f", on node {nodes[first]}" if len(set(nodes)) > 1 and first < len(nodes) else ""
     cause = " (its process died; the other ranks' errors follow from it)" if died and len(failures) > 1 else ""
-    lines = [f"{len(failures)} of {world_size} rank(s) failed; rank {first} failed first{cause}:"]
+    lines = [f"{len(failures)} of {world_size} rank(s) failed; rank {first} failed first{where}{cause}:"]
+    for address, why in (lost or {}).items():
+        ranks = ", ".join(str(rank) for rank, node in enumerate(nodes) if node == address)
+        lines.append(f"node {address} (ranks {ranks}) is lost: no Ray node answers there ({why}); every rank on it is gone")
     for rank, text in failures.items():
         lines.append(f"--- rank {rank} ---\n{text}")
     if unfinished:
         lines.append(f"ranks {unfinished} were still running and have been stopped")
     return "\n".join(lines)
+
+
+def _unreachable_nodes(addresses: set[str], timeout_s: float = 2.0) -> dict[str, str]:
+    """Of these node addresses, those where no raylet accepts a connection any more (the host died, or every
+    process of its Ray node did), each with the refusals seen. Asked of the raylets themselves: the GCS marks a
+    node dead only after its health checks fail for a while."""
+    try:
+        nodes = ray.nodes()
+    except Exception:  # noqa: BLE001 - the GCS is gone too: nothing to tell
+        return {}
+    ports: dict[str, list[int]] = {}
+    for node in nodes:
+        ports.setdefault(node["NodeManagerAddress"], []).append(int(node["NodeManagerPort"]))
+    unreachable = {}
+    for address in sorted(addresses):
+        refusals = []
+        for port in ports.get(address, []):
+            try:
+                socket.create_connection((address, port), timeout=timeout_s).close()
+                break
+            except OSError as exc:
+                refusals.append(f"raylet {address}:{port}: {exc.strerror or exc}")
+        else:
+            if refusals:
+                unreachable[address] = "; ".join(refusals)
+    return unreachable
 
 
 def _kill_descendants(pid: int) -> None:

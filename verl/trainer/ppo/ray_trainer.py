@@ -41,6 +41,7 @@ import time
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 from omegaconf import OmegaConf
 
@@ -48,6 +49,7 @@ from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitA
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.trainer.ppo.log_prob_parity import check_log_prob_parity, log_prob_gaps, max_log_prob_diff
 from verl.trainer.run_control import read_committed_step
+from verl.trainer.shared_dir import check_shared_dir
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, should_save_ckpt_esi
 from verl.utils.checkpoint.finite import check_step_is_finite
 from verl.utils.checkpoint.layout import DATA_STATE_FILENAME, STEP_DIR_FORMAT
@@ -131,6 +133,17 @@ class MegatronGRPOTrainer:
             [int(trainer.n_gpus_per_node)] * int(trainer.nnodes), use_gpu=self.device == "cuda", name_prefix="actor_rollout"
         )
         start = time.monotonic()
+        if self._ranks_use_checkpoint_dir():
+            # Before any rank starts: a node that does not share the directory would split every checkpoint.
+            try:
+                pool.get_placement_groups(timeout_s=float(trainer.ray_wait_register_center_timeout))
+                nodes = set(pool.bundle_node_ids())
+                if nodes != {ray.get_runtime_context().get_node_id()}:  # ranks beyond this process's node
+                    check_shared_dir(self.default_local_dir, sorted(nodes))
+                    self._print(f"[trainer] {self.default_local_dir} is the same directory on all {len(nodes)} nodes of the run")
+            except BaseException:
+                pool.remove()
+                raise
         self.actor_rollout_wg = MegatronRayWorkerGroup(
             pool,
             RayClassWithInitArgs(ActorRolloutRefWorker, config=worker_config, role="actor_rollout_ref" if self.use_reference_policy else "actor"),
@@ -148,6 +161,11 @@ class MegatronGRPOTrainer:
         if built[0]["ref"]:
             offload = self.config.actor_rollout_ref.ref.megatron.param_offload
             self._print(f"[trainer] reference policy built from {self.model_path} on the same ranks (never trained or saved; ref.megatron.param_offload={offload})")
+
+    def _ranks_use_checkpoint_dir(self) -> bool:
+        """Whether the ranks write into ``trainer.default_local_dir`` (saves) or load a step from under it."""
+        resume_here = self.resume is not None and os.path.abspath(self.resume[1]).startswith(self.default_local_dir + os.sep)
+        return self.save_freq > 0 or resume_here
 
     def pending_step(self) -> int | None:
         """The step of an async save not committed yet: a stop now discards it (the tracker keeps the previous one)."""
