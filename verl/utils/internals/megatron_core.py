@@ -6,8 +6,8 @@ reads data only), the distributed optimizer's state initialiser
 (a load into an optimizer that never stepped), and the module-level helpers the CPU runtime replaces.
 megatron is imported only inside the functions, so a moved module fails the feature that needs it, not
 the import of verl. Where megatron-core releases differ (0.18: ``dist_checkpointing.save``'s
-``async_strategy``, upstream verl #8000; ``ModelType.encoder_and_decoder`` gone, #6927, which verl never
-reads), the function takes whichever exists. Contract: tests/test_internals_contract.py.
+``async_strategy``, upstream verl #8000), the function takes whichever exists; mbridge's reading of
+``ModelType.encoder_and_decoder``, gone in 0.18, is answered in ``verl.utils.internals.mbridge``. Contract: tests/test_internals_contract.py.
 """
 
 from __future__ import annotations
