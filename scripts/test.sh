@@ -3,7 +3,8 @@
 # declares ranges; the suite runs the pinned releases, transformers 5.10), then lint and run the whole suite.
 # Then the transformers 4.57 leg: the same stack but transformers 4.57 in .venv-transformers4, running the
 # tests of fix 1, fix 2, the model families, the HF names and one CLI save and resume (TRANSFORMERS4_TESTS).
-# With arguments (pytest's), only the main leg runs, on them.
+# Then the Python 3.12 leg: requirements-py312.txt's stack (megatron-core 0.18, Megatron-Bridge, torch 2.14) in
+# .venv-py312, running PY312_TESTS. With arguments (pytest's), only the main leg runs, on them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
@@ -50,5 +51,31 @@ python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q -r <(grep -v '^transformers' requirements.txt) "transformers==4.57.6" -e ".[test]"
 tf4_status=0
 run_pytest -k "not through_the_cli" "${TRANSFORMERS4_TESTS[@]}" || tf4_status=$?  # the 8-rank CLI family run: main leg only
-echo "[test.sh] main leg (transformers 5.10): status $main_status; transformers 4.57 leg: status $tf4_status"
-[ "$main_status" -eq 0 ] && [ "$tf4_status" -eq 0 ]
+deactivate
+
+PY312_TESTS=(
+  tests/test_cpu_runtime.py                    # the CPU runtime on megatron-core 0.18 and torch 2.14
+  tests/test_internals_contract.py             # every private internal verl reads, as 0.18 has it
+  tests/test_internals_capability.py
+  tests/test_megatron_utils.py                 # fix 1, both optimizer settings (model build through mbridge on 0.18)
+  tests/py312/test_megatron_bridge.py          # Megatron-Bridge: HF -> Megatron -> HF bit-identical, logits = transformers'
+)
+echo "[test.sh] Python 3.12 leg (.venv-py312): ${#PY312_TESTS[@]} test files"
+if [ ! -x .venv-py312/bin/python ]; then
+  # pyenv's 3.12 where there is one (these machines), else python3.12 on PATH
+  py312="$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3"
+  [ -x "$py312" ] || py312=python3.12
+  "$py312" -m venv .venv-py312
+  .venv-py312/bin/python -m pip install -q --upgrade pip
+fi
+# shellcheck disable=SC1091
+source .venv-py312/bin/activate
+python -c "import torch" 2>/dev/null || python -m pip install -q "$(grep '^torch==' requirements-py312.txt | cut -d' ' -f1)"
+# megatron-bridge without its declared dependencies (requirements-py312.txt says why); verl itself without
+# setup.py's ranges, which do not include torch 2.14 (this leg's torch is declared in requirements-py312.txt)
+python -m pip install -q -r <(grep -v '^megatron-bridge' requirements-py312.txt) "pytest>=8"
+python -m pip install -q --no-deps "$(grep '^megatron-bridge' requirements-py312.txt | cut -d' ' -f1)" -e .
+py312_status=0
+run_pytest "${PY312_TESTS[@]}" || py312_status=$?
+echo "[test.sh] main leg (transformers 5.10): status $main_status; transformers 4.57 leg: status $tf4_status; Python 3.12 leg: status $py312_status"
+[ "$main_status" -eq 0 ] && [ "$tf4_status" -eq 0 ] && [ "$py312_status" -eq 0 ]

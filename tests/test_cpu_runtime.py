@@ -143,6 +143,41 @@ def test_moe_dispatcher_split_sizes_and_missing_te_gemm():
     assert run_on_ranks(_moe_dispatch_helpers, 1)[0] == ("ndarray", True)
 
 
+def _device_context_and_hf_load(src: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        placed = {
+            "tensor": torch.tensor([1.0]).device.type,
+            "zeros": torch.zeros(2).device.type,
+            "ones": torch.ones(2).device.type,
+            "full": torch.full((2,), 3.0).device.type,
+            "arange": torch.arange(3).device.type,
+        }
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(_tokens()).logits
+    return {"placed": placed, "inv_freq": model.model.rotary_emb.inv_freq.clone(), "logits": logits}
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def test_device_contexts_still_place_tensors_and_transformers_loads_rope(tiny_moe_path):
+    # transformers 5 finds its meta-device load context through `torch.tensor([]).device`; a runtime whose
+    # factories escaped the context made from_pretrained leave RoPE's inv_freq uninitialised (logits off by ~0.4).
+    from transformers import AutoModelForCausalLM
+
+    answers = run_on_ranks(_device_context_and_hf_load, 1, args=(tiny_moe_path,))[0]
+    reference = AutoModelForCausalLM.from_pretrained(tiny_moe_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference_logits = reference(_tokens()).logits
+    assert answers["placed"] == dict.fromkeys(("tensor", "zeros", "ones", "full", "arange"), "meta")
+    assert torch.equal(answers["inv_freq"], reference.model.rotary_emb.inv_freq)
+    assert (answers["logits"] - reference_logits).abs().max().item() <= 1e-5  # rank and pytest differ in threads
+
+
 def test_runtime_is_off_in_this_process():
     from verl.utils.megatron import cpu_runtime
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata
+import inspect
 import json
 import os
 import re
@@ -256,7 +257,8 @@ def test_another_request_layout_fails_reading_it_naming_the_writer():
 def test_async_save_asks_for_the_builtin_writer_where_the_release_offers_others(monkeypatch):
     from megatron.core import dist_checkpointing
 
-    assert megatron_core.async_save_options() == {}  # 0.16.1: its only async writer is the built-in one
+    offers_others = "async_strategy" in inspect.signature(dist_checkpointing.save).parameters  # 0.18, not 0.16.1
+    assert megatron_core.async_save_options() == ({"async_strategy": "mcore"} if offers_others else {})
     real_save = dist_checkpointing.save
 
     def save_with_strategies(sharded_state_dict, checkpoint_dir, *args, async_strategy="nvrx", **kwargs):
@@ -311,6 +313,29 @@ def test_snapshot_save_falls_back_to_the_background_write_when_what_it_reads_is_
     for name, (reusable, messages) in report.items():
         assert not reusable, name
         assert len(messages) == 1 and name in messages[0] and "snapshot save is off" in messages[0]
+
+
+def _build_without_encoder_and_decoder() -> dict:
+    from megatron.core.transformer.enums import ModelType
+
+    from verl.models.mcore import make_bridge
+    from verl.models.mcore.model import build_megatron_model
+    from verl.models.tiny import tiny_hf_config
+
+    if hasattr(ModelType, "encoder_and_decoder"):  # megatron-core <= 0.17: removed as 0.18 removed it
+        delattr(ModelType, "encoder_and_decoder")
+    model = build_megatron_model(make_bridge(tiny_hf_config("moe", num_layers=2), dtype=torch.float32), wrap_with_ddp=False)
+    return {
+        "chunks": len(model),
+        "model_type": model[0].model_type.name,
+        "equal_to_a_member": any(member == ModelType.encoder_and_decoder for member in ModelType),
+    }
+
+
+def test_model_build_runs_on_a_megatron_core_without_encoder_and_decoder():
+    # mbridge 0.15.1's get_model reads ModelType.encoder_and_decoder, which megatron-core 0.18 removed (upstream verl #6936)
+    result = run_on_ranks(_build_without_encoder_and_decoder, 1, ParallelSizes())[0]
+    assert result == {"chunks": 1, "model_type": "encoder_or_decoder", "equal_to_a_member": False}
 
 
 def _bridge_class(model_type: str = "qwen3"):

@@ -102,16 +102,22 @@ def test_megatron_core_module_helpers_keep_their_parameters():
     assert "te_general_gemm" in inspect.getsource(moe_utils)  # define_missing_te_general_gemm: routing still reads it
 
 
-def test_torch_dist_load_builds_its_reader_and_planner_from_the_swapped_globals():
+def test_torch_dist_load_builds_its_reader_and_planner_from_the_swapped_globals(tmp_path):
     """torch_dist_load_reader_and_planner: megatron's load calls both by their module-global names, with the
-    arguments the data-only factories take, and the swap is undone on leaving."""
+    arguments the data-only factories take (0.18 adds ``async_strategy``), and the swap is undone on leaving."""
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    from verl.utils.checkpoint.data_only import data_only_torch_dist_load
 
     load = torch_strategy.TorchDistLoadShardedStrategy.load
     assert {"_get_filesystem_reader", "MCoreLoadPlanner"} <= set(load.__code__.co_names)
-    assert _params(torch_strategy._get_filesystem_reader) == ("checkpoint_dir", "cache_metadata")
+    megatron_params = _params(torch_strategy._get_filesystem_reader)
+    assert megatron_params[:2] == ("checkpoint_dir", "cache_metadata")
+    with data_only_torch_dist_load(str(tmp_path)):
+        data_only_params = _params(torch_strategy._get_filesystem_reader)
+    assert set(megatron_params) <= set(data_only_params)  # every keyword megatron may pass is taken
     source = inspect.getsource(load)
-    assert "_get_filesystem_reader(checkpoint_dir, cache_metadata=True)" in source and "planner=MCoreLoadPlanner(" in source
+    assert "_get_filesystem_reader(" in source and "cache_metadata=" in source and "planner=MCoreLoadPlanner(" in source
     original = torch_strategy._get_filesystem_reader, torch_strategy.MCoreLoadPlanner
     with megatron_core.torch_dist_load_reader_and_planner(len, dict):
         assert (torch_strategy._get_filesystem_reader, torch_strategy.MCoreLoadPlanner) == (len, dict)
@@ -150,16 +156,18 @@ def test_megatron_core_module_helpers_are_reached_through_their_module_only():
 
 def test_async_request_argument_positions():
     """write_buckets / results_queue / preloaded_args: torch_dist's async_fn_args are [rank, write_buckets, results_queue],
-    the tail of write_preloaded_data_multiproc's parameters after the two get_save_function_and_args binds."""
+    the tail of the writer's parameters after the two get_save_function_and_args binds (the writer is
+    write_preloaded_data_multiproc up to 0.17, write_preloaded_data_multithread in 0.18)."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    params = _params(FileSystemWriterAsync.write_preloaded_data_multiproc)
+    writer = megatron_core.WRITER_WRITE.path.rsplit(".", 1)[1]
+    params = _params(getattr(FileSystemWriterAsync, writer))
     assert params == ("transform_list", "use_msc", "rank", "write_buckets", "global_results_queue")
     bound = 2  # transform_list, use_msc
     assert params[bound + megatron_core.WRITE_BUCKETS_ARG] == "write_buckets"
     assert params[bound + megatron_core.RESULTS_QUEUE_ARG] == "global_results_queue"
     source = inspect.getsource(FileSystemWriterAsync.get_save_function_and_args)
-    assert "partial(self.write_preloaded_data_multiproc, transform_list, self.use_msc)" in source
+    assert f"partial(self.{writer}, transform_list, self.use_msc)" in source
     assert "[torch.distributed.get_rank(), self.write_buckets, self.results_queue]" in source
     assert _params(FileSystemWriterAsync.finish) == ("self", "metadata", "results")  # write_checkpoint_metadata
 

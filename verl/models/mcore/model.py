@@ -7,6 +7,8 @@ from mbridge.core.bridge import Bridge
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.utils import get_model_config
 
+from verl.utils.internals import mbridge as mbridge_internals
+
 
 def build_megatron_model(bridge: Bridge, use_distributed_optimizer: bool = False, wrap_with_ddp: bool = True) -> list:
     """Model chunks (one per virtual pipeline stage) in the bridge's dtype, DDP-wrapped for training.
@@ -15,6 +17,7 @@ def build_megatron_model(bridge: Bridge, use_distributed_optimizer: bool = False
     parameter buffer): the configuration MoE runs such as PP4 EP2 TP2 ETP2 use.
     """
     half = bridge.dtype in (torch.bfloat16, torch.float16)
+    mbridge_internals.let_get_model_compare_model_types()
     model = bridge.get_model(
         wrap_with_ddp=wrap_with_ddp,
         bf16=bridge.dtype is torch.bfloat16,

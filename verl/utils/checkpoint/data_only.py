@@ -187,7 +187,9 @@ class DataOnlyLoadPlanner(MCoreLoadPlanner):
         super().load_bytes(read_item, value)
 
 
-def _reader(checkpoint_dir: str | os.PathLike, cache_metadata: bool = False) -> FileSystemReader:
+def _reader(checkpoint_dir: str | os.PathLike, cache_metadata: bool = False, async_strategy: str = "mcore") -> FileSystemReader:
+    """megatron's ``_get_filesystem_reader`` replaced; megatron-core 0.18 also passes its ``async_strategy``, which a
+    data-only read does not need (it reads in the rank either way)."""
     return DataOnlyFileSystemReader(checkpoint_dir)
 
 

@@ -57,6 +57,28 @@ def _call(name: str, bridge: Bridge, *args: Any) -> Any:
     return getattr(bridge, name)(*args)
 
 
+class _NoModelType:
+    """Stands for ``ModelType.encoder_and_decoder`` where megatron-core no longer has it: equal to no model type."""
+
+    def __repr__(self) -> str:
+        return "ModelType.encoder_and_decoder (removed from megatron-core; no model has it)"
+
+
+def let_get_model_compare_model_types() -> None:
+    """Make mbridge's ``Bridge.get_model`` run on a megatron-core without ``ModelType.encoder_and_decoder``.
+
+    mbridge 0.15.1's ``get_model`` compares the model type with ``ModelType.encoder_and_decoder`` on every
+    build; megatron-core 0.18 removed that name with its encoder-decoder models (upstream verl #6936), so the
+    build fails with AttributeError. Up to 0.17 the class attribute exists but equals no member (a deprecated
+    property), which is the answer mbridge's GPT models always got. Where the name is missing it is given a
+    value equal to no model type; where it exists nothing changes (a capability check, not a version check).
+    """
+    from megatron.core.transformer.enums import ModelType  # the class mbridge reads (through gpt_model)
+
+    if not hasattr(ModelType, "encoder_and_decoder"):
+        ModelType.encoder_and_decoder = _NoModelType()
+
+
 def bridge_class(model_type: str) -> type[Bridge] | None:
     """mbridge's bridge class for an HF ``model_type`` (its ``_MODEL_REGISTRY``), or None without a mapping;
     ``AutoBridge`` would need a model path, and refusing an unmapped config comes before any model exists."""

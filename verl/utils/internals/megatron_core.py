@@ -6,8 +6,8 @@ reads data only), the distributed optimizer's state initialiser
 (a load into an optimizer that never stepped), and the module-level helpers the CPU runtime replaces.
 megatron is imported only inside the functions, so a moved module fails the feature that needs it, not
 the import of verl. Where megatron-core releases differ (0.18: ``dist_checkpointing.save``'s
-``async_strategy``, upstream verl #8000; ``ModelType.encoder_and_decoder`` gone, #6927, which verl never
-reads), the function takes whichever exists. Contract: tests/test_internals_contract.py.
+``async_strategy``, upstream verl #8000), the function takes whichever exists; mbridge's reading of
+``ModelType.encoder_and_decoder``, gone in 0.18, is answered in ``verl.utils.internals.mbridge``. Contract: tests/test_internals_contract.py.
 """
 
 from __future__ import annotations
@@ -47,9 +47,27 @@ ASYNC_CALLS_QUEUE = Internal(MC, f"{_ASYNC}:AsyncCallsQueue", _BACKGROUND, param
 ASYNC_REQUEST = Internal(
     MC, f"{_ASYNC}:AsyncRequest", _BACKGROUND, params=("async_fn", "async_fn_args", "finalize_fns"), exact=False
 )
+
+
+def _as_installed(module_name: str, owner: str | None, names: tuple[str, ...]) -> str:
+    """The first of ``names`` that the installed module (or its class ``owner``) has, else the first: for an
+    internal megatron-core renamed between releases. A module that cannot be imported leaves the first name,
+    whose check then fails naming it (so verl still imports; the module is imported by verl's callers anyway)."""
+    try:
+        found: Any = importlib.import_module(module_name)
+        found = getattr(found, owner) if owner else found
+    except (ImportError, AttributeError):
+        return names[0]
+    return next((name for name in names if hasattr(found, name)), names[0])
+
+
+# The writer the request's async_fn runs: up to 0.17 it forks one writer process per bucket
+# (``write_preloaded_data_multiproc``); 0.18 writes each bucket in a thread (``write_preloaded_data_multithread``).
+# Both take the same parameters; the one installed is the one read and wrapped.
 WRITER_WRITE = Internal(
     MC,
-    f"{_WRITER}.write_preloaded_data_multiproc",
+    f"{_WRITER}."
+    + _as_installed(_FS_ASYNC, "FileSystemWriterAsync", ("write_preloaded_data_multiproc", "write_preloaded_data_multithread")),
     f"{_BACKGROUND}: async_fn_args by position",
     params=("transform_list", "use_msc", "rank", "write_buckets", "global_results_queue"),
 )
@@ -67,8 +85,13 @@ SAVE_CONFIG = Internal(
     f"{_SNAPSHOT}'s metadata.json",
     params=("config", "checkpoint_dir"),
 )
+# Up to 0.17 ``_get_write_results_queue()``; 0.18 ``get_write_results_queue(mp_mode="spawn")``.
+_RESULTS_QUEUE_NAME = _as_installed(_FS_ASYNC, None, ("_get_write_results_queue", "get_write_results_queue"))
 WRITE_RESULTS_QUEUE = Internal(
-    MC, f"{_FS_ASYNC}:_get_write_results_queue", "a dist-checkpoint save's writers dying with their rank", params=()
+    MC,
+    f"{_FS_ASYNC}:{_RESULTS_QUEUE_NAME}",
+    "a dist-checkpoint save's writers dying with their rank",
+    params=() if _RESULTS_QUEUE_NAME.startswith("_") else ("mp_mode",),
 )
 # Set on each strategy by its constructor (``cached_metadata=True``): read from the instance.
 PLAN_CACHE = tuple(
@@ -244,7 +267,7 @@ def tie_write_results_queue(start_manager: Callable[[], Any]) -> None:
     """Make the queue megatron's dist-checkpoint writers report through on a Manager of ours: ``start_manager()``,
     called at this process's first save (then kept, and inherited by its forks, as megatron keeps its own).
 
-    megatron's ``_get_write_results_queue`` spawns a multiprocessing Manager server for it (exec'd: no fork
+    megatron's ``WRITE_RESULTS_QUEUE`` getter spawns a multiprocessing Manager server for it (exec'd: no fork
     hook runs there) that nothing stops when the rank dies (~290 MB each); ``start_manager`` starts one that
     dies with the process that started it. Idempotent; megatron's function is replaced module-wide, where
     ``prepare_write_data`` looks it up."""
@@ -253,11 +276,12 @@ def tie_write_results_queue(start_manager: Callable[[], Any]) -> None:
         return
     queue: list[Any] = []
 
-    def tied_write_results_queue() -> Any:
+    def tied_write_results_queue(*_args: Any, **_kwargs: Any) -> Any:
         if not queue:
             queue.append(start_manager().Queue())
         return queue[0]
 
+    tied_write_results_queue.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
     tied_write_results_queue.verl_tied = True  # type: ignore[attr-defined]
     tied_write_results_queue.verl_made = queue  # type: ignore[attr-defined]  # for drain_write_results
     _setattr(WRITE_RESULTS_QUEUE, tied_write_results_queue)
@@ -289,7 +313,7 @@ def drain_write_results() -> int:
 
 
 def wrap_writer_processes(wrap: Callable[[Callable[..., None]], Callable[..., None]]) -> None:
-    """``FileSystemWriterAsync.write_preloaded_data_multiproc`` (forks one writer per bucket, waits for them all)
+    """``WRITER_WRITE`` (up to 0.17 forks one writer per bucket and waits for them all; 0.18 uses threads)
     replaced by ``wrap(original)``, which must take the same parameters (the request layout read by position).
     Idempotent. Every torch_dist save reaches it through ``get_save_function_and_args``, sync saves included."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
@@ -299,7 +323,7 @@ def wrap_writer_processes(wrap: Callable[[Callable[..., None]], Callable[..., No
         return
     wrapped = wrap(original)
     wrapped.verl_wrapped = True  # type: ignore[attr-defined]
-    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(wrapped)
+    setattr(FileSystemWriterAsync, WRITER_WRITE.path.rsplit(".", 1)[1], staticmethod(wrapped))
     WRITER_WRITE.get()  # the replacement passes the same check
 
 

@@ -73,9 +73,11 @@ def _patch_devices() -> None:
     torch.cuda.max_memory_allocated = lambda device=None: 0
     torch.cuda.reset_peak_memory_stats = lambda device=None: None
 
+    _build_device_context_table()
     for name in _FACTORIES:
         original = getattr(torch, name)
         setattr(torch, name, _device_mapping_factory(original))
+    _check_device_context()
 
     def module_cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
         return self
@@ -98,6 +100,31 @@ def _patch_devices() -> None:
         return original_to(self, *args, **kwargs)
 
     torch.Tensor.to = tensor_to
+
+
+def _build_device_context_table() -> None:
+    """Let ``with torch.device(...)`` see torch's own factory functions before they are wrapped.
+
+    The context recognises a factory by identity, in a table torch builds once, on the context's first use
+    (``torch/utils/_device.py``). Built after the wrappers are installed, it would hold the wrappers, never
+    match the torch functions they call, and the context would silently stop placing tensors: transformers 5
+    then no longer sees its meta-device context in ``from_pretrained``, initialises the model before loading,
+    and leaves the RoPE ``inv_freq`` buffers as uninitialised memory (docs/cpu.md, "The CPU runtime and
+    device contexts"). Using the context once first builds the table with the originals.
+    """
+    with torch.device("meta"):
+        torch.empty(0)
+
+
+def _check_device_context() -> None:
+    """Refuse to run on with a device context that no longer places tensors (see above)."""
+    with torch.device("meta"):
+        placed = {name: getattr(torch, name)(1).device.type for name in ("tensor", "zeros", "ones", "empty")}
+    if set(placed.values()) != {"meta"}:
+        raise RuntimeError(
+            f"the CPU runtime's torch factories escape `with torch.device('meta')` ({placed}); enable() must "
+            "run before anything else wraps torch's factory functions"
+        )
 
 
 def _device_mapping_factory(original):

@@ -1,0 +1,80 @@
+"""What Megatron-Bridge (``megatron.bridge``) needs on a host without TransformerEngine or NVIDIA ModelOpt.
+
+Megatron-Bridge 0.6 imports both unconditionally on paths verl takes, although neither runs there:
+``megatron.bridge.peft.lora_layers`` imports ``transformer_engine.pytorch`` at module level (LoRA with TE
+modules, which a model built from the local spec has none of), and the HF weight save imports
+``modelopt.torch.quantization.utils.is_quantized`` (a model modelopt never quantized is not quantized). Each
+answer is scoped to that one import, and given only where the real package cannot be imported: a host with
+TransformerEngine or modelopt gets the real one.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import importlib.util
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+_LORA_LAYERS = "megatron.bridge.peft.lora_layers"
+_MODELOPT_UTILS = "modelopt.torch.quantization.utils"
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _transformer_engine_for_lora_layers() -> types.ModuleType:
+    """The names ``lora_layers`` reads from ``transformer_engine.pytorch`` only when it wraps a TE module."""
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    unused = type("NotTransformerEngine", (), {})  # no module of a local-spec model is an instance of it
+    te.pytorch.Linear = te.pytorch.LayerNormLinear = unused
+    te.pytorch.ops = types.SimpleNamespace(Sequential=unused)
+    return te
+
+
+def import_megatron_bridge() -> types.ModuleType:
+    """``megatron.bridge``, imported where TransformerEngine is absent too (see the module docstring).
+
+    The stand-in is handed only to ``lora_layers``' own import statement and never enters ``sys.modules``, so
+    megatron-core and everything else still see that TransformerEngine is absent."""
+    if "megatron.bridge" in sys.modules or _importable("transformer_engine"):
+        return importlib.import_module("megatron.bridge")
+    stand_in = _transformer_engine_for_lora_layers()
+    real_import = builtins.__import__
+
+    def scoped_import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+        if name.split(".")[0] == "transformer_engine" and (globals or {}).get("__name__") == _LORA_LAYERS:
+            return stand_in
+        return real_import(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = scoped_import
+    try:
+        return importlib.import_module("megatron.bridge")
+    finally:
+        builtins.__import__ = real_import
+
+
+@contextlib.contextmanager
+def hf_save_without_modelopt() -> Iterator[None]:
+    """Around a Megatron-Bridge HF save: where modelopt is absent, its ``is_quantized`` answers False (nothing
+    here was quantized by it); the stand-in modules leave ``sys.modules`` afterwards."""
+    if _importable("modelopt"):
+        yield
+        return
+    names = ("modelopt", "modelopt.torch", "modelopt.torch.quantization", _MODELOPT_UTILS)
+    modules = {name: types.ModuleType(name) for name in names}
+    modules[_MODELOPT_UTILS].is_quantized = lambda module: False
+    added = [name for name in names if name not in sys.modules]
+    sys.modules.update({name: modules[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
