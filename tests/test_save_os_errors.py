@@ -1,5 +1,6 @@
 """A save that the operating system refuses says so: ENOSPC (any errno) by name, with the path, from a forked
-writer too, even when the full disk leaves no room for the fork's outcome file (a real tmpfs, filled)."""
+writer too, even when the full disk leaves no room for the fork's outcome file (a real tmpfs, filled); and a run
+whose save fills the disk leaves nothing of that step on it (through the CLI)."""
 
 import contextlib
 import errno
