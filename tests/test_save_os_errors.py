@@ -1,14 +1,20 @@
 """A save that the operating system refuses says so: ENOSPC (any errno) by name, with the path, from a forked
-writer too, even when the full disk leaves no room for the fork's outcome file (a real tmpfs, filled)."""
+writer too, even when the full disk leaves no room for the fork's outcome file (a real tmpfs, filled); and a run
+whose save fills the disk leaves nothing of that step on it (through the CLI)."""
 
 import contextlib
 import errno
 import multiprocessing
 import os
 import subprocess
+import sys
 
 import pytest
 
+from tests.save_points.points import ACTION, DIR, POINT, RANKS
+from tests.test_save_process_lifetime import POINTS_DIR
+from tests.test_trainer_cli import _run, _two_ranks_ep2
+from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
 from verl.utils.checkpoint import snapshot_save
 from verl.utils.checkpoint.os_errors import find_os_error, writing
 
@@ -121,3 +127,30 @@ def test_a_write_that_fails_without_an_errno_on_a_full_disk_is_named_enospc(tmp_
         found = explain(unexpected, os.path.join(disk, "step", "actor.incomplete"))  # a path not created yet
         assert found.describe(os.path.join(disk, "x")).startswith(f"No space left on device (ENOSPC) writing {disk}/x (the write failed with ")
         assert explain(CheckpointError("refusing to save step 3: NaN"), disk) is None
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_run_whose_save_fills_the_disk_leaves_no_staging_behind(tmp_path, env, tiny_moe_path, async_save):  # noqa: F811 - env: the CLI tests' fixture
+    """Through the CLI, a tmpfs with room for step 1 and half of step 2: the run fails in one line naming ENOSPC
+    and the space the save needed; step 1 stays tracked and verifies, and nothing of step 2 keeps the disk full,
+    although rank 0 is held at its own cleanup (``discard``) until the worker group kills it, as a rank still
+    winding down its writers is: the driver removes what the killed rank could not."""
+    reached = tmp_path / "reached"
+    reached.mkdir()
+    held = {"PYTHONPATH": os.pathsep.join([POINTS_DIR, env["PYTHONPATH"]]), POINT: "discard", RANKS: "0", ACTION: "pause", DIR: str(reached)}
+    with small_tmpfs(str(tmp_path / "disk"), "6m") as disk:  # a step of this run takes about 4 MB
+        ckpt = os.path.join(disk, "ckpt")
+        overrides = [*_two_ranks_ep2(tiny_moe_path, ckpt), "trainer.total_training_steps=2", f"actor_rollout_ref.actor.checkpoint.async_save={async_save}"]
+        code, out = _run(overrides, tmp_path, {**env, **held}, timeout_s=300)
+        assert code == 1, out[-6000:]
+        assert [f.split(".")[:2] for f in os.listdir(reached)] == [["discard", "0"]], out[-6000:]  # rank 0 was held
+        line = next(line for line in out.splitlines() if "The save needed about" in line)
+        assert "No space left on device (ENOSPC) writing " + os.path.join(ckpt, "global_step_2", "actor.incomplete") in line, line
+        assert not os.path.exists(os.path.join(ckpt, "global_step_2", "actor.incomplete"))
+        assert not os.path.exists(os.path.join(ckpt, "global_step_2")), os.listdir(os.path.join(ckpt, "global_step_2"))
+        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as handle:
+            assert handle.read() == "1"
+        verified = subprocess.run(
+            [sys.executable, "-m", "verl.model_merger", "verify", "--local_dir", os.path.join(ckpt, "global_step_1", "actor")], capture_output=True, text=True, env=env
+        )
+        assert verified.returncode == 0, verified.stdout + verified.stderr

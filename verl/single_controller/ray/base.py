@@ -35,6 +35,9 @@ from verl.utils.distributed import find_free_port
 
 logger = logging.getLogger(__name__)
 
+# How long shutdown() waits for this node's killed ranks to be gone.
+RANK_EXIT_WAIT_S = 10.0
+
 # Environment every rank starts with (the group adds the rank variables).
 DEFAULT_WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -494,17 +497,21 @@ class RayWorkerGroup:
     # ------------------------------------------------------------------ stop
 
     def shutdown(self) -> None:
-        """Stop every actor (and, on this node, the processes they started) and free the placement groups."""
+        """Stop every actor (and, on this node, the processes they started) and free the placement groups. Returns
+        once this node's ranks are gone (bounded): what the driver removes after a failure is then written by no rank."""
         if self._workers:
             here = get_node_ip()
-            for node_ip, pid in self._node_pids:
-                if node_ip == here:
-                    _kill_descendants(pid)
+            local = [pid for node_ip, pid in self._node_pids if node_ip == here]
+            for pid in local:
+                _kill_descendants(pid)
             for worker in self._workers:
                 try:
                     ray.kill(worker, no_restart=True)
                 except Exception:  # noqa: BLE001 - already dead
                     pass
+            deadline = time.monotonic() + RANK_EXIT_WAIT_S
+            while any(_process_alive(pid) for pid in local) and time.monotonic() < deadline:
+                time.sleep(0.05)
         self._workers = []
         self._node_pids = []
         self._alive = False

@@ -36,8 +36,10 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -45,11 +47,12 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
-from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool
+from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool, WorkerGroupError
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.trainer.ppo.log_prob_parity import check_log_prob_parity, log_prob_gaps, max_log_prob_diff
 from verl.trainer.run_control import read_committed_step
 from verl.trainer.shared_dir import check_shared_dir
+from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, should_save_ckpt_esi
 from verl.utils.checkpoint.finite import check_step_is_finite
 from verl.utils.checkpoint.layout import DATA_STATE_FILENAME, STEP_DIR_FORMAT
@@ -471,9 +474,10 @@ class MegatronGRPOTrainer:
         start = time.monotonic()
         keep = self.config.trainer.max_actor_ckpt_to_keep
         # the data position and the tracker go through the ranks' step transaction, after the commit
-        results = self.actor_rollout_wg.save_checkpoint(
-            actor_path, global_step=step, max_ckpt_to_keep=keep, step_files={DATA_STATE_FILENAME: _as_bytes(self.sampler.state_dict())}, track=True
-        )
+        with self._discarded_if_the_group_fails(step):
+            results = self.actor_rollout_wg.save_checkpoint(
+                actor_path, global_step=step, max_ckpt_to_keep=keep, step_files={DATA_STATE_FILENAME: _as_bytes(self.sampler.state_dict())}, track=True
+            )
         save = {"step": step, "path": actor_path, "results": results, "blocked_s": time.monotonic() - start}
         if not results[0].get("pending"):
             return self._record_committed(save, results[0]["committed"], bar)
@@ -490,12 +494,31 @@ class MegatronGRPOTrainer:
         if self._pending is None:
             return None
         start = time.monotonic()
-        finalized = self.actor_rollout_wg.finalize_checkpoint(blocking=blocking)[0]
+        with self._discarded_if_the_group_fails(self._pending["step"]):
+            finalized = self.actor_rollout_wg.finalize_checkpoint(blocking=blocking)[0]
         if finalized["path"] is None:
             return None  # still writing
         save, self._pending = self._pending, None
         save["waited_s"] = time.monotonic() - start
         return self._record_committed(save, finalized["committed"], bar)
+
+    @contextlib.contextmanager
+    def _discarded_if_the_group_fails(self, step: int) -> Iterator[None]:
+        """A save the worker group failed in: the group stopped every rank after a short grace, and a rank killed
+        before its own cleanup left the step's staging directory behind (on a full disk, keeping it full). The
+        driver, which owns the run and holds its directory's writer lock, removes that directory and a
+        ``global_step_N`` left empty, then re-raises. Nothing committed is touched: a step renamed into place (the
+        tracker not yet moved, skipped on resume), the older copy a re-save moved aside (put back by the next
+        run). Only the group's failure: a stopped run (SIGTERM) leaves its staging directory, as documented."""
+        try:
+            yield
+        except WorkerGroupError:
+            self._pending = None  # discarded: a stop now has no uncommitted step to name
+            step_dir = layout.step_dir(self.default_local_dir, step)
+            shutil.rmtree(layout.staging_path(layout.role_dir(self.default_local_dir, step, "actor")), ignore_errors=True)
+            with contextlib.suppress(OSError):  # not empty: a committed role or data position stays
+                os.rmdir(step_dir)
+            raise
 
     def _record_committed(self, save: dict, committed: dict, bar) -> dict:
         """The ranks' step transaction committed the step, wrote its data position and moved the tracker:

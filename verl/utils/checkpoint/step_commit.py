@@ -123,7 +123,8 @@ class StepSpec:
     checksums of files the writer already hashed, relative paths (called after the writer finished).
     ``retention``: whose saved steps ``max_ckpt_to_keep`` applies to (None: no retention). ``step_files``:
     name -> bytes written beside the role's directory after the commit; ``track``: then move the tracker.
-    ``on_phase``: called on every rank as each phase starts (crash-injection tests, benchmarks)."""
+    ``on_phase``: called on every rank as each phase starts (crash-injection tests, benchmarks), ``discard`` (a
+    failure's cleanup) included."""
 
     role: str = "actor"
     hf_config: Any = None
@@ -327,6 +328,7 @@ class StepCommit:
         step replaced (its older copy, its step files as they were; a ``global_step_N`` left empty goes), then
         re-raise: a ``CheckpointError`` of the same class, saying what was committed."""
         self.deferred = False
+        self.spec.on_phase("discard")  # announced like the others: a test can hold a rank away from its cleanup
         full = os_errors.out_of_space(exc)
         written = os_errors.tree_bytes(self.staging) if full else 0
         # every rank, once its own writers stopped: a rank still writing when rank 0 removed the directory
