@@ -47,7 +47,7 @@ def _add_merge_parser(sub: argparse._SubParsersAction) -> None:
     merge.add_argument("--target_dir", type=str, default="tmp", help="where the HF folder goes; must not exist or be empty")
     merge.add_argument("--hf_model_path", type=str, default=None, help="the HF model the run started from, for a step without its own HF config")
     merge.add_argument("--tie-word-embedding", action="store_true", help="accepted for upstream's CLI; the config's tie_word_embeddings decides")
-    merge.add_argument("--trust-remote-code", action="store_true", help="accepted for upstream's CLI; only bridge-supported models merge")
+    merge.add_argument("--trust-remote-code", action="store_true", help="accepted for upstream's CLI; no effect: a folder's code never runs here, and a folder naming custom code is refused")
     merge.add_argument("--is-value-model", action="store_true", help="upstream's; refused here (actor checkpoints only)")
     merge.add_argument("--use_cpu_initialization", action="store_true", help="accepted for upstream's CLI; the model is always built on CPU here")
     merge.add_argument("--hf_upload_path", type=str, default=None, help="upstream's; refused here (no upload)")

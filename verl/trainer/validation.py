@@ -543,6 +543,7 @@ def check_cluster(config: Any, requested: str | None, resources: dict, alive_nod
 def check_model_build(model_path: str, config: Any) -> list[str]:
     """The full pre-start check of the model (mbridge support, exact representability, layout), all problems at once."""
     from verl.models.mcore import UnsupportedHFConfigError, validate_model_build
+    from verl.utils.custom_code import CustomCodeError
 
     try:
         validate_model_build(model_path, parallel_sizes(config), world_size(config))
@@ -550,7 +551,7 @@ def check_model_build(model_path: str, config: Any) -> list[str]:
         return [f"actor_rollout_ref.model.path={model_path}: {p}" for p in exc.problems]
     except ParallelConfigError as exc:
         return exc.problems
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, CustomCodeError) as exc:
         return [str(exc)]
     return _check_mbridge_config(model_path, config)
 
@@ -781,7 +782,7 @@ def _inert_rules(config: Any) -> list[tuple[str, str]]:
         ("actor_rollout_ref.model.use_fused_kernels", "fused loss kernels change speed only; the actor computes log-probs from vocab-parallel logits"),
         ("actor_rollout_ref.model.use_liger", "Liger kernels are for the FSDP backend"),
         ("actor_rollout_ref.model.use_remove_padding", "no sequence packing here: a run's prompts are left-padded to one length, the padding masked (docs/trainer.md)"),
-        ("actor_rollout_ref.model.trust_remote_code", "only built-in transformers families are supported (docs/models.md)"),
+        ("actor_rollout_ref.model.trust_remote_code", "no folder's code is ever run here: built-in transformers families only (docs/models.md), and a model folder naming custom code is refused (docs/operations.md)"),
         (f"{_ACTOR}.use_torch_compile", "no torch.compile on this path"),
         ("algorithm.gamma", "GAE's discount; GRPO's advantages do not read it"),
         ("algorithm.lam", "GAE's lambda; GRPO's advantages do not read it"),

@@ -1,0 +1,103 @@
+"""The one rule for every model, tokenizer, HF export or checkpoint folder this package reads: its code never runs.
+
+transformers runs Python files that a folder's JSON names (``auto_map``; a ``model_type`` or ``tokenizer_class``
+that only such files define) when asked to trust them, and without an answer it asks on the terminal
+("Do you wish to run the custom code? [y/N]"). This package never needs such code: the bridge builds built-in
+transformers families only (docs/models.md). So every config and tokenizer load of the package goes through
+``load_config`` / ``load_tokenizer`` here, which
+
+- first refuse, in one line naming the file and the key, a folder whose JSON names custom code (``auto_map``,
+  a ``model_type`` transformers does not define, a ``tokenizer_class`` that is not a transformers class), and
+- then call transformers with ``trust_remote_code=False`` explicitly, so it never asks and never runs a file.
+
+No switch turns this off: upstream's ``actor_rollout_ref.model.trust_remote_code`` and the merger's
+``--trust-remote-code`` are accepted for their command lines and change nothing, and a checkpoint being
+verified, resumed or merged is checked the same way (``verl.utils.checkpoint.integrity.verify_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# The files of an HF folder whose keys make transformers import the folder's Python files.
+NAMING_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
+CODE_SUFFIXES = (".py", ".pyc", ".so")  # never copied into a folder this package writes
+RULE = "this package never runs code from a model, tokenizer or checkpoint folder (docs/operations.md, 'What loading a checkpoint trusts')"
+_NAMED_BY_LIBRARY = ("model_type", "tokenizer_class")  # keys that name code only when transformers lacks the name
+
+
+class CustomCodeError(ValueError):
+    """A folder names code that transformers would import; the message is one line: the file, the key, the fix."""
+
+
+def _read_object(path: str) -> dict:
+    """The JSON object in ``path``; {} when the file is absent, unreadable or not an object (the loader that
+    reads it says why: none of those names code)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            value = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _is_transformers_class(name: Any) -> bool:
+    import transformers
+
+    if not isinstance(name, str) or not name.isidentifier():
+        return False
+    return any(getattr(transformers, candidate, None) is not None for candidate in (name, name.removesuffix("Fast"), f"{name}Fast"))
+
+
+def _is_transformers_model_type(model_type: Any) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
+
+
+def custom_code_problems(folder: str) -> list[str]:
+    """One line per key of the folder's JSON files that names code transformers would have to import."""
+    problems = []
+    for name in NAMING_FILES:
+        path = os.path.join(folder, name)
+        content = _read_object(path)
+        if "auto_map" in content:
+            problems.append(f"{path}: auto_map names custom code ({json.dumps(content['auto_map'])[:200]})")
+        if name == "config.json" and "model_type" in content and not _is_transformers_model_type(content["model_type"]):
+            problems.append(f"{path}: model_type={content['model_type']!r} is not a transformers model type (only custom code defines it)")
+        if "tokenizer_class" in content and content["tokenizer_class"] is not None and not _is_transformers_class(content["tokenizer_class"]):
+            problems.append(f"{path}: tokenizer_class={content['tokenizer_class']!r} is not a transformers class (only custom code defines it)")
+    return problems
+
+
+def refuse_custom_code(folder: str, where: str, fix: str) -> None:
+    """Raise CustomCodeError (``where``: the config key or argument that gave the folder) when it names code."""
+    problems = custom_code_problems(folder)
+    if problems:
+        raise CustomCodeError(f"{where}: {'; '.join(problems)}; {RULE}: {fix}")
+
+
+_FOLDER_FIX = "use a folder of a built-in transformers model (remove auto_map and the .py files it names if the model is one)"
+
+
+def load_config(folder: str, where: str, fix: str = _FOLDER_FIX) -> Any:
+    """``AutoConfig.from_pretrained(folder)``, never running or asking to run the folder's code."""
+    from transformers import AutoConfig
+
+    refuse_custom_code(folder, where, fix)
+    return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+
+
+def load_tokenizer(folder: str, where: str, fix: str = _FOLDER_FIX) -> Any:
+    """``AutoTokenizer.from_pretrained(folder)``, never running or asking to run the folder's code."""
+    from transformers import AutoTokenizer
+
+    refuse_custom_code(folder, where, fix)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+
+
+def is_code_file(name: str) -> bool:
+    """Whether a file of an HF folder is code (left out of any folder this package writes)."""
+    return name.endswith(CODE_SUFFIXES)
