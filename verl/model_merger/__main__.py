@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _verify(args.local_dir)
     except (CheckpointError, FileNotFoundError) as exc:
-        print(f"DAMAGED: {exc}", file=sys.stderr)
+        print(f"DAMAGED: {_one_line(str(exc))}", file=sys.stderr)
         return 1
 
 

@@ -79,7 +79,7 @@ def refuse_custom_code(folder: str, where: str, fix: str) -> None:
         raise CustomCodeError(f"{where}: {'; '.join(problems)}; {RULE}: {fix}")
 
 
-_FOLDER_FIX = "use a folder of a built-in transformers model (remove auto_map and the .py files it names if the model is one)"
+_FOLDER_FIX = "use a folder of a built-in transformers model and tokenizer (if it holds one, remove the keys named and the .py files)"
 
 
 def load_config(folder: str, where: str, fix: str = _FOLDER_FIX) -> Any:
