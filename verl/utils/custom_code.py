@@ -25,7 +25,6 @@ from typing import Any
 NAMING_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
 CODE_SUFFIXES = (".py", ".pyc", ".so")  # never copied into a folder this package writes
 RULE = "this package never runs code from a model, tokenizer or checkpoint folder (docs/operations.md, 'What loading a checkpoint trusts')"
-_NAMED_BY_LIBRARY = ("model_type", "tokenizer_class")  # keys that name code only when transformers lacks the name
 
 
 class CustomCodeError(ValueError):

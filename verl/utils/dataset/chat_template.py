@@ -83,6 +83,8 @@ def render_prompts(
     ``source`` names the template (a config key or a tokenizer file), ``where`` the data (``data.train_files``);
     a failure raises TemplateError naming both and the row.
     """
+    if not prompts:
+        return
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
     child = context.Process(target=_render_all, args=(tokenizer, prompts, dict(template_kwargs), max_chars, sender), daemon=True)
