@@ -113,6 +113,17 @@ def _model_config_text(text: str) -> Callable[[Inputs], list[str]]:
     return build
 
 
+def _model_json_sparse(file: str) -> Callable[[Inputs], list[str]]:
+    """``file`` grown to 10 GB of holes: nothing on disk, everything to a reader that reads it whole."""
+
+    def build(inputs: Inputs) -> list[str]:
+        model = inputs.model_copy()
+        os.truncate(os.path.join(model, file), 10 << 30)
+        return inputs.trainer(model=model)
+
+    return build
+
+
 def _merge_with_custom_code_model(inputs: Inputs) -> list[str]:
     model = inputs.model_copy()
     _name_code(model, "config.json", inputs.marker, auto_map=_AUTO_MAP)
@@ -220,8 +231,10 @@ CASES = [
     Case("model folder", "unknown_model_type_and_auto_map", _model_with("config.json", model_type="evil_net", auto_map=_AUTO_MAP), r"^  - actor_rollout_ref\.model\.path=.*: model_type='evil_net' is not supported"),
     Case("model folder", "auto_map_in_preprocessor_config", _model_with("preprocessor_config.json", auto_map={"AutoProcessor": "evil_code.EvilProcessor"}), rf"preprocessor_config\.json: {_CODE}"),
     Case("model folder", "config_json_not_json", _model_config_text("{not json"), r"^  - actor_rollout_ref\.model\.path=.*: config\.json is unreadable"),
+    Case("model folder", "config_json_of_10_GB", _model_json_sparse("config.json"), r"^  - actor_rollout_ref\.model\.path=.*config\.json is 10737418240 bytes, more than any HF JSON file holds"),
     Case("model folder", "merge_hf_model_path_naming_code", _merge_with_custom_code_model, rf"^merge failed: --hf_model_path .*config\.json: {_CODE}.*--trust-remote-code does not change this"),
     Case("tokenizer", "auto_map_in_tokenizer_config", _model_with("tokenizer_config.json", auto_map=_TOKENIZER_AUTO_MAP), rf"^  - actor_rollout_ref\.model\.path=.*tokenizer_config\.json: {_CODE}"),
+    Case("tokenizer", "tokenizer_config_json_of_10_GB", _model_json_sparse("tokenizer_config.json"), r"^  - actor_rollout_ref\.model\.path=.*tokenizer_config\.json is 10737418240 bytes"),
     Case("tokenizer", "custom_tokenizer_class", _model_with("tokenizer_config.json", tokenizer_class="EvilTokenizer"), r"tokenizer_config\.json: tokenizer_class='EvilTokenizer' is not a transformers class .*never runs code from"),
     Case("template", "raise_exception", _template("{{ raise_exception(\"stop\") }}"), _TEMPLATE_FAILED.format(r"TemplateError: stop")),
     Case("template", "sandbox_escape", _template("{{ cycler.__init__.__globals__.os.system(\"touch MARKER\") }}"), _TEMPLATE_FAILED.format(r"SecurityError: .*unsafe.*")),

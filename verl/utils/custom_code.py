@@ -24,11 +24,23 @@ from typing import Any
 # The files of an HF folder whose keys make transformers import the folder's Python files.
 NAMING_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
 CODE_SUFFIXES = (".py", ".pyc", ".so")  # never copied into a folder this package writes
+MAX_JSON_BYTES = 64 << 20  # a tokenizer_config.json with tens of thousands of added tokens is a few MB
 RULE = "this package never runs code from a model, tokenizer or checkpoint folder (docs/operations.md, 'What loading a checkpoint trusts')"
 
 
 class CustomCodeError(ValueError):
     """A folder names code that transformers would import; the message is one line: the file, the key, the fix."""
+
+
+def oversized_json_problem(path: str) -> str | None:
+    """A line when ``path`` exists but is no regular file of at most MAX_JSON_BYTES: read whole, as every JSON
+    parser and transformers read it, it could take any amount of memory or never end (a link to /dev/zero)."""
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isfile(path):
+        return f"{path} is not a regular file"
+    size = os.path.getsize(path)
+    return f"{path} is {size} bytes, more than any HF JSON file holds ({MAX_JSON_BYTES >> 20} MiB)" if size > MAX_JSON_BYTES else None
 
 
 def _read_object(path: str) -> dict:
@@ -61,6 +73,10 @@ def custom_code_problems(folder: str) -> list[str]:
     problems = []
     for name in NAMING_FILES:
         path = os.path.join(folder, name)
+        oversized = oversized_json_problem(path)
+        if oversized:
+            problems.append(oversized)
+            continue
         content = _read_object(path)
         if "auto_map" in content:
             problems.append(f"{path}: auto_map names custom code ({json.dumps(content['auto_map'])[:200]})")
