@@ -448,7 +448,7 @@ def check_hf_folders_name_no_code(step_path: str, contents: dict) -> None:
     }
     for folder in sorted(folders):
         try:
-            refuse_custom_code(folder, f"checkpoint {step_path}", "a step this package saved names none; use a step whose HF folder has no auto_map")
+            refuse_custom_code(folder, f"checkpoint {step_path}", "a step this package saved names none; use a step whose HF folders name no custom code")
         except CustomCodeError as exc:
             raise UntrustedContentError(str(exc)) from None
 
