@@ -15,8 +15,11 @@ iterations) nor memory (``'x' * 10**10``). So the prompts are rendered in a fork
   the parent never holds or tokenizes more than the length rule can use (``verl.utils.dataset.rl_dataset``).
 
 Forking (not spawning) lets the child reuse the parsed rows and the tokenizer without copying or re-importing
-them; it only runs the jinja renderer, never torch or the tokenizer's Rust code. Any failure comes back as one
-line naming the template's source and the row: ``TemplateError``.
+them; it only runs the jinja renderer, never torch or the tokenizer's Rust code. The child dies with the driver
+(``verl.utils.process_lifetime``): a killed driver leaves no renderer behind, stuck on a full pipe. It closes
+the pipe's other end, and the checkpoint directory's writer lock is closed in every fork
+(``verl.utils.checkpoint.dir_lock``). Any failure comes back as one line naming the template's source and
+the row: ``TemplateError``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import resource
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from verl.utils import process_lifetime
 
 SECONDS_PER_PROMPT = 5.0  # a real template renders a prompt in well under 10 ms
 MEMORY_BYTES = 1 << 30
@@ -55,8 +60,12 @@ def _address_space_bytes() -> int:
         return int(handle.read().split()[0]) * resource.getpagesize()
 
 
-def _render_all(tokenizer: Any, prompts: Sequence[Any], template_kwargs: Mapping[str, Any], max_chars: int, conn: Any) -> None:
+def _render_all(
+    parent: tuple[int, bool], tokenizer: Any, prompts: Sequence[Any], template_kwargs: Mapping[str, Any], max_chars: int, parents_end: Any, conn: Any
+) -> None:
     """The child: render each prompt in order, send each result (or the first failure) through ``conn``."""
+    process_lifetime.die_with(*parent)
+    parents_end.close()
     limit = _address_space_bytes() + MEMORY_BYTES
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     for index, messages in enumerate(prompts):
@@ -87,10 +96,15 @@ def render_prompts(
         return
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_render_all, args=(tokenizer, prompts, dict(template_kwargs), max_chars, sender), daemon=True)
-    child.start()
-    sender.close()
+    args = (process_lifetime.starter(), tokenizer, prompts, dict(template_kwargs), max_chars, receiver, sender)
+    child = context.Process(target=_render_all, args=args, daemon=True)
     try:
+        try:
+            child.start()
+        except OSError as exc:
+            raise TemplateError(f"{source}: cannot start the chat template's renderer ({exc.strerror or exc}); free memory or processes and run again") from None
+        finally:
+            sender.close()
         for index in range(len(prompts)):
             if not receiver.poll(SECONDS_PER_PROMPT):
                 raise TemplateError(
@@ -107,6 +121,7 @@ def render_prompts(
             yield value
     finally:
         receiver.close()
-        if child.is_alive():
-            child.kill()
-        child.join()
+        if child.pid is not None:  # started
+            if child.is_alive():
+                child.kill()
+            child.join()
