@@ -60,3 +60,26 @@ def test_a_killed_driver_leaves_no_renderer_and_no_lock(tmp_path):
     finally:
         if not _gone(renderer):
             os.kill(renderer, signal.SIGKILL)
+
+
+# A driver whose hard address-space limit is lower than the renderer's own cap would be (``ulimit -v``, a batch
+# scheduler's h_vmem): its size now plus 512 MiB.
+_LIMITED_DRIVER = """
+import resource
+from verl.models.tiny import build_tokenizer
+from verl.utils.dataset.chat_template import render_prompts
+
+tokenizer = build_tokenizer()
+tokenizer.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+with open("/proc/self/statm") as handle:
+    size = int(handle.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size + (512 << 20), size + (512 << 20)))
+(rendered,) = render_prompts(tokenizer, [[{"role": "user", "content": "2+2="}]], {}, 100, "the template", "the data")
+print(rendered.text)
+"""
+
+
+def test_a_template_renders_under_a_hard_memory_limit_lower_than_the_renderers_cap():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", _LIMITED_DRIVER], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[2+2=]", done.stderr[-2000:]

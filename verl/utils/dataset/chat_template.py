@@ -9,8 +9,9 @@ iterations) nor memory (``'x' * 10**10``). So the prompts are rendered in a fork
   does not come. A wall-clock watchdog outside the renderer is the only bound that also holds inside a single
   long C call (a string repeat, a regex), where a ``sys.settrace`` or ``SIGALRM`` limit in the same process is
   never reached; a process is also the only thing that can be stopped without cooperation.
-- memory: the child's address space is capped at its size when forked plus ``MEMORY_BYTES`` (``RLIMIT_AS``),
-  so an allocation past it raises MemoryError in the child, not the OOM killer in the driver.
+- memory: the child's address space is capped at its size when forked plus ``MEMORY_BYTES`` (``RLIMIT_AS``,
+  never above the hard limit the driver was given), so an allocation past it raises MemoryError in the child,
+  not the OOM killer in the driver.
 - size: a rendered prompt longer than ``max_chars`` is sent back as its two ends only (with its length), so
   the parent never holds or tokenizes more than the length rule can use (``verl.utils.dataset.rl_dataset``).
 
@@ -60,14 +61,27 @@ def _address_space_bytes() -> int:
         return int(handle.read().split()[0]) * resource.getpagesize()
 
 
+def _cap_memory() -> None:
+    """Cap this process's address space at its size plus MEMORY_BYTES, or at the hard limit it was started
+    with when that is lower (``ulimit -v``, a batch scheduler's ``h_vmem``): a soft limit may not exceed it."""
+    limit = _address_space_bytes() + MEMORY_BYTES
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
 def _render_all(
     parent: tuple[int, bool], tokenizer: Any, prompts: Sequence[Any], template_kwargs: Mapping[str, Any], max_chars: int, parents_end: Any, conn: Any
 ) -> None:
     """The child: render each prompt in order, send each result (or the first failure) through ``conn``."""
     process_lifetime.die_with(*parent)
     parents_end.close()
-    limit = _address_space_bytes() + MEMORY_BYTES
-    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    try:
+        _cap_memory()
+    except (OSError, ValueError) as exc:
+        conn.send(("error", 0, f"its memory could not be capped ({type(exc).__name__}: {_one_line(exc)})"))
+        return
     for index, messages in enumerate(prompts):
         try:
             text = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=False, **template_kwargs)
