@@ -11,7 +11,9 @@ transformers' error. Prompts longer than ``data.max_prompt_length`` are dropped 
 or truncated as upstream's ``truncation`` says (``left`` keeps the end, ``right`` the start, ``middle`` both
 halves; ``error`` refuses the file naming the row). The template runs in a bounded child process
 (``verl.utils.dataset.chat_template``), and a prompt longer in characters than ``max_prompt_length`` tokens can
-spell (``max_prompt_chars``) takes the length rule without being tokenized whole: memory stays bounded for any file.
+spell (``max_prompt_chars``) takes the length rule without being tokenized whole, and a file whose prompt text
+is larger uncompressed than its rows can use is refused from its metadata before it is decompressed
+(``oversized_prompt_problems``).
 
 Only the schema check (``parquet_problems``) runs before the ranks start; it needs pyarrow, not torch.
 """
@@ -60,6 +62,45 @@ def parquet_problems(files: Sequence[str], key: str, prompt_key: str, reward_fn_
                 f"chat messages under data.prompt_key={prompt_key}, data.reward_fn_key={reward_fn_key} and "
                 "reward_model.ground_truth"
             )
+    return problems
+
+
+# Reading a parquet file decompresses it whole, so the prompt text of each row group is sized from the file's
+# metadata first: a row group may hold what its rows can use under the length rule (``max_prompt_chars`` each,
+# in UTF-8, plus the messages' roles and structure), or ``PROMPT_BYTES_READ_ANYWAY`` when that is more (a row
+# group of a few long prompts is read whole, so the length rule can drop or cut them row by row). A few KB of
+# zstd can hold gigabytes of one repeated character.
+PROMPT_BYTES_READ_ANYWAY = 64 << 20
+UTF8_BYTES_PER_CHAR = 4
+MESSAGE_BYTES_PER_ROW = 4096
+
+
+def oversized_prompt_problems(files: Sequence[str], prompt_key: str, max_chars: int, key: str, max_samples: int = -1) -> list[str]:
+    """One line per row group of ``files`` whose prompt text is larger, uncompressed, than its rows can use
+    (see PROMPT_BYTES_READ_ANYWAY); read from the files' metadata only, nothing is decompressed."""
+    import pyarrow.parquet as pq
+
+    problems = []
+    remaining = max_samples if max_samples and max_samples > 0 else None
+    for path in files:
+        metadata = pq.read_metadata(path)
+        first = 0
+        for number in range(metadata.num_row_groups):
+            if remaining is not None and first >= remaining:
+                break
+            group = metadata.row_group(number)
+            columns = [group.column(c) for c in range(group.num_columns)]
+            size = sum(c.total_uncompressed_size for c in columns if c.path_in_schema == prompt_key or c.path_in_schema.startswith(f"{prompt_key}."))
+            allowed = max(group.num_rows * (max_chars * UTF8_BYTES_PER_CHAR + MESSAGE_BYTES_PER_ROW), PROMPT_BYTES_READ_ANYWAY)
+            if size > allowed:
+                problems.append(
+                    f"{key}: {path} rows {first}..{first + group.num_rows - 1} hold {size} bytes of prompt text uncompressed, more than "
+                    f"{group.num_rows} prompt(s) of at most {max_chars} characters can use ({allowed} bytes read at most): a prompt there "
+                    "is far over data.max_prompt_length and is not read; remove or shorten it"
+                )
+            first += group.num_rows
+        if remaining is not None:
+            remaining -= first
     return problems
 
 
@@ -165,6 +206,10 @@ class RLHFDataset:
         self.rows: list[dict] = []
         self.filtered = 0
         self.truncated = 0
+        max_chars = max_prompt_chars(tokenizer, max_length)
+        oversized = oversized_prompt_problems(self.files, prompt_key, max_chars, key, max_samples)
+        if oversized:
+            raise DatasetError(oversized[0])
         raws = read_parquet_rows(self.files, max_samples)
         for index, raw in enumerate(raws):
             try:
@@ -172,7 +217,6 @@ class RLHFDataset:
             except ValueError as exc:
                 raise DatasetError(f"{key} row {index}: column {prompt_key!r}: {exc}") from None
         prompts = [raw[prompt_key] for raw in raws]
-        max_chars = max_prompt_chars(tokenizer, max_length)
         if getattr(tokenizer, "chat_template", None):
             rendered = render_prompts(tokenizer, prompts, template_kwargs, max_chars, template_source, key)
         else:
