@@ -124,11 +124,20 @@ def _model_json_sparse(file: str) -> Callable[[Inputs], list[str]]:
     return build
 
 
-def _merge_with_custom_code_model(inputs: Inputs) -> list[str]:
-    model = inputs.model_copy()
-    _name_code(model, "config.json", inputs.marker, auto_map=_AUTO_MAP)
-    step = inputs.step_copy("dist")
-    return ["-m", "verl.model_merger", "merge", "--backend", "megatron", "--local_dir", step, "--target_dir", str(inputs.work / "merged"), "--hf_model_path", model, "--trust-remote-code"]
+def _merge_with_model(change: Callable[[str, str], None]) -> Callable[[Inputs], list[str]]:
+    """``merge --hf_model_path`` of a copy of the model, ``change(model, marker)`` made to it."""
+
+    def build(inputs: Inputs) -> list[str]:
+        model = inputs.model_copy()
+        change(model, inputs.marker)
+        step = inputs.step_copy("dist")
+        return ["-m", "verl.model_merger", "merge", "--backend", "megatron", "--local_dir", step, "--target_dir", str(inputs.work / "merged"), "--hf_model_path", model, "--trust-remote-code"]
+
+    return build
+
+
+def _deeply_nested_config(model: str, marker: str) -> None:
+    Path(model, "config.json").write_text("[" * 200_000 + "]" * 200_000)  # 400 KB
 
 
 def _template(template: str) -> Callable[[Inputs], list[str]]:
@@ -256,9 +265,10 @@ CASES = [
     Case("model folder", "auto_map_with_a_builtin_model_type", _model_with("config.json", auto_map=_AUTO_MAP), rf"^  - actor_rollout_ref\.model\.path=.*config\.json: {_CODE}"),
     Case("model folder", "unknown_model_type_and_auto_map", _model_with("config.json", model_type="evil_net", auto_map=_AUTO_MAP), r"^  - actor_rollout_ref\.model\.path=.*: model_type='evil_net' is not supported"),
     Case("model folder", "auto_map_in_preprocessor_config", _model_with("preprocessor_config.json", auto_map={"AutoProcessor": "evil_code.EvilProcessor"}), rf"preprocessor_config\.json: {_CODE}"),
-    Case("model folder", "config_json_not_json", _model_config_text("{not json"), r"^  - actor_rollout_ref\.model\.path=.*: config\.json is unreadable"),
+    Case("model folder", "config_json_not_json", _model_config_text("{not json"), r"^  - actor_rollout_ref\.model\.path=.*config\.json is unreadable JSON \(Expecting"),
     Case("model folder", "config_json_of_10_GB", _model_json_sparse("config.json"), r"^  - actor_rollout_ref\.model\.path=.*config\.json is 10737418240 bytes, more than any HF JSON file holds"),
-    Case("model folder", "merge_hf_model_path_naming_code", _merge_with_custom_code_model, rf"^merge failed: --hf_model_path .*config\.json: {_CODE}.*--trust-remote-code does not change this"),
+    Case("model folder", "merge_hf_model_path_deeply_nested_config_json", _merge_with_model(_deeply_nested_config), r"^merge failed: --hf_model_path .*config\.json is unreadable JSON: it nests deeper than the parser follows"),
+    Case("model folder", "merge_hf_model_path_naming_code", _merge_with_model(lambda model, marker: _name_code(model, "config.json", marker, auto_map=_AUTO_MAP)), rf"^merge failed: --hf_model_path .*config\.json: {_CODE}.*--trust-remote-code does not change this"),
     Case("tokenizer", "auto_map_in_tokenizer_config", _model_with("tokenizer_config.json", auto_map=_TOKENIZER_AUTO_MAP), rf"^  - actor_rollout_ref\.model\.path=.*tokenizer_config\.json: {_CODE}"),
     Case("tokenizer", "tokenizer_config_json_of_10_GB", _model_json_sparse("tokenizer_config.json"), r"^  - actor_rollout_ref\.model\.path=.*tokenizer_config\.json is 10737418240 bytes"),
     Case("tokenizer", "custom_tokenizer_class", _model_with("tokenizer_config.json", tokenizer_class="EvilTokenizer"), r"tokenizer_config\.json: tokenizer_class='EvilTokenizer' is not a transformers class .*never runs code from"),

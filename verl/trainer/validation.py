@@ -8,7 +8,6 @@ the model's ``config.json`` (no torch, no Ray), so a bad command line fails in a
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import zipfile
@@ -21,7 +20,7 @@ from verl.models.support import hf_config_problems, hf_layout_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
 from verl.utils.checkpoint.layout import CONTENTS_FILENAME, DATA_STATE_FILENAME, STEP_DIR_RE
 from verl.utils.checkpoint.precision import optimizer_dtype_problem
-from verl.utils.custom_code import oversized_json_problem
+from verl.utils.custom_code import oversized_json_problem, read_json
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
 from verl.utils.tracking import BACKEND_PACKAGES
 from verl.utils.tracking import BACKENDS as LOGGER_BACKENDS
@@ -67,8 +66,7 @@ def parallel_sizes(config: Any) -> ParallelSizes:
 
 
 def read_model_config(model_path: str) -> dict:
-    with open(os.path.join(model_path, "config.json")) as handle:
-        return json.load(handle)
+    return read_json(os.path.join(model_path, "config.json"))
 
 
 def check_config(config: Any, model_path: str | None) -> list[str]:
@@ -289,8 +287,10 @@ def _read_model(model_path: str) -> tuple[dict | None, list[str]]:
         return None, [f"actor_rollout_ref.model.path={model_path}: {oversized}; point it at an HF model directory"]
     try:
         return read_model_config(model_path), []
-    except (OSError, json.JSONDecodeError) as exc:
+    except OSError as exc:
         return None, [f"actor_rollout_ref.model.path={model_path}: config.json is unreadable ({exc})"]
+    except ValueError as exc:
+        return None, [f"actor_rollout_ref.model.path={model_path}: {exc}; point it at an HF model directory"]
 
 
 def _check_layout(config: Any, model: dict | None) -> list[str]:

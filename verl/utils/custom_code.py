@@ -43,15 +43,28 @@ def oversized_json_problem(path: str) -> str | None:
     return f"{path} is {size} bytes, more than any HF JSON file holds ({MAX_JSON_BYTES >> 20} MiB)" if size > MAX_JSON_BYTES else None
 
 
-def _read_object(path: str) -> dict:
-    """The JSON object in ``path``; {} when the file is absent, unreadable or not an object (the loader that
-    reads it says why: none of those names code)."""
+def read_json(path: str) -> Any:
+    """The JSON value in ``path``. ValueError (one line) when it is not UTF-8 JSON, or nests deeper than
+    Python's parser follows (``[[[...]]]``: a RecursionError, not a decode error)."""
     try:
         with open(path, encoding="utf-8") as handle:
-            value = json.load(handle)
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+            return json.load(handle)
+    except RecursionError:
+        raise ValueError(f"{path} is unreadable JSON: it nests deeper than the parser follows") from None
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise ValueError(f"{path} is unreadable JSON ({' '.join(str(exc).split())[:200]})") from None
+
+
+def _read_object(path: str) -> tuple[dict, str | None]:
+    """(The JSON object in ``path``, a line when it is no readable JSON). {} when the file is absent or is JSON but
+    not an object (the loader that reads it says why: neither names code)."""
+    try:
+        value = read_json(path)
+    except OSError:
+        return {}, None
+    except ValueError as exc:
+        return {}, str(exc)
+    return (value if isinstance(value, dict) else {}), None
 
 
 def _is_transformers_class(name: Any) -> bool:
@@ -77,7 +90,10 @@ def custom_code_problems(folder: str) -> list[str]:
         if oversized:
             problems.append(oversized)
             continue
-        content = _read_object(path)
+        content, unreadable = _read_object(path)
+        if unreadable:
+            problems.append(unreadable)
+            continue
         if "auto_map" in content:
             problems.append(f"{path}: auto_map names custom code ({json.dumps(content['auto_map'])[:200]})")
         if name == "config.json" and "model_type" in content and not _is_transformers_model_type(content["model_type"]):
