@@ -124,6 +124,20 @@ def _model_json_sparse(file: str) -> Callable[[Inputs], list[str]]:
     return build
 
 
+def _model_file_linked_to_dev_zero(file: str) -> Callable[[Inputs], list[str]]:
+    """``file`` of the model replaced by a symlink to /dev/zero: endless to a reader that reads it whole."""
+
+    def build(inputs: Inputs) -> list[str]:
+        model = inputs.model_copy()
+        path = os.path.join(model, file)
+        if os.path.exists(path):
+            os.remove(path)
+        os.symlink("/dev/zero", path)
+        return inputs.trainer(model=model)
+
+    return build
+
+
 def _merge_with_model(change: Callable[[str, str], None]) -> Callable[[Inputs], list[str]]:
     """``merge --hf_model_path`` of a copy of the model, ``change(model, marker)`` made to it."""
 
@@ -266,11 +280,13 @@ CASES = [
     Case("model folder", "unknown_model_type_and_auto_map", _model_with("config.json", model_type="evil_net", auto_map=_AUTO_MAP), r"^  - actor_rollout_ref\.model\.path=.*: model_type='evil_net' is not supported"),
     Case("model folder", "auto_map_in_preprocessor_config", _model_with("preprocessor_config.json", auto_map={"AutoProcessor": "evil_code.EvilProcessor"}), rf"preprocessor_config\.json: {_CODE}"),
     Case("model folder", "config_json_not_json", _model_config_text("{not json"), r"^  - actor_rollout_ref\.model\.path=.*config\.json is unreadable JSON \(Expecting"),
-    Case("model folder", "config_json_of_10_GB", _model_json_sparse("config.json"), r"^  - actor_rollout_ref\.model\.path=.*config\.json is 10737418240 bytes, more than any HF JSON file holds"),
+    Case("model folder", "config_json_of_10_GB", _model_json_sparse("config.json"), r"^  - actor_rollout_ref\.model\.path=.*config\.json is 10737418240 bytes, more than any such HF file holds"),
     Case("model folder", "merge_hf_model_path_deeply_nested_config_json", _merge_with_model(_deeply_nested_config), r"^merge failed: --hf_model_path .*config\.json is unreadable JSON: it nests deeper than the parser follows"),
     Case("model folder", "merge_hf_model_path_naming_code", _merge_with_model(lambda model, marker: _name_code(model, "config.json", marker, auto_map=_AUTO_MAP)), rf"^merge failed: --hf_model_path .*config\.json: {_CODE}.*--trust-remote-code does not change this"),
     Case("tokenizer", "auto_map_in_tokenizer_config", _model_with("tokenizer_config.json", auto_map=_TOKENIZER_AUTO_MAP), rf"^  - actor_rollout_ref\.model\.path=.*tokenizer_config\.json: {_CODE}"),
     Case("tokenizer", "tokenizer_config_json_of_10_GB", _model_json_sparse("tokenizer_config.json"), r"^  - actor_rollout_ref\.model\.path=.*tokenizer_config\.json is 10737418240 bytes"),
+    Case("tokenizer", "tokenizer_json_of_10_GB", _model_json_sparse("tokenizer.json"), r"^  - actor_rollout_ref\.model\.path=.*tokenizer\.json is 10737418240 bytes, more than any such HF file holds \(512 MiB\)"),
+    Case("tokenizer", "chat_template_jinja_linked_to_dev_zero", _model_file_linked_to_dev_zero("chat_template.jinja"), r"^  - actor_rollout_ref\.model\.path=.*chat_template\.jinja is not a regular file"),
     Case("tokenizer", "custom_tokenizer_class", _model_with("tokenizer_config.json", tokenizer_class="EvilTokenizer"), r"tokenizer_config\.json: tokenizer_class='EvilTokenizer' is not a transformers class .*never runs code from"),
     Case("template", "raise_exception", _template("{{ raise_exception(\"stop\") }}"), _TEMPLATE_FAILED.format(r"TemplateError: stop")),
     Case("template", "sandbox_escape", _template("{{ cycler.__init__.__globals__.os.system(\"touch MARKER\") }}"), _TEMPLATE_FAILED.format(r"SecurityError: .*unsafe.*")),

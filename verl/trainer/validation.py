@@ -20,7 +20,7 @@ from verl.models.support import hf_config_problems, hf_layout_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
 from verl.utils.checkpoint.layout import CONTENTS_FILENAME, DATA_STATE_FILENAME, STEP_DIR_RE
 from verl.utils.checkpoint.precision import optimizer_dtype_problem
-from verl.utils.custom_code import oversized_json_problem, read_json
+from verl.utils.custom_code import oversized_file_problem, read_json
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
 from verl.utils.tracking import BACKEND_PACKAGES
 from verl.utils.tracking import BACKENDS as LOGGER_BACKENDS
@@ -282,7 +282,7 @@ def _read_model(model_path: str) -> tuple[dict | None, list[str]]:
         return None, [f"actor_rollout_ref.model.path={model_path} does not exist; set actor_rollout_ref.model.path to a local HF model directory (or null for the embedded tiny model)"]
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         return None, [f"actor_rollout_ref.model.path={model_path} has no config.json; it is not an HF model directory"]
-    oversized = oversized_json_problem(os.path.join(model_path, "config.json"))
+    oversized = oversized_file_problem(os.path.join(model_path, "config.json"))
     if oversized:
         return None, [f"actor_rollout_ref.model.path={model_path}: {oversized}; point it at an HF model directory"]
     try:

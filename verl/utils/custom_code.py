@@ -25,6 +25,14 @@ from typing import Any
 NAMING_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
 CODE_SUFFIXES = (".py", ".pyc", ".so")  # never copied into a folder this package writes
 MAX_JSON_BYTES = 64 << 20  # a tokenizer_config.json with tens of thousands of added tokens is a few MB
+MAX_VOCABULARY_BYTES = 512 << 20  # a real tokenizer.json is 10-30 MB
+# Every top-level file transformers' config and tokenizer loaders read whole, with the most each may hold.
+LOADED_FILES = {
+    **dict.fromkeys(NAMING_FILES, MAX_JSON_BYTES),
+    **dict.fromkeys(("special_tokens_map.json", "added_tokens.json", "generation_config.json", "chat_template.json"), MAX_JSON_BYTES),
+    "chat_template.jinja": 16 << 20,
+    **dict.fromkeys(("tokenizer.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model"), MAX_VOCABULARY_BYTES),
+}
 RULE = "this package never runs code from a model, tokenizer or checkpoint folder (docs/operations.md, 'What loading a checkpoint trusts')"
 
 
@@ -32,15 +40,15 @@ class CustomCodeError(ValueError):
     """A folder names code that transformers would import; the message is one line: the file, the key, the fix."""
 
 
-def oversized_json_problem(path: str) -> str | None:
-    """A line when ``path`` exists but is no regular file of at most MAX_JSON_BYTES: read whole, as every JSON
-    parser and transformers read it, it could take any amount of memory or never end (a link to /dev/zero)."""
+def oversized_file_problem(path: str, max_bytes: int = MAX_JSON_BYTES) -> str | None:
+    """A line when ``path`` exists but is no regular file (a link to one is) of at most ``max_bytes``: read
+    whole, as transformers reads it, it could take any amount of memory or never end (a link to /dev/zero)."""
     if not os.path.lexists(path):
         return None
     if not os.path.isfile(path):
         return f"{path} is not a regular file"
     size = os.path.getsize(path)
-    return f"{path} is {size} bytes, more than any HF JSON file holds ({MAX_JSON_BYTES >> 20} MiB)" if size > MAX_JSON_BYTES else None
+    return f"{path} is {size} bytes, more than any such HF file holds ({max_bytes >> 20} MiB)" if size > max_bytes else None
 
 
 def read_json(path: str) -> Any:
@@ -82,13 +90,16 @@ def _is_transformers_model_type(model_type: Any) -> bool:
 
 
 def custom_code_problems(folder: str) -> list[str]:
-    """One line per key of the folder's JSON files that names code transformers would have to import."""
+    """One line per file the loaders would read whole that is too large or no regular file, and per key of the
+    folder's JSON files that names code transformers would have to import."""
     problems = []
-    for name in NAMING_FILES:
-        path = os.path.join(folder, name)
-        oversized = oversized_json_problem(path)
+    for name, max_bytes in LOADED_FILES.items():
+        oversized = oversized_file_problem(os.path.join(folder, name), max_bytes)
         if oversized:
             problems.append(oversized)
+    for name in NAMING_FILES:
+        path = os.path.join(folder, name)
+        if oversized_file_problem(path):
             continue
         content, unreadable = _read_object(path)
         if unreadable:
