@@ -272,7 +272,7 @@ def _resume(make: Callable[[Inputs], str]) -> Callable[[Inputs], list[str]]:
 
 # The sweep's step: the dist step given its own config.json of an unknown model_type whose auto_map names a .py.
 _SWEEP_STEP = _step_hf_naming_code("dist", "config.json", model_type="evil_net", auto_map=_AUTO_MAP)
-_CODE = r"(auto_map names custom code|not a transformers (class|model type)).*never runs code from a model, tokenizer or checkpoint folder"
+_CODE = r"(auto_map names custom code|unknown to transformers|not a tokenizer class of transformers).*never runs code from a model, tokenizer or checkpoint folder"
 _TEMPLATE_FAILED = r"^  - actor_rollout_ref\.model\.custom_chat_template: the chat template failed on data\.train_files row 0 \({}\); fix the template$"
 
 CASES = [
@@ -287,7 +287,7 @@ CASES = [
     Case("tokenizer", "tokenizer_config_json_of_10_GB", _model_json_sparse("tokenizer_config.json"), r"^  - actor_rollout_ref\.model\.path=.*tokenizer_config\.json is 10737418240 bytes"),
     Case("tokenizer", "tokenizer_json_of_10_GB", _model_json_sparse("tokenizer.json"), r"^  - actor_rollout_ref\.model\.path=.*tokenizer\.json is 10737418240 bytes, more than any such HF file holds \(512 MiB\)"),
     Case("tokenizer", "chat_template_jinja_linked_to_dev_zero", _model_file_linked_to_dev_zero("chat_template.jinja"), r"^  - actor_rollout_ref\.model\.path=.*chat_template\.jinja is not a regular file"),
-    Case("tokenizer", "custom_tokenizer_class", _model_with("tokenizer_config.json", tokenizer_class="EvilTokenizer"), r"tokenizer_config\.json: tokenizer_class='EvilTokenizer' is not a transformers class .*never runs code from"),
+    Case("tokenizer", "custom_tokenizer_class", _model_with("tokenizer_config.json", tokenizer_class="EvilTokenizer"), r"tokenizer_config\.json: tokenizer_class='EvilTokenizer' is not a tokenizer class of transformers \d+\.\d+ .*never runs code from"),
     Case("template", "raise_exception", _template("{{ raise_exception(\"stop\") }}"), _TEMPLATE_FAILED.format(r"TemplateError: stop")),
     Case("template", "sandbox_escape", _template("{{ cycler.__init__.__globals__.os.system(\"touch MARKER\") }}"), _TEMPLATE_FAILED.format(r"SecurityError: .*unsafe.*")),
     Case("template", "loop_of_10_to_the_10", _template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"), r"custom_chat_template: the chat template ran more than 5 s on data\.train_files row 0 and was stopped"),
@@ -378,6 +378,21 @@ def test_every_config_and_tokenizer_load_goes_through_the_one_check():
     assert not elsewhere, f"from_pretrained outside verl/utils/custom_code.py: {elsewhere}"
     explicit = [any(k.arg == "trust_remote_code" and isinstance(k.value, ast.Constant) and k.value.value is False for k in node.keywords) for _, node in calls]
     assert calls and all(explicit)
+
+
+def test_a_tokenizer_class_is_judged_by_transformers_own_resolver(tmp_path):
+    """Retired names transformers still maps (``BloomTokenizerFast``) and an empty name pass; a class that is no
+    tokenizer (``AutoModel``) or unknown does not, echoed on one bounded line."""
+    from verl.utils.custom_code import custom_code_problems
+
+    def problems(tokenizer_class) -> list[str]:
+        Path(tmp_path, "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": tokenizer_class}))
+        return custom_code_problems(str(tmp_path))
+
+    assert problems("BloomTokenizerFast") == [] and problems("") == [] and problems("Qwen2Tokenizer") == []
+    assert all(len(problems(name)) == 1 for name in ("AutoModel", "EvilTokenizer", 7))
+    (line,) = problems("Evil\n" * 10_000)
+    assert "\n" not in line and len(line) < 400
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case.kind.replace(' ', '_')}-{case.name}")

@@ -7,7 +7,7 @@ transformers families only (docs/models.md). So every config and tokenizer load 
 ``load_config`` / ``load_tokenizer`` here, which
 
 - first refuse, in one line naming the file and the key, a folder whose JSON names custom code (``auto_map``,
-  a ``model_type`` transformers does not define, a ``tokenizer_class`` that is not a transformers class), and
+  a ``model_type`` transformers does not define, a ``tokenizer_class`` transformers' resolver does not find), and
 - then call transformers with ``trust_remote_code=False`` explicitly, so it never asks and never runs a file.
 
 No switch turns this off: upstream's ``actor_rollout_ref.model.trust_remote_code`` and the merger's
@@ -75,18 +75,36 @@ def _read_object(path: str) -> tuple[dict, str | None]:
     return (value if isinstance(value, dict) else {}), None
 
 
-def _is_transformers_class(name: Any) -> bool:
-    import transformers
+def _is_transformers_tokenizer_class(name: Any) -> bool:
+    """Whether transformers' own resolver finds a tokenizer class of that name (it maps retired names such as
+    ``BloomTokenizerFast`` to their successors); an empty name is the same as none."""
+    from transformers import PreTrainedTokenizerBase
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
-    if not isinstance(name, str) or not name.isidentifier():
+    if name == "":
+        return True
+    if not isinstance(name, str):
         return False
-    return any(getattr(transformers, candidate, None) is not None for candidate in (name, name.removesuffix("Fast"), f"{name}Fast"))
+    found = tokenizer_class_from_name(name)
+    return isinstance(found, type) and issubclass(found, PreTrainedTokenizerBase)
 
 
 def _is_transformers_model_type(model_type: Any) -> bool:
     from transformers import CONFIG_MAPPING
 
     return isinstance(model_type, str) and model_type in CONFIG_MAPPING
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return ".".join(transformers.__version__.split(".")[:2])
+
+
+def _shown(value: Any) -> str:
+    """``value`` as echoed in a one-line message: its repr, on one line, at most 80 characters."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def custom_code_problems(folder: str) -> list[str]:
@@ -108,9 +126,9 @@ def custom_code_problems(folder: str) -> list[str]:
         if "auto_map" in content:
             problems.append(f"{path}: auto_map names custom code ({json.dumps(content['auto_map'])[:200]})")
         if name == "config.json" and "model_type" in content and not _is_transformers_model_type(content["model_type"]):
-            problems.append(f"{path}: model_type={content['model_type']!r} is not a transformers model type (only custom code defines it)")
-        if "tokenizer_class" in content and content["tokenizer_class"] is not None and not _is_transformers_class(content["tokenizer_class"]):
-            problems.append(f"{path}: tokenizer_class={content['tokenizer_class']!r} is not a transformers class (only custom code defines it)")
+            problems.append(f"{path}: model_type={_shown(content['model_type'])} is unknown to transformers {_transformers_version()} (custom code or a newer transformers)")
+        if content.get("tokenizer_class") is not None and not _is_transformers_tokenizer_class(content["tokenizer_class"]):
+            problems.append(f"{path}: tokenizer_class={_shown(content['tokenizer_class'])} is not a tokenizer class of transformers {_transformers_version()} (custom code or a newer transformers)")
     return problems
 
 
