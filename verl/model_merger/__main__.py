@@ -20,6 +20,7 @@ from verl.utils.checkpoint.integrity import (
     verify_checkpoint,
 )
 from verl.utils.checkpoint.names import TRACKER_FILENAME
+from verl.utils.one_line import one_line
 
 
 def _verify(local_dir: str) -> int:
@@ -54,19 +55,13 @@ def _add_merge_parser(sub: argparse._SubParsersAction) -> None:
     merge.add_argument("--private", action="store_true", help="upstream's, with --hf_upload_path")
 
 
-def _one_line(text: str) -> str:
-    """A multi-line error (a heading and its list) as one line, so a script's log keeps it whole."""
-    lines = [line.strip().removeprefix("- ") for line in text.splitlines() if line.strip()]
-    return " ".join(lines[:1] + ["; ".join(lines[1:])]).strip() if lines and lines[0].endswith(":") else "; ".join(lines)
-
-
 def _merge(args: argparse.Namespace) -> int:
     from verl.model_merger.megatron_merge import MergeError, merge
 
     try:
         return merge(args)
     except MergeError as exc:
-        print(f"merge failed: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"merge failed: {one_line(exc)}", file=sys.stderr)
         return exc.exit_code
 
 
@@ -82,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _verify(args.local_dir)
     except (CheckpointError, FileNotFoundError) as exc:
-        print(f"DAMAGED: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"DAMAGED: {one_line(exc)}", file=sys.stderr)
         return 1
 
 

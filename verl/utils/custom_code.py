@@ -21,6 +21,8 @@ import json
 import os
 from typing import Any
 
+from verl.utils.one_line import one_line, shown
+
 # The files of an HF folder whose keys make transformers import the folder's Python files.
 NAMING_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
 CODE_SUFFIXES = (".py", ".pyc", ".so")  # never copied into a folder this package writes
@@ -60,7 +62,7 @@ def read_json(path: str) -> Any:
     except RecursionError:
         raise ValueError(f"{path} is unreadable JSON: it nests deeper than the parser follows") from None
     except ValueError as exc:  # UnicodeDecodeError included
-        raise ValueError(f"{path} is unreadable JSON ({' '.join(str(exc).split())[:200]})") from None
+        raise ValueError(f"{path} is unreadable JSON ({one_line(exc, 200)})") from None
 
 
 def _read_object(path: str) -> tuple[dict, str | None]:
@@ -101,12 +103,6 @@ def _transformers_version() -> str:
     return ".".join(transformers.__version__.split(".")[:2])
 
 
-def _shown(value: Any) -> str:
-    """``value`` as echoed in a one-line message: its repr, on one line, at most 80 characters."""
-    text = " ".join(repr(value).split())
-    return text if len(text) <= 80 else f"{text[:77]}..."
-
-
 def custom_code_problems(folder: str) -> list[str]:
     """One line per file the loaders would read whole that is too large or no regular file, and per key of the
     folder's JSON files that names code transformers would have to import."""
@@ -126,9 +122,9 @@ def custom_code_problems(folder: str) -> list[str]:
         if "auto_map" in content:
             problems.append(f"{path}: auto_map names custom code ({json.dumps(content['auto_map'])[:200]})")
         if name == "config.json" and "model_type" in content and not _is_transformers_model_type(content["model_type"]):
-            problems.append(f"{path}: model_type={_shown(content['model_type'])} is unknown to transformers {_transformers_version()} (custom code or a newer transformers)")
+            problems.append(f"{path}: model_type={shown(content['model_type'], 80)} is unknown to transformers {_transformers_version()} (custom code or a newer transformers)")
         if content.get("tokenizer_class") is not None and not _is_transformers_tokenizer_class(content["tokenizer_class"]):
-            problems.append(f"{path}: tokenizer_class={_shown(content['tokenizer_class'])} is not a tokenizer class of transformers {_transformers_version()} (custom code or a newer transformers)")
+            problems.append(f"{path}: tokenizer_class={shown(content['tokenizer_class'], 80)} is not a tokenizer class of transformers {_transformers_version()} (custom code or a newer transformers)")
     return problems
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl.utils import process_lifetime
+from verl.utils.one_line import one_line
 
 SECONDS_PER_PROMPT = 5.0  # a real template renders a prompt in well under 10 ms
 MEMORY_BYTES = 1 << 30
@@ -51,9 +52,10 @@ class Rendered:
     head: str = ""
     tail: str = ""
 
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())[:300]
+    @classmethod
+    def of(cls, text: str, max_chars: int) -> Rendered:
+        """``text`` whole when it has at most ``max_chars`` characters, else its length and its two ends."""
+        return cls(len(text), text) if len(text) <= max_chars else cls(len(text), None, text[:max_chars], text[-max_chars:])
 
 
 def _address_space_bytes() -> int:
@@ -80,19 +82,19 @@ def _render_all(
     try:
         _cap_memory()
     except (OSError, ValueError) as exc:
-        conn.send(("error", 0, f"its memory could not be capped ({type(exc).__name__}: {_one_line(exc)})"))
+        conn.send(("error", 0, f"its memory could not be capped ({type(exc).__name__}: {one_line(exc, 300)})"))
         return
     for index, messages in enumerate(prompts):
         try:
             text = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=False, **template_kwargs)
             if not isinstance(text, str):
                 raise TypeError(f"rendered a {type(text).__name__}, not text")
-            rendered = Rendered(len(text), text) if len(text) <= max_chars else Rendered(len(text), None, text[:max_chars], text[-max_chars:])
+            rendered = Rendered.of(text, max_chars)
         except MemoryError:
             conn.send(("error", index, f"it needed more than {MEMORY_BYTES >> 20} MiB of memory"))
             return
         except Exception as exc:  # noqa: BLE001 - whatever the template raises is the template's failure
-            conn.send(("error", index, f"{type(exc).__name__}: {_one_line(exc)}"))
+            conn.send(("error", index, f"{type(exc).__name__}: {one_line(exc, 300)}"))
             return
         conn.send(("ok", index, rendered))
     conn.close()

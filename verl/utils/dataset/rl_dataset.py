@@ -26,6 +26,7 @@ from contextlib import closing
 from typing import Any
 
 from verl.utils.dataset.chat_template import Rendered, TemplateError, render_prompts
+from verl.utils.one_line import shown
 
 TRUNCATIONS = ("error", "left", "right", "middle")
 
@@ -136,12 +137,7 @@ CHARS_PER_TOKEN_MARGIN = 2
 def check_messages(messages: Any) -> None:
     """ValueError unless ``messages`` is a list of chat messages ``{role, content}``."""
     if not isinstance(messages, list) or not all(isinstance(m, Mapping) and "content" in m for m in messages):
-        raise ValueError(f"a prompt must be a list of chat messages {{role, content}}, got {_shown(messages)}")
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
+        raise ValueError(f"a prompt must be a list of chat messages {{role, content}}, got {shown(messages)}")
 
 
 def max_prompt_chars(tokenizer: Any, max_length: int) -> int:
@@ -154,7 +150,7 @@ def _joined(prompts: Sequence[Any], max_chars: int) -> Iterable[Rendered]:
     """A tokenizer without a template: each prompt's contents joined by newlines (no template code runs)."""
     for messages in prompts:
         text = "\n".join(str(m["content"]) for m in messages)
-        yield Rendered(len(text), text) if len(text) <= max_chars else Rendered(len(text), None, text[:max_chars], text[-max_chars:])
+        yield Rendered.of(text, max_chars)
 
 
 def truncate(ids: list[int], max_length: int, truncation: str) -> list[int]:
@@ -252,7 +248,7 @@ class RLHFDataset:
             self.truncated += 1
         reward = raw.get("reward_model") or {}
         if not isinstance(reward, Mapping) or reward.get("ground_truth") is None:
-            raise DatasetError(f"{where}: reward_model.ground_truth is missing (got reward_model={_shown(reward)})")
+            raise DatasetError(f"{where}: reward_model.ground_truth is missing (got reward_model={shown(reward)})")
         self.rows.append(
             {
                 "input_ids": ids,
