@@ -133,3 +133,22 @@ def test_a_hostile_chat_template_fails_in_one_line_naming_its_source(tmp_path):
             RLHFDataset([path], _Recording(build_tokenizer(), template), DATA, template_source="the template key")
     good = RLHFDataset([path], _Recording(build_tokenizer(), "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"), DATA)
     assert build_tokenizer().decode(good[0]["input_ids"]).replace(" ", "") == "[2+2=]"
+
+
+class _CountingConfig(dict):
+    """A ``data`` config node that counts how often each key is read."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reads: dict[str, int] = {}
+
+    def __getitem__(self, key):
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return super().__getitem__(key)
+
+
+def test_the_config_is_read_once_not_per_row(tmp_path):
+    path = write_rlhf_parquet([_row("2+2=")] * 20, str(tmp_path / "t.parquet"))
+    config = _CountingConfig(DATA)
+    assert len(RLHFDataset([path], build_tokenizer(), config)) == 20
+    assert config.reads and max(config.reads.values()) == 1, config.reads

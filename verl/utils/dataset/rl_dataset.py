@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import closing
+from dataclasses import dataclass
 from typing import Any
 
 from verl.utils.dataset.chat_template import Rendered, TemplateError, render_prompts
@@ -171,6 +172,17 @@ class DatasetError(ValueError):
     """A data file cannot be trained on; the message names the file, the row and the key that fixes it."""
 
 
+@dataclass(frozen=True)
+class _Columns:
+    """The ``data`` config values each row needs, read once."""
+
+    prompt_key: str
+    reward_fn_key: str
+    max_length: int
+    truncation: str
+    drop_long: bool
+
+
 class RLHFDataset:
     """The tokenized prompts of ``files``: each row ``{"input_ids", "data_source", "ground_truth",
     "extra_info", "index", "raw_prompt"}``.
@@ -198,6 +210,7 @@ class RLHFDataset:
         self.files = [data_files] if isinstance(data_files, str) else list(data_files)
         data = config
         prompt_key, max_length = str(data["prompt_key"]), int(data["max_prompt_length"])
+        columns = _Columns(prompt_key, str(data["reward_fn_key"]), max_length, str(data["truncation"]), bool(data["filter_overlong_prompts"]))
         template_kwargs = dict(data.get("apply_chat_template_kwargs") or {})
         self.rows: list[dict] = []
         self.filtered = 0
@@ -220,7 +233,7 @@ class RLHFDataset:
         with closing(rendered):
             try:
                 for index, (raw, prompt) in enumerate(zip(raws, rendered, strict=True)):
-                    self._add(index, raw, prompt, tokenizer, data, key)
+                    self._add(index, raw, prompt, tokenizer, columns, key)
             except TemplateError as exc:
                 raise DatasetError(str(exc)) from None
         if not self.rows:
@@ -229,13 +242,13 @@ class RLHFDataset:
                 f"data.max_prompt_length={max_length})"
             )
 
-    def _add(self, index: int, raw: Mapping[str, Any], prompt: Rendered, tokenizer: Any, data: Mapping[str, Any], key: str) -> None:
+    def _add(self, index: int, raw: Mapping[str, Any], prompt: Rendered, tokenizer: Any, columns: _Columns, key: str) -> None:
         """Tokenize one rendered prompt under the length rules and keep it (or count it dropped)."""
-        max_length, truncation = int(data["max_prompt_length"]), str(data["truncation"])
+        max_length, truncation = columns.max_length, columns.truncation
         where = f"{key} row {index}"
         ids = _encode(tokenizer, prompt.text) if prompt.text is not None else None
         if ids is None or len(ids) > max_length:
-            if bool(data["filter_overlong_prompts"]):
+            if columns.drop_long:
                 self.filtered += 1
                 return
             if truncation == "error":
@@ -252,11 +265,11 @@ class RLHFDataset:
         self.rows.append(
             {
                 "input_ids": ids,
-                "data_source": str(raw.get(str(data["reward_fn_key"]))),
+                "data_source": str(raw.get(columns.reward_fn_key)),
                 "ground_truth": str(reward["ground_truth"]),
                 "extra_info": raw.get("extra_info") or {},
                 "index": index,
-                "raw_prompt": raw.get(str(data["prompt_key"])),
+                "raw_prompt": raw.get(columns.prompt_key),
             }
         )
 
