@@ -274,6 +274,7 @@ def _resume(make: Callable[[Inputs], str]) -> Callable[[Inputs], list[str]]:
 _SWEEP_STEP = _step_hf_naming_code("dist", "config.json", model_type="evil_net", auto_map=_AUTO_MAP)
 _CODE = r"(auto_map names custom code|unknown to transformers|not a tokenizer class of transformers).*never runs code from a model, tokenizer or checkpoint folder"
 _TEMPLATE_FAILED = r"^  - actor_rollout_ref\.model\.custom_chat_template: the chat template failed on data\.train_files row 0 \({}\); fix the template$"
+_TEMPLATE_REJECTED = _TEMPLATE_FAILED.replace("template$", "template or the row$")
 
 CASES = [
     Case("model folder", "auto_map_with_a_builtin_model_type", _model_with("config.json", auto_map=_AUTO_MAP), rf"^  - actor_rollout_ref\.model\.path=.*config\.json: {_CODE}"),
@@ -288,12 +289,12 @@ CASES = [
     Case("tokenizer", "tokenizer_json_of_10_GB", _model_json_sparse("tokenizer.json"), r"^  - actor_rollout_ref\.model\.path=.*tokenizer\.json is 10737418240 bytes, more than any such HF file holds \(512 MiB\)"),
     Case("tokenizer", "chat_template_jinja_linked_to_dev_zero", _model_file_linked_to_dev_zero("chat_template.jinja"), r"^  - actor_rollout_ref\.model\.path=.*chat_template\.jinja is not a regular file"),
     Case("tokenizer", "custom_tokenizer_class", _model_with("tokenizer_config.json", tokenizer_class="EvilTokenizer"), r"tokenizer_config\.json: tokenizer_class='EvilTokenizer' is not a tokenizer class of transformers \d+\.\d+ .*never runs code from"),
-    Case("template", "raise_exception", _template("{{ raise_exception(\"stop\") }}"), _TEMPLATE_FAILED.format(r"TemplateError: stop")),
+    Case("template", "raise_exception", _template("{{ raise_exception(\"stop\") }}"), _TEMPLATE_REJECTED.format(r"TemplateError: stop")),
     Case("template", "sandbox_escape", _template("{{ cycler.__init__.__globals__.os.system(\"touch MARKER\") }}"), _TEMPLATE_FAILED.format(r"SecurityError: .*unsafe.*")),
     Case("template", "loop_of_10_to_the_10", _template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"), r"custom_chat_template: the chat template ran more than 5 s on data\.train_files row 0 and was stopped"),
     Case("template", "memory_bomb", _template("{{ \"x\" * 100000 * 100000 }}"), _TEMPLATE_FAILED.format(r"it needed more than 1024 MiB of memory")),
     Case("template", "syntax_error", _template("{% for %}"), _TEMPLATE_FAILED.format(r"TemplateSyntaxError: .*")),
-    Case("template", "in_tokenizer_config", _tokenizer_template("tokenizer_config.json"), r"the chat template of .*/model/tokenizer_config\.json: the chat template failed on data\.train_files row 0 \(TemplateError: a template from the model folder\)"),
+    Case("template", "in_tokenizer_config", _tokenizer_template("tokenizer_config.json"), r"the chat template of .*/model/tokenizer_config\.json: the chat template failed on data\.train_files row 0 \(TemplateError: a template from the model folder\); fix the template or the row$"),
     Case("template", "in_chat_template_jinja", _tokenizer_template("chat_template.jinja"), r"the chat template of .*/model/chat_template\.jinja: the chat template failed"),
     Case("data file", "prompt_of_20M_characters", _data([_row(_HUGE)]), r"^  - data\.train_files row 0: the prompt is 20000000 characters, more than 8 tokens of this tokenizer can spell, over data\.max_prompt_length=8"),
     Case("data file", "prompt_of_300M_characters_in_10_KB_of_zstd", _data_of_one_prompt_compressed(300_000_000), r"^  - data\.train_files: .*train\.parquet rows 0\.\.0 hold 3000000\d\d bytes of prompt text uncompressed, .*is not read; remove or shorten it$", peak_mb=800),

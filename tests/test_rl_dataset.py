@@ -125,11 +125,11 @@ def test_a_prompt_longer_than_the_length_rule_can_use_is_never_tokenized_whole(t
 def test_a_hostile_chat_template_fails_in_one_line_naming_its_source(tmp_path):
     path = write_rlhf_parquet([_row("2+2=")], str(tmp_path / "t.parquet"))
     for template, raised in (
-        ("{{ raise_exception('no tools here') }}", r"\(TemplateError: no tools here\)"),
-        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", r"\(SecurityError: access to attribute '__class__' of 'str' object is unsafe\.\)"),
-        ("{{ 'x' * 100000 * 100000 }}", r"\(it needed more than 1024 MiB of memory\)"),
+        ("{{ raise_exception('no tools here') }}", r"\(TemplateError: no tools here\); fix the template or the row"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", r"\(SecurityError: access to attribute '__class__' of 'str' object is unsafe\.\); fix the template"),
+        ("{{ 'x' * 100000 * 100000 }}", r"\(it needed more than 1024 MiB of memory\); fix the template"),
     ):
-        with pytest.raises(DatasetError, match=rf"^the template key: the chat template failed on data.train_files row 0 {raised}; fix the template$"):
+        with pytest.raises(DatasetError, match=rf"^the template key: the chat template failed on data.train_files row 0 {raised}$"):
             RLHFDataset([path], _Recording(build_tokenizer(), template), DATA, template_source="the template key")
     good = RLHFDataset([path], _Recording(build_tokenizer(), "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"), DATA)
     assert build_tokenizer().decode(good[0]["input_ids"]).replace(" ", "") == "[2+2=]"

@@ -73,6 +73,14 @@ def _cap_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
+def _rejects_the_row(exc: Exception) -> bool:
+    """Whether the template itself refused the row (its ``raise_exception``, which raises jinja's plain
+    TemplateError): the row may be what is wrong, not the template."""
+    from jinja2.exceptions import TemplateError as JinjaTemplateError
+
+    return type(exc) is JinjaTemplateError
+
+
 def _render_all(
     parent: tuple[int, bool], tokenizer: Any, prompts: Sequence[Any], template_kwargs: Mapping[str, Any], max_chars: int, parents_end: Any, conn: Any
 ) -> None:
@@ -94,7 +102,8 @@ def _render_all(
             conn.send(("error", index, f"it needed more than {MEMORY_BYTES >> 20} MiB of memory"))
             return
         except Exception as exc:  # noqa: BLE001 - whatever the template raises is the template's failure
-            conn.send(("error", index, f"{type(exc).__name__}: {one_line(exc, 300)}"))
+            status = "rejected" if _rejects_the_row(exc) else "error"
+            conn.send((status, index, f"{type(exc).__name__}: {one_line(exc, 300)}"))
             return
         conn.send(("ok", index, rendered))
     conn.close()
@@ -132,8 +141,9 @@ def render_prompts(
             except EOFError:
                 child.join(5)
                 raise TemplateError(f"{source}: the chat template's renderer died on {where} row {index} (exit code {child.exitcode}); fix the template") from None
-            if status == "error":
-                raise TemplateError(f"{source}: the chat template failed on {where} row {index} ({value}); fix the template")
+            if status != "ok":
+                fix = "fix the template or the row" if status == "rejected" else "fix the template"
+                raise TemplateError(f"{source}: the chat template failed on {where} row {index} ({value}); {fix}")
             yield value
     finally:
         receiver.close()
