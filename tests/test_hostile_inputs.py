@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_checkpoint_lifecycle import _craft_metadata, _entry_outside_the_step, _rewrite_manifest
-from tests.test_model_merger import _train_and_save
+from tests.checkpoint_builders import craft_metadata, entry_outside_the_step, rewrite_manifest, train_and_save
 from verl.utils.dataset.rl_dataset import write_rlhf_parquet
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -236,7 +235,7 @@ def _step_hf_naming_code(kind: str, file: str, **changes) -> Callable[[Inputs], 
         if not os.path.exists(os.path.join(hf, "config.json")):
             shutil.copy(os.path.join(inputs.model, "config.json"), hf)
         _name_code(hf, file, inputs.marker, **changes)
-        _rewrite_manifest(step)
+        rewrite_manifest(step)
         return step
 
     return make
@@ -244,13 +243,13 @@ def _step_hf_naming_code(kind: str, file: str, **changes) -> Callable[[Inputs], 
 
 def _crafted_metadata(inputs: Inputs) -> str:
     step = inputs.step_copy("dist")
-    _craft_metadata(step, inputs.marker)
+    craft_metadata(step, inputs.marker)
     return step
 
 
 def _entry_outside(inputs: Inputs) -> str:
     step = inputs.step_copy("dist")
-    _entry_outside_the_step(step)
+    entry_outside_the_step(step)
     return step
 
 
@@ -354,7 +353,7 @@ def run_with_yes_typed(argv: list[str], cwd: Path, env: dict) -> Outcome:
 def steps(tiny_dense_path, tmp_path_factory) -> dict[str, str]:
     """One step of each model format, trained and saved once for the module (1 rank, the tiny dense model)."""
     root = str(tmp_path_factory.mktemp("hostile_steps"))
-    run_on_ranks(_train_and_save, 1, ParallelSizes(), args=(tiny_dense_path, root))
+    run_on_ranks(train_and_save, 1, ParallelSizes(), args=(tiny_dense_path, root))
     return {kind: os.path.join(root, f"dc_{dist}", "global_step_1", "actor") for kind, dist in (("dist", True), ("hf", False))}
 
 
