@@ -37,6 +37,12 @@ list(render_prompts(tokenizer, [[{{"role": "user", "content": "2+2="}}]], {{}}, 
 """
 
 
+def _env() -> dict[str, str]:
+    """This checkout's ``verl`` first on the path of a driver started with ``python -c``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+
+
 def _gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -46,7 +52,7 @@ def _gone(pid: int) -> bool:
 
 def test_a_killed_driver_leaves_no_renderer_and_no_lock(tmp_path):
     directory = str(tmp_path / "run")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    env = _env()
     driver = subprocess.Popen([sys.executable, "-c", _DRIVER, directory], stdout=subprocess.PIPE, text=True, env=env)
     renderer = int(driver.stdout.readline())
     try:
@@ -80,6 +86,6 @@ print(rendered.text)
 
 
 def test_a_template_renders_under_a_hard_memory_limit_lower_than_the_renderers_cap():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    env = _env()
     done = subprocess.run([sys.executable, "-c", _LIMITED_DRIVER], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[2+2=]", done.stderr[-2000:]
