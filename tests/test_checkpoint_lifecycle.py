@@ -15,12 +15,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.checkpoint_builders import (
+    CreatesFile,
+    craft_metadata,
+    edit_manifest,
+    entry_outside_the_step,
+    rewrite_manifest,
+)
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
 from verl.utils.checkpoint.finite import is_finite
 from verl.utils.checkpoint.integrity import (
     MODEL_IDENTITY_FIELDS,
     CheckpointError,
-    build_manifest,
     find_resume_checkpoint,
     verify_checkpoint,
 )
@@ -410,11 +416,6 @@ def test_a_resumed_run_prunes_the_steps_before_it(tiny_moe_path, base_root, tmp_
 # --------------------------------------------------------------------------- bad checkpoints
 
 
-def _rewrite_manifest(step: str) -> None:
-    with open(os.path.join(step, "manifest.json"), "w") as handle:
-        json.dump(build_manifest(step), handle)
-
-
 def _truncate_shard(step):
     shard = next(os.path.join(step, "optimizer", "dist_ckpt", f) for f in os.listdir(os.path.join(step, "optimizer", "dist_ckpt")) if f.endswith(".distcp"))
     with open(shard, "r+b") as handle:
@@ -442,7 +443,7 @@ def _hf_missing_tensors(step):
     tensors = load_file(shard)
     del tensors[victim]
     save_file(tensors, shard, metadata={"format": "pt"})
-    _rewrite_manifest(step)  # a consistent manifest: only the HF check can catch it
+    rewrite_manifest(step)  # a consistent manifest: only the HF check can catch it
     return victim
 
 
@@ -498,21 +499,14 @@ def _manifest_lists_no_files(step):
     return "optimizer/dist_ckpt/.metadata is missing from the manifest"
 
 
-def _edit_manifest(step: str, edit) -> None:
-    path = os.path.join(step, "manifest.json")
-    manifest = json.loads(open(path).read())
-    edit(manifest)
-    open(path, "w").write(json.dumps(manifest))
-
-
 def _manifest_without_checksums(step):
     """A version-2 manifest with sizes only: it would let any bytes of the right length through."""
-    _edit_manifest(step, lambda m: m.update(files={name: {"size": e["size"]} for name, e in m["files"].items()}))
+    edit_manifest(step, lambda m: m.update(files={name: {"size": e["size"]} for name, e in m["files"].items()}))
     return "needs an integer 'size' and a 'checksum'"
 
 
 def _manifest_of_version_1(step):
-    _edit_manifest(step, lambda m: m.update(format_version=1, files={name: e["size"] for name, e in m["files"].items()}))
+    edit_manifest(step, lambda m: m.update(format_version=1, files={name: e["size"] for name, e in m["files"].items()}))
     return "format_version 1; this package writes and accepts only 2"
 
 
@@ -520,16 +514,6 @@ def _unlisted_file(step):
     extra = os.path.join(step, "optimizer", "dist_ckpt", "__7_0.distcp")
     open(extra, "wb").write(b"planted")
     return f"{extra} is not listed in"
-
-
-def _entry_outside_the_step(step):
-    outside = os.path.join(os.path.dirname(os.path.dirname(step)), "outside.txt")
-    open(outside, "w").write("not part of the step")
-    from verl.utils.checkpoint.integrity import file_checksum
-
-    entry = {"size": os.path.getsize(outside), "checksum": file_checksum(outside)}
-    _edit_manifest(step, lambda m: m["files"].update({"../../outside.txt": entry}))
-    return "entry '../../outside.txt' lies outside the step"
 
 
 def _json_of_the_wrong_type(name: str, value: str, named: str):
@@ -565,7 +549,7 @@ CORRUPTIONS = [
     _manifest_without_checksums,
     _manifest_of_version_1,
     _unlisted_file,
-    _entry_outside_the_step,
+    entry_outside_the_step,
     _json_of_the_wrong_type("manifest.json", "null", "manifest"),
     _json_of_the_wrong_type("manifest.json", "[]", "manifest"),
     _json_of_the_wrong_type("ckpt_contents.json", "7", "checkpoint contents"),
@@ -1111,27 +1095,6 @@ def test_a_step_of_ours_stripped_of_every_mark_is_not_taken_for_upstreams(base_r
 # --------------------------------------------------------------------------- a checkpoint is data, not code
 
 
-class _CreatesFile:
-    """Unpickled by anything but an allow-list, this opens (creates) ``marker``: the stand-in for any command."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def _craft_metadata(step: str, marker: str) -> str:
-    """``optimizer/dist_ckpt/.metadata`` replaced by a crafted pickle, its manifest entry re-hashed."""
-    import pickle
-
-    path = os.path.join(step, "optimizer", "dist_ckpt", ".metadata")
-    with open(path, "wb") as handle:
-        pickle.dump(_CreatesFile(marker), handle)
-    _rewrite_manifest(step)
-    return path
-
-
 def _craft_bytes_item(step: str, marker: str) -> str:
     """The RNG state item of ``extra/dist_ckpt`` pointed at a crafted ``torch.save`` appended to its shard; the
     ``.metadata`` itself stays plain DCP metadata and the manifest is re-hashed. Returns the shard."""
@@ -1148,13 +1111,13 @@ def _craft_bytes_item(step: str, marker: str) -> str:
     info = metadata.storage_data[index]
     shard = os.path.join(directory, info.relative_path)
     buffer = io.BytesIO()
-    torch.save(_CreatesFile(marker), buffer)
+    torch.save(CreatesFile(marker), buffer)
     info.offset, info.length = os.path.getsize(shard), len(buffer.getvalue())
     with open(shard, "ab") as handle:
         handle.write(buffer.getvalue())
     with open(os.path.join(directory, ".metadata"), "wb") as handle:
         pickle.dump(metadata, handle)
-    _rewrite_manifest(step)
+    rewrite_manifest(step)
     return shard
 
 
@@ -1186,7 +1149,7 @@ def test_a_crafted_dcp_metadata_is_refused_and_nothing_of_it_runs(tiny_moe_path,
 
     root = _copy_run(base_root, tmp_path)
     marker = str(tmp_path / "ran")
-    path = _craft_metadata(_step_path(root, 1), marker)
+    path = craft_metadata(_step_path(root, 1), marker)
     _assert_refused_everywhere(tiny_moe_path, root, _step_path(root, 1), f"{path} names io.open", marker)
     with pytest.raises(UntrustedContentError, match=re.escape(path)):  # the merger reads a model's .metadata so
         saved_model_dtype(os.path.dirname(path))
@@ -1204,9 +1167,9 @@ def _craft_pickled_file(root: str, relative: str, marker: str) -> str:
     """``global_step_1/<relative>`` (a dist checkpoint's ``common.pt``, the step's ``data.pt``) replaced by a
     ``torch.save`` naming a function, the manifest re-hashed where the file is the actor's. Returns its path."""
     path = os.path.join(root, "global_step_1", relative)
-    torch.save({"optimizer": _CreatesFile(marker), "epoch": 0}, path)
+    torch.save({"optimizer": CreatesFile(marker), "epoch": 0}, path)
     if relative.startswith("actor/"):
-        _rewrite_manifest(_step_path(root, 1))
+        rewrite_manifest(_step_path(root, 1))
     return path
 
 
@@ -1253,7 +1216,7 @@ def _point_a_tensor_item_outside(step: str, elsewhere: str) -> str:
     info.relative_path = target
     with open(os.path.join(directory, ".metadata"), "wb") as handle:
         pickle.dump(metadata, handle)
-    _rewrite_manifest(step)
+    rewrite_manifest(step)
     return target
 
 
@@ -1280,7 +1243,7 @@ def _async_save_with_a_crafted_outcome(src: str, root: str, marker: str) -> str:
         while not os.path.exists(outcome) and time.monotonic() < deadline:
             time.sleep(0.05)
         with open(outcome, "wb") as handle:
-            pickle.dump({"ok": True, "writes": _CreatesFile(marker)}, handle)
+            pickle.dump({"ok": True, "writes": CreatesFile(marker)}, handle)
     try:
         actor.finalize_checkpoint()
     except CheckpointError as exc:

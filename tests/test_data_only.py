@@ -11,6 +11,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from tests.checkpoint_builders import CreatesFile
 from verl.utils.checkpoint.data_only import (
     DataOnlyFileSystemReader,
     DataOnlyLoadPlanner,
@@ -20,17 +21,9 @@ from verl.utils.checkpoint.data_only import (
 )
 
 
-class _CreatesFile:
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def test_the_reader_refuses_a_crafted_metadata_naming_file_and_class(tmp_path):
     marker = str(tmp_path / "ran")
-    (tmp_path / ".metadata").write_bytes(pickle.dumps(_CreatesFile(marker)))
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(CreatesFile(marker)))
     with pytest.raises(UntrustedContentError, match=r"\.metadata names io\.open"):
         DataOnlyFileSystemReader(str(tmp_path)).read_metadata()
     assert not os.path.exists(marker)
@@ -42,7 +35,7 @@ def test_the_reader_refuses_a_crafted_metadata_naming_file_and_class(tmp_path):
 def test_the_planner_refuses_a_crafted_bytes_item_before_torch_sees_it(tmp_path):
     marker = str(tmp_path / "ran")
     buffer = io.BytesIO()
-    torch.save(_CreatesFile(marker), buffer)
+    torch.save(CreatesFile(marker), buffer)
     planner = DataOnlyLoadPlanner(checkpoint_dir="ckpt")
     item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex("rng_state"), [0], MetadataIndex("rng_state"), [0], [0])
     with pytest.raises(UntrustedContentError, match="item rng_state of dist checkpoint ckpt holds something other than"):

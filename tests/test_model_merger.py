@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.checkpoint_builders import train_and_save
 from verl.model_merger.__main__ import main
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -23,23 +24,10 @@ LAYOUT = ParallelSizes(ep=2, etp=1)
 WORLD = 2
 
 
-def _train_and_save(src: str, root: str) -> None:
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
-
-    batch = torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))
-    for use_dist_checkpointing in (True, False):
-        settings = ActorSettings(model_path=src, use_dist_checkpointing=use_dist_checkpointing, save_contents=("model", "optimizer", "extra"))
-        actor = MegatronEngine(settings)
-        actor.train_step([batch])
-        actor.save_checkpoint(os.path.join(root, f"dc_{use_dist_checkpointing}", "global_step_1", "actor"), global_step=1)
-        if use_dist_checkpointing:
-            actor.export_hf(os.path.join(root, "export"))
-
-
 @pytest.fixture(scope="module")
 def run_root(tiny_moe_path, tmp_path_factory) -> str:
     root = str(tmp_path_factory.mktemp("merge_run"))
-    run_on_ranks(_train_and_save, WORLD, LAYOUT, args=(tiny_moe_path, root))
+    run_on_ranks(train_and_save, WORLD, LAYOUT, args=(tiny_moe_path, root))
     return root
 
 

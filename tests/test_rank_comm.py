@@ -4,6 +4,7 @@ import datetime
 import os
 import time
 
+from tests.checkpoint_builders import CreatesFile
 from verl.utils.distributed import run_on_ranks
 
 
@@ -28,16 +29,6 @@ def test_a_peer_that_never_arrives_fails_the_others_within_meet_within():
     assert "not every rank's forked process arrived within 0:00:03" in message
 
 
-class _CreatesFile:
-    """Unpickled, this opens (creates) ``marker``: the stand-in for any command a crafted message could run."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def _a_peer_sends_a_pickle(marker: str) -> str:
     import pickle
 
@@ -47,7 +38,7 @@ def _a_peer_sends_a_pickle(marker: str) -> str:
 
     comm = ForkedRankComm("crafted", meet_within=datetime.timedelta(seconds=60))
     if dist.get_rank() == 1:  # the same collectives as all_gather_object, with a pickle in place of JSON
-        comm.all_gather_bytes(pickle.dumps(_CreatesFile(marker)))
+        comm.all_gather_bytes(pickle.dumps(CreatesFile(marker)))
         return "sent"
     try:
         comm.all_gather_object({"shards": [1, 2]})

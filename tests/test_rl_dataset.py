@@ -10,6 +10,7 @@ from verl.utils.dataset.rl_dataset import (
     RLHFDataset,
     left_pad,
     left_pad_attention_mask,
+    max_prompt_chars,
     padded_prompt_length,
     parquet_problems,
     read_parquet_rows,
@@ -88,3 +89,66 @@ def test_embedded_task_as_parquet_reads_back_as_the_generated_task(tmp_path):
     generated = make_arithmetic_dataset(3, max_operand=2, task="first")
     assert [r["input_ids"] for r in rows] == [tok(g["prompt"], add_special_tokens=False)["input_ids"] for g in generated]
     assert [(r["ground_truth"], r["data_source"]) for r in rows] == [(g["ground_truth"], "arithmetic") for g in generated]
+
+
+class _Recording:
+    """The tiny tokenizer, recording the length of every text it tokenizes (the test observes what is tokenized)."""
+
+    def __init__(self, tokenizer, template: str | None = None):
+        self.tokenizer, self.lengths = tokenizer, []
+        self.tokenizer.chat_template = template
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, text, **kwargs):
+        self.lengths.append(len(text))
+        return self.tokenizer(text, **kwargs)
+
+
+def test_a_prompt_longer_than_the_length_rule_can_use_is_never_tokenized_whole(tmp_path):
+    """Its characters decide: refused, dropped, or cut to its kept end(s) with the tokens a whole tokenization
+    keeps (a character-level tokenizer: every cut is exact); only what the rule can keep is tokenized."""
+    text = "".join(chr(ord("a") + i % 26) for i in range(200_000))
+    path = write_rlhf_parquet([_row("2+2="), _row(text)], str(tmp_path / "t.parquet"))
+    whole = build_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    tok = _Recording(build_tokenizer())
+    with pytest.raises(DatasetError, match=r"row 1: the prompt is 200000 characters, more than 12 tokens of this tokenizer can spell"):
+        RLHFDataset([path], tok, DATA)
+    for truncation in ("left", "right", "middle"):
+        cut = RLHFDataset([path], tok, {**DATA, "truncation": truncation})
+        assert cut.truncated == 1 and cut[1]["input_ids"] == truncate(whole, 12, truncation), truncation
+    assert RLHFDataset([path], tok, {**DATA, "filter_overlong_prompts": True}).filtered == 1
+    assert max(tok.lengths) <= max_prompt_chars(tok, 12) < len(text)
+
+
+def test_a_hostile_chat_template_fails_in_one_line_naming_its_source(tmp_path):
+    path = write_rlhf_parquet([_row("2+2=")], str(tmp_path / "t.parquet"))
+    for template, raised in (
+        ("{{ raise_exception('no tools here') }}", r"\(TemplateError: no tools here\); fix the template or the row"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", r"\(SecurityError: access to attribute '__class__' of 'str' object is unsafe\.\); fix the template"),
+        ("{{ 'x' * 100000 * 100000 }}", r"\(it needed more than 1024 MiB of memory\); fix the template"),
+    ):
+        with pytest.raises(DatasetError, match=rf"^the template key: the chat template failed on data.train_files row 0 {raised}$"):
+            RLHFDataset([path], _Recording(build_tokenizer(), template), DATA, template_source="the template key")
+    good = RLHFDataset([path], _Recording(build_tokenizer(), "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"), DATA)
+    assert build_tokenizer().decode(good[0]["input_ids"]).replace(" ", "") == "[2+2=]"
+
+
+class _CountingConfig(dict):
+    """A ``data`` config node that counts how often each key is read."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reads: dict[str, int] = {}
+
+    def __getitem__(self, key):
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return super().__getitem__(key)
+
+
+def test_the_config_is_read_once_not_per_row(tmp_path):
+    path = write_rlhf_parquet([_row("2+2=")] * 20, str(tmp_path / "t.parquet"))
+    config = _CountingConfig(DATA)
+    assert len(RLHFDataset([path], build_tokenizer(), config)) == 20
+    assert config.reads and max(config.reads.values()) == 1, config.reads

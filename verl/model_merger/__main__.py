@@ -20,6 +20,7 @@ from verl.utils.checkpoint.integrity import (
     verify_checkpoint,
 )
 from verl.utils.checkpoint.layout import DATA_STATE_FILENAME, TRACKER_FILENAME
+from verl.utils.one_line import one_line
 
 
 def _verify(local_dir: str) -> int:
@@ -58,17 +59,11 @@ def _add_merge_parser(sub: argparse._SubParsersAction) -> None:
     merge.add_argument("--target_dir", type=str, default="tmp", help="where the HF folder goes; must not exist or be empty")
     merge.add_argument("--hf_model_path", type=str, default=None, help="the HF model the run started from, for a step without its own HF config")
     merge.add_argument("--tie-word-embedding", action="store_true", help="accepted for upstream's CLI; the config's tie_word_embeddings decides")
-    merge.add_argument("--trust-remote-code", action="store_true", help="accepted for upstream's CLI; only bridge-supported models merge")
+    merge.add_argument("--trust-remote-code", action="store_true", help="accepted for upstream's CLI; no effect: a folder's code never runs here, and a folder naming custom code is refused")
     merge.add_argument("--is-value-model", action="store_true", help="upstream's; refused here (actor checkpoints only)")
     merge.add_argument("--use_cpu_initialization", action="store_true", help="accepted for upstream's CLI; the model is always built on CPU here")
     merge.add_argument("--hf_upload_path", type=str, default=None, help="upstream's; refused here (no upload)")
     merge.add_argument("--private", action="store_true", help="upstream's, with --hf_upload_path")
-
-
-def _one_line(text: str) -> str:
-    """A multi-line error (a heading and its list) as one line, so a script's log keeps it whole."""
-    lines = [line.strip().removeprefix("- ") for line in text.splitlines() if line.strip()]
-    return " ".join(lines[:1] + ["; ".join(lines[1:])]).strip() if lines and lines[0].endswith(":") else "; ".join(lines)
 
 
 def _merge(args: argparse.Namespace) -> int:
@@ -77,7 +72,7 @@ def _merge(args: argparse.Namespace) -> int:
     try:
         return merge(args)
     except MergeError as exc:
-        print(f"merge failed: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"merge failed: {one_line(exc)}", file=sys.stderr)
         return exc.exit_code
 
 
@@ -93,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _verify(args.local_dir)
     except (CheckpointError, FileNotFoundError) as exc:
-        print(f"DAMAGED: {exc}", file=sys.stderr)
+        print(f"DAMAGED: {one_line(exc)}", file=sys.stderr)
         return 1
 
 

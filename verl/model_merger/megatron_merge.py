@@ -24,6 +24,7 @@ from verl.utils.checkpoint.integrity import (
     verify_checkpoint,
 )
 from verl.utils.checkpoint.layout import HF_DIR
+from verl.utils.custom_code import CustomCodeError, is_code_file, refuse_custom_code
 
 STAGING_SUFFIX = ".merging"
 # Weight files (and their indexes) are never copied beside the ones this merge writes.
@@ -78,11 +79,12 @@ def _has_hf_config(path: str) -> bool:
 
 
 def _copy_non_weight_files(source: str, target: str) -> list[str]:
-    """config.json, generation config, tokenizer and any other top-level file that is not a weight file."""
+    """config.json, generation config, tokenizer and any other top-level file that is neither a weight file nor
+    code (a folder this package writes holds no code: ``verl.utils.custom_code``)."""
     copied = []
     for name in sorted(os.listdir(source)):
         full = os.path.join(source, name)
-        if os.path.isfile(full) and not name.endswith(_WEIGHT_SUFFIXES):
+        if os.path.isfile(full) and not name.endswith(_WEIGHT_SUFFIXES) and not is_code_file(name):
             shutil.copy2(full, os.path.join(target, name))
             copied.append(name)
     return copied
@@ -134,7 +136,7 @@ def _export_dist_checkpoint(step: str, contents: dict, config_dir: str, staging:
 
     dist_ckpt = _content_path(step, contents, "model", os.path.join("model", "dist_ckpt"))
     dtype = saved_model_dtype(dist_ckpt)
-    hf_config = load_hf_config(config_dir)
+    hf_config = load_hf_config(config_dir, where=f"the HF config folder {config_dir}")
     _progress(f"building {hf_config.architectures[0] if hf_config.architectures else hf_config.model_type} ({dtype}) from {config_dir}/config.json on one CPU rank")
     _start_single_rank()
     try:
@@ -223,7 +225,7 @@ def merge_megatron_step(local_dir: str, target_dir: str, hf_model_path: str | No
             if hf_model_path:
                 _progress("note: --hf_model_path is not used, the step holds its own HF folder")
             shutil.rmtree(staging)
-            shutil.copytree(source, staging)
+            shutil.copytree(source, staging, ignore=lambda _, names: [n for n in names if is_code_file(n)])
             config_dir = staging
         elif model.get("format") == "megatron_dist_checkpoint":
             config_dir = _hf_config_dir(step, contents, hf_model_path)
@@ -257,6 +259,10 @@ def _hf_config_dir(step: str, contents: dict, hf_model_path: str | None) -> str:
         )
     if not _has_hf_config(hf_model_path):
         raise MergeError(f"--hf_model_path {hf_model_path} has no config.json; pass the HF model directory the run started from", exit_code=2)
+    try:
+        refuse_custom_code(hf_model_path, f"--hf_model_path {hf_model_path}", "pass the built-in HF model the run started from (--trust-remote-code does not change this)")
+    except CustomCodeError as exc:
+        raise MergeError(str(exc), exit_code=2) from None
     return hf_model_path
 
 

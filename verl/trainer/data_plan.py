@@ -35,13 +35,26 @@ def embedded_task_root() -> str:
 
 def load_tokenizer(config: Any, model_path: str) -> Any:
     """The model's tokenizer, with ``actor_rollout_ref.model.custom_chat_template`` when one is given."""
-    from transformers import AutoTokenizer
+    from verl.utils.custom_code import CustomCodeError
+    from verl.utils.custom_code import load_tokenizer as load_folder_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        tokenizer = load_folder_tokenizer(model_path, f"actor_rollout_ref.model.path={model_path}")
+    except CustomCodeError as exc:
+        raise ConfigError([str(exc)]) from None
     template = config.actor_rollout_ref.model.custom_chat_template
     if template:
         tokenizer.chat_template = str(template)
     return tokenizer
+
+
+def template_source(config: Any, tokenizer: Any) -> str:
+    """Where the chat template came from, for its error messages: the config key, or the tokenizer's file."""
+    if config.actor_rollout_ref.model.custom_chat_template:
+        return "actor_rollout_ref.model.custom_chat_template"
+    folder = str(getattr(tokenizer, "name_or_path", "") or "")
+    jinja = os.path.join(folder, "chat_template.jinja")
+    return f"the chat template of {jinja if os.path.isfile(jinja) else os.path.join(folder, 'tokenizer_config.json')}"
 
 
 def load_run_data(config: Any, tokenizer: Any) -> RunData:
@@ -55,10 +68,11 @@ def load_run_data(config: Any, tokenizer: Any) -> RunData:
         path = write_task_parquet(embedded_task_root(), int(data.seed), int(data.max_operand), str(data.task))
         train_files = [path]
         notes.append(f"data.train_files=null: the embedded task (data.task={data.task}, operands 0..{data.max_operand}) from {path}")
+    source = template_source(config, tokenizer)
     try:
-        train = RLHFDataset(train_files, tokenizer, data, max_samples=int(data.train_max_samples), key="data.train_files")
+        train = RLHFDataset(train_files, tokenizer, data, max_samples=int(data.train_max_samples), key="data.train_files", template_source=source)
         val_files = as_file_list(data.val_files)
-        val = RLHFDataset(val_files, tokenizer, data, max_samples=int(data.val_max_samples), key="data.val_files") if val_files else None
+        val = RLHFDataset(val_files, tokenizer, data, max_samples=int(data.val_max_samples), key="data.val_files", template_source=source) if val_files else None
     except DatasetError as exc:
         raise ConfigError([str(exc)]) from None
     for name, dataset in (("train", train), ("val", val)):

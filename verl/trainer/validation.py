@@ -8,7 +8,6 @@ the model's ``config.json`` (no torch, no Ray), so a bad command line fails in a
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import zipfile
@@ -21,6 +20,7 @@ from verl.models.support import hf_config_problems, hf_layout_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
 from verl.utils.checkpoint.layout import CONTENTS_FILENAME, DATA_STATE_FILENAME, STEP_DIR_RE
 from verl.utils.checkpoint.precision import optimizer_dtype_problem
+from verl.utils.custom_code import oversized_file_problem, read_json
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
 from verl.utils.tracking import BACKEND_PACKAGES
 from verl.utils.tracking import BACKENDS as LOGGER_BACKENDS
@@ -66,8 +66,7 @@ def parallel_sizes(config: Any) -> ParallelSizes:
 
 
 def read_model_config(model_path: str) -> dict:
-    with open(os.path.join(model_path, "config.json")) as handle:
-        return json.load(handle)
+    return read_json(os.path.join(model_path, "config.json"))
 
 
 def check_config(config: Any, model_path: str | None) -> list[str]:
@@ -283,10 +282,15 @@ def _read_model(model_path: str) -> tuple[dict | None, list[str]]:
         return None, [f"actor_rollout_ref.model.path={model_path} does not exist; set actor_rollout_ref.model.path to a local HF model directory (or null for the embedded tiny model)"]
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         return None, [f"actor_rollout_ref.model.path={model_path} has no config.json; it is not an HF model directory"]
+    oversized = oversized_file_problem(os.path.join(model_path, "config.json"))
+    if oversized:
+        return None, [f"actor_rollout_ref.model.path={model_path}: {oversized}; point it at an HF model directory"]
     try:
         return read_model_config(model_path), []
-    except (OSError, json.JSONDecodeError) as exc:
+    except OSError as exc:
         return None, [f"actor_rollout_ref.model.path={model_path}: config.json is unreadable ({exc})"]
+    except ValueError as exc:
+        return None, [f"actor_rollout_ref.model.path={model_path}: {exc}; point it at an HF model directory"]
 
 
 def _check_layout(config: Any, model: dict | None) -> list[str]:
@@ -543,6 +547,7 @@ def check_cluster(config: Any, requested: str | None, resources: dict, alive_nod
 def check_model_build(model_path: str, config: Any) -> list[str]:
     """The full pre-start check of the model (mbridge support, exact representability, layout), all problems at once."""
     from verl.models.mcore import UnsupportedHFConfigError, validate_model_build
+    from verl.utils.custom_code import CustomCodeError
 
     try:
         validate_model_build(model_path, parallel_sizes(config), world_size(config))
@@ -550,7 +555,7 @@ def check_model_build(model_path: str, config: Any) -> list[str]:
         return [f"actor_rollout_ref.model.path={model_path}: {p}" for p in exc.problems]
     except ParallelConfigError as exc:
         return exc.problems
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, CustomCodeError) as exc:
         return [str(exc)]
     return _check_mbridge_config(model_path, config)
 
@@ -786,7 +791,7 @@ def _inert_rules(config: Any) -> list[tuple[str, str]]:
         ("actor_rollout_ref.model.use_fused_kernels", "fused loss kernels change speed only; the actor computes log-probs from vocab-parallel logits"),
         ("actor_rollout_ref.model.use_liger", "Liger kernels are for the FSDP backend"),
         ("actor_rollout_ref.model.use_remove_padding", "no sequence packing here: a run's prompts are left-padded to one length, the padding masked (docs/trainer.md)"),
-        ("actor_rollout_ref.model.trust_remote_code", "only built-in transformers families are supported (docs/models.md)"),
+        ("actor_rollout_ref.model.trust_remote_code", "no folder's code is ever run here: built-in transformers families only (docs/models.md), and a model folder naming custom code is refused (docs/operations.md)"),
         (f"{_ACTOR}.use_torch_compile", "no torch.compile on this path"),
         ("algorithm.gamma", "GAE's discount; GRPO's advantages do not read it"),
         ("algorithm.lam", "GAE's lambda; GRPO's advantages do not read it"),

@@ -34,6 +34,7 @@ from verl.models.support import (
     rope_scaling,
     rope_theta,
 )
+from verl.utils.custom_code import load_config
 from verl.utils.internals import mbridge as mbridge_internals
 from verl.utils.rank_comm import RankComm
 
@@ -46,17 +47,16 @@ class UnsupportedHFConfigError(ValueError):
         super().__init__("\n".join(self.problems))
 
 
-def load_hf_config(hf_path: str) -> PretrainedConfig:
-    """The HF config at a local model directory, with a clear error when the path is not one."""
-    from transformers import AutoConfig
-
+def load_hf_config(hf_path: str, where: str | None = None) -> PretrainedConfig:
+    """The HF config at a local model directory, with a clear error when the path is not one; a folder naming
+    custom code is refused (``verl.utils.custom_code``; ``where``: the key or argument that gave the folder)."""
     if not os.path.isdir(hf_path):
         raise FileNotFoundError(
             f"HF model path {hf_path!r} does not exist; set actor_rollout_ref.model.path to a local HF model directory"
         )
     if not os.path.isfile(os.path.join(hf_path, "config.json")):
         raise FileNotFoundError(f"HF model path {hf_path!r} has no config.json; it is not an HF model directory")
-    return AutoConfig.from_pretrained(hf_path)
+    return load_config(hf_path, where or f"actor_rollout_ref.model.path={hf_path}")
 
 
 def check_hf_config_supported(hf_config: PretrainedConfig, pipeline_model_parallel_size: int = 1) -> None:

@@ -12,7 +12,8 @@ checkpoint directory could otherwise plant a symlink there and have the next run
 with the holder's JSON; such a lock path is refused, naming it, and its target is left untouched.
 
 The descriptor is close-on-exec, so processes the run execs (Ray's raylet, GCS, workers) do not hold the
-lock; a child forked without exec would keep it until it exits.
+lock, and a child forked without exec closes its copy at once (an ``os.register_at_fork`` hook): a forked
+helper that outlives the run (stuck, or orphaned by a SIGKILL) must never keep the directory locked.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ import time
 from dataclasses import dataclass
 
 LOCK_FILENAME = ".verl_writer.lock"
+
+_held: list[DirLock] = []  # the locks this process holds, closed in every child it forks
+_fork_hook_registered = False
 
 
 class DirLockError(RuntimeError):
@@ -76,6 +80,7 @@ class DirLock:
         if self.fd is not None:
             os.close(self.fd)  # closing the last descriptor of the open file releases the flock
             self.fd = None
+        _held[:] = [lock for lock in _held if lock is not self]
 
     def discard(self) -> None:
         """Release, and remove what taking the lock created when the run stops before writing anything
@@ -125,7 +130,23 @@ def lock_checkpoint_dir(directory: str) -> DirLock:
               "command": " ".join(sys.argv)}  # fmt: skip
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-    return DirLock(path, fd, created_dir=created)
+    lock = DirLock(path, fd, created_dir=created)
+    global _fork_hook_registered
+    if not _fork_hook_registered:  # os.register_at_fork cannot unregister: once per process
+        os.register_at_fork(after_in_child=_drop_in_child)
+        _fork_hook_registered = True
+    _held.append(lock)
+    return lock
+
+
+def _drop_in_child() -> None:
+    """In a forked child: close the inherited lock descriptors (the parent's lock stays held: flock belongs
+    to the open file, which the parent's descriptor keeps open)."""
+    for lock in _held:
+        with contextlib.suppress(OSError):
+            os.close(lock.fd)
+        lock.fd = None
+    _held.clear()
 
 
 def read_lock_holder(directory: str) -> dict:

@@ -16,6 +16,7 @@ import torch
 
 from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.names import INDEX_FILENAME
+from verl.utils.custom_code import CustomCodeError, load_config
 from verl.utils.internals import transformers as transformers_internals
 
 
@@ -116,9 +117,10 @@ def read_saved_tensors(path: str) -> tuple[dict[str, tuple[int, ...]], list[str]
 def verify_hf_checkpoint(path: str, hf_config=None) -> HFVerifyReport:
     """Compare the folder's tensors with what its config (or ``hf_config``) implies."""
     if hf_config is None:
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(path)
+        try:
+            hf_config = load_config(path, f"HF folder {path}", fix="an HF folder this package wrote names no custom code; use one that does not")
+        except CustomCodeError as exc:
+            raise CheckpointError(str(exc)) from None
     expected = expected_hf_tensors(hf_config)
     found, index_problems = read_saved_tensors(path)
     return HFVerifyReport(

@@ -437,11 +437,31 @@ def verify_checkpoint(step_path: str, transformer_config=None, hf_config=None, c
     from verl.utils.checkpoint.data_only import check_step
 
     check_step(step_path)  # every .metadata and bytes item is data: a crafted one is refused before any rank starts
+    check_hf_folders_name_no_code(step_path, contents)
     if transformer_config is not None:
         check_model_identity(step_path, transformer_config)
     if holds_hf_weights(contents):
         verify_step_hf_export(step_path, hf_config)
     return contents
+
+
+def check_hf_folders_name_no_code(step_path: str, contents: dict) -> None:
+    """Every HF folder of the step (``model/huggingface`` and any the contents file points at) names no custom
+    code: a checkpoint's code never runs (``verl.utils.custom_code``), whatever ``auto_map`` says."""
+    from verl.utils.checkpoint.data_only import UntrustedContentError
+    from verl.utils.custom_code import CustomCodeError, refuse_custom_code
+
+    entries = contents.get("contents", {})
+    folders = {hf_path(step_path)} | {
+        os.path.join(step_path, entry["path"])
+        for name, entry in entries.items()
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str) and (entry.get("format") == "huggingface" or name == "hf_config")
+    }
+    for folder in sorted(folders):
+        try:
+            refuse_custom_code(folder, f"checkpoint {step_path}", "a step this package saved names none; use a step whose HF folders name no custom code")
+        except CustomCodeError as exc:
+            raise UntrustedContentError(str(exc)) from None
 
 
 def verify_step_hf_export(step_path: str, hf_config=None) -> int:

@@ -9,7 +9,11 @@ Prompt text is the tokenizer's chat template with the generation prompt, as upst
 template (the embedded character-level one) gets the messages' contents joined by newlines instead of
 transformers' error. Prompts longer than ``data.max_prompt_length`` are dropped (``filter_overlong_prompts``)
 or truncated as upstream's ``truncation`` says (``left`` keeps the end, ``right`` the start, ``middle`` both
-halves; ``error`` refuses the file naming the row).
+halves; ``error`` refuses the file naming the row). The template runs in a bounded child process
+(``verl.utils.dataset.chat_template``), and a prompt longer in characters than ``max_prompt_length`` tokens can
+spell (``max_prompt_chars``) takes the length rule without being tokenized whole, and a file whose prompt text
+is larger uncompressed than its rows can use is refused from its metadata before it is decompressed
+(``oversized_prompt_problems``).
 
 Only the schema check (``parquet_problems``) runs before the ranks start; it needs pyarrow, not torch.
 """
@@ -18,7 +22,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import closing
+from dataclasses import dataclass
 from typing import Any
+
+from verl.utils.dataset.chat_template import Rendered, TemplateError, render_prompts
+from verl.utils.one_line import shown
 
 TRUNCATIONS = ("error", "left", "right", "middle")
 
@@ -58,6 +67,45 @@ def parquet_problems(files: Sequence[str], key: str, prompt_key: str, reward_fn_
     return problems
 
 
+# Reading a parquet file decompresses it whole, so the prompt text of each row group is sized from the file's
+# metadata first: a row group may hold what its rows can use under the length rule (``max_prompt_chars`` each,
+# in UTF-8, plus the messages' roles and structure), or ``PROMPT_BYTES_READ_ANYWAY`` when that is more (a row
+# group of a few long prompts is read whole, so the length rule can drop or cut them row by row). A few KB of
+# zstd can hold gigabytes of one repeated character.
+PROMPT_BYTES_READ_ANYWAY = 64 << 20
+UTF8_BYTES_PER_CHAR = 4
+MESSAGE_BYTES_PER_ROW = 4096
+
+
+def oversized_prompt_problems(files: Sequence[str], prompt_key: str, max_chars: int, key: str, max_samples: int = -1) -> list[str]:
+    """One line per row group of ``files`` whose prompt text is larger, uncompressed, than its rows can use
+    (see PROMPT_BYTES_READ_ANYWAY); read from the files' metadata only, nothing is decompressed."""
+    import pyarrow.parquet as pq
+
+    problems = []
+    remaining = max_samples if max_samples and max_samples > 0 else None
+    for path in files:
+        metadata = pq.read_metadata(path)
+        first = 0
+        for number in range(metadata.num_row_groups):
+            if remaining is not None and first >= remaining:
+                break
+            group = metadata.row_group(number)
+            columns = [group.column(c) for c in range(group.num_columns)]
+            size = sum(c.total_uncompressed_size for c in columns if c.path_in_schema == prompt_key or c.path_in_schema.startswith(f"{prompt_key}."))
+            allowed = max(group.num_rows * (max_chars * UTF8_BYTES_PER_CHAR + MESSAGE_BYTES_PER_ROW), PROMPT_BYTES_READ_ANYWAY)
+            if size > allowed:
+                problems.append(
+                    f"{key}: {path} rows {first}..{first + group.num_rows - 1} hold {size} bytes of prompt text uncompressed, more than "
+                    f"{group.num_rows} prompt(s) of at most {max_chars} characters can use ({allowed} bytes read at most): a prompt there "
+                    "is far over data.max_prompt_length and is not read; remove or shorten it"
+                )
+            first += group.num_rows
+        if remaining is not None:
+            remaining -= first
+    return problems
+
+
 def read_parquet_rows(files: Sequence[str], max_samples: int = -1) -> list[dict]:
     """Every row of ``files`` in order, as plain dicts; ``max_samples > 0`` keeps the first that many."""
     import pyarrow.parquet as pq
@@ -80,16 +128,30 @@ def write_rlhf_parquet(rows: Sequence[Mapping[str, Any]], path: str) -> str:
     return path
 
 
-def prompt_text(tokenizer: Any, messages: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
-    """The prompt as the model sees it: the chat template with the generation prompt, or (no template) the
-    messages' contents joined by newlines."""
+# A token covers at most as many characters as its longest vocabulary entry spells (a byte-level entry spells
+# each byte it covers with one character, so never fewer than the characters); twice that leaves room for a
+# normalizer that folds a few characters into one. A prompt over max_prompt_length x this many characters per
+# token can never fit in max_prompt_length tokens, so the length rule takes it without tokenizing it whole.
+CHARS_PER_TOKEN_MARGIN = 2
+
+
+def check_messages(messages: Any) -> None:
+    """ValueError unless ``messages`` is a list of chat messages ``{role, content}``."""
     if not isinstance(messages, list) or not all(isinstance(m, Mapping) and "content" in m for m in messages):
-        raise ValueError(f"a prompt must be a list of chat messages {{role, content}}, got {messages!r}")
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=True, tokenize=False, **dict(chat_template_kwargs or {})
-        )
-    return "\n".join(str(m["content"]) for m in messages)
+        raise ValueError(f"a prompt must be a list of chat messages {{role, content}}, got {shown(messages)}")
+
+
+def max_prompt_chars(tokenizer: Any, max_length: int) -> int:
+    """The most characters a prompt of ``max_length`` tokens can have with ``tokenizer`` (see CHARS_PER_TOKEN_MARGIN)."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return max_length * max(longest, 1) * CHARS_PER_TOKEN_MARGIN
+
+
+def _joined(prompts: Sequence[Any], max_chars: int) -> Iterable[Rendered]:
+    """A tokenizer without a template: each prompt's contents joined by newlines (no template code runs)."""
+    for messages in prompts:
+        text = "\n".join(str(m["content"]) for m in messages)
+        yield Rendered.of(text, max_chars)
 
 
 def truncate(ids: list[int], max_length: int, truncation: str) -> list[int]:
@@ -110,6 +172,17 @@ class DatasetError(ValueError):
     """A data file cannot be trained on; the message names the file, the row and the key that fixes it."""
 
 
+@dataclass(frozen=True)
+class _Columns:
+    """The ``data`` config values each row needs, read once."""
+
+    prompt_key: str
+    reward_fn_key: str
+    max_length: int
+    truncation: str
+    drop_long: bool
+
+
 class RLHFDataset:
     """The tokenized prompts of ``files``: each row ``{"input_ids", "data_source", "ground_truth",
     "extra_info", "index", "raw_prompt"}``.
@@ -117,7 +190,7 @@ class RLHFDataset:
     Upstream's constructor signature: ``data_files`` (one path or a list), ``config`` the ``data`` config node
     (``prompt_key``, ``reward_fn_key``, ``max_prompt_length``, ``filter_overlong_prompts``, ``truncation``,
     ``apply_chat_template_kwargs``), ``processor`` (multimodal; refused here), ``max_samples``; ``key`` names
-    the config key in error messages. ``filtered`` and ``truncated`` count what the length rules did, for the
+    the config key in error messages, ``template_source`` where the chat template came from. ``filtered`` and ``truncated`` count what the length rules did, for the
     start-up report.
     """
 
@@ -130,54 +203,75 @@ class RLHFDataset:
         max_samples: int = -1,
         *,
         key: str = "data.train_files",
+        template_source: str = "the tokenizer's chat_template",
     ) -> None:
         if processor is not None:
             raise NotImplementedError(f"{key}: multimodal prompts (a processor) are not supported here; pass processor=None")
         self.files = [data_files] if isinstance(data_files, str) else list(data_files)
         data = config
-        prompt_key, source_key = str(data["prompt_key"]), str(data["reward_fn_key"])
-        max_length, truncation = int(data["max_prompt_length"]), str(data["truncation"])
-        drop_long = bool(data["filter_overlong_prompts"])
+        prompt_key, max_length = str(data["prompt_key"]), int(data["max_prompt_length"])
+        columns = _Columns(prompt_key, str(data["reward_fn_key"]), max_length, str(data["truncation"]), bool(data["filter_overlong_prompts"]))
         template_kwargs = dict(data.get("apply_chat_template_kwargs") or {})
         self.rows: list[dict] = []
         self.filtered = 0
         self.truncated = 0
-        for index, raw in enumerate(read_parquet_rows(self.files, max_samples)):
-            where = f"{key} row {index}"
+        max_chars = max_prompt_chars(tokenizer, max_length)
+        oversized = oversized_prompt_problems(self.files, prompt_key, max_chars, key, max_samples)
+        if oversized:
+            raise DatasetError(oversized[0])
+        raws = read_parquet_rows(self.files, max_samples)
+        for index, raw in enumerate(raws):
             try:
-                text = prompt_text(tokenizer, raw.get(prompt_key), template_kwargs)
+                check_messages(raw.get(prompt_key))
             except ValueError as exc:
-                raise DatasetError(f"{where}: column {prompt_key!r}: {exc}") from None
-            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-            if len(ids) > max_length:
-                if drop_long:
-                    self.filtered += 1
-                    continue
-                if truncation == "error":
-                    raise DatasetError(
-                        f"{where}: the prompt is {len(ids)} tokens, over data.max_prompt_length={max_length}; raise it, "
-                        "set data.filter_overlong_prompts=True, or data.truncation=left|right|middle"
-                    )
-                ids = truncate(ids, max_length, truncation)
-                self.truncated += 1
-            reward = raw.get("reward_model") or {}
-            if not isinstance(reward, Mapping) or reward.get("ground_truth") is None:
-                raise DatasetError(f"{where}: reward_model.ground_truth is missing (got reward_model={reward!r})")
-            self.rows.append(
-                {
-                    "input_ids": ids,
-                    "data_source": str(raw.get(source_key)),
-                    "ground_truth": str(reward["ground_truth"]),
-                    "extra_info": raw.get("extra_info") or {},
-                    "index": index,
-                    "raw_prompt": raw.get(prompt_key),
-                }
-            )
+                raise DatasetError(f"{key} row {index}: column {prompt_key!r}: {exc}") from None
+        prompts = [raw[prompt_key] for raw in raws]
+        if getattr(tokenizer, "chat_template", None):
+            rendered = render_prompts(tokenizer, prompts, template_kwargs, max_chars, template_source, key)
+        else:
+            rendered = _joined(prompts, max_chars)
+        with closing(rendered):
+            try:
+                for index, (raw, prompt) in enumerate(zip(raws, rendered, strict=True)):
+                    self._add(index, raw, prompt, tokenizer, columns, key)
+            except TemplateError as exc:
+                raise DatasetError(str(exc)) from None
         if not self.rows:
             raise DatasetError(
                 f"{key}: no prompt left of {self.files} (filter_overlong_prompts dropped {self.filtered} over "
                 f"data.max_prompt_length={max_length})"
             )
+
+    def _add(self, index: int, raw: Mapping[str, Any], prompt: Rendered, tokenizer: Any, columns: _Columns, key: str) -> None:
+        """Tokenize one rendered prompt under the length rules and keep it (or count it dropped)."""
+        max_length, truncation = columns.max_length, columns.truncation
+        where = f"{key} row {index}"
+        ids = _encode(tokenizer, prompt.text) if prompt.text is not None else None
+        if ids is None or len(ids) > max_length:
+            if columns.drop_long:
+                self.filtered += 1
+                return
+            if truncation == "error":
+                size = f"{len(ids)} tokens" if ids is not None else f"{prompt.length} characters, more than {max_length} tokens of this tokenizer can spell"
+                raise DatasetError(
+                    f"{where}: the prompt is {size}, over data.max_prompt_length={max_length}; raise it, "
+                    "set data.filter_overlong_prompts=True, or data.truncation=left|right|middle"
+                )
+            ids = truncate(ids, max_length, truncation) if ids is not None else _ends(tokenizer, prompt, max_length, truncation)
+            self.truncated += 1
+        reward = raw.get("reward_model") or {}
+        if not isinstance(reward, Mapping) or reward.get("ground_truth") is None:
+            raise DatasetError(f"{where}: reward_model.ground_truth is missing (got reward_model={shown(reward)})")
+        self.rows.append(
+            {
+                "input_ids": ids,
+                "data_source": str(raw.get(columns.reward_fn_key)),
+                "ground_truth": str(reward["ground_truth"]),
+                "extra_info": raw.get("extra_info") or {},
+                "index": index,
+                "raw_prompt": raw.get(columns.prompt_key),
+            }
+        )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -188,6 +282,21 @@ class RLHFDataset:
     @property
     def longest_prompt(self) -> int:
         return max(len(row["input_ids"]) for row in self.rows)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _ends(tokenizer: Any, prompt: Rendered, max_length: int, truncation: str) -> list[int]:
+    """``truncate`` of a prompt too long to tokenize whole: the kept end(s) tokenized from the first / last
+    characters the renderer kept, each more than ``max_length`` tokens can spell."""
+    head = max_length if truncation == "right" else max_length // 2 if truncation == "middle" else 0
+    if truncation not in ("left", "right", "middle"):
+        raise ValueError(f"truncation={truncation!r} is not one of {list(TRUNCATIONS)}")
+    start = _encode(tokenizer, prompt.head)[:head] if head else []
+    end = _encode(tokenizer, prompt.tail)[head - max_length :] if max_length > head else []
+    return start + end
 
 
 def padded_prompt_length(longest: int, response_length: int, tp: int) -> int:

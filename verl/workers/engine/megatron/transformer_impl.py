@@ -24,6 +24,7 @@ from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.megatron_checkpoint_manager import FinalizeState, MegatronCheckpointManager, SaveReport
 from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout
 from verl.utils.checkpoint.step_commit import CommittedStep, StepCommit, StepSpec
+from verl.utils.custom_code import load_tokenizer
 from verl.utils.host_memory import release_free_heap
 from verl.utils.megatron.optimizer import (
     get_megatron_optimizer,
@@ -81,11 +82,9 @@ class MegatronEngine(BaseEngine):
     def __init__(self, settings: ActorSettings, wrap_bridge=None, manager_cls: type = MegatronCheckpointManager):
         """``wrap_bridge(bridge)`` gives the object the manager saves HF weights through (tests observe
         the real bridge with it); ``manager_cls`` replaces the checkpoint manager class."""
-        from transformers import AutoTokenizer
-
         self.settings = settings
         self.hf_config = load_hf_config(settings.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+        self.tokenizer = load_tokenizer(settings.model_path, f"actor_rollout_ref.model.path={settings.model_path}")
         self.bridge = make_bridge(self.hf_config, dtype=settings.dtype, refuse_unsupported=settings.refuse_unsupported)
         self.model = build_megatron_model(self.bridge, use_distributed_optimizer=settings.use_distributed_optimizer)
         self.bridge.load_weights(self.model, settings.model_path)
