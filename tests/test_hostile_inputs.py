@@ -364,20 +364,30 @@ def test_the_table_covers_every_kind():
 
 
 def test_every_config_and_tokenizer_load_goes_through_the_one_check():
-    """No module but ``verl/utils/custom_code.py`` calls transformers' ``from_pretrained``: every folder the
-    package loads passes its check first, with ``trust_remote_code=False`` said explicitly."""
+    """No module but ``verl/utils/custom_code.py`` calls transformers' ``from_pretrained``, and a function that
+    calls Megatron-Bridge's ``AutoBridge.from_hf_pretrained`` runs the same check first: every folder the
+    package loads passes it, with ``trust_remote_code=False`` said explicitly at every such call."""
     import ast
 
     package = Path(__file__).resolve().parent.parent / "verl"
-    calls = []
+    calls, unchecked = [], []
     for path in sorted(package.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_pretrained":
-                calls.append((str(path.relative_to(package.parent)), node))
-    elsewhere = sorted({where for where, _ in calls if where != "verl/utils/custom_code.py"})
+        where = str(path.relative_to(package.parent))
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            called = [n for n in ast.walk(function) if isinstance(n, ast.Call)]
+            names = {c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", None) for c in called}
+            for node in called:
+                if isinstance(node.func, ast.Attribute) and node.func.attr in ("from_pretrained", "from_hf_pretrained"):
+                    calls.append((where, node))
+                    if node.func.attr == "from_hf_pretrained" and "refuse_custom_code" not in names:
+                        unchecked.append(f"{where}:{node.lineno}")
+    elsewhere = sorted({where for where, node in calls if node.func.attr == "from_pretrained" and where != "verl/utils/custom_code.py"})
     assert not elsewhere, f"from_pretrained outside verl/utils/custom_code.py: {elsewhere}"
+    assert not unchecked, f"from_hf_pretrained without refuse_custom_code first: {unchecked}"
     explicit = [any(k.arg == "trust_remote_code" and isinstance(k.value, ast.Constant) and k.value.value is False for k in node.keywords) for _, node in calls]
-    assert calls and all(explicit)
+    assert {node.func.attr for _, node in calls} == {"from_pretrained", "from_hf_pretrained"} and all(explicit)
 
 
 def test_a_tokenizer_class_is_judged_by_transformers_own_resolver(tmp_path):

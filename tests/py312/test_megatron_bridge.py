@@ -55,3 +55,26 @@ def test_hf_megatron_hf_round_trip_is_bit_identical_and_logits_match_transformer
         expected = reference(_tokens()).logits
     assert logits.shape == expected.shape
     assert (logits - expected).abs().max().item() <= 1e-5
+
+
+def test_a_folder_naming_custom_code_is_refused_before_megatron_bridge_reads_it(tiny_moe_path, tmp_path):
+    """The package's one rule holds for Megatron-Bridge too: an ``auto_map`` is refused in one line, and the
+    module it names is never imported (it would create the marker file)."""
+    import json
+    import shutil
+
+    import pytest
+
+    from verl.models.mcore.megatron_bridge import megatron_bridge_provider
+    from verl.utils.custom_code import CustomCodeError
+
+    folder, marker = tmp_path / "model", tmp_path / "ran"
+    shutil.copytree(tiny_moe_path, folder)
+    (folder / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CustomCodeError) as refused:
+        megatron_bridge_provider(str(folder))
+    assert "auto_map" in str(refused.value) and "\n" not in str(refused.value)
+    assert not marker.exists()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from verl.models.mcore.local_spec import transformer_engine_available
+from verl.utils.custom_code import refuse_custom_code
 from verl.utils.internals.megatron_bridge import import_megatron_bridge
 
 _FUSIONS_OFF_WITHOUT_TE = {
@@ -32,9 +33,11 @@ def megatron_bridge_provider(hf_path: str, dtype: torch.dtype = torch.float32) -
     """``(AutoBridge, provider)`` for the HF model at ``hf_path``: the provider builds the Megatron model in
     ``dtype`` and loads the HF weights into it (``provide_distributed_model``); finalized."""
     bridge_module = import_megatron_bridge()
+    # The package's one rule for a folder it reads: nothing it names runs (verl/utils/custom_code.py).
+    refuse_custom_code(hf_path, f"actor_rollout_ref.model.path={hf_path}", "use a folder of a built-in transformers model")
     # By name: Megatron-Bridge 0.6 hands its keyword arguments to the tokenizer too, which then stores a
     # torch.dtype in its config, and the HF save's tokenizer_config.json fails (dtype is not JSON serializable).
-    bridge = bridge_module.AutoBridge.from_hf_pretrained(hf_path, dtype=str(dtype).removeprefix("torch."))
+    bridge = bridge_module.AutoBridge.from_hf_pretrained(hf_path, dtype=str(dtype).removeprefix("torch."), trust_remote_code=False)
     provider = bridge.to_megatron_provider(load_weights=True)
     provider.params_dtype = provider.pipeline_dtype = dtype
     provider.fp16, provider.bf16 = dtype is torch.float16, dtype is torch.bfloat16
