@@ -63,9 +63,10 @@ if TYPE_CHECKING:
 __all__ = ["AsyncMode", "FinalizeState", "MegatronCheckpointManager", "SaveReport"]
 
 
-class FinalizeState(str, enum.Enum):
+class FinalizeState(enum.Enum):
     """``finalize_async_save``'s answer. ``NOTHING_PENDING`` says nothing of how the latest save ended: another
-    caller may have finalized it, or its write failed in their call; ``completed_save(path)`` tells."""
+    caller may have finalized it, or its write failed in their call; ``completed_save(path)`` tells. A plain
+    enum (every member truthy either way): compare with ``is``, never test it as proof of a completed write."""
 
     WRITING = "writing"  # the background write still runs (``blocking=False`` only): call again
     DONE = "done"  # this call completed the pending save: every part is on disk
