@@ -240,7 +240,8 @@ def test_a_dead_writer_of_a_save_fork_names_the_fork_and_the_rank_it_was_forked_
 
 
 def test_a_dead_writer_of_a_sync_save_names_the_rank_and_its_pid():
-    """A sync save's writers are the rank's own children: the line a rank ends with names it and its pid."""
+    """A sync save's writers are the rank's own children: the line a rank ends with names it and its pid. The
+    process's RANK (5) and megatron's rank argument (2) differ here, so the test tells which part names which."""
     import subprocess
     import sys
 
@@ -253,11 +254,11 @@ def test_a_dead_writer_of_a_sync_save_names_the_rank_and_its_pid():
         "    time.sleep(30)\n"
         "watch_writers_in_the_rank(write)(None, False, 2, [], None)\n"
     )
-    rank = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RANK": "2"}, stderr=subprocess.PIPE, text=True)
+    rank = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RANK": "5"}, stderr=subprocess.PIPE, text=True)
     _, err = rank.communicate(timeout=60)
     assert rank.returncode == 1, err
     expected = (
-        rf"\[checkpoint\] rank 2: the save failed: a dist-checkpoint writer process \(pid \d+\) of rank 2 "
+        rf"\[checkpoint\] rank 5: the save failed: a dist-checkpoint writer process \(pid \d+\) of rank 2 "
         rf"\(pid {rank.pid}\) died \(signal 9\); ending this rank"
     )
     assert re.search(expected, err), err
