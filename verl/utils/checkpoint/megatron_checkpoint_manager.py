@@ -98,6 +98,7 @@ class SaveReport:
     blocked_seconds: float | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
     completed: bool = False  # every part on disk: False while an async save's background write runs
+    failure: str | None = None  # why the save failed ("<class>: <cause>"), as the caller who met the failure was told
 
 
 
@@ -427,11 +428,14 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         a caller committing ``local_path`` checks, rather than reading "nothing pending" as "completed"."""
         save = self.last_save
         if save is None or os.path.abspath(save.local_path) != os.path.abspath(local_path):
-            raise CheckpointError(f"{local_path} is not the latest save of this manager, which cannot say whether it completed")
+            raise CheckpointError(
+                f"{local_path} is not the latest save of this manager, which cannot say whether it completed: "
+                "call engine.finalize_checkpoint() before saving through the manager directly"
+            )
         if save is self._pending:
             raise CheckpointError(f"the save of step {save.global_step} into {local_path} is still writing: call finalize_async_save first")
         if not save.completed:
-            raise CheckpointError(f"the save of step {save.global_step} into {local_path} did not complete: its write failed")
+            raise CheckpointError(f"the save of step {save.global_step} into {local_path} did not complete: its write failed ({save.failure})")
         return save
 
     @contextlib.contextmanager
@@ -442,6 +446,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         except (Exception, DistributedCheckpointException) as exc:  # the latter derives from BaseException
             found = os_errors.explain(exc, save.local_path)  # ENOSPC or another errno, named with the path
             cause = found.describe(save.local_path) if found else (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            save.failure = f"{type(exc).__name__}: {cause}"
             raise CheckpointError(f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause})") from exc
 
     @dist_writer.collection_paused()  # no full collection of the trainer's heap set off by this phase's objects
