@@ -29,6 +29,7 @@ from tests.test_checkpoint_lifecycle import (
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
 from verl.utils.checkpoint.integrity import CheckpointError, verify_checkpoint
 from verl.utils.distributed import run_on_ranks
+from verl.utils.internals import megatron_core
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "checkpoint.md")
 
@@ -71,6 +72,8 @@ def _failed_write_then_next_save(src: str, root: str) -> dict:
     torch.distributed.barrier()
     step_dir = os.path.join(root, "global_step_2")
     result["after_failure"] = (_tracked(root), os.path.exists(step_dir), os.path.exists(_step_path(root, 2) + ".incomplete"))
+    # what a writer SIGKILLed with the fork had already sent to the Manager server arrives after the drain
+    megatron_core.WRITE_RESULTS_QUEUE.get()().put(RuntimeError("a write result sent after its failed save's drain"))
     torch.distributed.barrier()
 
     actor.train_step(_batches(1))

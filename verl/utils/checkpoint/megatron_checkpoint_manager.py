@@ -262,6 +262,10 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         self.previous_global_step = global_step
         os.makedirs(local_path, exist_ok=True)
         writer = self._writer  # where each phase runs (``save_writers``)
+        if writer.mode is not AsyncMode.SYNC:  # the sync writer writes in the rank, not through megatron's queue
+            # a writer killed with its failed save's fork may have sent its result after that save's drain: with
+            # no call pending in the process, no writer runs now, and whatever the queue holds is stale
+            megatron_core.drain_write_results()
         save = self.last_save = SaveReport(
             local_path, global_step, writer.mode, max_ckpt_to_keep,
             checked_in_background=not writer.checks_in_rank, hf_weights_in_background=self.should_save_hf_model and not writer.exports_hf_in_rank,
@@ -413,8 +417,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
                 if not self._timed("background_wait", self._async_queue.maybe_finalize_async_calls, blocking):
                     return FinalizeState.WRITING
             except BaseException:
-                if not self._async_queue.get_num_unfinalized_calls():  # the failed call's fork has ended
-                    megatron_core.drain_write_results()  # megatron's finalize of each write, which reads them, never ran
+                megatron_core.drain_write_results()  # megatron's finalize of each write, which reads them, never ran
                 raise
             finally:
                 if not self._async_queue.get_num_unfinalized_calls():
