@@ -1184,17 +1184,20 @@ def test_a_crafted_pickled_step_file_is_refused_in_one_line_before_ray(base_root
     root = _copy_run(base_root, tmp_path)
     marker = str(tmp_path / "ran")
     path = _craft_pickled_file(root, relative, marker)
-    refusal = f"{path} holds something other than tensors and plain data (Unsupported global: GLOBAL io.open was not an allowed global by default); refusing to load it"
+
+    def names_the_file_and_the_global(line: str) -> bool:  # torch's own wording varies ("io.open", "_io.open")
+        return f"{path} holds something" in line and "Unsupported global" in line and "io.open" in line
+
     assert merger(["verify", "--local_dir", root]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"DAMAGED: {refusal}") and "\n" not in err and "safe_globals" not in err, err
+    assert err.startswith("DAMAGED: ") and names_the_file_and_the_global(err) and "\n" not in err and "safe_globals" not in err, err
     config = _resume_config(root)
     try:  # the driver's pre-start checks, in main_ppo's order
         step = find_resume_step(config)
         problems = data_position_problems(step[1], config.data, 1000)
     except ConfigError as exc:
         problems = exc.problems
-    assert len(problems) == 1 and refusal in problems[0], problems
+    assert len(problems) == 1 and names_the_file_and_the_global(problems[0]), problems
     assert not os.path.exists(marker), "the crafted file ran"
 
 

@@ -240,7 +240,8 @@ def test_a_dead_writer_of_a_save_fork_names_the_fork_and_the_rank_it_was_forked_
 
 
 def test_a_dead_writer_of_a_sync_save_names_the_rank_and_its_pid():
-    """A sync save's writers are the rank's own children: the line a rank ends with names it and its pid."""
+    """A sync save's writers are the rank's own children: the line a rank ends with names it and its pid. The
+    process's RANK (5) and megatron's rank argument (2) differ here, so the test tells which part names which."""
     import subprocess
     import sys
 
@@ -253,11 +254,46 @@ def test_a_dead_writer_of_a_sync_save_names_the_rank_and_its_pid():
         "    time.sleep(30)\n"
         "watch_writers_in_the_rank(write)(None, False, 2, [], None)\n"
     )
-    rank = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RANK": "2"}, stderr=subprocess.PIPE, text=True)
+    rank = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RANK": "5"}, stderr=subprocess.PIPE, text=True)
     _, err = rank.communicate(timeout=60)
     assert rank.returncode == 1, err
     expected = (
-        rf"\[checkpoint\] rank 2: the save failed: a dist-checkpoint writer process \(pid \d+\) of rank 2 "
+        rf"\[checkpoint\] rank 5: the save failed: a dist-checkpoint writer process \(pid \d+\) of rank 2 "
         rf"\(pid {rank.pid}\) died \(signal 9\); ending this rank"
     )
     assert re.search(expected, err), err
+
+
+# ------------------------------------------------------------------ the results queue's drain
+
+
+def _drain_with_the_manager_server_gone() -> dict:
+    import multiprocessing
+    import warnings
+
+    from verl.utils.internals import megatron_core
+
+    server = multiprocessing.Manager()
+    megatron_core.tie_write_results_queue(lambda: server)
+    megatron_core.WRITE_RESULTS_QUEUE.get()().put("a write result left by a failed save")
+    server.shutdown()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            raise RuntimeError("the save's own failure")
+        except RuntimeError:
+            try:
+                megatron_core.drain_write_results()
+            except BaseException as exc:
+                return {"raised": type(exc).__name__, "warnings": []}
+    return {"raised": None, "warnings": [str(warning.message) for warning in seen]}
+
+
+def test_a_drain_whose_manager_server_is_gone_warns_and_leaves_the_original_failure():
+    """Was: the drain caught only ``queue.Empty``; with the Manager server gone it raised EOFError or
+    ConnectionRefusedError inside the failed finalize's handler, replacing the save's own failure."""
+    from verl.utils.distributed import run_on_ranks
+
+    (result,) = run_on_ranks(_drain_with_the_manager_server_gone, 1)
+    assert result["raised"] is None, result
+    assert len(result["warnings"]) == 1 and "results queue" in result["warnings"][0], result

@@ -279,7 +279,7 @@ def _save_in_background(root: str, fail: bool) -> dict:
             return None
         if fail:
             raise CheckpointError("the background write failed")
-        return staging
+        return WriteReport(staging, completed=True)
 
     early = transaction.finalize(wait, blocking=False)
     tracked_while_writing = read_tracker(root)
@@ -290,6 +290,43 @@ def _save_in_background(root: str, fail: bool) -> dict:
     thread.join()
     return {"blocked": blocked, "early": early, "tracked_while_writing": tracked_while_writing, "committed": committed,
             "tracker": read_tracker(root), "staging_left": os.path.exists(staging)}  # fmt: skip
+
+
+@dataclasses.dataclass
+class WriteReport:
+    """What a writer's ``completed_save`` returns, as far as the transaction reads it."""
+
+    local_path: str
+    completed: bool
+
+
+def _finalize_with(root: str, answer: str) -> dict:
+    transaction = StepCommit(layout.role_dir(root, 1, "actor"), 1, _spec(track=True))
+    with transaction as staging:
+        PartWriter().save_checkpoint(staging)
+        transaction.defer()
+    from verl.utils.checkpoint.megatron_checkpoint_manager import FinalizeState
+
+    answers = {
+        "writing": FinalizeState.WRITING,  # the old recipe's answer while the write still runs
+        "true": True,
+        "another_directory": WriteReport(staging + "-other", completed=True),
+        "not_completed": WriteReport(staging, completed=False),
+    }
+    try:
+        transaction.finalize(lambda blocking: answers[answer], blocking=False)
+        refusal = None
+    except TypeError as exc:
+        refusal = str(exc)
+    return {"refusal": refusal, "tracker": read_tracker(root), "staging_left": os.path.exists(staging)}
+
+
+@pytest.mark.parametrize("answer", ["writing", "true", "another_directory", "not_completed"])
+def test_finalize_commits_only_the_completed_report_of_its_own_staging_directory(tmp_path, answer):
+    root = str(tmp_path / "run")
+    for result in run_on_ranks(_finalize_with, WORLD, args=(root, answer)):
+        assert result["refusal"] and "\n" not in result["refusal"] and "completed_save" in result["refusal"], result
+        assert result["tracker"] is None and result["staging_left"]  # nothing committed, nothing discarded
 
 
 def test_an_async_save_commits_only_when_its_writer_finished(tmp_path):

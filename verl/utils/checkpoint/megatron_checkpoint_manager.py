@@ -63,9 +63,10 @@ if TYPE_CHECKING:
 __all__ = ["AsyncMode", "FinalizeState", "MegatronCheckpointManager", "SaveReport"]
 
 
-class FinalizeState(str, enum.Enum):
+class FinalizeState(enum.Enum):
     """``finalize_async_save``'s answer. ``NOTHING_PENDING`` says nothing of how the latest save ended: another
-    caller may have finalized it, or its write failed in their call; ``completed_save(path)`` tells."""
+    caller may have finalized it, or its write failed in their call; ``completed_save(path)`` tells. A plain
+    enum (every member truthy either way): compare with ``is``, never test it as proof of a completed write."""
 
     WRITING = "writing"  # the background write still runs (``blocking=False`` only): call again
     DONE = "done"  # this call completed the pending save: every part is on disk
@@ -97,6 +98,7 @@ class SaveReport:
     blocked_seconds: float | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
     completed: bool = False  # every part on disk: False while an async save's background write runs
+    failure: str | None = None  # why the save failed ("<class>: <cause>"), as the caller who met the failure was told
 
 
 
@@ -260,6 +262,10 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         self.previous_global_step = global_step
         os.makedirs(local_path, exist_ok=True)
         writer = self._writer  # where each phase runs (``save_writers``)
+        if writer.mode is not AsyncMode.SYNC:  # the sync writer writes in the rank, not through megatron's queue
+            # a writer killed with its failed save's fork may have sent its result after that save's drain: with
+            # no call pending in the process, no writer runs now, and whatever the queue holds is stale
+            megatron_core.drain_write_results()
         save = self.last_save = SaveReport(
             local_path, global_step, writer.mode, max_ckpt_to_keep,
             checked_in_background=not writer.checks_in_rank, hf_weights_in_background=self.should_save_hf_model and not writer.exports_hf_in_rank,
@@ -411,8 +417,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
                 if not self._timed("background_wait", self._async_queue.maybe_finalize_async_calls, blocking):
                     return FinalizeState.WRITING
             except BaseException:
-                if not self._async_queue.get_num_unfinalized_calls():  # the failed call's fork has ended
-                    megatron_core.drain_write_results()  # megatron's finalize of each write, which reads them, never ran
+                megatron_core.drain_write_results()  # megatron's finalize of each write, which reads them, never ran
                 raise
             finally:
                 if not self._async_queue.get_num_unfinalized_calls():
@@ -426,11 +431,14 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         a caller committing ``local_path`` checks, rather than reading "nothing pending" as "completed"."""
         save = self.last_save
         if save is None or os.path.abspath(save.local_path) != os.path.abspath(local_path):
-            raise CheckpointError(f"{local_path} is not the latest save of this manager, which cannot say whether it completed")
+            raise CheckpointError(
+                f"{local_path} is not the latest save of this manager, which cannot say whether it completed: "
+                "call engine.finalize_checkpoint() before saving through the manager directly"
+            )
         if save is self._pending:
             raise CheckpointError(f"the save of step {save.global_step} into {local_path} is still writing: call finalize_async_save first")
         if not save.completed:
-            raise CheckpointError(f"the save of step {save.global_step} into {local_path} did not complete: its write failed")
+            raise CheckpointError(f"the save of step {save.global_step} into {local_path} did not complete: its write failed ({save.failure})")
         return save
 
     @contextlib.contextmanager
@@ -441,6 +449,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         except (Exception, DistributedCheckpointException) as exc:  # the latter derives from BaseException
             found = os_errors.explain(exc, save.local_path)  # ENOSPC or another errno, named with the path
             cause = found.describe(save.local_path) if found else (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            save.failure = f"{type(exc).__name__}: {cause}"
             raise CheckpointError(f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause})") from exc
 
     @dist_writer.collection_paused()  # no full collection of the trainer's heap set off by this phase's objects

@@ -210,18 +210,34 @@ class StepCommit:
         self.deferred = True
 
     def finalize(self, wait: Callable[[bool], Any], blocking: bool = True) -> CommittedStep | None:
-        """Commit once ``wait(blocking)`` returns anything but None; None while it is still writing. ``wait``
-        answers for this staging directory: it raises unless the write into it completed (a writer's "nothing
-        pending" is not "completed": docs/checkpoint.md's recipe). A failure of the writer or of the commit
-        discards the step and raises."""
+        """Commit once ``wait(blocking)`` returns the proof that the write into this staging directory completed:
+        a report whose ``local_path`` is the staging directory and whose ``completed`` is true (the manager's
+        ``completed_save(staging)``); None while it is still writing. Any other answer (a ``FinalizeState``,
+        True, another directory's report) is a caller's mistake: ``TypeError``, and the step stays pending,
+        nothing discarded. A failure of the writer or of the commit discards the step and raises."""
+        start = time.monotonic()
         try:
-            start = time.monotonic()
-            if wait(blocking) is None:
-                return None
-            self.phase_seconds["background_wait"] = time.monotonic() - start
+            proof = wait(blocking)
+        except BaseException as failure:
+            self._fail(failure)
+        if proof is None:
+            return None
+        self._check_proof(proof)
+        self.phase_seconds["background_wait"] = time.monotonic() - start
+        try:
             return self.commit()
         except BaseException as failure:
             self._fail(failure)
+
+    def _check_proof(self, proof: Any) -> None:
+        """``finalize``'s guard: only the completed report of this very staging directory commits it."""
+        local_path = getattr(proof, "local_path", None)
+        if getattr(proof, "completed", None) is True and isinstance(local_path, str) and os.path.abspath(local_path) == self.staging:
+            return
+        raise TypeError(
+            f"finalize's wait returned {proof!r}, not the completed save's report for {self.staging}: return "
+            "manager.completed_save(transaction.staging) once finalize_async_save is not WRITING (docs/checkpoint.md's recipe)"
+        )
 
     # ------------------------------------------------------------------ the commit
 

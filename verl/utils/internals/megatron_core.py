@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -189,9 +190,19 @@ def _setattr(internal: Internal, value: Any) -> None:
 # ---------------------------------------------------------------- dist checkpointing
 
 
+_CALLS_QUEUES: weakref.WeakSet = weakref.WeakSet()  # every manager's queue in this process (drain_write_results)
+
+
 def async_calls_queue() -> AsyncCallsQueue:
     """A non-persistent ``AsyncCallsQueue`` (each request forks its writer), made at a manager's first async save."""
-    return ASYNC_CALLS_QUEUE.get()(persistent=False)
+    made = ASYNC_CALLS_QUEUE.get()(persistent=False)
+    _CALLS_QUEUES.add(made)
+    return made
+
+
+def async_calls_pending() -> bool:
+    """Whether any manager's queue in this process has a call not finalized yet (its fork may still write)."""
+    return any(calls.get_num_unfinalized_calls() for calls in list(_CALLS_QUEUES))
 
 
 def async_request(async_fn: Callable | None, async_fn_args: tuple, finalize_fns: list[Callable]) -> AsyncRequest:
@@ -292,14 +303,18 @@ def drain_write_results() -> int:
 
     Each write reports one item there, and megatron's finalize of that write reads it back. An async save whose
     finalize failed before those finalizes ran (a fork that died, on this rank or a peer) leaves its items
-    behind, and the next save's finalize would read them as its own and write a wrong ``.metadata``. Call it
-    once the failed save's fork has ended (nothing else writes to the queue then). Only the queue made on our
-    Manager (``tie_write_results_queue``) is known here; none made yet, nothing to drop."""
+    behind, and the next save's finalize would read them as its own and write a wrong ``.metadata``. The queue
+    is the process's, shared by every manager's queue of calls: nothing is dropped while any of them has a call
+    not finalized (its fork may still write). Only the queue made on our Manager (``tie_write_results_queue``)
+    is known here; none made yet, nothing to drop. Called inside a failure's handler: a Manager server that is
+    gone (the process ending) is warned about, never raised, so the failure being reported stays the one raised."""
     import queue as queue_module
 
     try:
         made = getattr(WRITE_RESULTS_QUEUE.get(), "verl_made", None) or []
     except InternalsChangedError:  # not tied (``guard_writers`` warned): megatron's own queue is unknown here
+        return 0
+    if async_calls_pending():
         return 0
     dropped = 0
     for results in made:
@@ -308,6 +323,9 @@ def drain_write_results() -> int:
                 results.get_nowait()
             except queue_module.Empty:
                 break
+            except (OSError, EOFError) as exc:
+                warnings.warn(f"could not drain the write results queue: its Manager server is gone ({type(exc).__name__})", stacklevel=2)
+                return dropped
             dropped += 1
     return dropped
 
