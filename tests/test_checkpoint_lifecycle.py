@@ -295,14 +295,14 @@ def test_sigkill_before_async_finalize_keeps_the_previous_step(tiny_moe_path, ba
 # --------------------------------------------------------------------------- write failures
 
 
-def _save_with_a_full_disk(src: str, root: str) -> str:
+def _save_with_a_full_disk(src: str, root: str, limited: tuple[int, ...]) -> str:
     path, _ = find_resume_checkpoint(root)
     actor = _actor(src)
     actor.load_checkpoint(path)
     actor.train_step(_batches(1))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024 if torch.distributed.get_rank() in limited else soft, hard))
     try:
         actor.save_checkpoint(_step_path(root, 2), global_step=2)
         message = "no error"
@@ -316,11 +316,16 @@ def _save_with_a_full_disk(src: str, root: str) -> str:
     return message, intact
 
 
-def test_disk_full_fails_clearly_and_loses_nothing(tiny_moe_path, base_root, tmp_path):
+@pytest.mark.parametrize("limited", [(0, 1), (1,)], ids=["every_rank", "one_rank"])
+def test_disk_full_fails_clearly_and_loses_nothing(tiny_moe_path, base_root, tmp_path, limited):
+    """Every rank's writes fail (EFBIG past a file-size limit), or one rank's only: its HF files fail while the
+    other rank's are written, and every rank still fails the save at once, naming the cause, instead of waiting
+    in the export's next collective for the failed rank until the group's timeout."""
     root = _copy_run(base_root, tmp_path)
-    results = run_on_ranks(_save_with_a_full_disk, WORLD, LAYOUT, args=(tiny_moe_path, root))
+    results = run_on_ranks(_save_with_a_full_disk, WORLD, LAYOUT, args=(tiny_moe_path, root, limited), timeout_s=120)
     for message, intact in results:
         assert "failed" in message and "previous checkpoint and the tracker are unchanged" in message, message
+        assert "File too large (EFBIG)" in message, message
         assert intact
     assert _tracked(root) == "2"
     verify_checkpoint(_step_path(root, 1))

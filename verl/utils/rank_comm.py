@@ -50,6 +50,26 @@ class RankComm:
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """A barrier that carries each rank's outcome of a step that only some ranks may fail (a write on a full
+        disk): every rank raises when any failed, the failed rank its own error, the others ``PeerFailure``
+        naming it, so no rank goes on into a collective that a failed peer never joins."""
+        failed = [(rank, cause) for rank, cause in enumerate(self.all_gather_object(describe(error) if error else None)) if cause]
+        if error is not None:
+            raise error
+        if failed:
+            rank, cause = failed[0]
+            raise PeerFailure(f"rank {rank} could not {what} ({cause})")
+
+
+class PeerFailure(RuntimeError):
+    """Another rank failed a step every rank takes together (``RankComm.agree``); its cause is in the text."""
+
+
+def describe(error: BaseException) -> str:
+    """One line for a peer: the error's type and its last line (an OSError keeps ``[Errno N]`` and its path)."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1]}"
+
 
 class GroupRankComm(RankComm):
     """A gloo group of every rank, made collectively once (``dist.new_group``): collectives on it from a second

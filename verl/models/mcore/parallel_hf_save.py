@@ -19,7 +19,9 @@ pipeline group, all-gathers over EP and ETP) and then through rank 0, which writ
    them and converts them to HF tensors with the bridge's own merge and conversion
    (``verl.utils.internals.mbridge``) -- so the tensors are bit-identical to mbridge's -- and writes the file;
 5. rank 0 writes the index (the source index verbatim, as mbridge does, or a new one) and, only if
-   it is not there yet, ``config.json``; a barrier ends the save on every rank.
+   it is not there yet, ``config.json``. Each rank's outcome of its writes, then rank 0's of the index, is
+   shared (``RankComm.agree``): a rank whose write failed (a full disk) goes on sending its shards, and
+   every rank raises at the end, instead of its peers waiting in a collective it never joins.
 """
 
 from __future__ import annotations
@@ -212,7 +214,11 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
     """Write the HF folder ``weights_path``; every rank of ``comm`` (default: the default group) calls this."""
     comm = comm or RankComm()
     rank, world_size = comm.rank, comm.world_size
-    os.makedirs(weights_path, exist_ok=True)
+    failure: Exception | None = None  # this rank's write failed: it still sends its shards, writes nothing more
+    try:
+        os.makedirs(weights_path, exist_ok=True)
+    except OSError as exc:
+        failure = exc
 
     # 1. who holds what
     held = _gather_holdings(bridge, models, comm)
@@ -266,29 +272,41 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
                         recvs.append((received[key], source, tag))
         comm.exchange(sends, recvs)  # one batch per round
         for writer, file in jobs:
-            if writer == rank:
-                written.update(_write_file(bridge, weights_path, file, files[file], te_for_file[file], meta, my_tensors, received, device))
+            if writer == rank and failure is None:
+                try:
+                    written.update(_write_file(bridge, weights_path, file, files[file], te_for_file[file], meta, my_tensors, received, device))
+                except Exception as exc:  # a full disk, say: reported to every rank in step 5, not left to hang them
+                    failure = exc
         del received
 
-    # 5. index and config
+    # 5. index and config, once every rank wrote its files
+    comm.agree(failure, "write its HF files")
     reports = comm.all_gather_object(written)
+    index_failure = None
     if rank == 0:
-        sizes = {name: nbytes for report in reports for name, nbytes in report.items()}
-        missing = sorted(set(plan) - set(sizes), key=_natural_key)
-        shared = set(mbridge_internals.hf_shared_weight_keys(bridge))
-        if set(missing) - shared:
-            warnings.warn(f"HF export: {len(missing)} planned tensors were not produced: {missing[:20]}", stacklevel=2)
-        if source_index:
-            with open(os.path.join(weights_path, INDEX_FILENAME), "w") as handle:
-                json.dump(source_index, handle)  # as mbridge's SafeTensorIO.save_index writes it
-        else:
-            weight_map = {name: plan[name] for name in sorted(sizes, key=_natural_key)}
-            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-            with open(os.path.join(weights_path, INDEX_FILENAME), "w") as handle:
-                json.dump(index, handle, indent=2)
-        if not os.path.exists(os.path.join(weights_path, "config.json")):
-            bridge.hf_config.save_pretrained(weights_path)
-    comm.barrier()
+        try:
+            _write_index_and_config(bridge, weights_path, plan, source_index, {n: b for report in reports for n, b in report.items()})
+        except Exception as exc:
+            index_failure = exc
+    comm.agree(index_failure, "write the HF index")
+
+
+def _write_index_and_config(bridge, weights_path: str, plan: dict, source_index: dict, sizes: dict[str, int]) -> None:
+    """Rank 0: the index (the source's verbatim, as mbridge writes it, or a new one) and a missing ``config.json``."""
+    missing = sorted(set(plan) - set(sizes), key=_natural_key)
+    shared = set(mbridge_internals.hf_shared_weight_keys(bridge))
+    if set(missing) - shared:
+        warnings.warn(f"HF export: {len(missing)} planned tensors were not produced: {missing[:20]}", stacklevel=4)
+    if source_index:
+        with open(os.path.join(weights_path, INDEX_FILENAME), "w") as handle:
+            json.dump(source_index, handle)  # as mbridge's SafeTensorIO.save_index writes it
+    else:
+        weight_map = {name: plan[name] for name in sorted(sizes, key=_natural_key)}
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        with open(os.path.join(weights_path, INDEX_FILENAME), "w") as handle:
+            json.dump(index, handle, indent=2)
+    if not os.path.exists(os.path.join(weights_path, "config.json")):
+        bridge.hf_config.save_pretrained(weights_path)
 
 
 def _write_file(bridge, weights_path, file, names, te_list, meta, my_tensors, received, device) -> dict[str, int]:

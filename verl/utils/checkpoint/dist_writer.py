@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from verl.utils.checkpoint.integrity import start_range_writeback
 from verl.utils.internals import InternalsChangedError, megatron_core
 from verl.utils.internals import torch as torch_internals
+from verl.utils.rank_comm import RankComm
 
 MiB = 1 << 20
 BYTES_PER_THREAD = 128 * MiB
@@ -155,8 +156,8 @@ class InRankWriter(FileSystemWriter):
 
     def write(self, threads: int | None = None) -> int:
         """Write this rank's files, one per thread; returns the threads used. A failure is kept for
-        ``retrieve_write_results`` (megatron's finalize then fails the save on every rank, naming this one),
-        not raised here."""
+        ``retrieve_write_results`` and ``failure`` (every rank then fails the save, naming this one), not raised
+        here."""
         plan, planner = self._planned
         self.thread_count = threads or writer_threads(planned_bytes(plan))
         files = split_items(plan.items, self.thread_count)
@@ -168,6 +169,11 @@ class InRankWriter(FileSystemWriter):
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the finalize
             self._results = (exc, traceback.extract_tb(exc.__traceback__))  # DCP's WRAPPED_EXCEPTION
         return self.thread_count
+
+    @property
+    def failure(self) -> Exception | None:
+        """The error that stopped this rank's ``write``, if one did."""
+        return self._results[0] if isinstance(self._results, tuple) else None
 
     def write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         """One file of ``items``, bytes items first (as DCP orders them); each item's place in the results."""
@@ -233,6 +239,9 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
             return
         self.agreed, writer.direct, self.last_direct = plan.agreed, plan.direct, len(plan.direct)
         self.last_threads = writer.write()
+        # megatron's finalize names a write's failure on its coordinator rank only ("ranks:dict_keys([])" on the
+        # others): every rank learns it first, the failed rank raising its own error
+        RankComm().agree(writer.failure, "write its dist checkpoint files")
         megatron_core.finish_torch_dist_save(writer, plan.metadata, plan.dist_wrapper)
 
 

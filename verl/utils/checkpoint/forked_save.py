@@ -34,11 +34,21 @@ def _untimed(phase: str, fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
+def _attempt(timed: Callable[..., Any], phase: str, fn: Callable[[], Any]) -> Exception | None:
+    """Run one phase; its error is returned, for every rank to agree on, not raised past its peers."""
+    try:
+        timed(phase, fn)
+    except Exception as exc:
+        return exc
+    return None
+
+
 @dataclasses.dataclass
 class HFExport:
     """The HF export as one unit, in a rank or a fork, over any group of ranks: rank 0's config -> barrier (fix 2)
     -> every rank's weights -> barrier (every file complete on every rank); the step transaction then verifies it
-    once. ``timed(phase, fn, *args)``: how the rank announces and times ``hf_config`` and ``hf_weights``."""
+    once. Each barrier carries the ranks' outcomes (``RankComm.agree``): a write that fails on one rank (a full
+    disk) fails the export on all of them, where a plain barrier would hold the others until the group's timeout. ``timed(phase, fn, *args)``: how the rank announces and times ``hf_config`` and ``hf_weights``."""
 
     bridge: Any
     model: list
@@ -50,13 +60,15 @@ class HFExport:
     def run(self, rank: int, comm: RankComm | None = None, wait_for_config: Callable[[], None] | None = None) -> None:
         """``comm`` None: the default group and any bridge; else a bridge that saves in parallel, over ``comm``.
         ``wait_for_config``: fix 2's barrier (the rank's public ``wait_for_hf_config``; default ``comm``'s)."""
-        barrier = (comm or RankComm()).barrier
+        group = comm or RankComm()
+        failure = None
         if rank == 0:
-            self.timed("hf_config", self.write_config)
-        (wait_for_config or barrier)()
+            failure = _attempt(self.timed, "hf_config", self.write_config)
+        (wait_for_config or group.barrier)()
+        group.agree(failure, "write the HF config")  # a rank 0 that failed does not leave the others in the export
         kwargs = self.save_kwargs if comm is None else {**self.save_kwargs, "comm": comm}
-        self.timed("hf_weights", functools.partial(self.bridge.save_weights, self.model, self.hf_path, **kwargs))
-        barrier()
+        failure = _attempt(self.timed, "hf_weights", functools.partial(self.bridge.save_weights, self.model, self.hf_path, **kwargs))
+        group.agree(failure, "write its HF weights")  # every file complete on every rank, or every rank raises
 
 
 @dataclasses.dataclass
