@@ -129,6 +129,16 @@ def test_a_write_that_fails_without_an_errno_on_a_full_disk_is_named_enospc(tmp_
         assert explain(CheckpointError("refusing to save step 3: NaN"), disk) is None
 
 
+def test_the_free_space_is_known_when_the_staging_directory_went_meanwhile(tmp_path, monkeypatch):
+    """Another rank's cleanup may remove the step's directory between a look and the statvfs: the free space is
+    its parent's filesystem's, not unknown."""
+    from verl.utils.checkpoint.os_errors import free_bytes
+
+    gone = tmp_path / "global_step_2" / "actor.incomplete"
+    monkeypatch.setattr(os.path, "exists", lambda path: True)  # it was there when looked at
+    assert free_bytes(str(gone)) is not None
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_run_whose_save_fills_the_disk_leaves_no_staging_behind(tmp_path, env, tiny_moe_path, async_save):  # noqa: F811 - env: the CLI tests' fixture
     """Through the CLI, a tmpfs with room for step 1 and half of step 2: the run fails in one line naming ENOSPC

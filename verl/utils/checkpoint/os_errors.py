@@ -96,13 +96,17 @@ def disk_full(path: str) -> OsFailure | None:
 def free_bytes(path: str) -> int | None:
     """Room left for this user on the filesystem of ``path`` (its nearest existing parent); None if unknown."""
     probe = os.path.abspath(path)
-    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)
-    try:
-        stats = os.statvfs(probe)
-    except OSError:
-        return None
-    return stats.f_bavail * stats.f_frsize
+    while True:
+        try:
+            stats = os.statvfs(probe)
+        except FileNotFoundError:  # not made yet, or removed meanwhile (another rank's cleanup): its parent
+            if os.path.dirname(probe) == probe:
+                return None
+            probe = os.path.dirname(probe)
+        except OSError:
+            return None
+        else:
+            return stats.f_bavail * stats.f_frsize
 
 
 def tree_bytes(path: str) -> int:
