@@ -7,11 +7,13 @@ rank is then killed, so a collective left waiting never hangs the caller.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import os
 import queue
 import random
+import signal
 import socket
 import time
 import traceback
@@ -135,8 +137,12 @@ def _rank_entry(rank, world_size, port, fn, args, kwargs, sizes, seed, timeout_s
         WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
+    import faulthandler
+    import signal
+
     import torch
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # _collect asks a rank that hangs where it is
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         init_rank(rank, world_size, sizes, seed, timeout_s)
@@ -275,6 +281,14 @@ def _kill_tagged(group_tag: str) -> None:
             pass
 
 
+def _dump_stacks(procs: list) -> None:
+    """Every thread's Python stack of each process, on its stderr: where a hung rank waits."""
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+
+
 def _collect(procs: list, results, timeout_s: float) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     values: dict[int, Any] = {}
@@ -286,6 +300,7 @@ def _collect(procs: list, results, timeout_s: float) -> list[Any]:
             break
         if now > deadline:
             missing = [r for r in range(len(procs)) if r not in values and r not in failures]
+            _dump_stacks([procs[r] for r in missing])
             failures.update({r: f"rank {r} did not finish within {timeout_s:.0f} s (hung collective?)" for r in missing})
             break
         try:
