@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,8 +199,7 @@ _HUGE = [{"role": "user", "content": "a" * 20_000_000}]  # ~0.9 MB as parquet
 
 
 # Writes argv[2] times "a" as one row's prompt, zstd-compressed, to argv[1]: ~10 KB on disk for 300 M characters.
-# Built as Arrow arrays, never a Python string, and in a process of its own: the peak memory a case measures
-# includes the test process's own (an exec keeps the high-water mark of the process it replaces).
+# Built as Arrow arrays, never a Python string, and in a process of its own, so the test process stays small.
 _COMPRESSED_PROMPT_WRITER = """
 import sys
 import pyarrow as pa, pyarrow.compute as pc, pyarrow.parquet as pq
@@ -321,32 +319,44 @@ class Outcome:
     peak_mb: float
 
 
+# Runs argv[2:] as a child and writes "<exit code> <its peak RSS in KiB>" to argv[1]. The peak of a process
+# started straight from the test would include the test process's own: a fork copies its memory map, and an exec
+# keeps the high-water mark of the map it replaces. This small launcher's fork carries only its own few MB.
+_MEASURED = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as out:
+    out.write(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}")
+"""
+
+
 def run_with_yes_typed(argv: list[str], cwd: Path, env: dict) -> Outcome:
-    """``python <argv>`` with a pseudo-terminal as stdin, ``y`` typed ahead; stdout / stderr captured apart.
-    Its peak memory is the process's own rusage (``wait4``: the maximum over it and the children it waited for)."""
+    """``python <argv>`` with a pseudo-terminal as stdin, ``y`` typed ahead; stdout / stderr captured apart; its
+    exit code and peak memory (``wait4``: the maximum over it and the children it waited for) as its launcher saw
+    them. Past ``TIMEOUT_S`` the launcher and the command are killed: exit code -9."""
+    import signal
     import subprocess
 
     controller, terminal = os.openpty()
     os.write(controller, b"y\n")
+    measured = cwd / "measured.txt"
     with open(cwd / "stdout.txt", "wb") as out, open(cwd / "stderr.txt", "wb") as err:
-        proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdin=terminal, stdout=out, stderr=err)
+        launcher = [sys.executable, "-c", _MEASURED, str(measured), sys.executable, *argv]
+        proc = subprocess.Popen(launcher, cwd=cwd, env=env, stdin=terminal, stdout=out, stderr=err, start_new_session=True)
     os.close(terminal)
-    deadline = time.monotonic() + TIMEOUT_S
     try:
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.05)
+        proc.wait(TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     finally:
         os.close(controller)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    code, peak_kib = (int(n) for n in measured.read_text().split()) if measured.exists() else (-9, 0)
     read = lambda name: (cwd / name).read_text(errors="replace")  # noqa: E731
-    return Outcome(proc.returncode, read("stdout.txt"), read("stderr.txt"), usage.ru_maxrss / 1024)
+    return Outcome(code, read("stdout.txt"), read("stderr.txt"), peak_kib / 1024)
 
 
 @pytest.fixture(scope="module")
