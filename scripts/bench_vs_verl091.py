@@ -31,12 +31,10 @@ Usage (this repository's venv; the 0.9.1 venv as in docs/upstream-interop.md)::
 Writes ``--out`` (JSON) and prints markdown tables; targets (ours <= 0.8x at 1 rank, <= 0.5x at 4 ranks) are
 reported, never enforced.
 
-``--profile-save`` times nothing: per layout each side makes one save (the first, as
-``tests/test_step_commit.py::test_one_sync_save_enters_few_files_and_functions`` profiles ours) under
+``--profile-save`` times nothing: per layout each side makes one save (the first) under
 ``sys.setprofile`` and ``threading.setprofile``, and lists the files and named functions of that side's own
-``verl/`` package the save call enters, in every thread it starts: the suite's count of code one save enters, for
-0.9.1's manager save too (what mbridge or megatron-core run is outside ``verl/`` on both sides, so not counted).
-Ours: ``MegatronEngine.save_checkpoint(..., track=True)`` as in the test, our CPU runtime left out as there;
+``verl/`` package the save call enters, in every thread it starts, for 0.9.1's manager save too (what mbridge or megatron-core run is outside ``verl/`` on both sides, so not counted).
+Ours: ``MegatronEngine.save_checkpoint(..., track=True)``, our CPU runtime left out (device placement);
 0.9.1: ``MegatronCheckpointManager.save_checkpoint`` (its CPU shim lives in ``verl091_interop.py``, outside
 its package). Writes ``--out`` (default ``outputs/bench_vs_verl091_profile.json``) and prints the listing::
 
