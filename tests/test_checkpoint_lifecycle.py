@@ -99,10 +99,10 @@ def _crashing_manager(phase: str, mode: str) -> type:
             if self.rank in victims:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        def wait_for_hf_config(self):
+        def wait_for_hf_config(self, config_failure=None):
             if self.rank != 0:  # in 'all' mode the ranks waiting for rank 0's config die there
                 self.on_save_phase("hf_config")
-            super().wait_for_hf_config()
+            super().wait_for_hf_config(config_failure)
 
     return CrashingManager
 
@@ -330,6 +330,38 @@ def test_disk_full_fails_clearly_and_loses_nothing(tiny_moe_path, base_root, tmp
     assert _tracked(root) == "2"
     verify_checkpoint(_step_path(root, 1))
     verify_checkpoint(_step_path(root, 2))
+
+
+class _ConfigWriteFailsOnRankZero(MegatronCheckpointManager):
+    """Rank 0's HF config cannot be written: a directory stands where ``config.json`` goes."""
+
+    def on_save_phase(self, phase):
+        super().on_save_phase(phase)
+        if phase == "hf_config" and self.rank == 0:
+            os.makedirs(os.path.join(self.last_save.local_path, "model", "huggingface", "config.json"))
+
+
+def _save_with_the_config_failing(src: str, root: str) -> str:
+    path, _ = find_resume_checkpoint(root)
+    actor = _actor(src, manager_cls=_ConfigWriteFailsOnRankZero)
+    actor.load_checkpoint(path)
+    actor.train_step(_batches(1))
+    try:
+        actor.save_checkpoint(_step_path(root, 2), global_step=2)
+        message = "no error"
+    except CheckpointError as exc:
+        message = str(exc)
+    torch.distributed.barrier()
+    return message
+
+
+def test_a_config_write_that_fails_on_rank_zero_fails_every_rank_at_fix_2s_barrier(tiny_moe_path, base_root, tmp_path):
+    """Fix 2's barrier carries rank 0's outcome: the other ranks raise there, naming it, instead of waiting in
+    the weight save's collectives for a rank 0 that left the export."""
+    root = _copy_run(base_root, tmp_path)
+    for message in run_on_ranks(_save_with_the_config_failing, WORLD, LAYOUT, args=(tiny_moe_path, root), timeout_s=120):
+        assert "Is a directory (EISDIR) writing " in message and "previous checkpoint and the tracker are unchanged" in message, message
+    assert _tracked(root) == "1" and not os.path.exists(os.path.join(root, "global_step_2"))
 
 
 def _save_onto_a_full_disk(src: str, root: str, async_mode: str | None) -> str:

@@ -62,7 +62,7 @@ class SlowConfigManager(MegatronCheckpointManager):
 
 
 class SlowConfigNoBarrierManager(SlowConfigManager):
-    def wait_for_hf_config(self):
+    def wait_for_hf_config(self, config_failure=None):
         pass
 
 

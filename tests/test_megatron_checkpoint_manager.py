@@ -64,7 +64,7 @@ class SlowConfigManager(MegatronCheckpointManager):
 class SlowConfigNoBarrierManager(SlowConfigManager):
     """Test-only variant without fix 2's barrier; it must be caught by the same check."""
 
-    def wait_for_hf_config(self):
+    def wait_for_hf_config(self, config_failure=None):
         pass
 
 

@@ -57,15 +57,15 @@ class HFExport:
     write_config: Callable[[], None]  # rank 0's ``megatron_metadata.write_hf_config``, bound to its arguments
     timed: Callable[..., Any] = _untimed
 
-    def run(self, rank: int, comm: RankComm | None = None, wait_for_config: Callable[[], None] | None = None) -> None:
+    def run(self, rank: int, comm: RankComm | None = None, wait_for_config: Callable[[Exception | None], None] | None = None) -> None:
         """``comm`` None: the default group and any bridge; else a bridge that saves in parallel, over ``comm``.
-        ``wait_for_config``: fix 2's barrier (the rank's public ``wait_for_hf_config``; default ``comm``'s)."""
+        ``wait_for_config(config_failure)``: fix 2's barrier, carrying rank 0's outcome of the config write (the
+        rank's public ``wait_for_hf_config``; default ``comm``'s ``agree``)."""
         group = comm or RankComm()
         failure = None
         if rank == 0:
             failure = _attempt(self.timed, "hf_config", self.write_config)
-        (wait_for_config or group.barrier)()
-        group.agree(failure, "write the HF config")  # a rank 0 that failed does not leave the others in the export
+        (wait_for_config or functools.partial(group.agree, what="write the HF config"))(failure)
         kwargs = self.save_kwargs if comm is None else {**self.save_kwargs, "comm": comm}
         failure = _attempt(self.timed, "hf_weights", functools.partial(self.bridge.save_weights, self.model, self.hf_path, **kwargs))
         group.agree(failure, "write its HF weights")  # every file complete on every rank, or every rank raises

@@ -491,15 +491,13 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         wanted = {"model": self.should_save_dist_ckpt_model, "optimizer": self.should_save_optimizer, "extra": self.should_save_extra}
         return [content for content in layout.DIST_CKPT_DIRS if wanted[content]]
 
-    def wait_for_hf_config(self) -> None:
+    def wait_for_hf_config(self, config_failure: BaseException | None = None) -> None:
         """Fix 2: no rank may start the bridge's HF weight save until rank 0's config is on disk. Public so
         that tests can show what a save without it gets wrong, and where a rank waits for rank 0. A barrier over
-        the group the export runs over (its own one beside the dist write)."""
-        comm = self.last_save.hf_comm if self.last_save is not None else None
-        if comm is not None:
-            comm.barrier()
-        else:
-            torch.distributed.barrier()
+        the group the export runs over (its own one beside the dist write) that carries rank 0's outcome of the
+        config write (``config_failure``): when it failed, every rank raises here (``RankComm.agree``)."""
+        comm = self.last_save.hf_comm if self.last_save is not None and self.last_save.hf_comm is not None else RankComm()
+        comm.agree(config_failure, "write the HF config")
 
     def _timed(self, phase: str, fn: Callable[..., Any], *args: Any, announce: bool = False) -> Any:
         """Run one phase of the current save, adding its time to the save's report; ``announce``: tell
