@@ -415,15 +415,44 @@ def test_a_tokenizer_class_is_judged_by_transformers_own_resolver(tmp_path):
     assert "\n" not in line and len(line) < 400
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case.kind.replace(' ', '_')}-{case.name}")
-def test_a_hostile_input_is_refused_in_one_line_and_nothing_of_it_runs(case, tiny_dense_path, steps, tmp_path):
-    work = tmp_path / "case"
-    work.mkdir()
-    marker = str(work / "MARKER")
-    argv = case.build(Inputs(work, marker, tiny_dense_path, steps))
+def _case_id(case: Case) -> str:
+    return f"{case.kind.replace(' ', '_')}-{case.name}"
+
+
+@dataclass
+class Ran:
+    """One case's command as it ran: its outcome, its directory and the marker its payload would create."""
+
+    outcome: Outcome
+    work: Path
+    marker: str
+
+
+@pytest.fixture(scope="module")
+def ran(request, tiny_dense_path, steps, tmp_path_factory) -> dict[str, Ran]:
+    """Every selected case built, then run two at a time (the commands mostly wait on imports; each one's peak
+    memory is its own): the matrix's cost halved on two cores, each case still asserted by its own test."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    selected = [item.callspec.params["case"] for item in request.session.items if getattr(item, "originalname", "") == "test_a_hostile_input_is_refused_in_one_line_and_nothing_of_it_runs"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p), "VERL_TINY_MODEL_CACHE": str(tmp_path / "cache")}
-    outcome = run_with_yes_typed(argv, work, env)
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    built = {}
+    for case in selected:
+        work = tmp_path_factory.mktemp(case.name) / "case"
+        work.mkdir()
+        marker = str(work / "MARKER")
+        env = {**os.environ, "PYTHONPATH": pythonpath, "VERL_TINY_MODEL_CACHE": str(work.parent / "cache")}
+        built[_case_id(case)] = (case.build(Inputs(work, marker, tiny_dense_path, steps)), work, marker, env)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        running = {name: pool.submit(run_with_yes_typed, argv, work, env) for name, (argv, work, _, env) in built.items()}
+    return {name: Ran(running[name].result(), work, marker) for name, (_, work, marker, _) in built.items()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_a_hostile_input_is_refused_in_one_line_and_nothing_of_it_runs(case, ran):
+    this = ran[_case_id(case)]
+    outcome, work, marker = this.outcome, this.work, this.marker
     lines = [line for line in outcome.stderr.splitlines() if line.strip()]
     shown = f"rc={outcome.returncode}\n--- stdout\n{outcome.stdout[-2000:]}\n--- stderr\n{outcome.stderr[-4000:]}"
     assert outcome.returncode not in (0, -9), shown  # refused, not killed by the timeout
