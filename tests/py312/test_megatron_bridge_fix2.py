@@ -4,7 +4,7 @@ Upstream's case, made tiny: the source checkpoint counts an MTP layer (``mtp_num
 its ``mtp.*`` tensors in the same shard as the last layer's experts and the final norm; the model is built
 without the MTP head, and the config the export writes counts none (upstream zeroes it when MTP is off). Each
 rank exports the same model four times: in fix 2's order (the checkpoint manager's save of ``hf_model``: rank
-0's config, barrier, every rank's weights, then its verification), and with the weights first into an empty
+0's config, barrier, every rank's weights; the worker's step transaction verifies, here the test), and with the weights first into an empty
 folder, into a folder holding the source's config (which counts the MTP layer) and into one holding a config
 that counts none.
 
@@ -55,7 +55,7 @@ def _source_with_mtp_tensors(path: str) -> tuple[str, list[str]]:
 
 
 def _export_in_each_order(src: str, out: str, sizes: ParallelSizes) -> tuple[int, int]:
-    """Every rank: build the model from ``src`` at PP2 EP2, double every weight (so the files can only come
+    """Every rank: build the model from ``src`` at ``sizes``, double every weight (so the files can only come
     from the model), export it once per order; returns Megatron-Bridge's (major, minor) version."""
     from transformers import AutoConfig, AutoTokenizer
 
