@@ -59,6 +59,7 @@ PY312_TESTS=(
   tests/test_internals_capability.py
   tests/test_megatron_utils.py                 # fix 1, both optimizer settings (model build through mbridge on 0.18)
   tests/py312/test_megatron_bridge.py          # Megatron-Bridge: HF -> Megatron -> HF bit-identical, logits = transformers'
+  tests/py312/test_megatron_bridge_fix2.py     # fix 2 against Megatron-Bridge's own HF save, PP2 EP2, both orders
 )
 echo "[test.sh] Python 3.12 leg (.venv-py312): ${#PY312_TESTS[@]} test files"
 if [ ! -x .venv-py312/bin/python ]; then
