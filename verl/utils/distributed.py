@@ -138,7 +138,6 @@ def _rank_entry(rank, world_size, port, fn, args, kwargs, sizes, seed, timeout_s
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
     import faulthandler
-    import signal
 
     import torch
 

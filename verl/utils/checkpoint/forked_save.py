@@ -48,7 +48,8 @@ class HFExport:
     """The HF export as one unit, in a rank or a fork, over any group of ranks: rank 0's config -> barrier (fix 2)
     -> every rank's weights -> barrier (every file complete on every rank); the step transaction then verifies it
     once. Each barrier carries the ranks' outcomes (``RankComm.agree``): a write that fails on one rank (a full
-    disk) fails the export on all of them, where a plain barrier would hold the others until the group's timeout. ``timed(phase, fn, *args)``: how the rank announces and times ``hf_config`` and ``hf_weights``."""
+    disk) fails the export on all of them, where a plain barrier would hold the others until the group's timeout.
+    ``timed(phase, fn, *args)``: how the rank announces and times ``hf_config`` and ``hf_weights``."""
 
     bridge: Any
     model: list

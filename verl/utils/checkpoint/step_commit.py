@@ -39,6 +39,7 @@ from verl.utils.checkpoint import layout, os_errors
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
 from verl.utils.checkpoint.integrity import FORMAT_VERSION, CheckpointError, build_manifest, fsync_tree
 from verl.utils.fs import atomic_open, atomic_write_text, fsync_path
+from verl.utils.rank_comm import describe
 
 
 class Retention(Protocol):
@@ -66,8 +67,8 @@ def from_rank_zero(work: Callable[[], T], what: str, path: str) -> T:
             outcome = [(True, work())]
         except Exception as exc:
             found = os_errors.explain(exc, path)
-            cause = found.describe(path) if found else (str(exc).strip().splitlines() or [""])[-1]
-            outcome = [(False, f"rank 0 could not {what} ({type(exc).__name__}: {cause})")]
+            cause = f"{type(exc).__name__}: {found.describe(path)}" if found else describe(exc)
+            outcome = [(False, f"rank 0 could not {what} ({cause})")]
     torch.distributed.broadcast_object_list(outcome, src=0)
     ok, value = outcome[0]
     if not ok:
