@@ -72,8 +72,8 @@ fi
 # shellcheck disable=SC1091
 source .venv-py312/bin/activate
 python -c "import torch" 2>/dev/null || python -m pip install -q "$(grep '^torch==' requirements-py312.txt | cut -d' ' -f1)"
-# megatron-bridge without its declared dependencies (requirements-py312.txt says why); verl itself without
-# setup.py's ranges, which do not include torch 2.14 (this leg's torch is declared in requirements-py312.txt)
+# megatron-bridge without its declared dependencies (requirements-py312.txt says why), and verl on the same line
+# (this leg's stack is requirements-py312.txt's; tests/test_declared_ranges.py holds setup.py's ranges to it)
 python -m pip install -q -r <(grep -v '^megatron-bridge' requirements-py312.txt) "pytest>=8"
 python -m pip install -q --no-deps "$(grep '^megatron-bridge' requirements-py312.txt | cut -d' ' -f1)" -e .
 py312_status=0
