@@ -53,6 +53,7 @@ MEGATRON_BRIDGE_NEEDS = ("omegaconf",)
 # Pure-Python packages PyPI has only as an sdist (omegaconf's parser runtime): built into a wheel here.
 BUILT_HERE = ("antlr4-python3-runtime==4.9.*",)
 DEVICE_STACK_REQUIREMENTS = ("torch==2.11.0", "transformers==5.17.0")  # what the GPU host has preinstalled
+DEVICE_PYTHON = "3.12"
 
 
 def canonical(name: str) -> str:
@@ -148,7 +149,7 @@ def resolve_device_stack() -> dict:
     """The distributions (name -> version) pip installs for the device's two pins on Python 3.12, from PyPI."""
     empty = Path(tempfile.mkdtemp())
     (empty / "constraints.txt").write_text("")
-    items = _dry_run("3.12", list(DEVICE_STACK_REQUIREMENTS), [], empty / "constraints.txt", offline=False)
+    items = _dry_run(DEVICE_PYTHON, list(DEVICE_STACK_REQUIREMENTS), [], empty / "constraints.txt", offline=False)
     return dict(sorted((canonical(i["metadata"]["name"]), i["metadata"]["version"]) for i in items))
 
 
@@ -157,11 +158,12 @@ def _installed() -> dict[str, str]:
 
 
 def provided_stack(python: str) -> dict[str, str]:
-    """The device's distributions minus what the bundle carries: the device's versions for Python 3.12; for this
-    interpreter's own version, the versions it has installed of those names (the CPU run of the check)."""
+    """The device's distributions minus what the bundle carries: the device's versions for Python 3.12 (whatever
+    runs this: that bundle is the device's); for another version, this interpreter's own, the versions it has
+    installed of those names (the CPU run of the check)."""
     stack = json.loads(DEVICE_STACK_FILE.read_text())["distributions"]
     carried = {requirement_name(r) for r in carried_requirements(python)}
-    if python == _this_python():
+    if python == _this_python() and python != DEVICE_PYTHON:
         installed = _installed()
         stack = {name: installed[name] for name in stack if name in installed}
     return {name: version for name, version in sorted(stack.items()) if name not in carried}
@@ -300,15 +302,15 @@ def _pythons(asked: list[str] | None) -> list[str]:
     CPU check without), this interpreter's. Asking for this interpreter's without torch is refused."""
     has_torch = "torch" in _installed()
     if asked:
-        if _this_python() in asked and _this_python() != "3.12" and not has_torch:
+        if _this_python() in asked and _this_python() != DEVICE_PYTHON and not has_torch:
             raise SystemExit(f"gpu_bundle: --python {_this_python()} is for the CPU run of the check, and this interpreter "
                              f"({sys.executable}) has no torch; run it with the project's venv: .venv/bin/python")  # fmt: skip
         return asked
     if not has_torch:
         print(f"gpu_bundle: {sys.executable} has no torch, so no bundle for its CPU run (Python {_this_python()}); "
               "run .venv/bin/python scripts/gpu_bundle.py for that one")
-        return ["3.12"]
-    return sorted({"3.12", _this_python()})
+        return [DEVICE_PYTHON]
+    return sorted({DEVICE_PYTHON, _this_python()})
 
 
 def main() -> int:
@@ -340,7 +342,7 @@ def main() -> int:
         for version, resolved in summary["resolved_offline"].items():
             print(f"gpu_bundle: {tag} megatron-core {version}: resolves offline with "
                   f"{len(resolved['from_bundle'])} wheels of the bundle and {len(resolved['from_the_host'])} of the host")
-        carried = python == "3.12"
+        carried = python == DEVICE_PYTHON
         total = summary["mib"] + summary["working_tree_mib"]
         verdict = f"with the working tree {total:.1f} MiB, {'under' if total < CARRY_LIMIT_MIB else 'OVER'} the {CARRY_LIMIT_MIB} MiB carry limit"
         print(f"gpu_bundle: {args.dest / tag}: {len(summary['wheels'])} wheels, {summary['mib']:.1f} MiB" + (f"; {verdict}" if carried else ""))
