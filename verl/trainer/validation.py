@@ -571,7 +571,12 @@ def _check_mbridge_config(model_path: str, config: Any) -> list[str]:
     if not node:
         return []
     entries = OmegaConf.to_container(node, resolve=True)
-    save_weights = bridge_class_for(read_model_config(model_path)["model_type"]).save_weights
+    if config.actor_rollout_ref.actor.megatron.vanilla_mbridge:
+        save_weights = bridge_class_for(read_model_config(model_path)["model_type"]).save_weights
+    else:
+        from verl.models.mcore.megatron_bridge import MegatronBridgeWeights
+
+        save_weights = MegatronBridgeWeights.save_weights
     try:
         save_weights_kwargs(save_weights, entries, key=f"{_CHECKPOINT}mbridge_config")
     except ValueError as exc:
