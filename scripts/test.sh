@@ -75,10 +75,10 @@ fi
 # shellcheck disable=SC1091
 source .venv-py312/bin/activate
 python -c "import torch" 2>/dev/null || python -m pip install -q "$(grep '^torch==' requirements-py312.txt | cut -d' ' -f1)"
-# megatron-bridge without its declared dependencies (requirements-py312.txt says why), and verl on the same line
-# (this leg's stack is requirements-py312.txt's; tests/test_declared_ranges.py holds setup.py's ranges to it)
-python -m pip install -q -r <(grep -v '^megatron-bridge' requirements-py312.txt) "pytest>=8"
-python -m pip install -q --no-deps "$(grep '^megatron-bridge' requirements-py312.txt | cut -d' ' -f1)" -e .
+# a GPU user's two steps (README): the stack with verl, then megatron-bridge without its declared dependencies
+# (requirements-py312.txt says why; tests/test_declared_ranges.py holds setup.py's ranges to this stack)
+python -m pip install -q -r <(grep -v '^megatron-bridge' requirements-py312.txt) -e . "pytest>=8"
+python -m pip install -q --no-deps "$(grep '^megatron-bridge' requirements-py312.txt | cut -d' ' -f1)"
 py312_status=0
 run_pytest "${PY312_TESTS[@]}" || py312_status=$?
 echo "[test.sh] main leg (transformers 5.10): status $main_status; transformers 4.57 leg: status $tf4_status; Python 3.12 leg: status $py312_status"
