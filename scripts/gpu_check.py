@@ -184,13 +184,13 @@ def check_environment(ctx: Context) -> tuple[bool, dict]:
         "torch_compile": ctx.torch_compile,
     }
     bridge_ok = True
-    if ctx.megatron_bridge:
+    if ctx.megatron_bridge:  # as verl imports it (a host without TransformerEngine too)
+        from verl.utils.internals.megatron_bridge import import_megatron_bridge
+
         try:
-            import megatron.bridge
-        except ImportError as exc:
-            numbers["megatron_bridge_from"], bridge_ok = f"not importable: {exc}", False
-        else:
-            numbers["megatron_bridge_from"] = _installed_in(megatron.bridge)
+            numbers["megatron_bridge_from"] = _installed_in(import_megatron_bridge())
+        except Exception as exc:  # noqa: BLE001 - whatever stops the import fails this row, named
+            numbers["megatron_bridge_from"], bridge_ok = f"not importable: {type(exc).__name__}: {exc}", False
     if ctx.device == "cuda":
         numbers["gpu"] = torch.cuda.get_device_name()
     expected_backend = "nccl" if ctx.device == "cuda" else "gloo"

@@ -62,6 +62,7 @@ PY312_TESTS=(
   tests/py312/test_megatron_bridge_fix2.py     # fix 2 against Megatron-Bridge's own HF save, PP2 EP2, both orders
   # the GPU check's CPU run from the device's own bundle: both megatron-core releases, Megatron-Bridge's lines
   tests/test_gpu_check.py::test_the_device_bundle_resolves_offline_under_the_carry_limit
+  tests/test_gpu_check.py::test_each_run_installs_one_wheel_of_each_name
   tests/test_gpu_check.py::test_the_check_passes_on_cpu_from_the_bundle
 )
 echo "[test.sh] Python 3.12 leg (.venv-py312): ${#PY312_TESTS[@]} test files/cases"
