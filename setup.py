@@ -9,7 +9,7 @@ here = Path(__file__).parent
 # checks each where it is first used), and for exactly pinned ones that need a wider range. Each range's two ends
 # are releases a leg of scripts/test.sh runs (tests/test_declared_ranges.py holds them to it): requirements.txt
 # (Python 3.11: torch 2.13.0, megatron-core 0.16.1, transformers 5.10.4), its transformers 4.57.6 leg, and
-# requirements-py312.txt (Python 3.12: torch 2.14.1, megatron-core 0.18.2, Megatron-Bridge 0.6.2); docs/cpu.md
+# requirements-py312.txt (Python 3.12: torch 2.14.1, megatron-core 0.18.2); docs/cpu.md
 # ("The stack") dates each end. verl.utils.internals.TESTED names the releases the contract tests passed on.
 DECLARED = {
     "torch": ">=2.13.0,<=2.14.1",
@@ -17,11 +17,9 @@ DECLARED = {
     "mbridge": "==0.15.1",
     "transformers": ">=4.57.6,!=5.6.0,<=5.10.4",  # 5.6.0 is excluded by verl 0.9.1 and upstream too
 }
-# Megatron-Bridge, upstream's default bridge: install it with --no-deps (docs/cpu.md says why), as upstream does.
-EXTRAS = {
-    "megatron-bridge": ["megatron-bridge==0.6.2; python_version >= '3.12'"],  # its wheels need Python 3.12
-    "test": ["pytest>=8", "ruff"],
-}
+# No extra for Megatron-Bridge: pip installs an extra's packages with their declared dependencies, and Megatron-
+# Bridge's cannot be resolved (docs/cpu.md); it is installed apart with --no-deps, pinned in requirements-py312.txt.
+EXTRAS = {"test": ["pytest>=8", "ruff"]}
 PYTHON_REQUIRES = ">=3.11,<3.13"  # 3.11.7 (requirements.txt's legs) and 3.12.1 (requirements-py312.txt's)
 
 

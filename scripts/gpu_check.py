@@ -4,7 +4,8 @@ Everything else in the project runs on CPU ranks over gloo. This joins a one-ran
 ``--device cuda``, gloo on ``--device cpu``), builds the embedded tiny Qwen3-MoE through the bridge into
 Megatron DDP with megatron's optimizer (the project's ``MegatronEngine``), and runs one row per check:
 
-- ``environment``: the device, the backend and the versions imported (megatron-core from where);
+- ``environment``: the device, the backend and the versions imported (megatron-core, transformers, zlib-ng and
+  Megatron-Bridge from where; it fails where Megatron-Bridge is asked for and does not import);
 - ``offload DO=False`` / ``offload DO=True``: ``get_megatron_module_device`` resident / offloaded / reloaded,
   offload and reload of the model and the optimizer, every byte back, the next step trains; on CUDA the
   allocated and peak memory (``torch.cuda.max_memory_allocated``) of each phase, and what the offload freed;
@@ -16,7 +17,7 @@ Megatron DDP with megatron's optimizer (the project's ``MegatronEngine``), and r
 - ``dist-ckpt load``: a fresh model and optimizer load ``model/dist_ckpt`` + the optimizer bit for bit;
 - ``async save``: an ``async_save`` with the distributed optimizer returns before the write, training goes on,
   the finalize commits it, and a fresh model loads the state as of the save, bit for bit;
-- ``megatron-bridge save`` / ``megatron-bridge hf export`` (where Megatron-Bridge is installed): its model
+- ``megatron-bridge save`` / ``megatron-bridge hf export`` (with ``--megatron-bridge``, or where it is installed): its model
   built on the device, one training step, a save through the checkpoint manager with its own HF weight save
   in fix 2's order, and that export verified and loaded by transformers with Megatron's logits.
 
@@ -112,6 +113,10 @@ def _state_bits(actor) -> dict:
     return bits
 
 
+def _parameter_bits(model) -> dict:
+    return {f"{i}.{n}": _bits(p) for i, chunk in enumerate(model) for n, p in chunk.named_parameters()}
+
+
 def _grad_bits(actor) -> dict:
     return {f"{i}.{n}": _bits(p.main_grad) for i, chunk in enumerate(actor.model) for n, p in chunk.named_parameters()}
 
@@ -138,6 +143,7 @@ class Context:
     work: Path
     torch_compile: str = ""
     model_path: str = ""
+    megatron_bridge: bool = False  # its rows run, and the environment row fails where it does not import
     saved: dict = dataclasses.field(default_factory=dict)  # what the save row left for the rows after it
 
 
@@ -177,10 +183,18 @@ def check_environment(ctx: Context) -> tuple[bool, dict]:
         "transformer_engine": importlib.util.find_spec("transformer_engine") is not None,
         "torch_compile": ctx.torch_compile,
     }
+    bridge_ok = True
+    if ctx.megatron_bridge:  # as verl imports it (a host without TransformerEngine too)
+        from verl.utils.internals.megatron_bridge import import_megatron_bridge
+
+        try:
+            numbers["megatron_bridge_from"] = _installed_in(import_megatron_bridge())
+        except Exception as exc:  # noqa: BLE001 - whatever stops the import fails this row, named
+            numbers["megatron_bridge_from"], bridge_ok = f"not importable: {type(exc).__name__}: {exc}", False
     if ctx.device == "cuda":
         numbers["gpu"] = torch.cuda.get_device_name()
     expected_backend = "nccl" if ctx.device == "cuda" else "gloo"
-    return numbers["device"] == ctx.device and numbers["backend"] == expected_backend, numbers
+    return numbers["device"] == ctx.device and numbers["backend"] == expected_backend and bridge_ok, numbers
 
 
 def check_offload(ctx: Context, use_distributed_optimizer: bool) -> tuple[bool, dict]:
@@ -267,8 +281,13 @@ def _phase_observer(seen: list[tuple[str, bool]]) -> type:
     return PhaseObserver
 
 
-def _fix2_order(phases: list[str]) -> bool:
-    return "hf_config" in phases and "hf_weights" in phases and phases.index("hf_config") < phases.index("hf_weights")
+def _fix2_seen(seen: list[tuple[str, bool]]) -> tuple[list[str], bool, bool]:
+    """The phases in order, whether the HF config and tokenizer were on disk when ``hf_weights`` started, and
+    whether the whole is fix 2's order (``hf_config`` before ``hf_weights``, both files there by then)."""
+    phases = [phase for phase, _ in seen]
+    on_disk = dict(seen).get("hf_weights", False)
+    ordered = "hf_config" in phases and "hf_weights" in phases and phases.index("hf_config") < phases.index("hf_weights")
+    return phases, on_disk, ordered and on_disk
 
 
 def _hf_export_matches(hf: str, tokens, megatron_logits, device: str) -> tuple[bool, dict]:
@@ -314,7 +333,7 @@ def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
     mu.offload_megatron_optimizer(actor.optimizer)
     offloaded_after = mu.is_megatron_module_offloaded(actor.model)
     ctx.saved["path"] = path
-    phases, config_before_weights = [phase for phase, _ in seen], dict(seen).get("hf_weights", False)
+    phases, config_before_weights, fix2 = _fix2_seen(seen)
     report = actor.checkpoint_manager.last_save
     numbers = {
         "queried_while_offloaded": queried,
@@ -325,7 +344,7 @@ def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
         **memory.numbers,
     }
     committed = (Path(path) / "manifest.json").exists() and not Path(path + ".incomplete").exists()
-    ok = queried == "cpu" and not pending and _fix2_order(phases) and config_before_weights and offloaded_after and committed
+    ok = queried == "cpu" and not pending and fix2 and offloaded_after and committed
     return ok, numbers
 
 
@@ -415,10 +434,10 @@ def check_megatron_bridge_save(ctx: Context) -> tuple[bool, dict]:
         model = provider.provide_distributed_model(ddp_config=ddp, wrap_with_ddp=True)
         optimizer, scheduler = get_megatron_optimizer_and_scheduler(model, lr=3e-3, clip_grad=1.0, use_distributed_optimizer=False)
     device = {p.device.type for chunk in model for p in chunk.parameters()}
-    before = {f"{i}.{n}": _bits(p) for i, chunk in enumerate(model) for n, p in chunk.named_parameters()}
+    before = _parameter_bits(model)
     with memory.phase("train"):
         loss = train_step(model, optimizer, scheduler, _batches(ctx, 0))["loss"]
-    after = {f"{i}.{n}": _bits(p) for i, chunk in enumerate(model) for n, p in chunk.named_parameters()}
+    after = _parameter_bits(model)
     tokens = torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(5))
     ctx.saved.update(bridge_tokens=tokens, bridge_logits=forward_logits(model, tokens.to(ctx.device)).cpu())
     seen: list[tuple[str, bool]] = []
@@ -434,12 +453,12 @@ def check_megatron_bridge_save(ctx: Context) -> tuple[bool, dict]:
     with memory.phase("save"):
         report = manager.save_checkpoint(path, global_step=1)
     ctx.saved["bridge_path"] = path
-    phases, config_before_weights = [phase for phase, _ in seen], dict(seen).get("hf_weights", False)
+    phases, config_before_weights, fix2 = _fix2_seen(seen)
     moved = len(_differing(before, after))
     numbers = {"params_device": "/".join(sorted(device)), "loss": loss, "params_moved": moved, "phases": ">".join(phases),
                "config_on_disk_at_hf_weights": config_before_weights, **memory.numbers}  # fmt: skip
     ok = device == {ctx.device} and math.isfinite(loss) and moved > 0 and report.completed
-    return ok and _fix2_order(phases) and config_before_weights, numbers
+    return ok and fix2, numbers
 
 
 def check_megatron_bridge_export(ctx: Context) -> tuple[bool, dict]:
@@ -503,17 +522,19 @@ def missing_compile_toolchain() -> str | None:
     return None
 
 
-def run_checks(device: str, work: Path, torch_compile: str) -> list[Row]:
+def run_checks(device: str, work: Path, torch_compile: str, megatron_bridge: bool) -> list[Row]:
+    """Every row; Megatron-Bridge's where ``megatron_bridge`` is asked for (scripts/gpu_check.sh asks where the
+    bundle carries it: missing there, its rows fail) or where it is installed."""
     from verl.models.tiny import make_tiny_hf_model
     from verl.utils.distributed import find_free_port, init_rank
     from verl.utils.megatron.parallel import ParallelSizes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     init_rank(0, 1, ParallelSizes(), seed=1234, timeout_s=300.0)
-    ctx = Context(device=device, work=work, torch_compile=torch_compile, model_path=make_tiny_hf_model(str(work / "tiny_moe"), kind="moe"))
+    with_bridge = megatron_bridge or importlib.util.find_spec("megatron.bridge") is not None
+    ctx = Context(device=device, work=work, torch_compile=torch_compile, megatron_bridge=with_bridge,
+                  model_path=make_tiny_hf_model(str(work / "tiny_moe"), kind="moe"))  # fmt: skip
     rows = []
-    # Megatron-Bridge's rows where it is installed (the bundle carries it with the Python 3.12 leg's megatron-core)
-    with_bridge = importlib.util.find_spec("megatron.bridge") is not None
     for name, check in CHECKS + (MEGATRON_BRIDGE_CHECKS if with_bridge else []):
         start = time.monotonic()
         try:
@@ -550,6 +571,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="folder for result.json and result.md")
     parser.add_argument("--work", type=Path, help="folder for the model and checkpoints (default: a temp folder, removed)")
     parser.add_argument("--no-table", action="store_true", help="do not print the table (gpu_check.sh prints one of all runs)")
+    parser.add_argument("--megatron-bridge", action="store_true",
+                        help="run Megatron-Bridge's rows, failing where it does not import (gpu_check.sh: where the bundle carries it)")
     parser.add_argument("--summarize", type=Path, metavar="DIR", help="print one table of DIR/*/result.json and exit")
     args = parser.parse_args()
     if args.summarize is not None:
@@ -572,7 +595,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="verl_gpu_check."))
     try:
-        rows = run_checks(args.device, work, torch_compile)
+        rows = run_checks(args.device, work, torch_compile, args.megatron_bridge)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

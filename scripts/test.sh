@@ -64,6 +64,7 @@ PY312_TESTS=(
   tests/py312/test_megatron_bridge_cli.py      # CLI GRPO on the default bridge, TP1 PP2 EP2 ETP1: trains, saves, resumes exactly, exports
   # the GPU check's CPU run from the device's own bundle: both megatron-core releases, Megatron-Bridge's lines
   tests/test_gpu_check.py::test_the_device_bundle_resolves_offline_under_the_carry_limit
+  tests/test_gpu_check.py::test_each_run_installs_one_wheel_of_each_name
   tests/test_gpu_check.py::test_the_check_passes_on_cpu_from_the_bundle
 )
 echo "[test.sh] Python 3.12 leg (.venv-py312): ${#PY312_TESTS[@]} test files/cases"
@@ -77,10 +78,10 @@ fi
 # shellcheck disable=SC1091
 source .venv-py312/bin/activate
 python -c "import torch" 2>/dev/null || python -m pip install -q "$(grep '^torch==' requirements-py312.txt | cut -d' ' -f1)"
-# megatron-bridge without its declared dependencies (requirements-py312.txt says why), and verl on the same line
-# (this leg's stack is requirements-py312.txt's; tests/test_declared_ranges.py holds setup.py's ranges to it)
-python -m pip install -q -r <(grep -v '^megatron-bridge' requirements-py312.txt) "pytest>=8"
-python -m pip install -q --no-deps "$(grep '^megatron-bridge' requirements-py312.txt | cut -d' ' -f1)" -e .
+# a GPU user's two steps (README): the stack with verl, then megatron-bridge without its declared dependencies
+# (requirements-py312.txt says why; tests/test_declared_ranges.py holds setup.py's ranges to this stack)
+python -m pip install -q -r <(grep -v '^megatron-bridge' requirements-py312.txt) -e . "pytest>=8"
+python -m pip install -q --no-deps "$(grep '^megatron-bridge' requirements-py312.txt | cut -d' ' -f1)"
 py312_status=0
 run_pytest "${PY312_TESTS[@]}" || py312_status=$?
 echo "[test.sh] main leg (transformers 5.10): status $main_status; transformers 4.57 leg: status $tf4_status; Python 3.12 leg: status $py312_status"

@@ -1,20 +1,25 @@
 """setup.py declares only what a leg of scripts/test.sh runs: every leg's pin lies inside the declared range, and
 each end of a declared range is a release some leg pins (so an end that never ran cannot be declared, and a leg's
-pin cannot drift out of what users are told).
+pin cannot drift out of what users are told). Held: ``DECLARED``, ``PYTHON_REQUIRES`` and every extra but ``test``;
+the rest of install_requires is requirements.txt's own lines.
 
-The legs: requirements.txt (Python 3.11), the transformers 4.57 leg (requirements.txt with scripts/test.sh's
-transformers pin) and requirements-py312.txt (Python 3.12, Megatron-Bridge as setup.py's extra).
+The legs: requirements.txt (the main leg's Python, which runs this file), the transformers 4.57 leg
+(requirements.txt with scripts/test.sh's transformers pin) and requirements-py312.txt (Python 3.12, with
+Megatron-Bridge installed apart, ``--no-deps``, as the README tells a GPU user to).
 """
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
+from scripts.gpu_bundle import exact_pins
+
 REPO = Path(__file__).resolve().parent.parent
-PIN = r"([A-Za-z0-9_.-]+)==([0-9][0-9.]*)"
+MAIN_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"  # scripts/test.sh runs this file in the main leg
 
 
 def _setup_names() -> dict:
@@ -24,29 +29,27 @@ def _setup_names() -> dict:
             if isinstance(node, ast.Assign) and node.targets[0].id.isupper()}  # fmt: skip
 
 
-def _file_pins(name: str) -> dict[str, str]:
-    return {k.lower(): v for k, v in re.findall(rf"^{PIN}", (REPO / name).read_text(), re.MULTILINE)}
-
-
 def _legs() -> dict[str, dict[str, str]]:
     """leg -> package -> the exact release it installs."""
-    main, py312 = _file_pins("requirements.txt"), _file_pins("requirements-py312.txt")
+    main, py312 = exact_pins(REPO / "requirements.txt"), exact_pins(REPO / "requirements-py312.txt")
     test_sh = (REPO / "scripts" / "test.sh").read_text()
     transformers4 = re.search(r'"transformers==([0-9.]+)"', test_sh).group(1)
     python312 = re.search(r"versions/([0-9.]+)/bin/python3", test_sh).group(1)
     return {
-        "requirements.txt": {**main, "python": "3.11"},
-        "transformers 4.57 leg": {**main, "transformers": transformers4, "python": "3.11"},
+        "requirements.txt": {**main, "python": MAIN_PYTHON},
+        "transformers 4.57 leg": {**main, "transformers": transformers4, "python": MAIN_PYTHON},
         "requirements-py312.txt": {**py312, "python": python312},
     }
 
 
 def _ranges() -> dict[str, SpecifierSet]:
+    """What setup.py declares: DECLARED, every requirement of every extra but ``test`` (whatever its operator),
+    and the Python range."""
     names = _setup_names()
     ranges = {package: SpecifierSet(spec) for package, spec in names["DECLARED"].items()}
-    for requirement in (Requirement(line) for extra in names["EXTRAS"].values() for line in extra):
-        if any(spec.operator == "==" for spec in requirement.specifier):
-            ranges[requirement.name.lower()] = requirement.specifier
+    for extra, lines in names["EXTRAS"].items():
+        if extra != "test":
+            ranges.update((requirement.name.lower(), requirement.specifier) for requirement in map(Requirement, lines))
     ranges["python"] = SpecifierSet(names["PYTHON_REQUIRES"])
     return ranges
 
@@ -56,7 +59,8 @@ def test_every_legs_pin_lies_inside_the_declared_range():
     for leg, pins in _legs().items():
         outside += [f"{leg}: {name} {pins[name]} not in {spec}" for name, spec in ranges.items() if name in pins and pins[name] not in spec]
     assert not outside, outside
-    assert "megatron-bridge" in ranges and "megatron-bridge" in _legs()["requirements-py312.txt"]  # the extra is held too
+    unbounded = [name for name, spec in _ranges().items() if not any(end.operator in ("<", "<=", "==") for end in spec)]
+    assert not unbounded, unbounded  # an extra's bare name or ">=" would declare releases no leg ran
 
 
 def test_each_end_of_a_declared_range_is_a_release_a_leg_runs():
@@ -67,6 +71,20 @@ def test_each_end_of_a_declared_range_is_a_release_a_leg_runs():
     never_run = [f"{name}: {end} (run: {sorted(run.get(name, ()))})" for name, spec in _ranges().items()
                  for end in spec if end.operator != "!=" and not _end_ran(name, end, run.get(name, set()))]  # fmt: skip
     assert not never_run, never_run
+
+
+def test_megatron_bridge_is_the_3_12_legs_pin_installed_apart_as_the_readme_says():
+    """Megatron-Bridge has no extra (pip would pull its declared dependencies, which cannot be resolved): its one
+    pin is requirements-py312.txt's, which scripts/test.sh installs with --no-deps, and the README and docs/cpu.md
+    give a GPU user those same two steps with that release."""
+    pin = exact_pins(REPO / "requirements-py312.txt")["megatron-bridge"]
+    assert set(_setup_names()["EXTRAS"]) == {"test"}
+    test_sh = (REPO / "scripts" / "test.sh").read_text()
+    assert "--no-deps \"$(grep '^megatron-bridge' requirements-py312.txt" in test_sh
+    for doc in ("README.md", "docs/cpu.md"):
+        text = (REPO / doc).read_text()
+        assert "pip install -r <(grep -v '^megatron-bridge' requirements-py312.txt) -e ." in text, doc
+        assert f"pip install --no-deps megatron-bridge=={pin}" in text, doc
 
 
 def _end_ran(name: str, end, run: set[str]) -> bool:
