@@ -28,7 +28,7 @@ from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-from verl.utils.checkpoint.integrity import CheckpointError
+from verl.utils.checkpoint.errors import CheckpointError
 
 METADATA_FILENAME = ".metadata"  # torch DCP's global metadata file in a dist-checkpoint directory
 COMMON_STATE_FILENAME = "common.pt"  # megatron's non-sharded state (optimizer param groups, content metadata)

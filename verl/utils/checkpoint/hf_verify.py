@@ -14,7 +14,7 @@ from glob import glob
 
 import torch
 
-from verl.utils.checkpoint.integrity import CheckpointError
+from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.names import INDEX_FILENAME
 from verl.utils.custom_code import CustomCodeError, load_config
 from verl.utils.internals import transformers as transformers_internals

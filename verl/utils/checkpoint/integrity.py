@@ -20,7 +20,8 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs, read_tracker
+from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs
+from verl.utils.checkpoint.errors import CheckpointError  # the family's root; this import path kept for callers
 from verl.utils.checkpoint.layout import (  # the manifest, mark and staging names are also imported from here
     COMMIT_MARK_FILENAME,
     CONTENT_NOTES,
@@ -36,6 +37,7 @@ from verl.utils.checkpoint.layout import (  # the manifest, mark and staging nam
     hf_path,
     superseded_path,
 )
+from verl.utils.checkpoint.tracker import read_tracker
 from verl.utils.fs import fsync_path
 from verl.utils.megatron.layer_pattern import megatron_moe_layers
 
@@ -61,10 +63,6 @@ MODEL_IDENTITY_FIELDS = (
     "qk_layernorm",
     "gated_linear_unit",
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; the message names the file and the cause."""
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writing back the dirty pages, do not wait
@@ -384,11 +382,19 @@ def is_complete(step_path: str) -> bool:
 
 
 def find_resume_checkpoint(root: str, role: str = "actor", checksums: bool = True) -> tuple[str | None, list[str]]:
-    """The step directory (``.../global_step_N/<role>``) a ``resume_mode=auto`` run loads, and notes.
+    """The step directory (``.../global_step_N/<role>``) a ``resume_mode=auto`` run loads, verified
+    (``verify_checkpoint``; ``checksums`` as there), and notes (``tracked_step``)."""
+    path, notes = tracked_step(root, role)
+    if path is not None:
+        verify_checkpoint(path, checksums=checksums)
+    return path, notes
 
-    The tracker names the step. A tracker that names a missing or damaged step is an error (nothing
-    is deleted); incomplete staging directories and committed steps newer than the tracker are
-    reported in the notes and skipped. No tracker: no resume. ``checksums``: as in ``verify_checkpoint``.
+
+def tracked_step(root: str, role: str = "actor") -> tuple[str | None, list[str]]:
+    """The step directory (``.../global_step_N/<role>``) the tracker names, not yet verified, and notes.
+
+    A tracker that names a missing step is an error (nothing is deleted); incomplete staging directories and
+    committed steps newer than the tracker are reported in the notes and skipped. No tracker: no resume.
     """
     notes = []
     for step, step_dir in list_step_dirs(root):
@@ -396,10 +402,7 @@ def find_resume_checkpoint(root: str, role: str = "actor", checksums: bool = Tru
         if os.path.isdir(staging):
             notes.append(f"skipping {staging}: an interrupted save of step {step}")
     tracker = get_checkpoint_tracker_filename(root)
-    try:
-        tracked = read_tracker(root)
-    except ValueError as exc:
-        raise CheckpointError(str(exc)) from exc
+    tracked = read_tracker(root)
     if tracked is None:
         return None, notes
     path = os.path.join(root, STEP_DIR_FORMAT.format(tracked), role)
@@ -411,7 +414,6 @@ def find_resume_checkpoint(root: str, role: str = "actor", checksums: bool = Tru
             f"checkpoint tracker {tracker} names step {tracked}, but {path} does not exist; restore it, or set "
             "trainer.resume_mode=disable or trainer.resume_from_path=<a complete step>"
         )
-    verify_checkpoint(path, checksums=checksums)
     for step, step_dir in list_step_dirs(root):
         if step > tracked and is_complete(os.path.join(step_dir, role)):
             notes.append(f"skipping step {step}: committed but never tracked (the run stopped before the tracker was written)")
