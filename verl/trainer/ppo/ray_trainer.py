@@ -56,6 +56,7 @@ from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, should_save_ckpt_esi
 from verl.utils.checkpoint.finite import check_step_is_finite
 from verl.utils.checkpoint.layout import DATA_STATE_FILENAME, STEP_DIR_FORMAT
+from verl.utils.checkpoint.resume_check import CheckedStep
 from verl.utils.dataset.arithmetic import PromptSampler
 from verl.utils.dataset.rl_dataset import left_pad, left_pad_attention_mask
 from verl.utils.reward_score import default_compute_score
@@ -86,16 +87,19 @@ class MegatronGRPOTrainer:
         actor_configs: MegatronActorConfigs | None = None,
         data: Any = None,
         tokenizer: Any = None,
+        resume_checked: CheckedStep | None = None,
     ) -> None:
         """``actor_configs``: the actor's typed checkpoint / optim configs (main_ppo builds them once while
         validating); ``data``: the run's prompts (``verl.trainer.data_plan.RunData``). Both are built here from
-        ``config`` when not given."""
+        ``config`` when not given. ``resume_checked``: main_ppo's record of its check of the resumed step, handed to
+        the ranks' load so that they do not repeat it (None: the ranks check the step themselves)."""
         from verl.trainer.data_plan import load_run_data, load_tokenizer
 
         self.config = config
         self.model_path = model_path
         self.device = device
         self.resume = resume
+        self.resume_checked = resume_checked
         self.default_local_dir = os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config, model_path)
         self.data = data if data is not None else load_run_data(config, self.tokenizer)
@@ -457,7 +461,7 @@ class MegatronGRPOTrainer:
             return 0
         step, path = self.resume
         start = time.monotonic()
-        self.actor_rollout_wg.load_checkpoint(os.path.join(path, "actor"))
+        self.actor_rollout_wg.load_checkpoint(os.path.join(path, "actor"), checked=self.resume_checked)
         self.sampler.load_state_dict(torch.load(os.path.join(path, DATA_STATE_FILENAME), weights_only=True))
         self._print(
             f"[trainer] resumed from {path} (step {step}) in {time.monotonic() - start:.1f}s; "

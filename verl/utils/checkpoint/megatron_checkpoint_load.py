@@ -1,6 +1,6 @@
 """How ``MegatronCheckpointManager`` loads a step (upstream's v2 layout): model, optimizer + LR schedule, RNG.
 
-The integrity checks come before, on every rank together (``verl.utils.checkpoint.commit.check_before_load``).
+The checks of the step come before, on every rank together (``verl.utils.checkpoint.resume_check.check_before_load``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from megatron.core.utils import unwrap_model
 
 from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import not_implemented_unless_default
-from verl.utils.checkpoint.integrity import CheckpointError, read_saved_layout
+from verl.utils.checkpoint.errors import CheckpointError
+from verl.utils.checkpoint.integrity import read_saved_layout
 from verl.utils.checkpoint.megatron_optimizer_state import (
     initialize_distributed_optimizer_state,
     optimizer_state_from_loaded,
@@ -43,7 +44,7 @@ class MegatronLoads:
         The model comes from the HF folder through the bridge (use_dist_checkpointing=False) or from
         ``model/dist_ckpt``; the optimizer, LR scheduler and RNG from their dist checkpoints. Integrity checks
         of our own (manifest, HF completeness, model identity) belong before this call:
-        ``verl.utils.checkpoint.commit.check_before_load``.
+        ``verl.utils.checkpoint.resume_check.check_before_load``.
         """
         not_implemented_unless_default(hdfs_path=hdfs_path, del_local_after_load=del_local_after_load)
         self.finalize_async_save(blocking=True)  # a pending save is of the state about to be replaced
