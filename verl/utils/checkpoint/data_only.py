@@ -139,13 +139,15 @@ def check_dist_checkpoint(directory: str) -> None:
         load_weights_only(common, common)
     metadata = read_dcp_metadata(os.path.join(directory, METADATA_FILENAME))
     check_items_inside(directory, metadata)
+    items_by_shard: dict[str, list] = {}
     for index, info in (metadata.storage_data or {}).items():
-        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-            continue
-        shard = os.path.join(directory, info.relative_path)
-        with open(shard, "rb") as handle:
-            handle.seek(info.offset)
-            load_bytes_item(handle.read(info.length), f"item {index.fqn} of {shard}")
+        if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            items_by_shard.setdefault(os.path.join(directory, info.relative_path), []).append((index, info))
+    for shard, items in sorted(items_by_shard.items()):
+        with open(shard, "rb") as handle:  # once per shard, however many bytes items it holds
+            for index, info in sorted(items, key=lambda item: item[1].offset):
+                handle.seek(info.offset)
+                load_bytes_item(handle.read(info.length), f"item {index.fqn} of {shard}")
 
 
 def check_step(step_path: str) -> None:
