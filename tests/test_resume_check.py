@@ -135,11 +135,16 @@ def _beyond_the_load(opens: dict, load_alone: dict, files: list[str]) -> dict[st
     return {f: opens.get(f, 0) - load_alone.get(f, 0) for f in files}
 
 
-def test_one_resume_reads_each_file_once_for_its_check_and_the_ranks_only_to_load(tiny_moe_path, saved_root, tmp_path):
-    """Through the driver's record: the driver opens each dist-checkpoint file at most twice (its checksum, and
-    its metadata or bytes items parsed as data) and each shard and HF weights file once (its checksum; the bridge
-    and safetensors read headers outside Python's ``open``); the ranks open the shards and weights exactly as
-    often as the load itself does: no rank reads them again for a checksum or a second check."""
+def _extra_shards_once_more(files: list[str]) -> dict[str, int]:
+    """A full check's reads beyond the load: each shard holding bytes items (the RNG states, in ``extra``) parsed
+    once as data; no other bulk file."""
+    return {f: 1 if f.startswith("extra") and f.endswith(".distcp") else 0 for f in files}
+
+
+def test_one_resume_reads_each_bulk_file_once_in_the_rank_that_loads_it(tiny_moe_path, saved_root, tmp_path):
+    """Through the driver's record: the driver reads no shard or weights file for a checksum (only the shards that
+    hold bytes items, to parse them as data), and the ranks open the shards and weights exactly as often as the
+    load itself does, which checksums what it reads: each bulk byte is read once for its load and its checksum."""
     root = _copy_run(saved_root, tmp_path)
     step = os.path.join(root, "global_step_1", "actor")
     with counting_opens(step) as driver:
@@ -151,33 +156,87 @@ def test_one_resume_reads_each_file_once_for_its_check_and_the_ranks_only_to_loa
     dist_files = [f for f in _files(step) if f"{os.sep}dist_ckpt{os.sep}" in f]
     assert dist_files and {f: driver[f] for f in dist_files if driver[f] > 2} == {}, driver
     data_files = _data_files(step)
-    assert {f: driver[f] for f in data_files} == {f: 2 if f.startswith("extra") else 1 for f in data_files}, driver  # extra: bytes items
+    assert {f: driver[f] for f in data_files} == _extra_shards_once_more(data_files), driver
     for rank in range(WORLD):
         assert _beyond_the_load(ranks[rank], load_alone[rank], data_files) == dict.fromkeys(data_files, 0), (rank, ranks[rank])
     assert any(ranks[0].get(f) for f in _files(step, ".distcp")), ranks[0]  # the load did read the shards
+    # each .metadata parsed once per process: the pre-load check, megatron's readers and the planner share it
+    # (rank 0 also reads each once for its checksum, with the other small files)
+    metadata = _files(step, ".metadata")
+    assert metadata and {f: ranks[1][f] for f in metadata} == dict.fromkeys(metadata, 1), ranks[1]
+
+
+def _flip_a_byte(path: str) -> str:
+    with open(path, "r+b") as handle:
+        handle.seek(os.path.getsize(path) // 2)
+        data = handle.read(64)
+        handle.seek(-len(data), os.SEEK_CUR)
+        handle.write(bytes(b ^ 0xFF for b in data))
+    return path
 
 
 def test_a_load_without_the_record_checks_everything_once_itself(tiny_moe_path, saved_root, tmp_path):
-    """A direct caller (no driver): rank 0 reads each shard and weights file once more than the load does (its
-    checksum; a shard with bytes items once more, parsed as data), no other rank reads anything beyond the load;
-    a flipped byte in a shard is refused naming the file, with nothing loaded, on every rank."""
+    """A direct caller (no driver): rank 0 reads no shard or weights file beyond the load but the shards holding
+    bytes items (parsed as data), no other rank reads anything beyond the load; a flipped byte in a shard is
+    refused naming the file, with nothing loaded, on every rank."""
     root = _copy_run(saved_root, tmp_path)
     step = os.path.join(root, "global_step_1", "actor")
     ranks = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, None))
     load_alone = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, None, False))
     data_files = _data_files(step)
-    assert _beyond_the_load(ranks[0], load_alone[0], data_files) == {f: 2 if f.startswith("extra") else 1 for f in data_files}, ranks[0]
+    assert _beyond_the_load(ranks[0], load_alone[0], data_files) == _extra_shards_once_more(data_files), ranks[0]
     assert _beyond_the_load(ranks[1], load_alone[1], data_files) == dict.fromkeys(data_files, 0), ranks[1]
 
-    victim = os.path.join(step, "optimizer", "dist_ckpt", _files(os.path.join(step, "optimizer", "dist_ckpt"), ".distcp")[0])
-    with open(victim, "r+b") as handle:
-        handle.seek(os.path.getsize(victim) // 2)
-        data = handle.read(64)
-        handle.seek(-len(data), os.SEEK_CUR)
-        handle.write(bytes(b ^ 0xFF for b in data))
+    victim = _flip_a_byte(os.path.join(step, "optimizer", "dist_ckpt", _files(os.path.join(step, "optimizer", "dist_ckpt"), ".distcp")[0]))
     for message in run_on_ranks(_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step, None)):
         assert "nothing was loaded" in message and f"{victim}: its content checksum differs" in message, message
-        assert message.endswith("untouched=True"), message
+        assert message.endswith("untouched=True") and "\n" not in message, message
+
+
+@pytest.mark.parametrize("part", ["model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt"])
+def test_a_shard_changed_after_the_drivers_check_is_refused_on_every_rank_before_anything_is_applied(tiny_moe_path, saved_root, tmp_path, part):
+    """The driver checked the step; then a byte of one shard or weights file flips (the manifest unchanged, so the
+    record still fits): every rank refuses the load in one line naming the file, and the model's weights are as
+    before, whichever part held the byte (the model's weights load first)."""
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    checked = _driver_check(root).checked
+    folder = os.path.join(step, part)
+    victim = _flip_a_byte(os.path.join(folder, _data_files(folder)[0]))
+    for message in run_on_ranks(_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step, checked)):
+        assert "nothing was loaded" in message and f"{victim}: its content checksum differs" in message, message
+        assert message.endswith("untouched=True") and "\n" not in message, message
+
+
+def test_a_small_file_changed_after_the_drivers_check_is_refused_before_anything_loads(tiny_moe_path, saved_root, tmp_path):
+    """The driver checked the step; then its transformer_config.json changes (the manifest, commit mark and
+    contents file unchanged): the ranks do not trust the record for it and refuse the load, naming the file."""
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    checked = _driver_check(root).checked
+    config = os.path.join(step, "transformer_config.json")
+    with open(config, "a") as handle:
+        handle.write(" ")
+    for message in run_on_ranks(_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step, checked)):
+        assert "nothing was loaded" in message and f"{config} has " in message and message.endswith("untouched=True"), message
+
+
+def _record_covers_before_and_after_a_load(src: str, step: str, checked) -> tuple[bool, bool]:
+    from verl.utils.checkpoint.resume_check import load_target
+
+    actor = _actor(src)
+    target = load_target(actor.checkpoint_manager)
+    before = checked.covers(step, target)
+    actor.load_checkpoint(step, checked=checked)
+    return before, checked.covers(step, target)
+
+
+def test_a_record_vouches_for_one_load_only(tiny_moe_path, saved_root, tmp_path):
+    """The driver's record covers the first load of its step on rank 0; once loaded with, it covers no other."""
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    checked = _driver_check(root).checked
+    assert run_on_ranks(_record_covers_before_and_after_a_load, WORLD, LAYOUT, args=(tiny_moe_path, step, checked))[0] == (True, False)
 
 
 def test_the_record_of_another_step_state_is_not_trusted(tiny_moe_path, saved_root, tmp_path):
@@ -194,8 +253,8 @@ def test_the_record_of_another_step_state_is_not_trusted(tiny_moe_path, saved_ro
 
 
 def test_a_record_for_another_load_is_not_trusted(tiny_moe_path, saved_root, tmp_path):
-    """A record checked for a load without the optimizer state does not vouch for one with it: the ranks check
-    the step themselves (rank 0 reads every HF weights file for its checksum)."""
+    """A record checked for a load without the optimizer state does not vouch for one with it: rank 0 checks
+    the step itself (it parses the bytes items of the extra shards once more than the load)."""
     import dataclasses
 
     root = _copy_run(saved_root, tmp_path)
@@ -203,7 +262,9 @@ def test_a_record_for_another_load_is_not_trusted(tiny_moe_path, saved_root, tmp
     checked = _driver_check(root).checked
     other = dataclasses.replace(checked, target=dataclasses.replace(checked.target, load_contents=("model", "extra")))
     ranks = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, other))
-    assert all(ranks[0].get(f, 0) == 1 for f in _files(step, ".safetensors")), ranks[0]
+    load_alone = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, None, False))
+    data_files = _data_files(step)
+    assert _beyond_the_load(ranks[0], load_alone[0], data_files) == _extra_shards_once_more(data_files), ranks[0]
 
 
 def test_a_step_that_does_not_fit_is_refused_in_one_wording_by_the_driver_and_the_ranks(tiny_moe_path, saved_root, tmp_path):

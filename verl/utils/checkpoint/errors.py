@@ -14,3 +14,7 @@ class CheckpointError(RuntimeError):
 class TrackerError(CheckpointError, ValueError):
     """The tracker (``latest_checkpointed_iteration.txt``) holds no step number. A ``ValueError`` too: the
     tracker reader raised one before the error family existed, and callers catch it."""
+
+
+class ChecksumMismatchError(CheckpointError):
+    """A file a load read differs from the checksum its step's manifest records; nothing of it was applied."""

@@ -1,37 +1,47 @@
 """What a resume checks of a step before any tensor loads, and where: each check once per resume.
 
-``check_step`` is the whole check of one step: the manifest (every file listed, at its size and CRC-32), the
-contents file, every dist checkpoint's metadata and bytes items being data (``data_only.check_step``), the HF
-folders naming no custom code, the model identity, the HF export's tensors, and whether the step fits this load
-(``load_fit_problems``: the contents asked for, the distributed-optimizer flag and layout, the parameter dtype).
-It returns a ``CheckedStep``: the record of what it proved, of which step (a fingerprint of the files that
-vouch for every other one).
+``check_step`` is the whole check of one step that needs no bulk bytes: the manifest (every file listed, at its
+size; the small files' CRC-32), the contents file, every dist checkpoint's metadata and bytes items being data
+(``data_only.check_step``), the HF folders naming no custom code, the model identity, the HF export's tensors,
+and whether the step fits this load (``load_fit_problems``: the contents asked for, the distributed-optimizer
+flag and layout, the parameter dtype). The shards and weights (``checksum.is_bulk``) are checksummed by the
+load that reads them, from the bytes it reads, on every rank, before any of it is applied
+(``MegatronCheckpointManager.load_checkpoint``): each byte is read once. ``check_step`` returns a
+``CheckedStep``: the record of what it proved, of which step (a fingerprint of the files that vouch for every
+other one).
 
 Two callers. The driver (``python -m verl.trainer.main_ppo``) checks the step before Ray starts and hands the
-record to every rank's ``load_checkpoint``; ``check_before_load`` on the ranks then re-checks only what the
-record does not cover (the parallel layout, which only the ranks know, and the model identity when the driver
-could not build the model's config), provided the step is still the one the driver checked. A load without the
+record to every rank's ``load_checkpoint``; ``check_before_load`` on the ranks then checks, once, only what the
+record does not cover: that the small files are still the bytes the driver checked (a ``.metadata`` or
+``transformer_config.json`` replaced since is refused before anything loads), the parallel layout (which only
+the ranks know), and the model identity and HF export against the model when the driver could not build the
+model's config. A record vouches for one load (a second load with it checks everything). A load without the
 record (``MegatronEngine.load_checkpoint`` called directly) checks everything, on rank 0. Either way every rank
-fails together, before anything loads. The load itself still reads every ``.metadata`` and bytes item through
-the data-only reader, so a file swapped after the check is refused too (``verl.utils.checkpoint.data_only``).
+fails together, in one line, before anything loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 import warnings
 from typing import Any
 
 import torch
 
+from verl.utils.checkpoint import check_audit
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, list_step_dirs
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.integrity import (
     check_model_identity,
     file_checksum,
+    holds_hf_weights,
+    read_ckpt_contents,
     read_manifest,
     verify_checkpoint,
+    verify_manifest,
+    verify_step_hf_export,
 )
 from verl.utils.checkpoint.layout import COMMIT_MARK_FILENAME, CONTENTS_FILENAME, MANIFEST_FILENAME
 from verl.utils.checkpoint.precision import optimizer_dtype_problem
@@ -56,20 +66,30 @@ class LoadTarget:
     parallel: dict[str, int] | None = None
 
 
+_SPENT_RECORDS: set[str] = set()  # the tokens of the records this process has loaded with: each vouches for one load
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckedStep:
-    """What one ``check_step`` proved, of which step: picklable, handed from the driver to the ranks."""
+    """What one ``check_step`` proved, of which step: picklable, handed from the driver to the ranks, for one load."""
 
     path: str  # absolute: ``.../global_step_N/<role>``
     fingerprint: str  # CRC-32 of the manifest, commit mark and contents file, as the check read them
     target: LoadTarget  # the load it was checked for (its ``parallel`` None: the layout is left to the ranks)
-    identity_checked: bool  # False where no model config was at hand: the ranks compare it
+    model_checked: bool  # identity and HF export compared with the model's config; False where none was at hand
+    checks: tuple = ()  # ((kind, path), times): the checks the check made (``check_audit``), for the resume's metrics
+    token: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)  # this record, among all others
 
     def covers(self, path: str, target: LoadTarget) -> bool:
-        """Whether this record vouches for loading ``path`` into ``target`` now: the same step, unchanged since, for
-        the same contents, optimizer flag and dtype."""
+        """Whether this record vouches for loading ``path`` into ``target`` now: not yet loaded with, the same step,
+        unchanged since, for the same contents, optimizer flag and dtype."""
         same_load = dataclasses.replace(self.target, parallel=None) == dataclasses.replace(target, parallel=None)
-        return same_load and os.path.abspath(path) == self.path and step_fingerprint(path) == self.fingerprint
+        return (
+            self.token not in _SPENT_RECORDS
+            and same_load
+            and os.path.abspath(path) == self.path
+            and step_fingerprint(path) == self.fingerprint
+        )
 
 
 def step_fingerprint(step_path: str) -> str:
@@ -88,12 +108,15 @@ def check_step(step_path: str, target: LoadTarget, transformer_config: Any = Non
     Raises ``CheckpointError`` (``UntrustedContentError`` for a file that holds anything but data,
     ``FileNotFoundError`` for an absent step) naming the file and the cause; a step that does not fit the load
     raises ``StepDoesNotFitError`` with one line per problem."""
-    fingerprint = step_fingerprint(step_path) if os.path.isdir(step_path) else ""
-    contents = verify_checkpoint(step_path, transformer_config, hf_config)
+    with check_audit.recording() as checks:
+        fingerprint = step_fingerprint(step_path) if os.path.isdir(step_path) else ""
+        contents = verify_checkpoint(step_path, transformer_config, hf_config, bulk_checksums=False)
     problems = load_fit_problems(step_path, contents, read_manifest(step_path), target)
     if problems:
         raise StepDoesNotFitError(problems)
-    return CheckedStep(os.path.abspath(step_path), fingerprint, target, identity_checked=transformer_config is not None)
+    return CheckedStep(
+        os.path.abspath(step_path), fingerprint, target, model_checked=transformer_config is not None, checks=tuple(sorted(checks.items()))
+    )
 
 
 class StepDoesNotFitError(CheckpointError):
@@ -144,21 +167,36 @@ def _optimizer_layout_problems(step_path: str, manifest: dict, target: LoadTarge
     ]
 
 
-def check_before_load(manager: BaseCheckpointManager, local_path: str, target: LoadTarget, checked: CheckedStep | None = None) -> None:
+def load_target(manager: BaseCheckpointManager) -> LoadTarget:
+    """The load ``manager`` is about to make: its contents, optimizer flag, parameter dtype and this rank's layout."""
+    from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout  # megatron: on the ranks only
+
+    return LoadTarget(
+        load_contents=tuple(manager.checkpoint_load_contents),
+        use_distributed_optimizer=bool(getattr(manager, "use_distributed_optimizer", False)),
+        param_dtype=str(manager.param_dtype).removeprefix("torch.") if getattr(manager, "param_dtype", None) is not None else None,
+        parallel=current_parallel_layout(),
+    )
+
+
+def check_before_load(manager: BaseCheckpointManager, local_path: str, checked: CheckedStep | None = None) -> None:
     """All ranks, before ``manager.load_checkpoint(local_path)``: rank 0 checks the step (``check_step``), or with
     ``checked``, the driver's record of this very step and load, only what that record leaves open; any problem
-    fails every rank at once, before anything loads. Then the committed steps up to this one become
+    fails every rank at once, in one line, before anything loads. Then the committed steps up to this one become
     ``previous_saved_paths`` (retention of a resumed run prunes them as it would have)."""
     transformer_config, hf_config = getattr(manager, "transformer_config", None), getattr(manager, "hf_config", None)
+    target = load_target(manager)
 
     def check() -> str | None:
         try:
             if checked is not None and checked.covers(local_path, target):
-                _check_what_is_left(local_path, target, checked, transformer_config)
+                _SPENT_RECORDS.add(checked.token)
+                check_audit.note(check_audit.RECORD, os.path.abspath(local_path))
+                _check_what_is_left(local_path, target, checked, transformer_config, hf_config)
             else:
                 check_step(local_path, target, transformer_config, hf_config)
         except (CheckpointError, FileNotFoundError) as exc:
-            return f"{type(exc).__name__}: {exc}"
+            return f"{type(exc).__name__}: {one_line(str(exc))}"
         return None
 
     problem = from_rank_zero(check, f"check {local_path}", local_path)
@@ -173,11 +211,20 @@ def check_before_load(manager: BaseCheckpointManager, local_path: str, target: L
     manager.previous_saved_paths = saved_steps_up_to(local_path)
 
 
-def _check_what_is_left(step_path: str, target: LoadTarget, checked: CheckedStep, transformer_config: Any) -> None:
-    """The checks ``checked`` could not make: the model identity without the driver's model config, and the
-    distributed optimizer's layout, known only here."""
-    if not checked.identity_checked and transformer_config is not None:
+def one_line(text: str) -> str:
+    """A refusal of several lines (a list of problems) as one line: its items joined with '; '."""
+    return "; ".join(part.strip().removeprefix("- ").strip() for part in text.strip().splitlines() if part.strip()).replace(":;", ":")
+
+
+def _check_what_is_left(step_path: str, target: LoadTarget, checked: CheckedStep, transformer_config: Any, hf_config: Any) -> None:
+    """The checks ``checked`` could not make: the small files still the bytes the driver checked (the bulk is
+    checksummed as it loads), the model identity and HF export against the model's config when the driver had
+    none, and the distributed optimizer's layout, known only here."""
+    verify_manifest(step_path, required=False, bulk_checksums=False)
+    if not checked.model_checked and transformer_config is not None:
         check_model_identity(step_path, transformer_config)
+        if holds_hf_weights(read_ckpt_contents(step_path)):
+            verify_step_hf_export(step_path, hf_config)
     manifest = read_manifest(step_path)
     if manifest is not None and "optimizer" in target.load_contents:
         problems = _optimizer_layout_problems(step_path, manifest, target)

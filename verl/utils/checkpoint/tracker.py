@@ -24,7 +24,10 @@ def read_tracker(root_path: str) -> int | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise TrackerError(f"checkpoint tracker {tracker} is unreadable ({exc.strerror}); {_FIX}") from exc
+        raise TrackerError(
+            f"checkpoint tracker {tracker} is unreadable ({exc.strerror}); make it readable by this user (its permissions, "
+            "or the disk it lies on), or set trainer.resume_mode=disable"
+        ) from exc
     try:
         text = raw.decode("utf-8").strip()
     except UnicodeDecodeError as exc:

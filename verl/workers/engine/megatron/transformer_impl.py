@@ -22,7 +22,7 @@ from verl.utils.checkpoint import finite
 from verl.utils.checkpoint.checkpoint_manager import config_get
 from verl.utils.checkpoint.megatron_checkpoint_manager import FinalizeState, MegatronCheckpointManager, SaveReport
 from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout
-from verl.utils.checkpoint.resume_check import CheckedStep, LoadTarget, check_before_load
+from verl.utils.checkpoint.resume_check import CheckedStep, check_before_load
 from verl.utils.checkpoint.step_commit import CommittedStep, StepCommit, StepSpec
 from verl.utils.custom_code import load_tokenizer
 from verl.utils.host_memory import release_free_heap
@@ -252,13 +252,7 @@ class MegatronEngine(BaseEngine):
             raise _unsupported("load_checkpoint", hdfs_path, kwargs)
         self.finalize_checkpoint(blocking=True)
         manager = self.checkpoint_manager
-        target = LoadTarget(
-            load_contents=tuple(manager.checkpoint_load_contents),
-            use_distributed_optimizer=manager.use_distributed_optimizer,
-            param_dtype=str(self.settings.dtype).removeprefix("torch."),
-            parallel=current_parallel_layout(),
-        )
-        check_before_load(manager, local_path, target, checked)
+        check_before_load(manager, local_path, checked)
         manager.load_checkpoint(local_path)
         if (manager.should_load_hf_model or manager.should_load_dist_ckpt_model) and not manager.should_load_optimizer:
             self.optimizer.reload_model_params()
