@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.base.megatron.worker import MegatronWorker
+from verl.utils.checkpoint import check_audit
 from verl.utils.logging_utils import silence_library_notices
 from verl.utils.megatron.parallel import ParallelSizes
 
@@ -408,12 +409,13 @@ class ActorRolloutRefWorker(MegatronWorker):
         self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False, checked: CheckedStep | None = None
     ) -> dict:
         """Load a step on every rank (upstream's arguments); ``checked``: the driver's record of its check of the step,
-        so that the ranks repeat none of it (``MegatronEngine.load_checkpoint``)."""
+        so that the ranks repeat none of it (``MegatronEngine.load_checkpoint``). Returns this rank's seconds and
+        the checks it made of the step's files (``check_audit``)."""
         self._check_built()
         start = time.monotonic()
-        with self._resident(optimizer=self.actor.checkpoint_manager.should_load_optimizer):
+        with self._resident(optimizer=self.actor.checkpoint_manager.should_load_optimizer), check_audit.recording() as checks:
             self.actor.load_checkpoint(local_path, hdfs_path, del_local_after_load, checked=checked)
-        return {"rank": self.rank, "seconds": time.monotonic() - start}
+        return {"rank": self.rank, "seconds": time.monotonic() - start, "checks": dict(checks)}
 
     def _check_built(self) -> None:
         if self.actor is None:

@@ -32,6 +32,7 @@ import torch
 
 from verl.utils.checkpoint import check_audit
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, list_step_dirs
+from verl.utils.checkpoint.checksum import is_bulk
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.integrity import (
     check_model_identity,
@@ -230,6 +231,25 @@ def _check_what_is_left(step_path: str, target: LoadTarget, checked: CheckedStep
         problems = _optimizer_layout_problems(step_path, manifest, target)
         if problems:
             raise StepDoesNotFitError(problems)
+
+
+def resume_check_metrics(driver: dict, ranks: list[dict]) -> dict[str, int | bool]:
+    """How one resume checked its step, from the driver's and every rank's ``check_audit`` notes ((kind, path) ->
+    times): the bulk files (``checksum.is_bulk``) checksummed, by the driver and at most by one process, the HF
+    export checks, and whether rank 0 took the driver's record. Logged as ``resume`` with the resume's first step."""
+
+    def bulk(checks: dict) -> dict[str, int]:
+        return {path: n for (kind, path), n in checks.items() if kind == check_audit.CHECKSUM and is_bulk(path)}
+
+    per_process = [bulk(checks) for checks in (driver, *ranks)]
+    everyone = [driver, *ranks]
+    return {
+        "bulk_files_checksummed": len(set().union(*per_process)),
+        "bulk_checksums_by_driver": sum(per_process[0].values()),
+        "bulk_checksums_per_file_and_process_max": max((n for p in per_process for n in p.values()), default=0),
+        "hf_export_checks": sum(n for checks in everyone for (kind, _), n in checks.items() if kind == check_audit.HF_EXPORT),
+        "driver_record_taken": any(kind == check_audit.RECORD for checks in ranks for (kind, _) in checks),
+    }
 
 
 def saved_steps_up_to(local_path: str) -> list[str]:
