@@ -128,11 +128,14 @@ def load_bytes_item(data: bytes, where: str) -> Any:
 def check_items_inside(directory: str, metadata: Metadata) -> None:
     """Every item of ``directory``'s ``.metadata`` lies in a file of that directory: torch's reader joins an item's
     path to the directory unchecked, so an absolute or ``../`` path would load a tensor from elsewhere on the host,
-    past the manifest that vouches for the step's files."""
+    past the manifest that vouches for the step's files. Each file is resolved once, not once per item."""
+    first_item_of: dict[str, Any] = {}  # each file once (a shard holds thousands of items): its first item names it
     for index, info in (metadata.storage_data or {}).items():
-        shard = os.path.join(directory, info.relative_path)
-        if os.path.dirname(os.path.realpath(shard)) != os.path.realpath(directory):
-            raise UntrustedContentError(f"{os.path.join(directory, METADATA_FILENAME)} points item {index.fqn} outside its directory: {info.relative_path}")
+        first_item_of.setdefault(info.relative_path, index)
+    real_directory = os.path.realpath(directory)
+    for relative, index in first_item_of.items():
+        if os.path.dirname(os.path.realpath(os.path.join(directory, relative))) != real_directory:
+            raise UntrustedContentError(f"{os.path.join(directory, METADATA_FILENAME)} points item {index.fqn} outside its directory: {relative}")
 
 
 def check_dist_checkpoint(directory: str, bytes_items: bool = True) -> None:
