@@ -75,7 +75,7 @@ def saved_root(tiny_moe_path, tmp_path_factory) -> str:
 
 
 def _copy_run(saved_root: str, tmp_path) -> str:
-    root = str(tmp_path / "run")
+    root = os.path.join(str(tmp_path), "run")
     shutil.copytree(saved_root, root)
     return root
 
@@ -193,32 +193,47 @@ def test_a_load_without_the_record_checks_everything_once_itself(tiny_moe_path, 
         assert message.endswith("untouched=True") and "\n" not in message, message
 
 
-@pytest.mark.parametrize("part", ["model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt"])
-def test_a_shard_changed_after_the_drivers_check_is_refused_on_every_rank_before_anything_is_applied(tiny_moe_path, saved_root, tmp_path, part):
-    """The driver checked the step; then a byte of one shard or weights file flips (the manifest unchanged, so the
-    record still fits): every rank refuses the load in one line naming the file, and the model's weights are as
-    before, whichever part held the byte (the model's weights load first)."""
-    root = _copy_run(saved_root, tmp_path)
-    step = os.path.join(root, "global_step_1", "actor")
-    checked = _driver_check(root).checked
-    folder = os.path.join(step, part)
-    victim = _flip_a_byte(os.path.join(folder, _data_files(folder)[0]))
-    for message in run_on_ranks(_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step, checked)):
-        assert "nothing was loaded" in message and f"{victim}: its content checksum differs" in message, message
-        assert message.endswith("untouched=True") and "\n" not in message, message
+def _each_load_refused(src: str, steps: list[str], records: list) -> list[str]:
+    """On each rank: one actor, each step loaded with its record; each refusal and whether the weights stayed."""
+    actor = _actor(src)
+    refusals = []
+    for step, checked in zip(steps, records, strict=True):
+        before = actor.parameters_snapshot()
+        try:
+            actor.load_checkpoint(step, checked=checked)
+        except Exception as exc:  # noqa: BLE001 - the refusal's type and text are what is checked
+            after = actor.parameters_snapshot()
+            refusals.append(f"{type(exc).__name__}: {exc} | untouched={all(torch.equal(before[k], after[k]) for k in before)}")
+        else:
+            refusals.append("loaded")
+    return refusals
 
 
-def test_a_small_file_changed_after_the_drivers_check_is_refused_before_anything_loads(tiny_moe_path, saved_root, tmp_path):
-    """The driver checked the step; then its transformer_config.json changes (the manifest, commit mark and
-    contents file unchanged): the ranks do not trust the record for it and refuse the load, naming the file."""
-    root = _copy_run(saved_root, tmp_path)
-    step = os.path.join(root, "global_step_1", "actor")
-    checked = _driver_check(root).checked
-    config = os.path.join(step, "transformer_config.json")
-    with open(config, "a") as handle:
+def _append_a_space(path: str) -> str:
+    with open(path, "a") as handle:
         handle.write(" ")
-    for message in run_on_ranks(_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step, checked)):
-        assert "nothing was loaded" in message and f"{config} has " in message and message.endswith("untouched=True"), message
+    return f"{path} has "
+
+
+def test_a_file_changed_after_the_drivers_check_is_refused_on_every_rank_before_anything_is_applied(tiny_moe_path, saved_root, tmp_path):
+    """The driver checked the step; then a byte of one shard or weights file flips (the manifest unchanged, so the
+    record still fits), or the small transformer_config.json changes: every rank refuses the load in one line
+    naming the file, and the model's weights are as before, whichever part held the byte (model, optimizer, RNG)."""
+    steps, records, expected = [], [], []
+    for case, part in enumerate(["model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt", "transformer_config.json"]):
+        root = _copy_run(saved_root, tmp_path / str(case))
+        step = os.path.join(root, "global_step_1", "actor")
+        records.append(_driver_check(root).checked)
+        if part.endswith(".json"):
+            expected.append(_append_a_space(os.path.join(step, part)))
+        else:
+            folder = os.path.join(step, part)
+            expected.append(f"{_flip_a_byte(os.path.join(folder, _data_files(folder)[0]))}: its content checksum differs")
+        steps.append(step)
+    for refusals in run_on_ranks(_each_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, steps, records)):
+        for named, message in zip(expected, refusals, strict=True):
+            assert "nothing was loaded" in message and named in message, message
+            assert message.endswith("untouched=True") and "\n" not in message, message
 
 
 def _record_covers_before_and_after_a_load(src: str, step: str, checked) -> tuple[bool, bool]:
