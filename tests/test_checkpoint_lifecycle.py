@@ -1160,7 +1160,7 @@ def _craft_bytes_item(step: str, marker: str) -> str:
 
 
 def _load_without_the_checks(src: str, step: str) -> str:
-    """The manager's own load, skipping the commit step's check: the reader itself must refuse."""
+    """The manager's own load, skipping the pre-load check: the reader itself must refuse."""
     actor = _actor(src)
     try:
         actor.checkpoint_manager.load_checkpoint(step)
@@ -1173,7 +1173,7 @@ def _assert_refused_everywhere(tiny_moe_path: str, root: str, step: str, named: 
     from verl.utils.checkpoint.data_only import UntrustedContentError
 
     with pytest.raises(UntrustedContentError, match=re.escape(named)):
-        verify_checkpoint(step)  # the pre-start check and the commit step's check_before_load
+        verify_checkpoint(step)  # what the pre-start check and check_before_load run
     with pytest.raises(UntrustedContentError, match=re.escape(named)):
         find_resume_checkpoint(root)
     for message in run_on_ranks(_load_without_the_checks, WORLD, LAYOUT, args=(tiny_moe_path, step)):

@@ -61,3 +61,56 @@ def test_torchs_switch_to_unpickle_common_pt_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with pytest.raises(UntrustedContentError, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: torch would unpickle .*common.pt"):
         check_dist_checkpoint(str(tmp_path))
+
+
+def _saved_tensors(directory: str) -> dict[str, str]:
+    """Two tensors saved as one dist checkpoint (no process group); the checksum of each of its shard files."""
+    import torch.distributed.checkpoint as dcp
+
+    from verl.utils.checkpoint.checksum import file_checksum
+
+    dcp.save({"a": torch.arange(64.0), "b": torch.ones(8, 8)}, checkpoint_id=directory, no_dist=True)
+    metadata_path = os.path.join(directory, ".metadata")
+    with open(metadata_path, "rb") as handle:
+        metadata = pickle.load(handle)  # torch's own file, just written
+    metadata.storage_meta = None  # torch records its checkpoint_id as a pathlib.Path, which megatron's writer does not
+    with open(metadata_path, "wb") as handle:
+        pickle.dump(metadata, handle)
+    return {name: file_checksum(os.path.join(directory, name)) for name in os.listdir(directory) if name.endswith(".distcp")}
+
+
+def _load_checked(directory: str, checksums: dict[str, str]) -> tuple[dict, list[str]]:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"a": torch.zeros(64), "b": torch.zeros(8, 8)}
+    reader = DataOnlyFileSystemReader(directory, checksums)
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state, reader.mismatches
+
+
+def test_the_reader_checksums_what_it_loads_and_serves_nothing_of_a_file_that_differs(tmp_path):
+    """Each shard is checksummed from the very bytes the load reads: a whole step loads as saved; after a byte
+    flip, the file is named and none of its tensors reach the state being loaded (it keeps its zeros)."""
+    checksums = _saved_tensors(str(tmp_path))
+    state, mismatches = _load_checked(str(tmp_path), checksums)
+    assert mismatches == [] and torch.equal(state["a"], torch.arange(64.0)) and torch.equal(state["b"], torch.ones(8, 8))
+    (victim,) = checksums
+    path = tmp_path / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    state, mismatches = _load_checked(str(tmp_path), checksums)
+    assert mismatches == [f"{path}: its content checksum differs from the manifest's {checksums[victim]} (changed or corrupted since the save)"]
+    assert not state["a"].any() and not state["b"].any()
+
+
+def test_torchs_reader_opens_each_file_through_its_fs_which_the_checksummed_read_replaces():
+    """The checksummed read hands torch's ``read_data`` the bytes it checksummed by standing in for ``self.fs``
+    (``create_stream``) and reads ``storage_data`` for each item's file: a torch that reads otherwise would load
+    bytes nobody checksummed, so this fails first."""
+    import inspect
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    source = inspect.getsource(FileSystemReader.read_data)
+    assert "self.fs.create_stream(" in source and "self.storage_data[" in source and ".relative_path" in source

@@ -145,3 +145,61 @@ def test_the_engine_and_the_old_import_paths_are_reported(tmp_path):
     assert any(p.endswith("verl.workers.engine.megatron.transformer_impl imports verl.single_controller.base.decorator") for p in problems)
     assert any(p.endswith("verl.workers.megatron_rank defines FunctionDef") for p in problems)
     assert any(p.endswith("verl.trainer.ppo.ray_trainer imports verl.workers.megatron_workers") for p in problems)
+
+
+# The one circle left in verl/utils/checkpoint/: the manager's load methods look up upstream's patching seam
+# (``load_dist_checkpointing``) on the manager's module at call time.
+KNOWN_CHECKPOINT_CIRCLES = [{"verl.utils.checkpoint.megatron_checkpoint_load", "verl.utils.checkpoint.megatron_checkpoint_manager"}]
+
+
+def checkpoint_import_circles(root: pathlib.Path) -> list[set[str]]:
+    """The groups of ``verl/utils/checkpoint/`` modules that import each other in a circle (module level or
+    inside a function), found as the strongly connected components of the import graph."""
+    package = root / "verl" / "utils" / "checkpoint"
+    modules = {_module_name(path, root): path for path in package.glob("*.py") if path.name != "__init__.py"}
+    graph = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text())
+        imported = {name for _, name in _imported(tree, module, False)}
+        imported |= {  # ``from verl.utils.checkpoint import layout`` imports the module ``layout``
+            f"verl.utils.checkpoint.{alias.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module == "verl.utils.checkpoint"
+            for alias in node.names
+        }
+        graph[module] = {name for name in imported if name in modules and name != module}
+    circles, index, low, stack, counter = [], {}, {}, [], [0]
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = counter[0]
+        counter[0] += 1
+        stack.append(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = set()
+            while not group or module not in group:
+                group.add(stack.pop())
+            if len(group) > 1:
+                circles.append(group)
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_the_checkpoint_package_has_no_import_circle_but_the_managers_seam():
+    """Errors and names at the bottom, the checks above them: none of them imports back what imports it."""
+    assert checkpoint_import_circles(REPO) == KNOWN_CHECKPOINT_CIRCLES
+
+
+def test_a_checkpoint_import_circle_is_reported(tmp_path):
+    shutil.copytree(REPO / "verl", tmp_path / "verl", ignore=shutil.ignore_patterns("__pycache__"))
+    errors = tmp_path / "verl" / "utils" / "checkpoint" / "errors.py"
+    errors.write_text(errors.read_text() + "\n\ndef _late():\n    from verl.utils.checkpoint.integrity import read_manifest\n")
+    assert {"verl.utils.checkpoint.errors", "verl.utils.checkpoint.integrity"} <= set().union(*checkpoint_import_circles(tmp_path))

@@ -35,7 +35,7 @@ LAYOUTS = {
     "1_rank": ["trainer.n_gpus_per_node=1", f"{MEGATRON}expert_model_parallel_size=1"],
     "2_ranks_ep2": ["trainer.n_gpus_per_node=2", f"{MEGATRON}expert_model_parallel_size=2"],
 }
-CLOCKS = ("time", "checkpoint", "checkpoint_committed")  # what may differ between runs: times and save records
+CLOCKS = ("time", "checkpoint", "checkpoint_committed", "resume")  # what may differ between runs: times, save and resume records
 
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,15 @@ def test_kill_and_resume_auto_continues_from_last_save(tmp_path, env):
     assert f"resumed from {ckpt}/global_step_3 (step 3)" in out and "data: epoch 2, position 6" in out
     second_run = _metrics(ckpt)[len(first_run):]
     assert [m["step"] for m in second_run] == [4, 5]
+    # One check per resume, across the driver and the 8 ranks: the driver hashed no shard or weights file, every
+    # process hashed each it loaded once, as it loaded it; the ranks took the driver's record; one HF export check.
+    loaded = [p for part in ("optimizer", "extra") for p in (ckpt / "global_step_3" / "actor" / part / "dist_ckpt").glob("*.distcp")]
+    loaded += list((ckpt / "global_step_3" / "actor" / "model" / "huggingface").glob("*.safetensors"))
+    assert second_run[0]["resume"] == {
+        "bulk_files_checksummed": len(loaded), "bulk_checksums_by_driver": 0, "bulk_checksums_per_file_and_process_max": 1,
+        "hf_export_checks": 1, "driver_record_taken": True,
+    }  # fmt: skip
+    assert "resume" not in second_run[1]
     val_key = "val-core/arithmetic/reward/mean@1"
     assert val_key in first_run[4] and val_key not in first_run[3] and val_key in second_run[1]  # every 4 steps and the last
     # Same prompts, same samples (seeded by step), same weights and optimizer state: the same metrics.

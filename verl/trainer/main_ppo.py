@@ -38,8 +38,8 @@ from verl.trainer.validation import (
     check_config,
     check_device,
     check_model_build,
+    check_resume_step,
     data_position_problems,
-    find_resume_step,
     ignored_settings,
     parallel_sizes,
     schedule_length_warning,
@@ -64,6 +64,8 @@ class RunPlan:
     device: str | None  # None: decided from the Ray cluster's resources
     cluster: bool
     resume: tuple[int, str] | None
+    # What the pre-start check proved of the resumed step (``resume_check.CheckedStep``): the ranks do not repeat it.
+    resume_checked: Any = None
     # The actor's typed checkpoint / optim configs, built once here and handed to the trainer and workers.
     actor_configs: MegatronActorConfigs | None = None
     # trainer.default_local_dir's writer lock, held until the process exits (None: the run writes nothing there).
@@ -101,7 +103,8 @@ def prepare(config) -> RunPlan:
         problems = check_model_build(model_path, config)
         if problems:
             raise ConfigError(problems)
-        resume = find_resume_step(config, model_path)
+        found = check_resume_step(config, model_path)
+        resume, resume_checked = (None, None) if found is None else ((found.step, found.step_dir), found.checked)
         tokenizer = load_tokenizer(config, model_path)
         data = load_run_data(config, tokenizer)
         if resume is not None:
@@ -114,7 +117,7 @@ def prepare(config) -> RunPlan:
             dir_lock.discard()
         raise
     return RunPlan(
-        model_path=model_path, device=device, cluster=cluster, resume=resume, actor_configs=actor_configs,
+        model_path=model_path, device=device, cluster=cluster, resume=resume, resume_checked=resume_checked, actor_configs=actor_configs,
         dir_lock=dir_lock, data=data, tokenizer=tokenizer,
     )  # fmt: skip
 
@@ -266,8 +269,9 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
                 _exit_config_error(ConfigError(problems))
         _print_plan(config, plan, device)
         trainer = MegatronGRPOTrainer(
-            config, plan.model_path, device, plan.resume, actor_configs=plan.actor_configs, data=plan.data, tokenizer=plan.tokenizer
-        )
+            config, plan.model_path, device, plan.resume, actor_configs=plan.actor_configs, data=plan.data, tokenizer=plan.tokenizer,
+            resume_checked=plan.resume_checked,
+        )  # fmt: skip
         progress["trainer"] = trainer
         try:
             trainer.init_workers()

@@ -19,7 +19,9 @@ import sys
 from typing import Any
 
 from verl.utils.checkpoint.dir_lock import DirLock, lock_checkpoint_dir
-from verl.utils.checkpoint.names import TRACKER_FILENAME
+from verl.utils.checkpoint.errors import TrackerError
+from verl.utils.checkpoint.layout import tracker_path
+from verl.utils.checkpoint.tracker import read_tracker
 
 _RESUME_OVERRIDES = ("trainer.resume_mode=", "trainer.resume_from_path=", "+trainer.resume_mode=", "++trainer.resume_mode=")
 
@@ -73,17 +75,14 @@ class StopSignals:
 
 def read_committed_step(directory: str) -> tuple[int | None, str]:
     """(step the tracker names, or None; a note when it is absent or unreadable), without importing torch."""
-    tracker = os.path.join(directory, TRACKER_FILENAME)
+    tracker = tracker_path(directory)
     try:
-        with open(tracker, "rb") as handle:
-            text = handle.read(64).decode("utf-8", errors="replace").strip()
-    except FileNotFoundError:
+        step = read_tracker(directory)
+    except TrackerError as exc:
+        return None, str(exc)
+    if step is None:
         return None, f"no step is committed yet ({tracker} does not exist)"
-    except OSError as exc:
-        return None, f"the tracker {tracker} is unreadable ({exc.strerror})"
-    if not (text.isascii() and text.isdigit()):  # isdigit alone admits "²", which int() refuses
-        return None, f"the tracker {tracker} is corrupt ({text[:20]!r})"
-    return int(text), f"step {int(text)} is committed (tracker {tracker})"
+    return step, f"step {step} is committed (tracker {tracker})"
 
 
 def resume_command(argv: list[str]) -> str:

@@ -12,6 +12,7 @@ import os
 import shutil
 import zipfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -19,7 +20,6 @@ from omegaconf import OmegaConf
 from verl.models.support import hf_config_problems, hf_layout_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
 from verl.utils.checkpoint.layout import CONTENTS_FILENAME, DATA_STATE_FILENAME, STEP_DIR_RE
-from verl.utils.checkpoint.precision import optimizer_dtype_problem
 from verl.utils.custom_code import oversized_file_problem, read_json
 from verl.utils.internals.megatron_bridge import megatron_bridge_missing_problem
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
@@ -584,58 +584,61 @@ def _check_mbridge_config(model_path: str, config: Any) -> list[str]:
     return []
 
 
-def find_resume_step(config: Any, model_path: str | None = None) -> tuple[int, str] | None:
-    """(step, global_step_N directory) the run resumes from, or None to start fresh. Raises ConfigError.
+@dataclass(frozen=True)
+class ResumeStep:
+    """The step a run resumes from, and what the pre-start check proved of it (handed to the ranks' load)."""
 
-    The step is verified as a load would (the files the manifest lists, the contents file, HF completeness)
-    before any rank starts; with ``model_path`` also that it was saved from this model, the check the ranks
-    would otherwise make only after Ray and every rank started.
-    """
-    from verl.utils.checkpoint.integrity import (
-        CheckpointError,
-        find_resume_checkpoint,
-        read_manifest,
-        verify_checkpoint,
-    )
+    step: int
+    step_dir: str  # ``.../global_step_N``
+    checked: Any  # ``verl.utils.checkpoint.resume_check.CheckedStep`` (torch: not imported at this module's top)
+
+
+def find_resume_step(config: Any, model_path: str | None = None) -> tuple[int, str] | None:
+    """(step, global_step_N directory) the run resumes from, or None to start fresh; ``check_resume_step``."""
+    found = check_resume_step(config, model_path)
+    return None if found is None else (found.step, found.step_dir)
+
+
+def check_resume_step(config: Any, model_path: str | None = None) -> ResumeStep | None:
+    """The step the run resumes from (the tracker's, or ``trainer.resume_from_path``), checked once before any
+    rank starts as a load would check it (``resume_check.check_step``: every file and its checksum, the data-only
+    metadata, HF export, contents, optimizer flag, dtype; with ``model_path`` also that it was saved from this
+    model), plus the data position ``data.pt``; None to start fresh. Raises ConfigError, one line per problem."""
+    from verl.utils.checkpoint.errors import CheckpointError
+    from verl.utils.checkpoint.integrity import tracked_step
+    from verl.utils.checkpoint.resume_check import LoadTarget, StepDoesNotFitError, check_step
 
     trainer = config.trainer
     if trainer.resume_mode == "disable":
         return None
+    megatron = config.actor_rollout_ref.actor.megatron
+    target = LoadTarget(
+        load_contents=tuple(build_megatron_actor_configs(config.actor_rollout_ref.actor).checkpoint.load_contents),
+        use_distributed_optimizer=bool(megatron.use_distributed_optimizer),
+        param_dtype=megatron_param_dtype(megatron.get("dtype", "float32")),
+    )
+    problems = []
     try:
-        identity = model_identity(model_path, bool(config.actor_rollout_ref.actor.megatron.vanilla_mbridge)) if model_path else (None, None)
         if trainer.resume_mode == "resume_path":
             step_dir = os.path.abspath(os.path.expanduser(str(trainer.resume_from_path))).rstrip("/")
-            contents = verify_checkpoint(os.path.join(step_dir, "actor"), *identity)
         else:
-            root = os.path.abspath(os.path.expanduser(str(trainer.default_local_dir)))
-            _check_tracker_is_text(root)
-            actor_path, notes = find_resume_checkpoint(root, role="actor")  # reads every file for its checksum
+            actor_path, notes = tracked_step(os.path.abspath(os.path.expanduser(str(trainer.default_local_dir))), role="actor")
             for note in notes:
                 print(f"[main_ppo] note: {note}", flush=True)
             if actor_path is None:
                 return None
             step_dir = os.path.dirname(actor_path)
-            contents = verify_checkpoint(actor_path, *identity, checksums=False)  # hashed just above
+        identity = model_identity(model_path, bool(megatron.vanilla_mbridge)) if model_path else (None, None)
+        checked = check_step(os.path.join(step_dir, "actor"), target, *identity)
+    except StepDoesNotFitError as exc:
+        problems, checked = list(exc.problems), None
     except (CheckpointError, OSError) as exc:
         raise ConfigError([f"trainer.resume_mode={trainer.resume_mode}: {exc}"]) from exc
-    step = int(STEP_DIR_RE.match(os.path.basename(step_dir)).group(1))
-    load = build_megatron_actor_configs(config.actor_rollout_ref.actor).checkpoint.load_contents
-    problems = []
-    missing = [c for c in load if c != "hf_model" and c not in contents.get("save_contents", [])]
-    if missing:
-        problems.append(f"{step_dir}/actor holds {contents.get('save_contents')} but {_CHECKPOINT}load_contents asks for {missing}; drop them from {_CHECKPOINT}load_contents")
-    manifest = read_manifest(os.path.join(step_dir, "actor"))  # ours; an upstream step has none
-    saved_do = manifest.get("use_distributed_optimizer") if manifest else None
-    now_do = bool(config.actor_rollout_ref.actor.megatron.use_distributed_optimizer)
-    if "optimizer" in load and saved_do is not None and saved_do != now_do:
-        problems.append(f"{step_dir}/actor optimizer state was saved with use_distributed_optimizer={saved_do}; set {_MEGATRON}use_distributed_optimizer={saved_do} or drop 'optimizer' from {_CHECKPOINT}load_contents")
-    if "optimizer" in load:  # fp32 master weights are in a bf16 step's optimizer state only
-        dtype = optimizer_dtype_problem(os.path.join(step_dir, "actor"), megatron_param_dtype(config.actor_rollout_ref.actor.megatron.get("dtype", "float32")))
-        problems += [dtype] if dtype else []
     problems += _data_state_problems(step_dir)
     if problems:
         raise ConfigError(problems)
-    return step, step_dir
+    step = int(STEP_DIR_RE.match(os.path.basename(step_dir)).group(1))
+    return ResumeStep(step, step_dir, checked)
 
 
 def _data_state_problems(step_dir: str) -> list[str]:
@@ -722,26 +725,6 @@ def model_identity(model_path: str, vanilla_mbridge: bool = True) -> tuple[Any, 
     hf_config = load_hf_config(model_path)
     transformer_config = transformer_config_without_ranks(hf_config, vanilla_mbridge)
     return (None, None) if transformer_config is None else (transformer_config, hf_config)
-
-
-def _check_tracker_is_text(root: str) -> None:
-    """A tracker that is not text names its file (``read_tracker`` would only say 'utf-8 codec can't decode')."""
-    from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
-
-    tracker = get_checkpoint_tracker_filename(root)
-    try:
-        with open(tracker, "rb") as handle:
-            raw = handle.read(64)  # a step number is a few digits; anything else is corrupt either way
-    except FileNotFoundError:
-        return
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError([
-            f"trainer.resume_mode=auto: checkpoint tracker {tracker} is corrupt: expected a step number, found "
-            f"non-text bytes {raw[:16]!r}; write the last committed step's N (of global_step_N) into it, or set "
-            "trainer.resume_mode=disable"
-        ]) from exc
 
 
 # ---------------------------------------------------------------------------------------------------------

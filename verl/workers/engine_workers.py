@@ -19,11 +19,16 @@ import contextlib
 import dataclasses
 import gc
 import time
+from typing import TYPE_CHECKING
 
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.base.megatron.worker import MegatronWorker
+from verl.utils.checkpoint import check_audit
 from verl.utils.logging_utils import silence_library_notices
 from verl.utils.megatron.parallel import ParallelSizes
+
+if TYPE_CHECKING:  # a type only: megatron-core is imported after silence_library_notices below
+    from verl.utils.checkpoint.resume_check import CheckedStep
 
 silence_library_notices()  # before megatron-core / mbridge are imported on this rank
 
@@ -399,12 +404,17 @@ class ActorRolloutRefWorker(MegatronWorker):
         }
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False) -> dict:
+    def load_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False, checked: CheckedStep | None = None
+    ) -> dict:
+        """Load a step on every rank (upstream's arguments); ``checked``: the driver's record of its check of the step,
+        so that the ranks repeat none of it (``MegatronEngine.load_checkpoint``). Returns this rank's seconds and
+        the checks it made of the step's files (``check_audit``)."""
         self._check_built()
         start = time.monotonic()
-        with self._resident(optimizer=self.actor.checkpoint_manager.should_load_optimizer):
-            self.actor.load_checkpoint(local_path, hdfs_path, del_local_after_load)
-        return {"rank": self.rank, "seconds": time.monotonic() - start}
+        with self._resident(optimizer=self.actor.checkpoint_manager.should_load_optimizer), check_audit.recording() as checks:
+            self.actor.load_checkpoint(local_path, hdfs_path, del_local_after_load, checked=checked)
+        return {"rank": self.rank, "seconds": time.monotonic() - start, "checks": dict(checks)}
 
     def _check_built(self) -> None:
         if self.actor is None:

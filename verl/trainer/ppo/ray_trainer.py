@@ -56,6 +56,7 @@ from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, should_save_ckpt_esi
 from verl.utils.checkpoint.finite import check_step_is_finite
 from verl.utils.checkpoint.layout import DATA_STATE_FILENAME, STEP_DIR_FORMAT
+from verl.utils.checkpoint.resume_check import CheckedStep, resume_check_metrics
 from verl.utils.dataset.arithmetic import PromptSampler
 from verl.utils.dataset.rl_dataset import left_pad, left_pad_attention_mask
 from verl.utils.reward_score import default_compute_score
@@ -86,16 +87,20 @@ class MegatronGRPOTrainer:
         actor_configs: MegatronActorConfigs | None = None,
         data: Any = None,
         tokenizer: Any = None,
+        resume_checked: CheckedStep | None = None,
     ) -> None:
         """``actor_configs``: the actor's typed checkpoint / optim configs (main_ppo builds them once while
         validating); ``data``: the run's prompts (``verl.trainer.data_plan.RunData``). Both are built here from
-        ``config`` when not given."""
+        ``config`` when not given. ``resume_checked``: main_ppo's record of its check of the resumed step, handed to
+        the ranks' load so that they do not repeat it (None: the ranks check the step themselves)."""
         from verl.trainer.data_plan import load_run_data, load_tokenizer
 
         self.config = config
         self.model_path = model_path
         self.device = device
         self.resume = resume
+        self.resume_checked = resume_checked
+        self.resume_metrics: dict = {}  # how the resume checked its step (``resume_check_metrics``): its first step's ``resume``
         self.default_local_dir = os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config, model_path)
         self.data = data if data is not None else load_run_data(config, self.tokenizer)
@@ -210,6 +215,8 @@ class MegatronGRPOTrainer:
                 self.global_steps = step
                 step_start = time.monotonic()
                 metrics = self._train_step(step)
+                if self.resume_metrics:
+                    metrics["resume"], self.resume_metrics = self.resume_metrics, {}
                 committed = self._finalize_pending(bar, blocking=False)
                 if committed:
                     metrics["checkpoint_committed"] = committed
@@ -457,7 +464,9 @@ class MegatronGRPOTrainer:
             return 0
         step, path = self.resume
         start = time.monotonic()
-        self.actor_rollout_wg.load_checkpoint(os.path.join(path, "actor"))
+        loads = self.actor_rollout_wg.load_checkpoint(os.path.join(path, "actor"), checked=self.resume_checked)
+        driver_checks = dict(self.resume_checked.checks) if self.resume_checked is not None else {}
+        self.resume_metrics = resume_check_metrics(driver_checks, [load["checks"] for load in loads])
         self.sampler.load_state_dict(torch.load(os.path.join(path, DATA_STATE_FILENAME), weights_only=True))
         self._print(
             f"[trainer] resumed from {path} (step {step}) in {time.monotonic() - start:.1f}s; "

@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.layout import STEP_DIR_FORMAT, STEP_DIR_RE, tracker_path
+from verl.utils.checkpoint.tracker import read_tracker  # the one tracker reader; this import path kept for callers
 from verl.utils.device import get_device_name, get_torch_device
 
 ALL_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -180,7 +182,7 @@ def _is_tracked_step(step_path: str) -> bool:
         return False
     try:
         return read_tracker(os.path.dirname(step_dir)) == int(match.group(1))
-    except ValueError:
+    except CheckpointError:
         return False
 
 
@@ -189,7 +191,6 @@ def get_checkpoint_tracker_filename(root_path: str) -> str:
     return tracker_path(root_path)
 
 
-MAX_STEP_DIGITS = 18  # any step a run reaches; fits an int64
 # Where a capacity block's end is announced (seconds since the epoch): Volcano Engine's MLP and AWS SageMaker.
 ESI_EXPIRATION_ENV_MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 ESI_EXPIRATION_ENV_AWS = "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
@@ -220,23 +221,6 @@ def should_save_ckpt_esi(max_steps_duration: float, save_ckpt_duration: float = 
             return False
         return remaining < margin
     return False
-
-
-def read_tracker(root_path: str) -> int | None:
-    """The step the tracker under ``root_path`` names; None without a tracker; ValueError when corrupt."""
-    tracker = get_checkpoint_tracker_filename(root_path)
-    if not os.path.exists(tracker):
-        return None
-    try:
-        with open(tracker, encoding="utf-8") as handle:
-            text = handle.read().strip()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"checkpoint tracker {tracker} is corrupt: expected a step number, found non-text bytes ({exc.reason} at byte {exc.start})") from exc
-    # ASCII digits only, and few of them: str.isdigit admits '²', which int() refuses, and int() refuses
-    # 4301+ digits with a message that names no file.
-    if not (text.isascii() and text.isdigit() and len(text) <= MAX_STEP_DIGITS):
-        raise ValueError(f"checkpoint tracker {tracker} is corrupt: expected a step number, found {text[:50]!r}")
-    return int(text)
 
 
 def find_latest_ckpt_path(path: str | None, directory_format: str = STEP_DIR_FORMAT) -> str | None:

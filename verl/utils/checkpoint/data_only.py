@@ -27,8 +27,11 @@ import torch
 from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
-from verl.utils.checkpoint.integrity import CheckpointError
+from verl.utils.checkpoint.checksum import checksum_of
+from verl.utils.checkpoint.errors import CheckpointError
 
 METADATA_FILENAME = ".metadata"  # torch DCP's global metadata file in a dist-checkpoint directory
 COMMON_STATE_FILENAME = "common.pt"  # megatron's non-sharded state (optimizer param groups, content metadata)
@@ -77,7 +80,17 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(path: str) -> Metadata:
     """torch DCP's ``.metadata`` at ``path``, unpickled admitting only DCP's metadata classes and torch sizes,
-    dtypes and layouts; anything else is refused, naming the file and the class, before it is called."""
+    dtypes and layouts; anything else is refused, naming the file and the class, before it is called.
+
+    Parsed once per process while the file stays the same (its inode, size and mtime): the pre-load check, each
+    reader megatron makes and the planner share one parse; a replaced file is parsed (and checked) again."""
+    stat = os.stat(path)
+    return _parsed_dcp_metadata(os.path.realpath(path), path, (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_dcp_metadata(real_path: str, path: str, identity: tuple[int, ...]) -> Metadata:
+    """``read_dcp_metadata``'s parse, cached by the file's real path and identity (a refusal is never cached)."""
     with open(path, "rb") as handle:
         try:
             metadata = _MetadataUnpickler(handle, path).load()
@@ -115,16 +128,20 @@ def load_bytes_item(data: bytes, where: str) -> Any:
 def check_items_inside(directory: str, metadata: Metadata) -> None:
     """Every item of ``directory``'s ``.metadata`` lies in a file of that directory: torch's reader joins an item's
     path to the directory unchecked, so an absolute or ``../`` path would load a tensor from elsewhere on the host,
-    past the manifest that vouches for the step's files."""
+    past the manifest that vouches for the step's files. Each file is resolved once, not once per item."""
+    first_item_of: dict[str, Any] = {}  # each file once (a shard holds thousands of items): its first item names it
     for index, info in (metadata.storage_data or {}).items():
-        shard = os.path.join(directory, info.relative_path)
-        if os.path.dirname(os.path.realpath(shard)) != os.path.realpath(directory):
-            raise UntrustedContentError(f"{os.path.join(directory, METADATA_FILENAME)} points item {index.fqn} outside its directory: {info.relative_path}")
+        first_item_of.setdefault(info.relative_path, index)
+    real_directory = os.path.realpath(directory)
+    for relative, index in first_item_of.items():
+        if os.path.dirname(os.path.realpath(os.path.join(directory, relative))) != real_directory:
+            raise UntrustedContentError(f"{os.path.join(directory, METADATA_FILENAME)} points item {index.fqn} outside its directory: {relative}")
 
 
-def check_dist_checkpoint(directory: str) -> None:
+def check_dist_checkpoint(directory: str, bytes_items: bool = True) -> None:
     """``directory``'s ``common.pt`` (megatron's non-sharded state), ``.metadata`` and every bytes item its
-    shards hold are data (read, never run); each file is parsed once.
+    shards hold are data (read, never run); each file is parsed once. ``bytes_items=False`` leaves the bytes
+    items to a load that checksums their shards first and parses them as data as it reads them.
 
     megatron loads ``common.pt`` with torch's default, ``weights_only=True``: the same load here refuses a
     crafted one before any rank starts, naming it. torch's own switch ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
@@ -139,13 +156,17 @@ def check_dist_checkpoint(directory: str) -> None:
         load_weights_only(common, common)
     metadata = read_dcp_metadata(os.path.join(directory, METADATA_FILENAME))
     check_items_inside(directory, metadata)
+    if not bytes_items:
+        return
+    items_by_shard: dict[str, list] = {}
     for index, info in (metadata.storage_data or {}).items():
-        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-            continue
-        shard = os.path.join(directory, info.relative_path)
-        with open(shard, "rb") as handle:
-            handle.seek(info.offset)
-            load_bytes_item(handle.read(info.length), f"item {index.fqn} of {shard}")
+        if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            items_by_shard.setdefault(os.path.join(directory, info.relative_path), []).append((index, info))
+    for shard, items in sorted(items_by_shard.items()):
+        with open(shard, "rb") as handle:  # once per shard, however many bytes items it holds
+            for index, info in sorted(items, key=lambda item: item[1].offset):
+                handle.seek(info.offset)
+                load_bytes_item(handle.read(info.length), f"item {index.fqn} of {shard}")
 
 
 def check_step(step_path: str) -> None:
@@ -157,11 +178,41 @@ def check_step(step_path: str) -> None:
 
 
 class DataOnlyFileSystemReader(FileSystemReader):
-    """torch's ``FileSystemReader`` whose ``.metadata`` goes through ``read_dcp_metadata`` (read once, kept)."""
+    """torch's ``FileSystemReader`` whose ``.metadata`` goes through ``read_dcp_metadata`` (read once, kept), and
+    which, given the manifest's ``checksums`` (file name in the directory -> ``crc32:...``), reads each file it loads
+    whole, once, checksums those very bytes and serves the load's items from them only when they match: a file
+    that does not match is named in ``mismatches`` and none of its items reaches the state being loaded."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, checksums: dict[str, str] | None = None, mismatches: list[str] | None = None) -> None:
         super().__init__(path)
         self._metadata: Metadata | None = None
+        self.checksums = checksums
+        self.mismatches = mismatches if mismatches is not None else []
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self.checksums is None:  # a step without our manifest (saved by upstream verl): nothing to compare with
+            return super().read_data(plan, planner)
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative, items in per_file.items():
+            path = os.path.join(str(self.path), relative)
+            with open(path, "rb") as handle:
+                data = handle.read()
+            got, want = checksum_of(data, path), self.checksums.get(relative)
+            if got != want:
+                self.mismatches.append(
+                    f"{path}: its content checksum differs from the manifest's {want} (changed or corrupted since the save)"
+                    if want
+                    else f"{path} is not listed in the step's manifest (added after the save?); remove it or restore the step"
+                )
+                continue
+            planner.reading = path  # a refused bytes item is named with its file
+            with _serving_from_memory(self, path, data):
+                super().read_data(LoadPlan(items, plan.storage_data, plan.planner_data), planner)
+        done: Future = Future()
+        done.set_result(None)
+        return done
 
     def read_metadata(self) -> Metadata:  # no ``rank``: torch then tries no per-rank file (megatron writes one)
         if self._metadata is None:
@@ -180,24 +231,50 @@ class DataOnlyLoadPlanner(MCoreLoadPlanner):
     def __init__(self, *args: Any, checkpoint_dir: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.checkpoint_dir = checkpoint_dir
+        self.reading: str | None = None  # the file the reader serves items from, when it says
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        load_bytes_item(value.getvalue(), f"item {read_item.storage_index.fqn} of dist checkpoint {self.checkpoint_dir}")
+        source = self.reading or f"dist checkpoint {self.checkpoint_dir}"
+        load_bytes_item(value.getvalue(), f"item {read_item.storage_index.fqn} of {source}")
         value.seek(0)
         super().load_bytes(read_item, value)
 
 
-def _reader(checkpoint_dir: str | os.PathLike, cache_metadata: bool = False, async_strategy: str = "mcore") -> FileSystemReader:
-    """megatron's ``_get_filesystem_reader`` replaced; megatron-core 0.18 also passes its ``async_strategy``, which a
-    data-only read does not need (it reads in the rank either way)."""
-    return DataOnlyFileSystemReader(checkpoint_dir)
+@contextlib.contextmanager
+def _serving_from_memory(reader: FileSystemReader, path: str, data: bytes) -> Iterator[None]:
+    """While inside: ``reader`` opens ``path`` as the in-memory ``data`` (already read and checksummed)."""
+    real_fs = reader.fs
+
+    class _InMemory:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real_fs, name)
+
+        def create_stream(self, wanted: str | os.PathLike, mode: str) -> Any:
+            if os.fspath(wanted) == path and mode == "rb":
+                return contextlib.nullcontext(io.BytesIO(data))
+            return real_fs.create_stream(wanted, mode)
+
+    reader.fs = _InMemory()
+    try:
+        yield
+    finally:
+        reader.fs = real_fs
 
 
 @contextlib.contextmanager
-def data_only_torch_dist_load(checkpoint_dir: str) -> Iterator[None]:
-    """For one megatron torch_dist load of ``checkpoint_dir``: its reader and planner are the data-only ones."""
+def data_only_torch_dist_load(checkpoint_dir: str, checksums: dict[str, str] | None = None) -> Iterator[list[str]]:
+    """For one megatron torch_dist load of ``checkpoint_dir``: its reader and planner are the data-only ones; with
+    ``checksums`` (the manifest's, by file name in the directory) every file the load reads is checksummed from
+    the bytes it loads. Yields the list of mismatches (one line per file), complete once the load returned."""
     from verl.utils.internals import megatron_core
 
+    mismatches: list[str] = []
+
+    def reader(checkpoint_dir: str | os.PathLike, cache_metadata: bool = False, async_strategy: str = "mcore") -> FileSystemReader:
+        """megatron's ``_get_filesystem_reader`` replaced; megatron-core 0.18 also passes its ``async_strategy``,
+        which a data-only read does not need (it reads in the rank either way)."""
+        return DataOnlyFileSystemReader(checkpoint_dir, checksums, mismatches)
+
     planner = functools.partial(DataOnlyLoadPlanner, checkpoint_dir=str(checkpoint_dir))
-    with megatron_core.torch_dist_load_reader_and_planner(_reader, planner):
-        yield
+    with megatron_core.torch_dist_load_reader_and_planner(reader, planner):
+        yield mismatches

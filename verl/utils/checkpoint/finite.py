@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from verl.utils.checkpoint.integrity import CheckpointError
+from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.names import STEP_DIR_FORMAT
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from verl.utils.checkpoint import finite, layout, snapshot_save
-from verl.utils.checkpoint.integrity import CheckpointError
+from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.megatron_state_dicts import DistParts, sharded_structure
 from verl.utils.internals import megatron_core
 from verl.utils.rank_comm import ForkedRankComm, RankComm

@@ -14,7 +14,8 @@ from glob import glob
 
 import torch
 
-from verl.utils.checkpoint.integrity import CheckpointError
+from verl.utils.checkpoint import check_audit
+from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.names import INDEX_FILENAME
 from verl.utils.custom_code import CustomCodeError, load_config
 from verl.utils.internals import transformers as transformers_internals
@@ -116,6 +117,7 @@ def read_saved_tensors(path: str) -> tuple[dict[str, tuple[int, ...]], list[str]
 
 def verify_hf_checkpoint(path: str, hf_config=None) -> HFVerifyReport:
     """Compare the folder's tensors with what its config (or ``hf_config``) implies."""
+    check_audit.note(check_audit.HF_EXPORT, os.path.abspath(path))
     if hf_config is None:
         try:
             hf_config = load_config(path, f"HF folder {path}", fix="an HF folder this package wrote names no custom code; use one that does not")

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import ctypes
 import json
-import mmap
 import os
 import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs, read_tracker
+from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs
+from verl.utils.checkpoint.checksum import crc32, file_checksum, is_bulk  # noqa: F401 (crc32, file_checksum: also imported from here)
+from verl.utils.checkpoint.errors import (  # CheckpointError: this import path kept for callers
+    CheckpointError,
+    ChecksumMismatchError,
+)
 from verl.utils.checkpoint.layout import (  # the manifest, mark and staging names are also imported from here
     COMMIT_MARK_FILENAME,
     CONTENT_NOTES,
@@ -36,17 +40,12 @@ from verl.utils.checkpoint.layout import (  # the manifest, mark and staging nam
     hf_path,
     superseded_path,
 )
+from verl.utils.checkpoint.tracker import read_tracker
 from verl.utils.fs import fsync_path
 from verl.utils.megatron.layer_pattern import megatron_moe_layers
 
-try:  # zlib-ng's CRC-32 is zlib's function (the same values), computed with carry-less multiplies: several times faster
-    from zlib_ng.zlib_ng import crc32
-except ImportError:  # where zlib-ng is not installed: the standard library's, same checksums, slower
-    from zlib import crc32
-
 FORMAT_VERSION = 2  # each file's size and content checksum (1, sizes only, is refused: it cannot vouch for bytes)
 _CHECKSUM_RE = re.compile(r"crc32:[0-9a-f]{8}")
-_CHECKSUM_CHUNK = 8 << 20
 # TransformerConfig fields that make two models incompatible (a checkpoint of one cannot load into the other).
 MODEL_IDENTITY_FIELDS = (
     "num_layers",
@@ -61,10 +60,6 @@ MODEL_IDENTITY_FIELDS = (
     "qk_layernorm",
     "gated_linear_unit",
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; the message names the file and the cause."""
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writing back the dirty pages, do not wait
@@ -94,19 +89,6 @@ def start_range_writeback(fd: int, offset: int, length: int) -> None:
     block the caller while its write queue is full, which paces a writer to the disk."""
     if _LIBC_SYNC_FILE_RANGE is not None:
         _LIBC_SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
-
-
-def file_checksum(path: str) -> str:
-    """CRC-32 of the file's bytes (zlib's function; a byte flip anywhere changes it; docs/perf.md has its cost).
-    Read through a memory map: no copy of the bytes, which costs about as much as the CRC itself."""
-    crc = 0
-    with open(path, "rb") as handle:
-        if os.fstat(handle.fileno()).st_size == 0:  # an empty file cannot be mapped
-            return f"crc32:{crc:08x}"
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-            for offset in range(0, len(view), _CHECKSUM_CHUNK):
-                crc = crc32(view[offset : offset + _CHECKSUM_CHUNK], crc)
-    return f"crc32:{crc:08x}"
 
 
 def files_under(step_path: str, directories: list[str]) -> list[str]:
@@ -154,6 +136,37 @@ def read_manifest(step_path: str) -> dict | None:
     """The step's manifest.json; None when the step has none (saved by upstream verl)."""
     path = os.path.join(step_path, MANIFEST_FILENAME)
     return _read_json(path, "manifest") if os.path.exists(path) else None
+
+
+def manifest_checksums(step_path: str) -> dict[str, str] | None:
+    """Each file's checksum by its path relative to the step, as the manifest records it; None for a step without
+    a manifest (saved by upstream verl: nothing records its bytes)."""
+    manifest = read_manifest(step_path)
+    if manifest is None:
+        return None
+    entries, _ = _manifest_entries(step_path, os.path.join(step_path, MANIFEST_FILENAME), manifest)
+    return {os.path.normpath(relative): checksum for relative, (_, checksum) in entries.items()}
+
+
+def checksums_in(checksums: dict[str, str], directory: str) -> dict[str, str]:
+    """The files of ``checksums`` (``manifest_checksums``) directly inside ``directory`` (relative to the step),
+    by file name."""
+    directory = os.path.normpath(directory)
+    return {os.path.basename(r): c for r, c in checksums.items() if os.path.dirname(r) == directory}
+
+
+def verify_bulk_checksums(step_path: str, directory: str) -> None:
+    """The bulk files (``checksum.is_bulk``) of ``directory`` (relative to the step) match the manifest's checksums:
+    for a reader that loads them straight into the model. ``ChecksumMismatchError``, one line naming each file."""
+    checksums = manifest_checksums(step_path) or {}
+    listed = [(os.path.join(step_path, r), c) for r, c in sorted(checksums.items()) if is_bulk(r) and r.startswith(os.path.normpath(directory) + os.sep)]
+    bad = [
+        f"{full}: its content checksum differs from the manifest's {want} (changed or corrupted since the save)"
+        for (full, want), got in zip(listed, _checksums([f for f, _ in listed]), strict=True)
+        if got != want
+    ]
+    if bad:
+        raise ChecksumMismatchError(f"checkpoint {step_path} is damaged: " + "; ".join(bad))
 
 
 def read_saved_layout(step_path: str) -> dict | None:
@@ -207,11 +220,13 @@ def read_ckpt_contents(step_path: str) -> dict:
     return data
 
 
-def verify_manifest(step_path: str, required: bool = True, checksums: bool = True) -> bool:
+def verify_manifest(step_path: str, required: bool = True, checksums: bool = True, bulk_checksums: bool = True) -> bool:
     """The manifest covers the step: every file it lists lies inside the step with its recorded size and, with
     ``checksums``, content checksum; every file of the step is listed; the commit mark names the step of the
     directory. False when the step has neither our commit mark nor a manifest and ``required`` is False (an
-    upstream step). ``checksums=False`` is for a caller that has just hashed these very bytes (one read, not two)."""
+    upstream step). ``checksums=False`` is for a caller that has just hashed these very bytes (one read, not two);
+    ``bulk_checksums=False`` leaves the shards and weights (``checksum.is_bulk``) to the load, which checksums them
+    from the bytes it reads."""
     mark_path = os.path.join(step_path, COMMIT_MARK_FILENAME)
     if not required and not os.path.exists(mark_path) and not os.path.exists(os.path.join(step_path, MANIFEST_FILENAME)):
         marks = our_marks(step_path)
@@ -241,7 +256,7 @@ def verify_manifest(step_path: str, required: bool = True, checksums: bool = Tru
             problems.append(f"{full} is missing")
         elif os.path.getsize(full) != size:
             problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest says {size} (truncated or overwritten)")
-        elif checksums:
+        elif checksums and (bulk_checksums or not is_bulk(relative)):
             to_hash.append((full, checksum))
     for (full, want), got in zip(to_hash, _checksums([f for f, _ in to_hash]), strict=True):
         if got != want:
@@ -384,11 +399,19 @@ def is_complete(step_path: str) -> bool:
 
 
 def find_resume_checkpoint(root: str, role: str = "actor", checksums: bool = True) -> tuple[str | None, list[str]]:
-    """The step directory (``.../global_step_N/<role>``) a ``resume_mode=auto`` run loads, and notes.
+    """The step directory (``.../global_step_N/<role>``) a ``resume_mode=auto`` run loads, verified
+    (``verify_checkpoint``; ``checksums`` as there), and notes (``tracked_step``)."""
+    path, notes = tracked_step(root, role)
+    if path is not None:
+        verify_checkpoint(path, checksums=checksums)
+    return path, notes
 
-    The tracker names the step. A tracker that names a missing or damaged step is an error (nothing
-    is deleted); incomplete staging directories and committed steps newer than the tracker are
-    reported in the notes and skipped. No tracker: no resume. ``checksums``: as in ``verify_checkpoint``.
+
+def tracked_step(root: str, role: str = "actor") -> tuple[str | None, list[str]]:
+    """The step directory (``.../global_step_N/<role>``) the tracker names, not yet verified, and notes.
+
+    A tracker that names a missing step is an error (nothing is deleted); incomplete staging directories and
+    committed steps newer than the tracker are reported in the notes and skipped. No tracker: no resume.
     """
     notes = []
     for step, step_dir in list_step_dirs(root):
@@ -396,10 +419,7 @@ def find_resume_checkpoint(root: str, role: str = "actor", checksums: bool = Tru
         if os.path.isdir(staging):
             notes.append(f"skipping {staging}: an interrupted save of step {step}")
     tracker = get_checkpoint_tracker_filename(root)
-    try:
-        tracked = read_tracker(root)
-    except ValueError as exc:
-        raise CheckpointError(str(exc)) from exc
+    tracked = read_tracker(root)
     if tracked is None:
         return None, notes
     path = os.path.join(root, STEP_DIR_FORMAT.format(tracked), role)
@@ -411,7 +431,6 @@ def find_resume_checkpoint(root: str, role: str = "actor", checksums: bool = Tru
             f"checkpoint tracker {tracker} names step {tracked}, but {path} does not exist; restore it, or set "
             "trainer.resume_mode=disable or trainer.resume_from_path=<a complete step>"
         )
-    verify_checkpoint(path, checksums=checksums)
     for step, step_dir in list_step_dirs(root):
         if step > tracked and is_complete(os.path.join(step_dir, role)):
             notes.append(f"skipping step {step}: committed but never tracked (the run stopped before the tracker was written)")
@@ -423,16 +442,17 @@ def holds_hf_weights(contents: dict) -> bool:
     return any(contents.get("contents", {}).get(name, {}).get("format") == "huggingface" for name in ("model", "hf_model"))
 
 
-def verify_checkpoint(step_path: str, transformer_config=None, hf_config=None, checksums: bool = True) -> dict:
+def verify_checkpoint(step_path: str, transformer_config=None, hf_config=None, checksums: bool = True, bulk_checksums: bool = True) -> dict:
     """Everything a load checks before touching a tensor; returns the step's contents.
 
     Raises CheckpointError (or FileNotFoundError) naming the file and the cause (``UntrustedContentError`` for
     a dist-checkpoint file that holds anything but data). A step without our
     manifest (saved by upstream verl) gets a warning and the checks its own files allow. ``checksums=False``
-    skips re-reading every file for its checksum, for a caller that has just done so (or just computed them).
+    skips re-reading every file for its checksum, for a caller that has just done so (or just computed them);
+    ``bulk_checksums=False`` leaves the shards' and weights' checksums to the load that reads them.
     """
     contents = read_ckpt_contents(step_path)
-    if not verify_manifest(step_path, required=False, checksums=checksums):
+    if not verify_manifest(step_path, required=False, checksums=checksums, bulk_checksums=bulk_checksums):
         warnings.warn(f"{step_path} has no {MANIFEST_FILENAME}: a checkpoint saved by upstream verl; its file sizes cannot be checked", stacklevel=2)
     from verl.utils.checkpoint.data_only import check_step
 

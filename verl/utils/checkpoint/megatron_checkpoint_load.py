@@ -1,6 +1,6 @@
 """How ``MegatronCheckpointManager`` loads a step (upstream's v2 layout): model, optimizer + LR schedule, RNG.
 
-The integrity checks come before, on every rank together (``verl.utils.checkpoint.commit.check_before_load``).
+The checks of the step come before, on every rank together (``verl.utils.checkpoint.resume_check.check_before_load``).
 """
 
 from __future__ import annotations
@@ -8,15 +8,20 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.utils import unwrap_model
 
 from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import not_implemented_unless_default
-from verl.utils.checkpoint.integrity import CheckpointError, read_saved_layout
+from verl.utils.checkpoint.errors import CheckpointError
+from verl.utils.checkpoint.integrity import checksums_in, manifest_checksums, read_saved_layout, verify_bulk_checksums
 from verl.utils.checkpoint.megatron_optimizer_state import (
     initialize_distributed_optimizer_state,
     optimizer_state_from_loaded,
@@ -24,6 +29,7 @@ from verl.utils.checkpoint.megatron_optimizer_state import (
 )
 from verl.utils.checkpoint.megatron_state_dicts import RANK_RNG_STATE_KEY, current_parallel_layout
 from verl.utils.megatron_utils import get_legacy_dist_checkpoint_path, get_legacy_hf_model_checkpoint_path
+from verl.utils.rank_comm import PeerFailure, RankComm, describe
 
 
 def _seams():
@@ -41,9 +47,13 @@ class MegatronLoads:
         """Load the contents ``load_contents`` names from the step at ``local_path`` (upstream's v2 layout).
 
         The model comes from the HF folder through the bridge (use_dist_checkpointing=False) or from
-        ``model/dist_ckpt``; the optimizer, LR scheduler and RNG from their dist checkpoints. Integrity checks
-        of our own (manifest, HF completeness, model identity) belong before this call:
-        ``verl.utils.checkpoint.commit.check_before_load``.
+        ``model/dist_ckpt``; the optimizer, LR scheduler and RNG from their dist checkpoints. Two phases: every
+        part is read first, into buffers of its own, each file checksummed against the step's manifest from the
+        very bytes read (``verl.utils.megatron.dist_checkpointing``); all ranks then agree that every read was
+        whole (``RankComm.agree``), and only then is any of it applied to the model, optimizer, schedule and RNG.
+        A damaged file fails every rank together, naming it, with nothing applied. Integrity checks of the step
+        itself (manifest, data-only metadata, HF completeness, model identity) belong before this call:
+        ``verl.utils.checkpoint.resume_check.check_before_load``.
         """
         not_implemented_unless_default(hdfs_path=hdfs_path, del_local_after_load=del_local_after_load)
         self.finalize_async_save(blocking=True)  # a pending save is of the state about to be replaced
@@ -51,18 +61,38 @@ class MegatronLoads:
             raise FileNotFoundError(f"checkpoint {local_path} does not exist (or is not a directory)")
         self._raise_for_old_layout(local_path)
         start = time.monotonic()
-        metadata = self._load_content_metadata(local_path)
-        if self.should_load_dist_ckpt_model:
-            self._load_model_from_dist_checkpoint(local_path, self._build_model_sharded_state_dict(metadata))
-        elif self.should_load_hf_model:
-            self._load_model_as_hf_via_bridge(layout.hf_path(local_path))
-        if self.should_load_optimizer:  # mapped onto the model's shards as they are now, after its load
-            self._load_optimizer(local_path, self._build_model_sharded_state_dict(metadata), metadata)
-        if self.should_load_extra:
-            self._load_extra(local_path)
+        applies, error = self._read_parts(local_path)
+        try:
+            RankComm().agree(error, f"read {local_path}")
+        except (CheckpointError, PeerFailure) as exc:
+            raise CheckpointError(f"cannot load {local_path}; nothing was loaded. {describe(exc)}") from exc
+        for apply in applies:
+            apply()
         torch.distributed.barrier()
         self._log(f"loaded {local_path} ({', '.join(self.checkpoint_load_contents)}) in {time.monotonic() - start:.1f}s")
 
+    def _read_parts(self, local_path: str) -> tuple[list[Callable[[], None]], CheckpointError | None]:
+        """Every part ``load_contents`` names, read (every rank takes every read: they are collectives) and
+        checksummed, nothing applied: what applies each, and the first refusal of a read on this rank."""
+        metadata = self._load_content_metadata(local_path)
+        checksums = manifest_checksums(local_path)
+        applies: list[Callable[[], None]] = []
+        error: CheckpointError | None = None
+        reads = []
+        if self.should_load_dist_ckpt_model:
+            reads.append(lambda: self._read_model_from_dist_checkpoint(local_path, metadata, checksums))
+        elif self.should_load_hf_model:
+            reads.append(lambda: self._read_model_as_hf(local_path, checksums))
+        if self.should_load_optimizer:
+            reads.append(lambda: self._read_optimizer(local_path, metadata, checksums))
+        if self.should_load_extra:
+            reads.append(lambda: self._read_extra(local_path, checksums))
+        for read in reads:
+            try:
+                applies.append(read())
+            except CheckpointError as exc:
+                error = error or exc
+        return applies, error
     @staticmethod
     def _has_checkpoint_files(path: str) -> bool:
         return os.path.isdir(path) and any(os.scandir(path))
@@ -91,29 +121,52 @@ class MegatronLoads:
                 break
         return self._build_sharded_state_dict_metadata()
 
-    def _load_model_from_dist_checkpoint(self, local_path: str, model_state: dict) -> None:
+    def _read_model_from_dist_checkpoint(self, local_path: str, metadata: dict, checksums: dict | None) -> Callable[[], None]:
         path = layout.dist_path(local_path, "model")
-        loaded = _seams().load_dist_checkpointing(sharded_state_dict=dict(model_state), ckpt_dir=path)
-        for index, chunk in enumerate(self.model):
+        model_state = self._build_model_sharded_state_dict(metadata)
+        checkpointed = {key: set(state) for key, state in model_state.items()}
+        loaded = _seams().load_dist_checkpointing(
+            sharded_state_dict=into_own_buffers(dict(model_state)), ckpt_dir=path, **_checked(checksums, local_path, path)
+        )
+        for index in range(len(self.model)):
             key = "model" if len(self.model) == 1 else f"model{index}"
             if key not in loaded:
                 raise CheckpointError(f"{path} holds no '{key}' state (saved with use_dist_checkpointing=False?)")
-            if len(self.model) > 1:
-                mpu.set_virtual_pipeline_model_parallel_rank(index)
-            _load_chunk_strictly(chunk, loaded[key], set(model_state[key]), path)
+
+        def apply() -> None:
+            for index, chunk in enumerate(self.model):
+                key = "model" if len(self.model) == 1 else f"model{index}"
+                if len(self.model) > 1:
+                    mpu.set_virtual_pipeline_model_parallel_rank(index)
+                _load_chunk_strictly(chunk, loaded[key], checkpointed[key], path)
+
+        return apply
+
+    def _read_model_as_hf(self, local_path: str, checksums: dict | None) -> Callable[[], None]:
+        """The bridge reads the HF weights straight into the model, so their checksums come first (a read the
+        bridge's own then finds in the page cache)."""
+        hf_model_path = layout.hf_path(local_path)
+        if checksums is not None:
+            verify_bulk_checksums(local_path, os.path.relpath(hf_model_path, local_path))
+        return lambda: self._load_model_as_hf_via_bridge(hf_model_path)
 
     def _load_model_as_hf_via_bridge(self, hf_model_path: str) -> None:
         self.bridge.load_weights(self.model, hf_model_path)
 
-    def _load_optimizer(self, local_path: str, model_state: dict, metadata: dict) -> None:
+    def _read_optimizer(self, local_path: str, metadata: dict, checksums: dict | None) -> Callable[[], None]:
         path = layout.dist_path(local_path, "optimizer")
         built_bounds = [(group.get("max_lr"), group.get("min_lr")) for group in self.optimizer.param_groups]
         if self.use_distributed_optimizer:
             initialize_distributed_optimizer_state(self.optimizer)
-        request = self._build_optimizer_state_dict(model_state, metadata, is_loading=True)
-        loaded = _seams().load_dist_checkpointing(sharded_state_dict=request, ckpt_dir=path)
+        request = self._build_optimizer_state_dict(self._build_model_sharded_state_dict(metadata), metadata, is_loading=True)
+        loaded = _seams().load_dist_checkpointing(
+            sharded_state_dict=into_own_buffers(request), ckpt_dir=path, **_checked(checksums, local_path, path)
+        )
         if "optimizer" not in loaded:
             raise CheckpointError(f"{path} holds no optimizer state")
+        return lambda: self._apply_optimizer(path, request, loaded, built_bounds)
+
+    def _apply_optimizer(self, path: str, request: dict, loaded: dict, built_bounds: list[tuple]) -> None:
         if self.use_distributed_optimizer:
             with torch.no_grad():  # the DP-reshardable loader copies into leaf main params in place
                 self.optimizer.load_state_dict(loaded["optimizer"])
@@ -157,20 +210,44 @@ class MegatronLoads:
                     group[key] = value if built == run_value else built
         scheduler.step(increment=0)  # the groups' LR and weight decay at the restored position
 
-    def _load_extra(self, local_path: str) -> None:
+    def _read_extra(self, local_path: str, checksums: dict | None) -> Callable[[], None]:
         """Each rank's own RNG streams when the step is ours and of this exact layout; upstream's per-(PP, TP)
         ones for an upstream step of this PP/TP; none (a warning) at another PP/TP, where they have no meaning."""
         saved, now = read_saved_layout(local_path), current_parallel_layout()
         if saved is not None and any(saved.get(k) != now[k] for k in ("pp", "tp")):
             if self.rank == 0:
                 warnings.warn(f"{local_path} was saved at {saved}, this run is {now}: RNG states are not restored", stacklevel=2)
-            return
+            return lambda: None
         path = layout.dist_path(local_path, "extra")
         per_rank = saved == now
-        loaded = _seams().load_dist_checkpointing(sharded_state_dict=self._build_extra_state_dict(per_rank), ckpt_dir=path)
+        loaded = _seams().load_dist_checkpointing(
+            sharded_state_dict=self._build_extra_state_dict(per_rank), ckpt_dir=path, **_checked(checksums, local_path, path)
+        )
         if "rng_state" not in loaded:
             raise CheckpointError(f"{path} holds no rng_state")
-        self.load_rng_states([loaded[RANK_RNG_STATE_KEY]] if per_rank else loaded["rng_state"])
+        return lambda: self.load_rng_states([loaded[RANK_RNG_STATE_KEY]] if per_rank else loaded["rng_state"])
+
+
+def _checked(checksums: dict | None, local_path: str, directory: str) -> dict:
+    """The load's ``checksums`` argument for ``directory`` of the step (none for a step without a manifest, so a
+    patched ``load_dist_checkpointing`` of upstream's signature keeps working for upstream's steps)."""
+    if checksums is None:
+        return {}
+    return {"checksums": checksums_in(checksums, os.path.relpath(directory, local_path))}
+
+
+def into_own_buffers(sharded_state_dict: dict) -> dict:
+    """``sharded_state_dict`` with every tensor it would load into replaced by a new host buffer of the same
+    shape and dtype: the read fills those, and the model's and optimizer's own tensors change only when the
+    loaded state is applied (after every rank agreed that every file read was whole)."""
+
+    def own(value: Any) -> Any:
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and isinstance(value.data, torch.Tensor):
+            value.data = torch.empty_like(value.data, device="cpu")
+        return value
+
+    dict_list_map_inplace(own, sharded_state_dict)
+    return sharded_state_dict
 
 
 def _load_chunk_strictly(chunk: torch.nn.Module, state: dict, checkpointed: set[str], path: str) -> None:

@@ -41,8 +41,8 @@ from verl.utils import process_lifetime
 from verl.utils.checkpoint import dist_writer, finite, layout, os_errors, save_writers, snapshot_save
 from verl.utils.checkpoint.async_modes import AsyncMode, choose_mode
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get, not_implemented_unless_default
+from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.forked_save import ForkedSave, HFExport
-from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.mbridge_config import save_weights_kwargs
 from verl.utils.checkpoint.megatron_checkpoint_load import MegatronLoads
 from verl.utils.checkpoint.megatron_metadata import MegatronMetadata, write_hf_config

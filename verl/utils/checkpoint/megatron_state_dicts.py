@@ -20,7 +20,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor, apply_factories
 
 from verl.utils.checkpoint.checkpoint_manager import config_get
-from verl.utils.checkpoint.integrity import CheckpointError
+from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.layout import RANK_RNG_STATE_KEY, dist_path
 from verl.utils.device import get_device_name, get_torch_device
 

@@ -16,6 +16,8 @@ import os
 import re
 from collections.abc import Iterator
 
+from verl.utils.checkpoint.errors import CheckpointError
+
 FULL_MARGIN_BYTES = 1 << 20  # the least room a failed write without an errno must find for it not to be ENOSPC
 _TEXT_ERRNO = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")  # Rust's io::Error; Python's OSError as text
 
@@ -155,8 +157,6 @@ def explain(exc: BaseException, path: str) -> OsFailure | None:
     """Why a write under ``path`` failed, as far as the operating system tells: an errno in ``exc``, else a
     full disk under ``path``; None for a failure of another kind, and for this package's own CheckpointError
     (its message says what it is: a NaN refusal is no disk error, however full the disk)."""
-    from verl.utils.checkpoint.integrity import CheckpointError
-
     if isinstance(exc, CheckpointError):
         return None
     return find_os_error(exc) or disk_full(path)

@@ -36,8 +36,9 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from verl.utils.checkpoint import layout, os_errors
+from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
-from verl.utils.checkpoint.integrity import FORMAT_VERSION, CheckpointError, build_manifest, fsync_tree
+from verl.utils.checkpoint.integrity import FORMAT_VERSION, build_manifest, fsync_tree
 from verl.utils.fs import atomic_open, atomic_write_text, fsync_path
 from verl.utils.rank_comm import describe
 

@@ -12,8 +12,10 @@ from typing import Any
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.distributed.checkpoint.api import CheckpointException
 
 from verl.utils.checkpoint.data_only import check_dist_checkpoint, data_only_torch_dist_load
+from verl.utils.checkpoint.errors import CheckpointError, ChecksumMismatchError
 from verl.utils.internals import megatron_core
 
 
@@ -41,13 +43,34 @@ def save_dist_checkpointing(
     )
 
 
-def load_dist_checkpointing(sharded_state_dict: dict, ckpt_dir: str) -> dict:
+def load_dist_checkpointing(sharded_state_dict: dict, ckpt_dir: str, checksums: dict[str, str] | None = None) -> dict:
     """Load the entries of ``sharded_state_dict`` from the torch_dist checkpoint at ``ckpt_dir``.
 
     Its ``.metadata`` and bytes items are read as data only (``verl.utils.checkpoint.data_only``): a file
     that names any other class or function is refused, naming it, and nothing of it runs. Checked first
     for a plain ``UntrustedContentError`` (torch's load would wrap it per rank), then read by the data-only
-    reader and planner, so a file replaced in between is refused too."""
-    check_dist_checkpoint(ckpt_dir)
-    with data_only_torch_dist_load(ckpt_dir):
-        return dist_checkpointing.load(sharded_state_dict, ckpt_dir)
+    reader and planner, so a file replaced in between is refused too. ``checksums`` (the step manifest's, by
+    file name in ``ckpt_dir``): each file the load reads is checksummed from the bytes it loads, and a file that
+    differs is refused (``ChecksumMismatchError``, one line naming it) with none of its bytes in the state."""
+    check_dist_checkpoint(ckpt_dir, bytes_items=checksums is None)  # with checksums: checked as the load reads them
+    with data_only_torch_dist_load(ckpt_dir, checksums) as mismatches:
+        try:
+            loaded = dist_checkpointing.load(sharded_state_dict, ckpt_dir)
+        except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
+            if mismatches:  # a file refused above left its items unread: the mismatch is the cause to report
+                loaded = {}
+            else:
+                raise _refusal_inside(exc) or exc from None
+    if mismatches:
+        raise ChecksumMismatchError(f"checkpoint {ckpt_dir} is damaged: " + "; ".join(sorted(set(mismatches))))
+    return loaded
+
+
+def _refusal_inside(exc: BaseException) -> CheckpointError | None:
+    """The data-only refusal a rank raised inside torch's collective load (``CheckpointException`` holds each
+    rank's error with its traceback), so the caller gets the one line naming the file, as before the load."""
+    for failure in exc.failures.values() if isinstance(exc, CheckpointException) else ():
+        inner = failure[0] if isinstance(failure, tuple) else failure  # (the rank's exception, its traceback)
+        if isinstance(inner, CheckpointError):
+            return inner
+    return None

@@ -19,11 +19,11 @@ from verl.models.mcore import load_hf_config
 from verl.models.mcore.bridge import make_model_bridge
 from verl.models.mcore.forward import compute_log_probs, forward_logits, train_step
 from verl.models.mcore.model import build_megatron_model
-from verl.utils.checkpoint import commit, finite, precision
+from verl.utils.checkpoint import finite
 from verl.utils.checkpoint.checkpoint_manager import config_get
-from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.megatron_checkpoint_manager import FinalizeState, MegatronCheckpointManager, SaveReport
 from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout
+from verl.utils.checkpoint.resume_check import CheckedStep, check_before_load
 from verl.utils.checkpoint.step_commit import CommittedStep, StepCommit, StepSpec
 from verl.utils.custom_code import load_tokenizer
 from verl.utils.host_memory import release_free_heap
@@ -235,11 +235,18 @@ class MegatronEngine(BaseEngine):
         return committed
 
     def load_checkpoint(
-        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True, **kwargs: Any
+        self,
+        local_path: str,
+        hdfs_path: str | None = None,
+        del_local_after_load: bool = True,
+        checked: CheckedStep | None = None,
+        **kwargs: Any,
     ) -> None:
         """Check the step (every rank fails together, before anything loads), then load it (upstream's arguments;
         upstream's ``del_local_after_load`` removes only a remote checkpoint's local copy: here there is none, so
-        the step is kept either way).
+        the step is kept either way). ``checked``: the driver's record of its check of this step before the ranks
+        started (``verl.utils.checkpoint.resume_check``); the ranks then check only what it leaves open. Without
+        it, every check runs here.
 
         The manager loads the weights before the optimizer state, so a bf16 run's fp32 master weights come from
         the checkpoint, never from the bf16 weights. Weights loaded without the optimizer state are copied into
@@ -249,11 +256,7 @@ class MegatronEngine(BaseEngine):
             raise _unsupported("load_checkpoint", hdfs_path, kwargs)
         self.finalize_checkpoint(blocking=True)
         manager = self.checkpoint_manager
-        if manager.should_load_optimizer:
-            problem = precision.optimizer_dtype_problem(local_path, str(self.settings.dtype).removeprefix("torch."))
-            if problem is not None:
-                raise CheckpointError(f"cannot load {local_path}; nothing was loaded. {problem}")
-        commit.check_before_load(manager, local_path)
+        check_before_load(manager, local_path, checked)
         manager.load_checkpoint(local_path)
         if (manager.should_load_hf_model or manager.should_load_dist_ckpt_model) and not manager.should_load_optimizer:
             self.optimizer.reload_model_params()

@@ -1,0 +1,161 @@
+"""Resume from a cold page cache vs a plain ``safetensors.load_file`` of the same bytes, interleaved pairs.
+
+One rank, the benchmark's Qwen3-MoE (``bench_checkpoint.make_model``, ``--params``). One step is saved (model as
+HF weights, optimizer, extra), and a safetensors file holding the same tensors (the rank's parameters and Adam
+state) is written beside it. Each pair then, for each source tree given (``--tree``: this one, and e.g. a checkout
+of an earlier commit to compare with), in alternating order:
+1. a fresh rank builds the actor (not timed), drops the page cache (``/proc/sys/vm/drop_caches``: run as root),
+   and times the resume end to end: the driver's pre-start check of the step, then the rank's load;
+2. the page cache is dropped again and ``safetensors.torch.load_file`` of the plain file is timed.
+The ratio of each pair is resume / plain; the report gives each tree's median and spread, with the date and the
+machine's load. Numbers go in docs/perf.md, never in a test.
+
+Usage (from the repository root, as root)::
+
+    .venv/bin/python scripts/bench_resume.py --pairs 7 --tree . --tree /path/to/older/checkout
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+LOAD_CONTENTS = ("model", "optimizer", "extra")
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as handle:
+        handle.write("3")
+
+
+def _actor(model_path: str):
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+
+    return MegatronEngine(ActorSettings(model_path=model_path, save_contents=LOAD_CONTENTS, load_contents=LOAD_CONTENTS))
+
+
+def _save(model_path: str, root: str, plain: str) -> int:
+    """On the rank: train a step, save it, and write the plain file of the same tensors; its size."""
+    import torch
+    from safetensors.torch import save_file
+
+    actor = _actor(model_path)
+    actor.train_step([torch.randint(4, 200, (2, 33), generator=torch.Generator().manual_seed(0))])
+    actor.save_checkpoint(os.path.join(root, "global_step_1", "actor"), global_step=1, track=True)
+    tensors = {f"param.{i}": p.detach().contiguous().clone() for i, p in enumerate(actor.model[0].parameters())}
+    for sub in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        for i, values in enumerate(getattr(sub, "optimizer", sub).state.values()):
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    tensors[f"optim.{id(sub)}.{i}.{key}"] = value.detach().contiguous().clone()
+    save_file(tensors, plain)
+    return os.path.getsize(plain)
+
+
+def _timed_resume(model_path: str, step: str) -> float:
+    """On the rank: build the actor, drop the page cache, then time the driver's check and the rank's load as the
+    tree at hand makes them (a tree with ``resume_check.check_step`` hands its record to the load)."""
+    from verl.utils.checkpoint import integrity
+
+    actor = _actor(model_path)
+    manager = actor.checkpoint_manager
+    drop_page_cache()
+    start = time.perf_counter()
+    try:
+        from verl.utils.checkpoint.resume_check import LoadTarget, check_step
+    except ImportError:  # a tree before the one resume check: the driver verifies, the ranks check again
+        integrity.verify_checkpoint(step, manager.transformer_config, manager.hf_config)
+        actor.load_checkpoint(step)
+    else:
+        target = LoadTarget(LOAD_CONTENTS, manager.use_distributed_optimizer, "float32")
+        checked = check_step(step, target, manager.transformer_config, manager.hf_config)
+        actor.load_checkpoint(step, checked=checked)
+    return time.perf_counter() - start
+
+
+def _on_one_rank(fn_name: str, *args: str) -> object:
+    from verl.utils.distributed import run_on_ranks
+    from verl.utils.megatron.parallel import ParallelSizes
+
+    return run_on_ranks(globals()[fn_name], 1, ParallelSizes(), args=args, timeout_s=900)[0]
+
+
+def _in_tree(tree: str, fn_name: str, *args: str) -> object:
+    """``fn_name(*args)`` on one rank, in a fresh process importing verl from ``tree``."""
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    code = f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import bench_resume as b; print('RESULT', json.dumps(b._on_one_rank(*sys.argv[1:])))"
+    out = subprocess.run([sys.executable, "-c", code, fn_name, *args], env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"{fn_name} in {tree} failed:\n{out.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def _timed_plain(plain: str) -> float:
+    from safetensors.torch import load_file
+
+    drop_page_cache()
+    start = time.perf_counter()
+    load_file(plain)
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=7)
+    parser.add_argument("--params", type=float, default=60.1e6)
+    parser.add_argument("--tree", action="append", help="a source tree whose verl/ to time (repeatable; default: this one)")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    trees = args.tree or ["."]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_checkpoint import make_model  # it puts this repository first on sys.path: the model maker is ours
+
+    work = tempfile.mkdtemp(prefix="bench_resume_")
+    model_path, count = make_model(os.path.join(work, "model"), args.params)
+    root, plain = os.path.join(work, "ckpt"), os.path.join(work, "plain.safetensors")
+    plain_bytes = _in_tree(trees[0], "_save", model_path, root, plain)
+    step = os.path.join(root, "global_step_1", "actor")
+    step_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(step) for f in names)
+    ratios: dict[str, list[float]] = {tree: [] for tree in trees}
+    seconds: dict[str, list[tuple[float, float]]] = {tree: [] for tree in trees}
+    for pair in range(args.pairs):
+        for tree in trees if pair % 2 == 0 else trees[::-1]:
+            resume = float(_in_tree(tree, "_timed_resume", model_path, step))
+            base = _timed_plain(plain)
+            ratios[tree].append(resume / base)
+            seconds[tree].append((resume, base))
+            print(f"pair {pair + 1} {tree}: resume {resume:.2f}s, plain {base:.2f}s, ratio {resume / base:.2f}", flush=True)
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        "params": count,
+        "step_bytes": step_bytes,
+        "plain_bytes": plain_bytes,
+        "load_average": os.getloadavg(),
+        "trees": {
+            tree: {
+                "median_ratio": statistics.median(ratios[tree]),
+                "min_ratio": min(ratios[tree]),
+                "max_ratio": max(ratios[tree]),
+                "seconds": seconds[tree],
+            }
+            for tree in trees
+        },
+    }
+    print(json.dumps(report, indent=1))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(report, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

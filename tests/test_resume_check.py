@@ -1,0 +1,297 @@
+"""A resume checks each thing once. The driver's pre-start check (``check_resume_step``, what
+``python -m verl.trainer.main_ppo`` runs before Ray) hands its record to every rank's ``load_checkpoint``, and
+the ranks do not check again what it proved; a load without the record checks everything itself. Both refuse
+a damaged or crafted step before anything loads.
+
+Reads are observed through Python's audit hook (the ``open`` event) in the driver and in each rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.checkpoint_builders import craft_metadata
+from verl.utils.distributed import run_on_ranks
+from verl.utils.megatron.parallel import ParallelSizes
+
+LAYOUT = ParallelSizes(ep=2, etp=1)  # 2 ranks: MoE with expert parallel, dense data parallel
+WORLD = 2
+LOAD_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+_RECORDING: list[tuple[str, collections.Counter]] = []  # (directory, its files' opens) while counting
+_HOOKED: list[bool] = []
+
+
+def _on_audit_event(event: str, args: tuple) -> None:
+    if event != "open" or not _RECORDING or not isinstance(args[0], (str, bytes, os.PathLike)):
+        return
+    path = os.path.abspath(os.fsdecode(args[0]))
+    for directory, opens in _RECORDING:
+        if path.startswith(directory + os.sep):
+            opens[os.path.relpath(path, directory)] += 1
+
+
+@contextlib.contextmanager
+def counting_opens(directory: str) -> Iterator[collections.Counter]:
+    """How many times each file under ``directory`` is opened in this process inside the block (relative path
+    -> count). An audit hook cannot be removed: it is added once per process and records only in here."""
+    if not _HOOKED:
+        sys.addaudithook(_on_audit_event)
+        _HOOKED.append(True)
+    opens: collections.Counter = collections.Counter()
+    _RECORDING.append((os.path.abspath(directory), opens))
+    try:
+        yield opens
+    finally:
+        _RECORDING.pop()
+
+
+def _actor(src: str, use_distributed_optimizer: bool = False):
+    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+
+    return MegatronEngine(ActorSettings(model_path=src, load_contents=LOAD_CONTENTS, use_distributed_optimizer=use_distributed_optimizer))
+
+
+def _save_step(src: str, root: str) -> None:
+    actor = _actor(src)
+    actor.train_step([torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))])
+    actor.save_checkpoint(os.path.join(root, "global_step_1", "actor"), global_step=1, track=True)
+
+
+@pytest.fixture(scope="module")
+def saved_root(tiny_moe_path, tmp_path_factory) -> str:
+    """A run directory whose tracker names one committed step, with the data position a trainer writes."""
+    root = str(tmp_path_factory.mktemp("resume_check"))
+    run_on_ranks(_save_step, WORLD, LAYOUT, args=(tiny_moe_path, root))
+    torch.save({"epoch": 0, "position": 2, "order": torch.arange(8)}, os.path.join(root, "global_step_1", "data.pt"))
+    return root
+
+
+def _copy_run(saved_root: str, tmp_path) -> str:
+    root = os.path.join(str(tmp_path), "run")
+    shutil.copytree(saved_root, root)
+    return root
+
+
+def _driver_check(root: str, *overrides: str):
+    """What main_ppo runs before Ray for ``trainer.resume_mode=auto`` on ``root``."""
+    from hydra import compose, initialize_config_dir
+
+    from verl.trainer.validation import check_resume_step
+
+    config_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "verl", "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose(
+            config_name="ppo_megatron_trainer",
+            overrides=[f"trainer.default_local_dir={root}", f"actor_rollout_ref.actor.checkpoint.load_contents=[{','.join(LOAD_CONTENTS)}]", *overrides],
+        )
+    return check_resume_step(config)
+
+
+def _load_counting(src: str, step: str, checked, checks: bool = True) -> dict[str, int]:
+    """On each rank: build the actor, then load ``step`` (with the driver's record ``checked``, or None as a direct
+    caller would), counting the opens of the step's files during the load alone. ``checks=False``: the manager's
+    own load without any check, what the load itself opens."""
+    actor = _actor(src)
+    with counting_opens(step) as opens:
+        if checks:
+            actor.load_checkpoint(step, checked=checked)
+        else:
+            actor.checkpoint_manager.load_checkpoint(step)
+    return dict(opens)
+
+
+def _load_refused(src: str, step: str, checked, use_distributed_optimizer: bool = False) -> str:
+    actor = _actor(src, use_distributed_optimizer)
+    before = actor.parameters_snapshot()
+    try:
+        actor.load_checkpoint(step, checked=checked)
+    except Exception as exc:  # noqa: BLE001 - the refusal's type and text are what is checked
+        after = actor.parameters_snapshot()
+        return f"{type(exc).__name__}: {exc} | untouched={all(torch.equal(before[k], after[k]) for k in before)}"
+    return "loaded"
+
+
+def _files(step: str, suffix: str = "") -> list[str]:
+    return sorted(
+        os.path.relpath(os.path.join(folder, name), step) for folder, _, names in os.walk(step) for name in names if name.endswith(suffix)
+    )
+
+
+def _data_files(step: str) -> list[str]:
+    """The step's bulk files: dist-checkpoint shards and HF weights."""
+    return _files(step, ".distcp") + _files(step, ".safetensors")
+
+
+def _beyond_the_load(opens: dict, load_alone: dict, files: list[str]) -> dict[str, int]:
+    """How many more times than the load itself each of ``files`` was opened."""
+    return {f: opens.get(f, 0) - load_alone.get(f, 0) for f in files}
+
+
+def _extra_shards_once_more(files: list[str]) -> dict[str, int]:
+    """A full check's reads beyond the load: each shard holding bytes items (the RNG states, in ``extra``) parsed
+    once as data; no other bulk file."""
+    return {f: 1 if f.startswith("extra") and f.endswith(".distcp") else 0 for f in files}
+
+
+def test_one_resume_reads_each_bulk_file_once_in_the_rank_that_loads_it(tiny_moe_path, saved_root, tmp_path):
+    """Through the driver's record: the driver reads no shard or weights file for a checksum (only the shards that
+    hold bytes items, to parse them as data), and the ranks open the shards and weights exactly as often as the
+    load itself does, which checksums what it reads: each bulk byte is read once for its load and its checksum."""
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    with counting_opens(step) as driver:
+        found = _driver_check(root)
+    assert (found.step, found.step_dir) == (1, os.path.dirname(step))
+    ranks = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, found.checked))
+    load_alone = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, None, False))
+
+    dist_files = [f for f in _files(step) if f"{os.sep}dist_ckpt{os.sep}" in f]
+    assert dist_files and {f: driver[f] for f in dist_files if driver[f] > 2} == {}, driver
+    data_files = _data_files(step)
+    assert {f: driver[f] for f in data_files} == _extra_shards_once_more(data_files), driver
+    for rank in range(WORLD):
+        assert _beyond_the_load(ranks[rank], load_alone[rank], data_files) == dict.fromkeys(data_files, 0), (rank, ranks[rank])
+    assert any(ranks[0].get(f) for f in _files(step, ".distcp")), ranks[0]  # the load did read the shards
+    # each .metadata parsed once per process: the pre-load check, megatron's readers and the planner share it
+    # (rank 0 also reads each once for its checksum, with the other small files)
+    metadata = _files(step, ".metadata")
+    assert metadata and {f: ranks[1][f] for f in metadata} == dict.fromkeys(metadata, 1), ranks[1]
+
+
+def _flip_a_byte(path: str) -> str:
+    with open(path, "r+b") as handle:
+        handle.seek(os.path.getsize(path) // 2)
+        data = handle.read(64)
+        handle.seek(-len(data), os.SEEK_CUR)
+        handle.write(bytes(b ^ 0xFF for b in data))
+    return path
+
+
+def test_a_load_without_the_record_checks_everything_once_itself(tiny_moe_path, saved_root, tmp_path):
+    """A direct caller (no driver): rank 0 reads no shard or weights file beyond the load but the shards holding
+    bytes items (parsed as data), no other rank reads anything beyond the load; a flipped byte in a shard is
+    refused naming the file, with nothing loaded, on every rank."""
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    ranks = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, None))
+    load_alone = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, None, False))
+    data_files = _data_files(step)
+    assert _beyond_the_load(ranks[0], load_alone[0], data_files) == _extra_shards_once_more(data_files), ranks[0]
+    assert _beyond_the_load(ranks[1], load_alone[1], data_files) == dict.fromkeys(data_files, 0), ranks[1]
+
+    victim = _flip_a_byte(os.path.join(step, "optimizer", "dist_ckpt", _files(os.path.join(step, "optimizer", "dist_ckpt"), ".distcp")[0]))
+    for message in run_on_ranks(_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step, None)):
+        assert "nothing was loaded" in message and f"{victim}: its content checksum differs" in message, message
+        assert message.endswith("untouched=True") and "\n" not in message, message
+
+
+def _each_load_refused(src: str, steps: list[str], records: list) -> list[str]:
+    """On each rank: one actor, each step loaded with its record; each refusal and whether the weights stayed."""
+    actor = _actor(src)
+    refusals = []
+    for step, checked in zip(steps, records, strict=True):
+        before = actor.parameters_snapshot()
+        try:
+            actor.load_checkpoint(step, checked=checked)
+        except Exception as exc:  # noqa: BLE001 - the refusal's type and text are what is checked
+            after = actor.parameters_snapshot()
+            refusals.append(f"{type(exc).__name__}: {exc} | untouched={all(torch.equal(before[k], after[k]) for k in before)}")
+        else:
+            refusals.append("loaded")
+    return refusals
+
+
+def _append_a_space(path: str) -> str:
+    with open(path, "a") as handle:
+        handle.write(" ")
+    return f"{path} has "
+
+
+def test_a_file_changed_after_the_drivers_check_is_refused_on_every_rank_before_anything_is_applied(tiny_moe_path, saved_root, tmp_path):
+    """The driver checked the step; then a byte of one shard or weights file flips (the manifest unchanged, so the
+    record still fits), or the small transformer_config.json changes: every rank refuses the load in one line
+    naming the file, and the model's weights are as before, whichever part held the byte (model, optimizer, RNG)."""
+    steps, records, expected = [], [], []
+    for case, part in enumerate(["model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt", "transformer_config.json"]):
+        root = _copy_run(saved_root, tmp_path / str(case))
+        step = os.path.join(root, "global_step_1", "actor")
+        records.append(_driver_check(root).checked)
+        if part.endswith(".json"):
+            expected.append(_append_a_space(os.path.join(step, part)))
+        else:
+            folder = os.path.join(step, part)
+            expected.append(f"{_flip_a_byte(os.path.join(folder, _data_files(folder)[0]))}: its content checksum differs")
+        steps.append(step)
+    for refusals in run_on_ranks(_each_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, steps, records)):
+        for named, message in zip(expected, refusals, strict=True):
+            assert "nothing was loaded" in message and named in message, message
+            assert message.endswith("untouched=True") and "\n" not in message, message
+
+
+def _record_covers_before_and_after_a_load(src: str, step: str, checked) -> tuple[bool, bool]:
+    from verl.utils.checkpoint.resume_check import load_target
+
+    actor = _actor(src)
+    target = load_target(actor.checkpoint_manager)
+    before = checked.covers(step, target)
+    actor.load_checkpoint(step, checked=checked)
+    return before, checked.covers(step, target)
+
+
+def test_a_record_vouches_for_one_load_only(tiny_moe_path, saved_root, tmp_path):
+    """The driver's record covers the first load of its step on rank 0; once loaded with, it covers no other."""
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    checked = _driver_check(root).checked
+    assert run_on_ranks(_record_covers_before_and_after_a_load, WORLD, LAYOUT, args=(tiny_moe_path, step, checked))[0] == (True, False)
+
+
+def test_the_record_of_another_step_state_is_not_trusted(tiny_moe_path, saved_root, tmp_path):
+    """A ``.metadata`` crafted after the driver's check, its manifest re-hashed to match: the record's fingerprint
+    no longer fits, so the ranks check the step again and refuse it, and nothing of the pickle runs."""
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    checked = _driver_check(root).checked
+    marker = str(tmp_path / "ran")
+    path = craft_metadata(step, marker)
+    for message in run_on_ranks(_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step, checked)):
+        assert "nothing was loaded" in message and f"{path} names io.open" in message, message
+    assert not os.path.exists(marker)
+
+
+def test_a_record_for_another_load_is_not_trusted(tiny_moe_path, saved_root, tmp_path):
+    """A record checked for a load without the optimizer state does not vouch for one with it: rank 0 checks
+    the step itself (it parses the bytes items of the extra shards once more than the load)."""
+    import dataclasses
+
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    checked = _driver_check(root).checked
+    other = dataclasses.replace(checked, target=dataclasses.replace(checked.target, load_contents=("model", "extra")))
+    ranks = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, other))
+    load_alone = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, None, False))
+    data_files = _data_files(step)
+    assert _beyond_the_load(ranks[0], load_alone[0], data_files) == _extra_shards_once_more(data_files), ranks[0]
+
+
+def test_a_step_that_does_not_fit_is_refused_in_one_wording_by_the_driver_and_the_ranks(tiny_moe_path, saved_root, tmp_path):
+    """Optimizer state saved without the distributed optimizer, loaded into a run with it: the driver refuses it
+    before Ray, and a direct load on the ranks refuses it before anything loads, with the same line."""
+    from verl.trainer.validation import ConfigError
+
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    with pytest.raises(ConfigError) as refused:
+        _driver_check(root, "actor_rollout_ref.actor.megatron.use_distributed_optimizer=True")
+    (line,) = refused.value.problems
+    assert line.startswith(f"{step} optimizer state was saved with use_distributed_optimizer=False, this run uses True; set "), line
+    for message in run_on_ranks(_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step, None, True)):
+        assert "nothing was loaded" in message and line in message and message.endswith("untouched=True"), message
