@@ -253,7 +253,10 @@ BAD_CONFIGS = {
     "group_of_one": (["actor_rollout_ref.rollout.n=1"], "set actor_rollout_ref.rollout.n to 2 or more"),
     "estimator": (["algorithm.adv_estimator=gae"], "only grpo is implemented here; set algorithm.adv_estimator=grpo"),
     "truncation": (["data.truncation=cut"], "data.truncation=cut is not one of ['error', 'left', 'right', 'middle']"),
-    "upstream_vpp": ([f"{MEGATRON}virtual_pipeline_model_parallel_size=2"], "virtual_pipeline_model_parallel_size=2: the actor builds one model chunk"),
+    "vpp_layers": (
+        [f"{MEGATRON}virtual_pipeline_model_parallel_size=4"],
+        f"num_hidden_layers=4 does not split into pipeline_model_parallel_size=2 x virtual_pipeline_model_parallel_size=4 equal model chunks; set {MEGATRON}virtual_pipeline_model_parallel_size",
+    ),
     "task": (["data.task=reverse"], "data.task=reverse is not one of ['add', 'first']; set data.task=first"),
 }
 

@@ -135,14 +135,13 @@ SCRIPT_OVERRIDES = [
 ]
 
 # What the pre-start checks refuse, each with its own line: a rollout engine this host does not have, a reward
-# manager not implemented here, the interleaved pipeline schedule, and the wandb logger where the wandb package
-# is not installed (it is not in this project's requirements; installed, wandb runs offline and is accepted).
+# manager not implemented here, and the wandb logger where the wandb package is not installed (it is not in this
+# project's requirements; installed, wandb runs offline and is accepted). The interleaved pipeline is accepted.
 WANDB_INSTALLED = importlib.util.find_spec("wandb") is not None
 EXPECTED_REFUSED = {
     "actor_rollout_ref.rollout.name",
     "reward_model.reward_manager",
     *(() if WANDB_INSTALLED else ("trainer.logger",)),
-    "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size",
 }
 
 
@@ -211,7 +210,6 @@ def test_script_is_accepted_except_a_few_refusals_with_one_line_each(concrete, t
         "actor_rollout_ref.rollout.gpu_memory_utilization",
         "actor_rollout_ref.rollout.moe_tensor_parallel_size",
         "actor_rollout_ref.model.use_fused_kernels",
-        "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size",
         "actor_rollout_ref.actor.kl_loss_coef",
         "algorithm.kl_ctrl.kl_coef",
         "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method",
@@ -227,17 +225,18 @@ def test_script_is_accepted_except_a_few_refusals_with_one_line_each(concrete, t
         assert key not in ignored
     # ref settings equal to the actor's (the default follows it) and upstream defaults are not listed
     assert "actor_rollout_ref.ref.megatron.tensor_model_parallel_size" not in ignored
+    assert "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size" not in ignored
     assert "trainer.balance_batch" not in ignored and "data.return_raw_chat" not in ignored
 
 
 def test_script_with_the_kl_loss_on_honours_the_reference_keys(concrete, tiny_moe_path):
     """The script with actor.use_kl_loss=True (upstream's GRPO examples set it): the KL loss and the reference's
-    keys are honoured; the reference's interleaved pipeline is refused like the actor's, one line."""
+    keys are honoured, the reference's interleaved pipeline (equal to the actor's) with them."""
     with_kl = [o for o in concrete if _key(o) != "actor_rollout_ref.actor.use_kl_loss"] + ["actor_rollout_ref.actor.use_kl_loss=True"]
     problems = check_config(_compose(with_kl), tiny_moe_path)
     keys = {_key(o) for o in with_kl}
     refused = {key for key in keys if any(p.startswith((f"{key}=", f"{key} ")) for p in problems)}
-    assert refused == EXPECTED_REFUSED | {"actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size"}, problems
+    assert refused == EXPECTED_REFUSED, problems
     assert len(problems) == len(refused), problems
 
     config = _compose([o for o in with_kl if _key(o) not in refused] + ["trainer.logger=[console]"])

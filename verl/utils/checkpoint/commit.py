@@ -71,7 +71,7 @@ def _check_optimizer_fits(manager: BaseCheckpointManager, local_path: str, manif
     if saved != now:
         raise CheckpointError(
             f"{local_path} holds distributed-optimizer state saved at {saved}; it loads only at the same "
-            f"TP/PP/EP/ETP/CP, this run is {now}. Load the model alone (drop 'optimizer' from "
+            f"TP/PP/EP/ETP/CP (and virtual pipeline size), this run is {now}. Load the model alone (drop 'optimizer' from "
             "actor_rollout_ref.actor.checkpoint.load_contents), or save with "
             "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False, whose optimizer state loads at any layout."
         )
