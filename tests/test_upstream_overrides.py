@@ -307,3 +307,22 @@ def test_refusals_name_the_key(tiny_moe_path, tmp_path, override, expected):
         assert problems == []
         return
     assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_script_interleaved_pipeline_limits_are_refused_in_one_line_each(concrete, tiny_moe_path):
+    """The script's VPP2 at PP2: an update of one microbatch per data-parallel rank cannot run the interleaved
+    schedule (a multiple of PP is needed), and a reference with another VPP than the actor's is not its layout."""
+    accepted = [o for o in concrete if _key(o) not in EXPECTED_REFUSED] + ["trainer.logger=[console]"]
+    fixed_micro = [*accepted, "actor_rollout_ref.actor.use_dynamic_bsz=False"]
+    assert check_config(_compose([*fixed_micro, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"]), tiny_moe_path) == []
+    problems = check_config(_compose([*fixed_micro, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32"]), tiny_moe_path)
+    assert problems == [
+        "1 microbatches per data-parallel rank and mini-batch (32 sequences / actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32) "
+        "is not a multiple of pipeline_model_parallel_size=2, which actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2 "
+        "needs; set ppo_micro_batch_size_per_gpu so that 32 / it is a multiple of 2"
+    ]
+    with_kl = [o for o in accepted if _key(o) != "actor_rollout_ref.actor.use_kl_loss"] + ["actor_rollout_ref.actor.use_kl_loss=True"]
+    problems = check_config(_compose([*with_kl, "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=null"]), tiny_moe_path)
+    assert len(problems) == 1 and problems[0].startswith(
+        "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=None differs from the actor's (2)"
+    ), problems
