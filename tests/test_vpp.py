@@ -1,7 +1,8 @@
 """Interleaved pipelines (VPP2 at PP2, 4 ranks, MoE, use_distributed_optimizer=False): every model chunk is
 trained, saved (dist checkpoint and verified HF export), resumed bit-exactly, and resharded to no VPP and back.
 
-One module-scoped run saves the VPP2 step the tests share; each layout's ranks are started once.
+One module-scoped run saves the VPP2 step the first three tests share; each layout's ranks are started once.
+The distributed optimizer (per-chunk state) is checked on its own: exact resume, another VPP refused.
 scripts/check_vpp.py runs the same checks at PP4 EP2 TP2 ETP2 VPP2 (16 ranks).
 """
 
@@ -13,13 +14,14 @@ import torch
 
 from tests.vpp_check import (
     hf_state,
+    load,
     logits_gap,
     missing_layer_rows,
     num_hidden_layers,
     reshard_round_trip,
     train_save_continue_then_resume,
 )
-from verl.utils.distributed import run_on_ranks
+from verl.utils.distributed import RankFailure, run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
 VPP2 = ParallelSizes(pp=2, vpp=2)
@@ -65,3 +67,13 @@ def test_vpp2_reshards_to_no_vpp_and_back(vpp2_run, tiny_moe_path, tmp_path):
     # the optimizer state came along both ways: the same update at either layout, so the same next loss
     pairs = zip(result["back_losses"], result["no_vpp_losses"], strict=True)
     assert all(abs(a - b) < 1e-5 for a, b in pairs), result
+
+
+def test_distributed_optimizer_resumes_at_vpp2_and_refuses_another_vpp(tiny_moe_path, tmp_path):
+    """use_distributed_optimizer=True lays its state out per model chunk: it resumes exactly at the VPP it was
+    saved at, and a load without VPP is refused before anything loads, naming both layouts and the fix."""
+    for result in run_on_ranks(train_save_continue_then_resume, 4, VPP2, args=(tiny_moe_path, str(tmp_path), True)):
+        assert result["continued"] == result["resumed"] and result["differing"] == []
+    step = str(tmp_path / "global_step_2" / "actor")
+    with pytest.raises(RankFailure, match=r"saved at \{.*'vpp': 2\}; it loads only at the same .*this run is \{'tp': 1, 'pp': 2, 'ep': 1, 'etp': 1, 'cp': 1\}"):
+        run_on_ranks(load, 4, NO_VPP, args=(tiny_moe_path, step, True))

@@ -27,10 +27,13 @@ def check_tokens() -> torch.Tensor:
     return torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(3))
 
 
-def _actor(src: str):
+def _actor(src: str, use_distributed_optimizer: bool = False):
     from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
-    return MegatronEngine(ActorSettings(model_path=src, use_dist_checkpointing=True, save_contents=CONTENTS))
+    settings = ActorSettings(
+        model_path=src, use_distributed_optimizer=use_distributed_optimizer, use_dist_checkpointing=True, save_contents=CONTENTS
+    )
+    return MegatronEngine(settings)
 
 
 def hf_state(path: str) -> dict:
@@ -41,10 +44,10 @@ def hf_state(path: str) -> dict:
     return state
 
 
-def train_save_continue_then_resume(src: str, root: str) -> dict:
+def train_save_continue_then_resume(src: str, root: str, use_distributed_optimizer: bool = False) -> dict:
     """On each rank: two steps, save step 2 (its logits of ``check_tokens()`` kept), two more; a fresh actor
     loads step 2 and takes the same two steps."""
-    first = _actor(src)
+    first = _actor(src, use_distributed_optimizer)
     for step in range(2):
         first.train_step(batches(step))
     first.save_checkpoint(os.path.join(root, "global_step_2", "actor"), global_step=2)
@@ -52,7 +55,7 @@ def train_save_continue_then_resume(src: str, root: str) -> dict:
     continued = [first.train_step(batches(10 + step))["loss"] for step in range(2)]
     expected = first.parameters_snapshot()
 
-    resumed_actor = _actor(src)
+    resumed_actor = _actor(src, use_distributed_optimizer)
     resumed_actor.load_checkpoint(os.path.join(root, "global_step_2", "actor"))
     resumed = [resumed_actor.train_step(batches(10 + step))["loss"] for step in range(2)]
     actual = resumed_actor.parameters_snapshot()
@@ -63,6 +66,11 @@ def train_save_continue_then_resume(src: str, root: str) -> dict:
         "resumed": resumed,
         "differing": [name for name in expected if not torch.equal(expected[name], actual[name])],
     }
+
+
+def load(src: str, ckpt: str, use_distributed_optimizer: bool) -> None:
+    """On each rank: load ``ckpt`` whole at this run's layout."""
+    _actor(src, use_distributed_optimizer).load_checkpoint(ckpt)
 
 
 def load_export_save_and_train(src: str, ckpt: str, export: str, save_as: str | None) -> list[float]:
