@@ -1,13 +1,15 @@
 """Interleaved pipelines (VPP2 at PP2, 4 ranks, MoE, use_distributed_optimizer=False): every model chunk is
 trained, saved (dist checkpoint and verified HF export), resumed bit-exactly, and resharded to no VPP and back.
 
-One module-scoped run saves the VPP2 step the first three tests share; each layout's ranks are started once.
+One module-scoped run saves the VPP2 step the first four tests share; each layout's ranks are started once.
 The distributed optimizer (per-chunk state) is checked on its own: exact resume, another VPP refused.
 scripts/check_vpp.py runs the same checks at PP4 EP2 TP2 ETP2 VPP2 (16 ranks).
 """
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -57,6 +59,20 @@ def test_vpp2_step_holds_every_chunk(vpp2_run, tiny_moe_path):
     assert set(exported) == set(source)
     assert any(not torch.equal(exported[k], source[k]) for k in source)
     assert logits_gap(hf, results[0]["logits"]) <= 1e-5
+
+
+def test_vpp2_step_merges_at_one_rank_to_its_own_export(vpp2_run, tmp_path):
+    """``python -m verl.model_merger merge`` reads the chunks' dist checkpoint at one rank: the HF folder it writes
+    is the step's own export, tensor for tensor."""
+    root, _ = vpp2_run
+    step = os.path.join(root, "global_step_2", "actor")
+    target = str(tmp_path / "merged")
+    merge = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "megatron", "--local_dir", step, "--target_dir", target]
+    result = subprocess.run(merge, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[merge] loading the model shards" in result.stdout
+    merged, exported = hf_state(target), hf_state(os.path.join(step, "model", "huggingface"))
+    assert set(merged) == set(exported) and all(torch.equal(merged[k], exported[k]) for k in exported)
 
 
 def test_vpp2_reshards_to_no_vpp_and_back(vpp2_run, tiny_moe_path, tmp_path):
