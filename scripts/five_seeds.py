@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from verl.trainer.ppo.ray_trainer import METRICS_FILENAME  # noqa: E402
 
+# The main job as scripts/run.sh runs it: on requirements.txt's stack, which has no Megatron-Bridge, through mbridge.
+MBRIDGE = "actor_rollout_ref.actor.megatron.vanilla_mbridge=True"
 REWARD_KEY = "critic/score/mean"
 WINDOW = 10
 TARGET = 0.9
@@ -96,7 +98,7 @@ def run_seed(seed: int, out_dir: str, overrides: list[str]) -> dict:
     run_dir = os.path.join(out_dir, f"seed_{seed}")
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
-    command = [sys.executable, "-m", "verl.trainer.main_ppo", f"data.seed={seed}", f"trainer.default_local_dir={run_dir}", *overrides]
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", MBRIDGE, f"data.seed={seed}", f"trainer.default_local_dir={run_dir}", *overrides]
     print(f"[five_seeds] seed {seed}: {' '.join(command[1:])}", flush=True)
     with open(os.path.join(run_dir, "run.log"), "w") as log, LoadSampler() as load:
         start = time.monotonic()

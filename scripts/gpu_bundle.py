@@ -2,65 +2,136 @@
 
 The GPU host this project is lent (docs/gpu.md) has Python 3.12, torch 2.11 and transformers 5.17 with their
 dependencies (``scripts/gpu_device_stack.json``) and no network. This script, run where PyPI is reachable,
-downloads what the check imports on top of that into ``.gpu_bundle/cp312/`` (one megatron-core wheel per version
-checked), proves offline that the folder installs for Python 3.12 together with the device's stack, and keeps it
-under the 64 MiB the device tool carries. The carried stack shadows three of the device's packages through
-``PYTHONPATH``: transformers 4.57 (the checkpoint manager's HF verification does not run on transformers 5 yet,
-docs/models.md) with the tokenizers and huggingface_hub releases it requires.
+downloads what the check imports on top of that into ``.gpu_bundle/cp312/``, proves offline that the folder
+installs for Python 3.12 together with the device's stack, and keeps it and the working tree under the 64 MiB
+the device tool carries. What it carries is what the CPU legs pin, read from their requirements files, so the
+device runs what they passed: one megatron-core wheel per leg (``requirements.txt``: 0.16.1, the Python 3.11
+leg; ``requirements-py312.txt``: 0.18.2), the legs' mbridge and transformers (shadowing the device's 5.17
+through ``PYTHONPATH``, with the tokenizers release it accepts), and, for the 3.12 leg's megatron-core only,
+Megatron-Bridge (installed without its declared dependencies, as that leg installs it) with the one package it
+imports that the device lacks, in ``cp312/megatron-core-<version>/``.
 
     python scripts/gpu_bundle.py                      # .gpu_bundle/cp312 (the device) and one for this interpreter
     python scripts/gpu_bundle.py --python 3.12        # only the device's
+    python scripts/gpu_bundle.py --resolve-only       # only what would be carried (plan.json), no wheel downloaded
     python scripts/gpu_bundle.py --resolve-device-stack   # rewrite gpu_device_stack.json from PyPI first
     python scripts/gpu_bundle.py --device-site DIR    # DIR: links to this interpreter's copies of the device's packages
 
 For the interpreter running it (Python 3.11 here) "the device's stack" is what that interpreter has installed of
-the device's distributions, so scripts/gpu_check.sh --device cpu can run the check against the same package set.
+the device's distributions, so scripts/gpu_check.sh --device cpu can run the check against the same package set;
+an interpreter without torch gets no bundle of its own (it could not run the check). The cross-version
+resolution needs pip 24.2 or newer (older pip checks Requires-Python against the running interpreter whatever
+``--python-version`` says, upstream pip #12216): with an older one the script runs a current pip from its wheel.
+Only the standard library is imported, so any Python 3 with pip runs it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
-
 REPO = Path(__file__).resolve().parent.parent
 DEVICE_STACK_FILE = REPO / "scripts" / "gpu_device_stack.json"
+LEG_REQUIREMENTS = {"3.11": REPO / "requirements.txt", "3.12": REPO / "requirements-py312.txt"}
 DEFAULT_DEST = REPO / ".gpu_bundle"
-CARRY_LIMIT_MIB = 64  # what the device tool carries at most
-MEGATRON_CORE_VERSIONS = ("0.16.1", "0.18.2")  # the pinned release, and the newest (cp312 wheels only)
-# Carried beside megatron-core. transformers, tokenizers and huggingface_hub shadow the device's own releases.
-BUNDLE_REQUIREMENTS = (
-    "mbridge==0.15.1",
-    "transformers==4.57.6",
-    "tokenizers>=0.22,<=0.23.0",
-    "huggingface-hub>=0.34,<1.0",
-    "einops",
-    "psutil",
-    "zlib-ng==1.1.0",  # the manifest's CRC-32, as requirements.txt installs it for users (the check would fall back to zlib)
-)
+CARRY_LIMIT_MIB = 64  # what the device tool carries at most: the working tree and the bundle together
+PIP_HONOURING_PYTHON_VERSION = (24, 2)  # pip #12216: install's resolver checks Requires-Python against --python-version
+# Carried whatever the device has: the device's tokenizers (0.23.3) is outside the legs' transformers' range.
+SHADOWED = ("tokenizers",)
+ALSO_CARRIED = ("einops", "psutil")  # imported by mbridge / megatron's async writer; tiny
+# Megatron-Bridge's own imports on verl's path that the device's stack lacks (its kept list minus the device's).
+MEGATRON_BRIDGE_NEEDS = ("omegaconf",)
+# Pure-Python packages PyPI has only as an sdist (omegaconf's parser runtime): built into a wheel here.
+BUILT_HERE = ("antlr4-python3-runtime==4.9.*",)
 DEVICE_STACK_REQUIREMENTS = ("torch==2.11.0", "transformers==5.17.0")  # what the GPU host has preinstalled
+DEVICE_PYTHON = "3.12"
 
 
-def _pip(*args: str, offline: bool = False) -> subprocess.CompletedProcess:
-    """``python -m pip``; offline, with no configuration file, index or find-links of this host."""
+def canonical(name: str) -> str:
+    """A distribution's normalized name (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement_name(requirement: str) -> str:
+    return canonical(re.match(r"[A-Za-z0-9_.-]+", requirement.strip()).group(0))
+
+
+def leg_requirements(python: str) -> dict[str, str]:
+    """name -> requirement line (comments and markers dropped) of the leg that runs ``python``'s version."""
+    path = LEG_REQUIREMENTS.get(python, LEG_REQUIREMENTS["3.11"])
+    lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
+    return {requirement_name(line): line for line in lines if line and not line.startswith("-")}
+
+
+def pinned_version(python: str, name: str) -> str:
+    line = leg_requirements(python)[canonical(name)]
+    match = re.fullmatch(r"[A-Za-z0-9_.\[\], -]+==([0-9][0-9A-Za-z.+]*)", line)
+    if match is None:
+        raise SystemExit(f"gpu_bundle: {LEG_REQUIREMENTS.get(python, LEG_REQUIREMENTS['3.11']).name}: {line!r} is not an exact pin; pin it")
+    return match.group(1)
+
+
+def megatron_core_versions() -> list[str]:
+    """One per leg, in the legs' order (the Python 3.11 leg's, then the 3.12 leg's)."""
+    return list(dict.fromkeys(pinned_version(python, "megatron-core") for python in LEG_REQUIREMENTS))
+
+
+def carried_requirements(python: str) -> list[str]:
+    """What every run of the check carries beside its megatron-core wheel, pinned as ``python``'s leg pins it."""
+    exact = [f"{name}=={pinned_version(python, name)}" for name in ("mbridge", "transformers", "zlib-ng")]
+    return exact + list(SHADOWED) + list(ALSO_CARRIED)
+
+
+def megatron_bridge_run(python: str) -> str | None:
+    """The megatron-core version whose run also carries Megatron-Bridge: the one its leg tested it with."""
+    requirements = leg_requirements(python)
+    return pinned_version(python, "megatron-core") if "megatron-bridge" in requirements else None
+
+
+@functools.cache
+def _pip_folder() -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix="gpu_bundle_pip.")  # removed when the script exits
+
+
+@functools.cache
+def pip_command() -> tuple[str, ...]:
+    """``python -m pip``, or, where that pip predates 24.2, a current pip run from its wheel (fetched by the old
+    one): older pip resolves a cross-version ``install --dry-run`` against this interpreter's version."""
+    version = tuple(int(part) for part in re.findall(r"\d+", importlib.metadata.version("pip"))[:2])
+    if version >= PIP_HONOURING_PYTHON_VERSION:
+        return (sys.executable, "-m", "pip")
+    folder = Path(_pip_folder().name)
+    spec = "pip>=" + ".".join(map(str, PIP_HONOURING_PYTHON_VERSION))
+    _run((sys.executable, "-m", "pip"), "download", "--quiet", "--no-deps", "--only-binary=:all:", "-d", str(folder), spec)
+    wheel = next(folder.glob("pip-*.whl"))
+    print(f"gpu_bundle: pip {importlib.metadata.version('pip')} checks Requires-Python against Python "
+          f"{_this_python()}, not --python-version; using {wheel.name} instead")
+    return (sys.executable, str(wheel / "pip"))
+
+
+def _run(pip: tuple[str, ...], *args: str, offline: bool = False) -> subprocess.CompletedProcess:
+    """``pip ARGS``; offline, with no configuration file, index or find-links of this host."""
     env = dict(os.environ)
     if offline:
         env = {k: v for k, v in env.items() if not k.startswith("PIP_")}
         env["PIP_CONFIG_FILE"] = os.devnull
-    command = [sys.executable, "-m", "pip", *args]
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    result = subprocess.run([*pip, *args], env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"gpu_bundle: `pip {' '.join(args)}` failed:\n{result.stderr.strip()[-3000:]}")
     return result
+
+
+def _pip(*args: str, offline: bool = False) -> subprocess.CompletedProcess:
+    return _run(pip_command(), *args, offline=offline)
 
 
 def _dry_run(python: str, requirements: list[str], links: list[Path], constraints: Path, offline: bool) -> list[dict]:
@@ -78,17 +149,22 @@ def resolve_device_stack() -> dict:
     """The distributions (name -> version) pip installs for the device's two pins on Python 3.12, from PyPI."""
     empty = Path(tempfile.mkdtemp())
     (empty / "constraints.txt").write_text("")
-    items = _dry_run("3.12", list(DEVICE_STACK_REQUIREMENTS), [], empty / "constraints.txt", offline=False)
-    return dict(sorted((canonicalize_name(i["metadata"]["name"]), i["metadata"]["version"]) for i in items))
+    items = _dry_run(DEVICE_PYTHON, list(DEVICE_STACK_REQUIREMENTS), [], empty / "constraints.txt", offline=False)
+    return dict(sorted((canonical(i["metadata"]["name"]), i["metadata"]["version"]) for i in items))
+
+
+def _installed() -> dict[str, str]:
+    return {canonical(d.metadata["Name"]): d.version for d in importlib.metadata.distributions() if d.metadata["Name"]}
 
 
 def provided_stack(python: str) -> dict[str, str]:
-    """The device's distributions minus what the bundle carries: the device's versions for Python 3.12; for this
-    interpreter's own version, the versions it has installed of those names (the CPU run of the check)."""
+    """The device's distributions minus what the bundle carries: the device's versions for Python 3.12 (whatever
+    runs this: that bundle is the device's); for another version, this interpreter's own, the versions it has
+    installed of those names (the CPU run of the check)."""
     stack = json.loads(DEVICE_STACK_FILE.read_text())["distributions"]
-    carried = {canonicalize_name(Requirement(r).name) for r in BUNDLE_REQUIREMENTS}
-    if python == _this_python():
-        installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    carried = {requirement_name(r) for r in carried_requirements(python)}
+    if python == _this_python() and python != DEVICE_PYTHON:
+        installed = _installed()
         stack = {name: installed[name] for name in stack if name in installed}
     return {name: version for name, version in sorted(stack.items()) if name not in carried}
 
@@ -113,55 +189,91 @@ def _this_python() -> str:
 
 
 def _megatron_wheel_exists(python: str, version: str) -> bool:
+    """Whether PyPI has a megatron-core ``version`` wheel for ``python`` (its metadata only, not the wheel)."""
     with tempfile.TemporaryDirectory() as scratch:
-        args = ["download", "--quiet", "--no-deps", "--python-version", python, "--only-binary=:all:", "-d", scratch]
+        args = ["install", "--dry-run", "--quiet", "--ignore-installed", "--no-deps", "--python-version", python]
+        args += ["--only-binary=:all:", "--target", scratch]
         env = dict(os.environ, PIP_CONFIG_FILE=os.devnull)
         env.pop("PIP_FIND_LINKS", None)
-        command = [sys.executable, "-m", "pip", *args, f"megatron-core=={version}"]
+        command = [*pip_command(), *args, f"megatron-core=={version}"]
         return subprocess.run(command, env=env, capture_output=True).returncode == 0
 
 
-def build(python: str, dest: Path) -> dict:
-    """Download, check offline, measure; returns the folder's summary (also written as ``bundle.json``)."""
+def working_tree_mib() -> float:
+    """What the device tool sends beside the bundle: tracked and untracked-not-ignored files."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.split("\0")  # fmt: skip
+    return sum((REPO / name).stat().st_size for name in listed if name and (REPO / name).is_file()) / 2**20
+
+
+def _runs(python: str, versions: list[str], bridge_run: str | None) -> dict[str, list[str]]:
+    """megatron-core version -> the requirements its run resolves (Megatron-Bridge's needs with its run)."""
+    runs = {}
+    for version in versions:
+        extra = [leg_requirements(python).get(name, name) for name in MEGATRON_BRIDGE_NEEDS] if version == bridge_run else []
+        runs[version] = [f"megatron-core=={version}", *carried_requirements(python), *extra]
+    return runs
+
+
+def _versions_of(items: list[dict], stack: dict[str, str]) -> dict[str, str]:
+    return {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items if canonical(i["metadata"]["name"]) not in stack}
+
+
+def build(python: str, dest: Path, resolve_only: bool = False) -> dict:
+    """Resolve against PyPI; unless ``resolve_only``, download, check offline and measure. Returns the folder's
+    summary, also written as ``bundle.json`` (``plan.json`` when ``resolve_only``)."""
     folder = dest / f"cp{python.replace('.', '')}"
     folder.mkdir(parents=True, exist_ok=True)
     stack = provided_stack(python)
-    versions = [v for v in MEGATRON_CORE_VERSIONS if _megatron_wheel_exists(python, v)]
-    skipped = [v for v in MEGATRON_CORE_VERSIONS if v not in versions]
+    versions = [v for v in megatron_core_versions() if _megatron_wheel_exists(python, v)]
+    skipped = [v for v in megatron_core_versions() if v not in versions]
+    bridge_run = megatron_bridge_run(python)
+    bridge = f"megatron-bridge=={pinned_version(python, 'megatron-bridge')}" if bridge_run in versions else None
+    runs = _runs(python, versions, bridge_run)
     with tempfile.TemporaryDirectory() as scratch:
         constraints = write_stand_ins(stack, Path(scratch) / "stand_ins")
         links = [Path(scratch) / "stand_ins"]
-        needed: dict[str, str] = {}
-        for version in versions:
-            for item in _dry_run(python, [f"megatron-core=={version}", *BUNDLE_REQUIREMENTS], links, constraints, offline=False):
-                name = canonicalize_name(item["metadata"]["name"])
-                if name not in stack:
-                    needed[f"{name}=={item['metadata']['version']}"] = name
-        args = ["download", "--quiet", "--no-deps", "--python-version", python, "--only-binary=:all:", "-d", str(folder)]
-        _pip(*args, *sorted(r for r, name in needed.items() if name != "megatron-core"))
-        for version in versions:  # one call each: pip refuses two versions of one name in a call
-            _pip(*args, f"megatron-core=={version}")
-        wanted = {f"{req.split('==')[0].replace('-', '_')}-{req.split('==')[1]}-".lower() for req in needed}
-        for stale in folder.glob("*.whl"):  # wheels of an earlier run's pins
+        built = Path(scratch) / "built" if resolve_only or not bridge else folder / f"megatron-core-{bridge_run}"
+        if bridge:  # pure Python, so the wheel built by this interpreter installs on any
+            _pip("wheel", "--quiet", "--no-deps", "-w", str(built), *BUILT_HERE)
+            links.append(built)
+        built_names = {requirement_name(r) for r in BUILT_HERE} if bridge else set()
+        planned = {version: _versions_of(_dry_run(python, reqs, links, constraints, offline=False), stack) for version, reqs in runs.items()}
+        summary = {"python": python, "megatron_core": versions, "megatron_core_without_a_wheel": skipped,
+                   "megatron_bridge": {"requirement": bridge, "with_megatron_core": bridge_run} if bridge else None,
+                   "carried": planned}  # fmt: skip
+        if resolve_only:
+            (folder / "plan.json").write_text(json.dumps(summary, indent=2) + "\n")
+            return summary
+        common = set.intersection(*({f"{n}=={v}" for n, v in p.items() if n != "megatron-core" and n not in built_names}
+                                    for p in planned.values()))  # fmt: skip
+        args = ["download", "--quiet", "--no-deps", "--python-version", python, "--only-binary=:all:"]
+        _pip(*args, "-d", str(folder), *sorted(common))
+        for version, packages in planned.items():  # a run's own wheels: its megatron-core, and what only it needs
+            _pip(*args, "-d", str(folder), f"megatron-core=={version}")
+            own = sorted(f"{n}=={v}" for n, v in packages.items()
+                         if n != "megatron-core" and n not in built_names and f"{n}=={v}" not in common)  # fmt: skip
+            if version == bridge_run:
+                own.append(bridge)  # without its declared dependencies, as the 3.12 leg installs it
+            if own:
+                _pip(*args, "-d", str(folder / f"megatron-core-{version}"), *own)
+        wanted = {f"{n.replace('-', '_')}-{v}-" for p in planned.values() for n, v in p.items()}
+        wanted |= {f"{r.split('==')[0].replace('-', '_')}-{r.split('==')[1]}-" for r in [bridge] if r}
+        for stale in folder.rglob("*.whl"):  # wheels of an earlier run's pins
             if not any(stale.name.lower().startswith(prefix) for prefix in wanted):
                 stale.unlink()
-        # Offline, from the folder and the stand-ins only: every requirement and dependency resolves.
+        # Offline, from the folder and the stand-ins only: every run's requirements and dependencies resolve.
         resolved = {}
-        for version in versions:
-            items = _dry_run(python, [f"megatron-core=={version}", *BUNDLE_REQUIREMENTS], [folder, *links], constraints, offline=True)
-            from_bundle = sorted(Path(i["download_info"]["url"]).name for i in items if canonicalize_name(i["metadata"]["name"]) not in stack)
-            provided = sorted(canonicalize_name(i["metadata"]["name"]) for i in items if canonicalize_name(i["metadata"]["name"]) in stack)
+        for version, requirements in runs.items():
+            own = folder / f"megatron-core-{version}"
+            items = _dry_run(python, requirements, [folder, own, links[0]], constraints, offline=True)
+            from_bundle = sorted(Path(i["download_info"]["url"]).name for i in items if canonical(i["metadata"]["name"]) not in stack)
+            provided = sorted(canonical(i["metadata"]["name"]) for i in items if canonical(i["metadata"]["name"]) in stack)
             resolved[version] = {"from_bundle": from_bundle, "from_the_host": provided}
-    wheels = sorted(folder.glob("*.whl"))
+    wheels = sorted(folder.rglob("*.whl"))
     mib = sum(w.stat().st_size for w in wheels) / 2**20
-    summary = {
-        "python": python,
-        "megatron_core": versions,
-        "megatron_core_without_a_wheel": skipped,
-        "wheels": [w.name for w in wheels],
-        "mib": round(mib, 2),
-        "resolved_offline": resolved,
-    }
+    summary.update(wheels=[str(w.relative_to(folder)) for w in wheels], mib=round(mib, 2), resolved_offline=resolved,
+                   working_tree_mib=round(working_tree_mib(), 2))  # fmt: skip
     (folder / "bundle.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -170,46 +282,71 @@ def link_device_site(site: Path) -> list[str]:
     """``site``: symlinks to this interpreter's installed files of the device's distributions, nothing else (the
     CPU run of the check imports from exactly the set of packages the GPU host has, plus the bundle)."""
     site.mkdir(parents=True, exist_ok=True)
-    names = set(json.loads(DEVICE_STACK_FILE.read_text())["distributions"])
+    device = json.loads(DEVICE_STACK_FILE.read_text())
+    names = set(device["distributions"]) | set(device["also_on_the_device"])
     linked = []
     for dist in importlib.metadata.distributions():
-        if canonicalize_name(dist.metadata["Name"]) not in names or not dist.files:
+        if not dist.metadata["Name"] or canonical(dist.metadata["Name"]) not in names or not dist.files:
             continue
         base = Path(dist.locate_file(""))
         for top in sorted({f.parts[0] for f in dist.files if f.parts and f.parts[0] != ".."}):
             if top.endswith(".pth") or top == "__pycache__" or not (base / top).exists() or (site / top).exists():
                 continue
             (site / top).symlink_to(base / top)
-        linked.append(canonicalize_name(dist.metadata["Name"]))
+        linked.append(canonical(dist.metadata["Name"]))
     return sorted(linked)
+
+
+def _pythons(asked: list[str] | None) -> list[str]:
+    """The versions to build for: those asked, else the device's and, where it has torch (it could not run the
+    CPU check without), this interpreter's. Asking for this interpreter's without torch is refused."""
+    has_torch = "torch" in _installed()
+    if asked:
+        if _this_python() in asked and _this_python() != DEVICE_PYTHON and not has_torch:
+            raise SystemExit(f"gpu_bundle: --python {_this_python()} is for the CPU run of the check, and this interpreter "
+                             f"({sys.executable}) has no torch; run it with the project's venv: .venv/bin/python")  # fmt: skip
+        return asked
+    if not has_torch:
+        print(f"gpu_bundle: {sys.executable} has no torch, so no bundle for its CPU run (Python {_this_python()}); "
+              "run .venv/bin/python scripts/gpu_bundle.py for that one")
+        return [DEVICE_PYTHON]
+    return sorted({DEVICE_PYTHON, _this_python()})
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python", action="append", help="Python version(s) to build for (default: 3.12 and this one)")
     parser.add_argument("--dest", type=Path, default=DEFAULT_DEST, help="the bundle's root folder (default .gpu_bundle)")
-    parser.add_argument("--resolve-device-stack", action="store_true", help="rewrite gpu_device_stack.json from PyPI")
+    parser.add_argument("--resolve-only", action="store_true", help="resolve against PyPI and write plan.json; download nothing")
+    parser.add_argument("--resolve-device-stack", action="store_true", help="rewrite gpu_device_stack.json's resolved part from PyPI")
     parser.add_argument("--device-site", type=Path, help="only link this interpreter's device packages into DIR")
     args = parser.parse_args()
     if args.device_site is not None:
         print(f"gpu_bundle: linked {len(link_device_site(args.device_site))} distributions into {args.device_site}")
         return 0
     if args.resolve_device_stack:
-        stack = {"python": "3.12", "requirements": list(DEVICE_STACK_REQUIREMENTS), "distributions": resolve_device_stack()}
+        stack = json.loads(DEVICE_STACK_FILE.read_text())
+        stack.update(requirements=list(DEVICE_STACK_REQUIREMENTS), distributions=resolve_device_stack())
         DEVICE_STACK_FILE.write_text(json.dumps(stack, indent=2) + "\n")
     status = 0
-    for python in args.python or sorted({"3.12", _this_python()}):
-        summary = build(python, args.dest)
-        carried = python == "3.12"
-        for version, resolved in summary["resolved_offline"].items():
-            print(f"gpu_bundle: cp{python.replace('.', '')} megatron-core {version}: resolves offline with "
-                  f"{len(resolved['from_bundle'])} wheels of the bundle and {len(resolved['from_the_host'])} of the host")
+    for python in _pythons(args.python):
+        tag = "cp" + python.replace(".", "")
+        summary = build(python, args.dest, resolve_only=args.resolve_only)
         for version in summary["megatron_core_without_a_wheel"]:
-            print(f"gpu_bundle: cp{python.replace('.', '')}: megatron-core {version} has no wheel for Python {python}; not checked there")
-        verdict = f"under the {CARRY_LIMIT_MIB} MiB carry limit" if summary["mib"] < CARRY_LIMIT_MIB else f"OVER the {CARRY_LIMIT_MIB} MiB carry limit"
-        print(f"gpu_bundle: {args.dest / ('cp' + python.replace('.', ''))}: {len(summary['wheels'])} wheels, "
-              f"{summary['mib']:.1f} MiB" + (f", {verdict}" if carried else ""))
-        if carried and summary["mib"] >= CARRY_LIMIT_MIB:
+            print(f"gpu_bundle: {tag}: megatron-core {version} has no wheel for Python {python}; not checked there")
+        if args.resolve_only:
+            for version, packages in summary["carried"].items():
+                print(f"gpu_bundle: {tag} megatron-core {version} carries {len(packages)} distributions"
+                      + (f" and {summary['megatron_bridge']['requirement']}" if version == (summary["megatron_bridge"] or {}).get("with_megatron_core") else ""))
+            continue
+        for version, resolved in summary["resolved_offline"].items():
+            print(f"gpu_bundle: {tag} megatron-core {version}: resolves offline with "
+                  f"{len(resolved['from_bundle'])} wheels of the bundle and {len(resolved['from_the_host'])} of the host")
+        carried = python == DEVICE_PYTHON
+        total = summary["mib"] + summary["working_tree_mib"]
+        verdict = f"with the working tree {total:.1f} MiB, {'under' if total < CARRY_LIMIT_MIB else 'OVER'} the {CARRY_LIMIT_MIB} MiB carry limit"
+        print(f"gpu_bundle: {args.dest / tag}: {len(summary['wheels'])} wheels, {summary['mib']:.1f} MiB" + (f"; {verdict}" if carried else ""))
+        if carried and total >= CARRY_LIMIT_MIB:
             status = 1
     return status
 

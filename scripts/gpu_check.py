@@ -15,7 +15,10 @@ Megatron DDP with megatron's optimizer (the project's ``MegatronEngine``), and r
   equal Megatron's;
 - ``dist-ckpt load``: a fresh model and optimizer load ``model/dist_ckpt`` + the optimizer bit for bit;
 - ``async save``: an ``async_save`` with the distributed optimizer returns before the write, training goes on,
-  the finalize commits it, and a fresh model loads the state as of the save, bit for bit.
+  the finalize commits it, and a fresh model loads the state as of the save, bit for bit;
+- ``megatron-bridge save`` / ``megatron-bridge hf export`` (where Megatron-Bridge is installed): its model
+  built on the device, one training step, a save through the checkpoint manager with its own HF weight save
+  in fix 2's order, and that export verified and loaded by transformers with Megatron's logits.
 
     python scripts/gpu_check.py --device cuda --out DIR     # DIR/result.json and result.md; exit 1 on a failure
     python scripts/gpu_check.py --summarize DIR             # one table of DIR/*/result.json (scripts/gpu_check.sh)
@@ -141,6 +144,13 @@ class Context:
 # --------------------------------------------------------------------------------------------- the checks
 
 
+def _version_or_none(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _installed_in(package) -> str:
     """The sys.path entry a top-level package was imported from."""
     return str(Path(package.__file__).parents[len(package.__name__.split("."))])
@@ -159,6 +169,7 @@ def check_environment(ctx: Context) -> tuple[bool, dict]:
         "backend": torch.distributed.get_backend(),
         "python": ".".join(map(str, sys.version_info[:3])),
         **{name: importlib.metadata.version(name) for name in ("torch", "megatron-core", "mbridge", "transformers")},
+        "megatron-bridge": _version_or_none("megatron-bridge"),
         "megatron_core_from": _installed_in(megatron.core),
         "transformers_from": _installed_in(transformers),
         "crc32": integrity.crc32.__module__,  # zlib_ng.zlib_ng where installed (users' path), else zlib
@@ -239,19 +250,13 @@ def _pinned_host_mib() -> dict:
     return {f"pinned_{key.split('.')[0]}_mib": found[key] / MIB for key in ("allocated_bytes.current", "reserved_bytes.current") if key in found}
 
 
-def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
-    """The worker's save: the offloaded model's device query, reload, save + commit, offload again; fix 2's order."""
-    import torch
-
-    from verl.utils import megatron_utils as mu
+def _phase_observer(seen: list[tuple[str, bool]]) -> type:
+    """A checkpoint manager that notes, at each phase's start, whether the HF config and tokenizer are already in
+    the save's folder (fix 2: both before ``hf_weights``), through the manager's public ``on_save_phase`` hook."""
     from verl.utils.checkpoint import layout
     from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 
-    seen: list[tuple[str, bool]] = []
-
     class PhaseObserver(MegatronCheckpointManager):
-        """Notes, at each phase's start, whether the HF config and tokenizer are already in the staging folder."""
-
         def on_save_phase(self, phase: str) -> None:
             # the step transaction's first phase ("staging") comes before the manager's save report exists
             staging = self.last_save.local_path if self.last_save is not None else None
@@ -259,9 +264,40 @@ def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
             seen.append((phase, hf is not None and (hf / "config.json").exists() and (hf / "tokenizer_config.json").exists()))
             super().on_save_phase(phase)
 
+    return PhaseObserver
+
+
+def _fix2_order(phases: list[str]) -> bool:
+    return "hf_config" in phases and "hf_weights" in phases and phases.index("hf_config") < phases.index("hf_weights")
+
+
+def _hf_export_matches(hf: str, tokens, megatron_logits, device: str) -> tuple[bool, dict]:
+    """``verify_hf_checkpoint`` finds every tensor the export's config implies, and transformers on the device
+    computes Megatron's logits from it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
+
+    report = verify_hf_checkpoint(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).to(device).eval()
+    with torch.no_grad():
+        logits = model(tokens.to(device)).logits.float().cpu()
+    gap = (logits - megatron_logits).abs().max().item()
+    numbers = {"verified": report.describe().split(": ", 1)[-1], "tensors": report.expected, "logits_gap": gap}
+    return report.ok and gap <= LOGITS_TOLERANCE, numbers
+
+
+def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
+    """The worker's save: the offloaded model's device query, reload, save + commit, offload again; fix 2's order."""
+    import torch
+
+    from verl.utils import megatron_utils as mu
+
+    seen: list[tuple[str, bool]] = []
     memory = Memory(ctx.device)
     actor = _actor(
-        ctx, use_dist_checkpointing=True, save_contents=("model", "optimizer", "extra", "hf_model"), manager_cls=PhaseObserver
+        ctx, use_dist_checkpointing=True, save_contents=("model", "optimizer", "extra", "hf_model"), manager_cls=_phase_observer(seen)
     )
     actor.train_step(_batches(ctx, 0))
     tokens = torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -278,8 +314,7 @@ def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
     mu.offload_megatron_optimizer(actor.optimizer)
     offloaded_after = mu.is_megatron_module_offloaded(actor.model)
     ctx.saved["path"] = path
-    phases = [phase for phase, _ in seen]
-    config_before_weights = dict(seen).get("hf_weights", False)
+    phases, config_before_weights = [phase for phase, _ in seen], dict(seen).get("hf_weights", False)
     report = actor.checkpoint_manager.last_save
     numbers = {
         "queried_while_offloaded": queried,
@@ -289,29 +324,16 @@ def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
         **{f"{k}_s": v for k, v in report.phase_seconds.items()},
         **memory.numbers,
     }
-    ordered = "hf_config" in phases and "hf_weights" in phases and phases.index("hf_config") < phases.index("hf_weights")
     committed = (Path(path) / "manifest.json").exists() and not Path(path + ".incomplete").exists()
-    ok = queried == "cpu" and not pending and ordered and config_before_weights and offloaded_after and committed
+    ok = queried == "cpu" and not pending and _fix2_order(phases) and config_before_weights and offloaded_after and committed
     return ok, numbers
 
 
 def check_hf_export(ctx: Context) -> tuple[bool, dict]:
-    """The export holds every tensor its config implies (verify_hf_checkpoint), and transformers on the device
-    computes Megatron's logits from it."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
+    """The export holds every tensor its config implies, and transformers on the device computes Megatron's logits."""
     from verl.utils.megatron_utils import get_hf_model_checkpoint_path
 
-    hf = get_hf_model_checkpoint_path(ctx.saved["path"])
-    report = verify_hf_checkpoint(hf)
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).to(ctx.device).eval()
-    with torch.no_grad():
-        logits = model(ctx.saved["tokens"].to(ctx.device)).logits.float().cpu()
-    gap = (logits - ctx.saved["logits"]).abs().max().item()
-    numbers = {"verified": report.describe().split(": ", 1)[-1], "tensors": report.expected, "logits_gap": gap}
-    return report.ok and gap <= LOGITS_TOLERANCE, numbers
+    return _hf_export_matches(get_hf_model_checkpoint_path(ctx.saved["path"]), ctx.saved["tokens"], ctx.saved["logits"], ctx.device)
 
 
 def check_dist_checkpoint_load(ctx: Context) -> tuple[bool, dict]:
@@ -372,6 +394,69 @@ def check_ppo_update(ctx: Context) -> tuple[bool, dict]:
     return ok and stats["update_ok"] and stats["grad_norm"] == stats["grad_norm"], numbers
 
 
+def check_megatron_bridge_save(ctx: Context) -> tuple[bool, dict]:
+    """Megatron-Bridge, upstream's default bridge: the model built through ``megatron_bridge_provider`` into
+    Megatron DDP with megatron's optimizer, one training step, then the model (dist checkpoint) and its HF export
+    saved through ``MegatronCheckpointManager`` with Megatron-Bridge's own HF save (``MegatronBridgeWeights``),
+    which reads the folder's config: fix 2's order (rank 0's config and tokenizer, then the weights)."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from transformers import AutoConfig
+
+    from verl.models.mcore.forward import forward_logits, train_step
+    from verl.models.mcore.megatron_bridge import MegatronBridgeWeights, megatron_bridge_provider
+    from verl.utils.custom_code import load_tokenizer
+    from verl.utils.megatron.optimizer import get_megatron_optimizer_and_scheduler
+
+    memory = Memory(ctx.device)
+    with memory.phase("build"):
+        auto_bridge, provider = megatron_bridge_provider(ctx.model_path, dtype=torch.float32)
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=False, grad_reduce_in_fp32=True)
+        model = provider.provide_distributed_model(ddp_config=ddp, wrap_with_ddp=True)
+        optimizer, scheduler = get_megatron_optimizer_and_scheduler(model, lr=3e-3, clip_grad=1.0, use_distributed_optimizer=False)
+    device = {p.device.type for chunk in model for p in chunk.parameters()}
+    before = {f"{i}.{n}": _bits(p) for i, chunk in enumerate(model) for n, p in chunk.named_parameters()}
+    with memory.phase("train"):
+        loss = train_step(model, optimizer, scheduler, _batches(ctx, 0))["loss"]
+    after = {f"{i}.{n}": _bits(p) for i, chunk in enumerate(model) for n, p in chunk.named_parameters()}
+    tokens = torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(5))
+    ctx.saved.update(bridge_tokens=tokens, bridge_logits=forward_logits(model, tokens.to(ctx.device)).cpu())
+    seen: list[tuple[str, bool]] = []
+    hf_config = AutoConfig.from_pretrained(ctx.model_path)
+    manager = _phase_observer(seen)(
+        config={"model": {"path": ctx.model_path}}, checkpoint_config={"save_contents": ["model", "hf_model"], "load_contents": ["model"]},
+        model_config=hf_config, transformer_config=provider, role="actor", model=model, arch=hf_config.architectures[0],
+        hf_config=hf_config, param_dtype=torch.float32, share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        processing_class=load_tokenizer(ctx.model_path, ctx.model_path), optimizer=None, optimizer_scheduler=None,
+        use_distributed_optimizer=False, bridge=MegatronBridgeWeights(auto_bridge),
+    )  # fmt: skip
+    path = str(ctx.work / "megatron_bridge" / "global_step_1" / "actor")
+    with memory.phase("save"):
+        report = manager.save_checkpoint(path, global_step=1)
+    ctx.saved["bridge_path"] = path
+    phases, config_before_weights = [phase for phase, _ in seen], dict(seen).get("hf_weights", False)
+    moved = len(_differing(before, after))
+    numbers = {"params_device": "/".join(sorted(device)), "loss": loss, "params_moved": moved, "phases": ">".join(phases),
+               "config_on_disk_at_hf_weights": config_before_weights, **memory.numbers}  # fmt: skip
+    ok = device == {ctx.device} and math.isfinite(loss) and moved > 0 and report.completed
+    return ok and _fix2_order(phases) and config_before_weights, numbers
+
+
+def check_megatron_bridge_export(ctx: Context) -> tuple[bool, dict]:
+    """Megatron-Bridge's HF export of the trained model: complete for its config, and transformers' logits equal
+    Megatron's."""
+    from verl.utils.checkpoint import layout
+
+    hf = layout.hf_path(ctx.saved["bridge_path"])
+    return _hf_export_matches(hf, ctx.saved["bridge_tokens"], ctx.saved["bridge_logits"], ctx.device)
+
+
+MEGATRON_BRIDGE_CHECKS: list[tuple[str, Callable[[Context], tuple[bool, dict]]]] = [
+    ("megatron-bridge save", check_megatron_bridge_save),
+    ("megatron-bridge hf export", check_megatron_bridge_export),
+]
+
+
 CHECKS: list[tuple[str, Callable[[Context], tuple[bool, dict]]]] = [
     ("environment", check_environment),
     ("offload DO=False", lambda ctx: check_offload(ctx, False)),
@@ -427,7 +512,9 @@ def run_checks(device: str, work: Path, torch_compile: str) -> list[Row]:
     init_rank(0, 1, ParallelSizes(), seed=1234, timeout_s=300.0)
     ctx = Context(device=device, work=work, torch_compile=torch_compile, model_path=make_tiny_hf_model(str(work / "tiny_moe"), kind="moe"))
     rows = []
-    for name, check in CHECKS:
+    # Megatron-Bridge's rows where it is installed (the bundle carries it with the Python 3.12 leg's megatron-core)
+    with_bridge = importlib.util.find_spec("megatron.bridge") is not None
+    for name, check in CHECKS + (MEGATRON_BRIDGE_CHECKS if with_bridge else []):
         start = time.monotonic()
         try:
             ok, numbers = check(ctx)

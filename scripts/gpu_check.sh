@@ -3,8 +3,9 @@
 #   bash scripts/gpu_check.sh --device cuda --out DIR      on the GPU host (bundle: .gpu_bundle/cp312)
 #   bash scripts/gpu_check.sh --device cpu --out DIR       here: gloo, .gpu_bundle/cp<this python>
 # Build the bundle first, where PyPI is reachable: python scripts/gpu_bundle.py.
-# For each megatron_core-*.whl of the bundle: pip install --no-index --no-deps --target <dir> of that wheel and the
-# others, then scripts/gpu_check.py with PYTHONPATH=<dir>:<repo> (a venv made from the host's python would not
+# For each megatron_core-*.whl of the bundle: pip install --no-index --no-deps --target <dir> of that wheel, the
+# others at the bundle's top and those of megatron-core-<version>/ (Megatron-Bridge with the megatron-core release
+# the Python 3.12 leg tests it with), then scripts/gpu_check.py with PYTHONPATH=<dir>:<repo> (a venv made from the host's python would not
 # see its torch). --device cpu runs the interpreter with -S and, beside the bundle, only links to its own copies of
 # the GPU host's packages (scripts/gpu_device_stack.json), so the CPU run imports what the GPU host has.
 # DIR/megatron-core-<version>/result.{json,md} per release, DIR/summary.{md,json}: one table. Exit 1 on a failure.
@@ -58,7 +59,7 @@ status=0
 for wheel in "${MEGATRON[@]}"; do
   version="$(basename "$wheel" | cut -d- -f2)"
   target="$WORK/megatron-core-$version"
-  install "$target" "${OTHERS[@]}" "$wheel"
+  install "$target" "${OTHERS[@]}" "$wheel" "$BUNDLE/megatron-core-$version"/*.whl
   echo "[gpu_check] megatron-core $version: installed into $target"
   PYTHONPATH="$target:$PWD$SITE" "$PY" "${FLAGS[@]}" scripts/gpu_check.py --device "$DEVICE" \
     --out "$OUT/megatron-core-$version" --work "$WORK/run-$version" --no-table || status=1

@@ -12,7 +12,9 @@
 # started is stopped at the end (its process group); `ray stop` would stop every Ray instance on the
 # machine. Environment: RAY_PORT (GCS, default 6390), RAY_DASHBOARD_PORT (default 8265), RAY_NUM_CPUS
 # (default: all), RAY_TEMP_DIR (default: a new directory under /tmp). Checkpoints go to
-# checkpoints/verl_megatron_ckpt/ray_job unless trainer.default_local_dir is given.
+# checkpoints/verl_megatron_ckpt/ray_job unless trainer.default_local_dir is given. The model is built
+# through mbridge (vanilla_mbridge=True, as scripts/run.sh: this stack has no Megatron-Bridge); an override
+# after it wins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -55,7 +57,7 @@ done
 job_id="verl_main_ppo_$(date +%s)_$$"
 ray job submit --address "$address" --submission-id "$job_id" \
   --runtime-env-json "{\"env_vars\": {\"PYTHONPATH\": \"${repo}\"}}" \
-  -- python -m verl.trainer.main_ppo \
+  -- python -m verl.trainer.main_ppo actor_rollout_ref.actor.megatron.vanilla_mbridge=True \
   "trainer.default_local_dir=${repo}/checkpoints/verl_megatron_ckpt/ray_job" "$@"
 
 status=$(python -c 'import sys

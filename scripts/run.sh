@@ -3,8 +3,11 @@
 # verl/trainer/config/ppo_megatron_trainer.yaml (a tiny Qwen3-MoE the project makes itself, 8 ranks at
 # TP2 PP2 EP2 ETP2, GRPO for 150 steps, checkpoints every 50). Any Hydra override can follow, e.g.
 #   bash scripts/run.sh trainer.total_training_steps=6 actor_rollout_ref.actor.megatron.param_offload=True
+# It runs on requirements.txt's stack (Python 3.11), which has no Megatron-Bridge: the model is built through
+# mbridge, named first (vanilla_mbridge=True; upstream's default False is refused there in one line). On a host
+# with Megatron-Bridge, pass actor_rollout_ref.actor.megatron.vanilla_mbridge=False to build through it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
 python -m pip install -q -r requirements.txt -e .  # the tested stack (setup.py declares ranges)
-exec python -m verl.trainer.main_ppo "$@"
+exec python -m verl.trainer.main_ppo actor_rollout_ref.actor.megatron.vanilla_mbridge=True "$@"

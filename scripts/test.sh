@@ -60,8 +60,13 @@ PY312_TESTS=(
   tests/test_megatron_utils.py                 # fix 1, both optimizer settings (model build through mbridge on 0.18)
   tests/py312/test_megatron_bridge.py          # Megatron-Bridge: HF -> Megatron -> HF bit-identical, logits = transformers'
   tests/py312/test_megatron_bridge_fix2.py     # fix 2 against Megatron-Bridge's own HF save, PP2 EP2, both orders
+  tests/py312/test_megatron_bridge_engine.py   # the engine through Megatron-Bridge: dist save/resume/reshard/async, across bridges
+  tests/py312/test_megatron_bridge_cli.py      # CLI GRPO on the default bridge, TP1 PP2 EP2 ETP1: trains, saves, resumes exactly, exports
+  # the GPU check's CPU run from the device's own bundle: both megatron-core releases, Megatron-Bridge's lines
+  tests/test_gpu_check.py::test_the_device_bundle_resolves_offline_under_the_carry_limit
+  tests/test_gpu_check.py::test_the_check_passes_on_cpu_from_the_bundle
 )
-echo "[test.sh] Python 3.12 leg (.venv-py312): ${#PY312_TESTS[@]} test files"
+echo "[test.sh] Python 3.12 leg (.venv-py312): ${#PY312_TESTS[@]} test files/cases"
 if [ ! -x .venv-py312/bin/python ]; then
   # pyenv's 3.12 where there is one (these machines), else python3.12 on PATH
   py312="$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3"
@@ -72,8 +77,8 @@ fi
 # shellcheck disable=SC1091
 source .venv-py312/bin/activate
 python -c "import torch" 2>/dev/null || python -m pip install -q "$(grep '^torch==' requirements-py312.txt | cut -d' ' -f1)"
-# megatron-bridge without its declared dependencies (requirements-py312.txt says why); verl itself without
-# setup.py's ranges, which do not include torch 2.14 (this leg's torch is declared in requirements-py312.txt)
+# megatron-bridge without its declared dependencies (requirements-py312.txt says why), and verl on the same line
+# (this leg's stack is requirements-py312.txt's; tests/test_declared_ranges.py holds setup.py's ranges to it)
 python -m pip install -q -r <(grep -v '^megatron-bridge' requirements-py312.txt) "pytest>=8"
 python -m pip install -q --no-deps "$(grep '^megatron-bridge' requirements-py312.txt | cut -d' ' -f1)" -e .
 py312_status=0

@@ -12,6 +12,7 @@ import pathlib
 import pytest
 from hydra import compose, initialize_config_module
 
+from tests.main_leg import MBRIDGE
 from verl.utils.checkpoint.async_modes import AsyncMode, choose_mode, mode_refusal
 from verl.workers.config import McoreCheckpointConfig
 
@@ -22,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _hydra(*overrides: str):
     with initialize_config_module("verl.trainer.config", version_base=None):
-        return compose("ppo_megatron_trainer", overrides=list(overrides))
+        return compose("ppo_megatron_trainer", overrides=[MBRIDGE, *overrides])
 
 
 @pytest.mark.parametrize("device", ["cuda", "npu"])

@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from tests.main_leg import MBRIDGE
 from verl.utils.checkpoint.data_only import METADATA_FILENAME, DataOnlyFileSystemReader, read_dcp_metadata
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -140,7 +141,7 @@ def _problems(model_path: str, *overrides: str) -> list[str]:
 
     config_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "verl", "trainer", "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return check_config(compose(config_name="ppo_megatron_trainer", overrides=list(overrides)), model_path)
+        return check_config(compose(config_name="ppo_megatron_trainer", overrides=[MBRIDGE, *overrides]), model_path)
 
 
 def test_megatron_dtype_is_checked_naming_the_key(tiny_moe_path):

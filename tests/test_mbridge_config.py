@@ -6,6 +6,7 @@ import os
 import pytest
 from hydra import compose, initialize_config_dir
 
+from tests.main_leg import MBRIDGE
 from tests.test_megatron_checkpoint_manager import _actor
 from verl.trainer.validation import check_model_build
 from verl.utils.distributed import run_on_ranks
@@ -53,7 +54,7 @@ def test_mbridge_config_reaches_the_hf_save_or_is_refused_by_name(tiny_dense_pat
 def test_the_pre_start_check_names_an_entry_the_bridge_does_not_take(tiny_moe_path, entry, refused):
     overrides = [f"+actor_rollout_ref.actor.checkpoint.mbridge_config.{entry}=True"] if entry else []  # None: the YAML's {}
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        config = compose(config_name="ppo_megatron_trainer", overrides=overrides)
+        config = compose(config_name="ppo_megatron_trainer", overrides=[MBRIDGE, *overrides])
     problems = check_model_build(tiny_moe_path, config)
     key = f"actor_rollout_ref.actor.checkpoint.mbridge_config.{entry}"
     assert problems == ([f"{key}: the bridge's HF save (mbridge's save_weights) takes no such argument (it takes: memory_efficient); remove {key}"] if refused else [])

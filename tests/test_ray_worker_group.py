@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from tests.main_leg import MBRIDGE
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.base.megatron.worker import MegatronWorker
 from verl.single_controller.base.worker import Worker
@@ -191,7 +192,7 @@ def test_actor_worker_async_save_is_pending_until_finalized(local_ray, tiny_moe_
                  "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                  "actor_rollout_ref.actor.optim.total_training_steps=10"]  # fmt: skip
     with initialize_config_dir(config_dir=os.path.join(REPO, "verl", "trainer", "config"), version_base=None):
-        config = OmegaConf.to_container(compose(config_name="ppo_megatron_trainer", overrides=overrides).actor_rollout_ref, resolve=True)
+        config = OmegaConf.to_container(compose(config_name="ppo_megatron_trainer", overrides=[MBRIDGE, *overrides]).actor_rollout_ref, resolve=True)
     config["model"]["path"] = tiny_moe_path
     group = MegatronRayWorkerGroup(
         RayResourcePool([2], use_gpu=False, name_prefix="async_actor"), RayClassWithInitArgs(ActorRolloutRefWorker, config=config), init_timeout_s=180

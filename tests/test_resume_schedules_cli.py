@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests.main_leg import MBRIDGE
 from tests.test_trainer_cli import MEGATRON, REPO, TRACKER, _kill_session, _metrics, _run, _start
 from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
 
@@ -145,5 +146,5 @@ def test_a_negative_esi_slack_is_refused_naming_the_key(tiny_moe_path):
     from verl.trainer.validation import check_config
 
     with initialize_config_dir(config_dir=str(REPO / "verl" / "trainer" / "config"), version_base=None):
-        config = compose(config_name="ppo_megatron_trainer", overrides=["trainer.esi_redundant_time=-5"])
+        config = compose(config_name="ppo_megatron_trainer", overrides=[MBRIDGE, "trainer.esi_redundant_time=-5"])
     assert "trainer.esi_redundant_time=-5 must be >= 0 (seconds); set trainer.esi_redundant_time=0" in check_config(config, tiny_moe_path)

@@ -16,6 +16,7 @@ import pytest
 import ray
 from hydra import compose, initialize_config_dir
 
+from tests.main_leg import MBRIDGE
 from tests.test_ray_worker_group import REPO as WORKER_PYTHONPATH
 from tests.test_ray_worker_group import ProbeWorker
 from tests.test_trainer_cli import MEGATRON, TRACKER, _kill_session, _metrics, _run, _start, _two_ranks_ep2
@@ -38,7 +39,7 @@ CONFIG_DIR = str(REPO / "verl" / "trainer" / "config")
 
 def _config(*overrides: str):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        return compose(config_name="ppo_megatron_trainer", overrides=list(overrides))
+        return compose(config_name="ppo_megatron_trainer", overrides=[MBRIDGE, *overrides])
 
 
 def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.main_leg import MBRIDGE
 from tests.process_marker import MARKER, kill_marked
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,13 +42,14 @@ def env(tmp_path_factory) -> dict:
     }
 
 
-def _start(overrides: list[str], cwd: Path, env: dict, log: Path) -> subprocess.Popen:
+def _start(overrides: list[str], cwd: Path, env: dict, log: Path, bridge: str | None = MBRIDGE) -> subprocess.Popen:
     """The trainer in its own session, so it can be stopped with everything it started (Ray included).
-    Every process of the run inherits a marker in its environment (see ``_kill_session``)."""
+    Every process of the run inherits a marker in its environment (see ``_kill_session``). ``bridge``: the
+    override naming the bridge (None: the config's default, Megatron-Bridge)."""
     handle = open(log, "w")
     marker = uuid.uuid4().hex
     proc = subprocess.Popen(
-        [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
+        [sys.executable, "-m", "verl.trainer.main_ppo", *([bridge] if bridge else []), *overrides],
         cwd=cwd, env={**env, MARKER: marker}, stdout=handle, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )
@@ -64,9 +66,9 @@ def _kill_session(proc: subprocess.Popen) -> None:
     kill_marked(proc.marker)
 
 
-def _run(overrides: list[str], cwd: Path, env: dict, timeout_s: float = 540) -> tuple[int, str]:
+def _run(overrides: list[str], cwd: Path, env: dict, timeout_s: float = 540, bridge: str | None = MBRIDGE) -> tuple[int, str]:
     log = cwd / f"run_{time.monotonic_ns()}.log"
-    proc = _start(overrides, cwd, env, log)
+    proc = _start(overrides, cwd, env, log, bridge)
     try:
         proc.wait(timeout=timeout_s)
     finally:
@@ -395,7 +397,7 @@ def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env, tiny
         env,
     )  # fmt: skip
     assert code == 0, out[-6000:]
-    assert "bridge: mbridge (use_mbridge=True, vanilla_mbridge=True)" in out
+    assert "bridge: mbridge (use_mbridge=True, vanilla_mbridge=True;" in out
     assert "actor_rollout_ref.rollout.gpu_memory_utilization=0.9: an inference-engine setting" in out
     assert "data: 6 train prompt(s), 3 validation prompt(s)" in out and "3 steps (trainer.total_epochs=1 x 3 per epoch)" in out
     assert "[trainer] val sample: " in out

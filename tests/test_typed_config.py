@@ -9,6 +9,7 @@ import sys
 import pytest
 from hydra import compose, initialize_config_module
 
+from tests.main_leg import MBRIDGE
 from verl.trainer.config import CheckpointConfig
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import (
@@ -23,7 +24,7 @@ ACTOR = "actor_rollout_ref.actor"
 
 def _hydra(*overrides: str):
     with initialize_config_module("verl.trainer.config", version_base=None):
-        return compose("ppo_megatron_trainer", overrides=list(overrides))
+        return compose("ppo_megatron_trainer", overrides=[MBRIDGE, *overrides])
 
 
 def test_checkpoint_config_is_upstreams_and_reads_both_ways():

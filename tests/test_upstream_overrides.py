@@ -14,6 +14,7 @@ import importlib.util
 import pytest
 from hydra import compose, initialize_config_module
 
+from tests.main_leg import MBRIDGE
 from verl.trainer.validation import check_config, ignored_settings
 
 DATA_DIR = "__DATA__"  # replaced by a temporary directory holding hand-made parquet files
@@ -151,7 +152,7 @@ def _key(override: str) -> str:
 
 def _compose(overrides: list[str]):
     with initialize_config_module("verl.trainer.config", version_base=None):
-        return compose("ppo_megatron_trainer", overrides=overrides)
+        return compose("ppo_megatron_trainer", overrides=[MBRIDGE, *overrides])
 
 
 def _gsm8k_rows(count: int, data_source: str = "openai/gsm8k") -> list[dict]:

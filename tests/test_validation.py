@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from tests.main_leg import MBRIDGE
 from verl.models.mcore import validate_model_build
 from verl.models.tiny import make_tiny_hf_model
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes
@@ -70,6 +71,7 @@ def _trainer_config(tmp_path, model_config: dict, model_dir: str = "model"):
 
     config = OmegaConf.load("verl/trainer/config/ppo_megatron_trainer.yaml")
     config.trainer.default_local_dir = str(tmp_path / "ckpt")
+    config.merge_with_dotlist([MBRIDGE])
     path = tmp_path / model_dir
     path.mkdir()
     (path / "config.json").write_text(json.dumps(model_config))
@@ -96,6 +98,27 @@ def test_pre_start_check_counts_mixtral_experts(tmp_path):
     config.actor_rollout_ref.actor.megatron.expert_model_parallel_size = 4
     config.actor_rollout_ref.actor.megatron.pipeline_model_parallel_size = 1
     assert check_config(config, path) == [], "8 experts over EP 4 x ETP 2 on 8 ranks"
+
+
+def test_upstreams_default_bridge_is_refused_in_one_line_where_megatron_bridge_is_absent(tmp_path, monkeypatch):
+    """The YAML default is upstream's, Megatron-Bridge (``vanilla_mbridge: false``). A host without it (the main
+    legs: megatron.bridge made unfindable here, so the test holds on the Python 3.12 leg too) gets one line that
+    names the key and its value that builds through mbridge, as the only problem of an otherwise valid run;
+    nothing switches bridges silently."""
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from verl.trainer.validation import check_config
+
+    monkeypatch.setitem(sys.modules, "megatron.bridge", None)  # importlib's "not installed"
+    config, path = _trainer_config(tmp_path, tiny_hf_config_dict("moe"))
+    config.actor_rollout_ref.actor.megatron.vanilla_mbridge = OmegaConf.load("verl/trainer/config/ppo_megatron_trainer.yaml").actor_rollout_ref.actor.megatron.vanilla_mbridge
+    (problem,) = check_config(config, path)
+    assert "Megatron-Bridge" in problem and "not installed" in problem and "\n" not in problem, problem
+    assert "set actor_rollout_ref.actor.megatron.vanilla_mbridge=True" in problem, problem
+    config.actor_rollout_ref.actor.megatron.vanilla_mbridge = True
+    assert check_config(config, path) == []
 
 
 def tiny_hf_config_dict(kind: str) -> dict:

@@ -313,12 +313,10 @@ def _print_plan(config, plan: RunPlan, device: str) -> None:
 
 
 def bridge_line(config: Any) -> str:
-    """Which HF <-> Megatron bridge builds the model; upstream HEAD's default differs from ours, so say it."""
+    """Which HF <-> Megatron bridge builds the model (actor and reference), and the key that chose it."""
     megatron = config.actor_rollout_ref.actor.megatron
-    return (
-        f"mbridge (use_mbridge={megatron.use_mbridge}, vanilla_mbridge={megatron.vanilla_mbridge}); upstream verl's default "
-        "vanilla_mbridge=False selects Megatron-Bridge, which is not supported here"
-    )
+    name = "mbridge" if megatron.vanilla_mbridge else "Megatron-Bridge"
+    return f"{name} (use_mbridge={megatron.use_mbridge}, vanilla_mbridge={megatron.vanilla_mbridge}; upstream's default: Megatron-Bridge)"
 
 
 def _exit_config_error(err: ConfigError) -> None:

@@ -21,6 +21,7 @@ from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the co
 from verl.utils.checkpoint.layout import CONTENTS_FILENAME, DATA_STATE_FILENAME, STEP_DIR_RE
 from verl.utils.checkpoint.precision import optimizer_dtype_problem
 from verl.utils.custom_code import oversized_file_problem, read_json
+from verl.utils.internals.megatron_bridge import megatron_bridge_missing_problem
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
 from verl.utils.tracking import BACKEND_PACKAGES
 from verl.utils.tracking import BACKENDS as LOGGER_BACKENDS
@@ -255,8 +256,9 @@ def _check_actor(config: Any) -> list[str]:
         problems.append(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} must be an integer >= 1")
     if not megatron.use_mbridge:
         problems.append(f"{_MEGATRON}use_mbridge=False: models are built only through mbridge here; set {_MEGATRON}use_mbridge=True")
-    if not megatron.vanilla_mbridge:
-        problems.append(f"{_MEGATRON}vanilla_mbridge=False asks for Megatron-Bridge, which is not supported here; set {_MEGATRON}vanilla_mbridge=True")
+    missing_bridge = megatron_bridge_missing_problem(bool(megatron.vanilla_mbridge))
+    if missing_bridge is not None:
+        problems.append(missing_bridge)
     if megatron.grad_offload and not megatron.param_offload:
         problems.append(f"{_MEGATRON}grad_offload=True without param_offload: grads are offloaded together with the weights; set {_MEGATRON}param_offload=True or grad_offload=False")
     if int(megatron.context_parallel_size) > 1:
@@ -584,7 +586,12 @@ def _check_mbridge_config(model_path: str, config: Any) -> list[str]:
     if not node:
         return []
     entries = OmegaConf.to_container(node, resolve=True)
-    save_weights = bridge_class_for(read_model_config(model_path)["model_type"]).save_weights
+    if config.actor_rollout_ref.actor.megatron.vanilla_mbridge:
+        save_weights = bridge_class_for(read_model_config(model_path)["model_type"]).save_weights
+    else:
+        from verl.models.mcore.megatron_bridge import MegatronBridgeWeights
+
+        save_weights = MegatronBridgeWeights.save_weights
     try:
         save_weights_kwargs(save_weights, entries, key=f"{_CHECKPOINT}mbridge_config")
     except ValueError as exc:
@@ -610,7 +617,7 @@ def find_resume_step(config: Any, model_path: str | None = None) -> tuple[int, s
     if trainer.resume_mode == "disable":
         return None
     try:
-        identity = model_identity(model_path) if model_path else (None, None)
+        identity = model_identity(model_path, bool(config.actor_rollout_ref.actor.megatron.vanilla_mbridge)) if model_path else (None, None)
         if trainer.resume_mode == "resume_path":
             step_dir = os.path.abspath(os.path.expanduser(str(trainer.resume_from_path))).rstrip("/")
             contents = verify_checkpoint(os.path.join(step_dir, "actor"), *identity)
@@ -717,31 +724,19 @@ def schedule_length_warning(step_dir: str, optim: Any) -> str | None:
     )
 
 
-def model_identity(model_path: str) -> tuple[Any, Any]:
+def model_identity(model_path: str, vanilla_mbridge: bool = True) -> tuple[Any, Any]:
     """(TransformerConfig, HF config) of ``model_path`` for the pre-start identity check of a resumed step, or
     (None, None) when it cannot be built here (the ranks then make the check after they start, as before).
 
-    mbridge's own HF -> Megatron mapping, given explicit single-rank parallel states so that no process group
-    is needed (the compared fields do not depend on the layout). ``head_dim`` left unset (Mixtral) is filled
-    with transformers' own default, hidden_size / num_attention_heads, as the ranks' bridge does.
+    The mapping of the bridge the ranks build through (``vanilla_mbridge``), made without process groups (the
+    compared fields do not depend on the layout).
     """
-    import copy
-
-    import torch
-    from mbridge import AutoBridge
-    from mbridge.core.parallel_states import ParallelStates
-
     from verl.models.mcore import load_hf_config
+    from verl.models.mcore.bridge import transformer_config_without_ranks
 
     hf_config = load_hf_config(model_path)
-    view = copy.deepcopy(hf_config)
-    if getattr(view, "head_dim", None) is None and getattr(view, "num_attention_heads", None):
-        view.head_dim = view.hidden_size // view.num_attention_heads
-    try:
-        bridge = AutoBridge.from_config(view, dtype=torch.float32, parallel_states=ParallelStates())
-    except Exception:  # noqa: BLE001 - a family mbridge maps only on ranks: leave the check to them
-        return None, None
-    return bridge.config, hf_config
+    transformer_config = transformer_config_without_ranks(hf_config, vanilla_mbridge)
+    return (None, None) if transformer_config is None else (transformer_config, hf_config)
 
 
 def _check_tracker_is_text(root: str) -> None:
@@ -771,7 +766,7 @@ _YAML = os.path.join(os.path.dirname(__file__), "config", "ppo_megatron_trainer.
 _ROLLOUT = "actor_rollout_ref.rollout."
 _ENGINE_WHY = "an inference-engine setting (vLLM / SGLang / TensorRT-LLM); the hf rollout (transformers generate on each data-parallel group's output rank) has none"
 _NO_REF_WHY = "no reference model is built: actor.use_kl_loss is off"
-_REF_BUILD_WHY = "the reference is built like the actor, through mbridge from the HF actor_rollout_ref.model.path (its weights, not a seed)"
+_REF_BUILD_WHY = "the reference is built like the actor, through the actor's bridge (actor.megatron.vanilla_mbridge) from the HF actor_rollout_ref.model.path (its weights, not a seed)"
 _TRANSFORMER_WHY = "a memory / speed setting of Megatron's TransformerConfig; not applied here (the model is built from its HF config through mbridge) and the model computes the same function without it"
 # override_transformer_config fields that change memory or speed only; any other field would change the model.
 PERF_ONLY_TRANSFORMER_FIELDS = (

@@ -80,6 +80,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             # upstream's megatron.dtype (ours defaults to float32); the rollout and the reference run in it too
             dtype=getattr(torch, megatron_param_dtype(actor["megatron"].get("dtype", "float32"))),
             use_dist_checkpointing=bool(actor["megatron"].get("use_dist_checkpointing", False)),
+            vanilla_mbridge=bool(actor["megatron"].get("vanilla_mbridge", True)),
             optim=configs.optim,
             checkpoint=configs.checkpoint,
         )
@@ -92,7 +93,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         if self._is_offload_optimizer:
             offload_megatron_optimizer(self.actor.optimizer)
         if self._is_ref:
-            self.ref = MegatronReference(settings.model_path, dtype=settings.dtype)
+            self.ref = MegatronReference(settings.model_path, dtype=settings.dtype, vanilla_mbridge=settings.vanilla_mbridge)
             if self._ref_is_offload_param:
                 offload_megatron_model_to_cpu(self.ref.model)
         freeze_long_lived_objects()
@@ -191,13 +192,11 @@ class ActorRolloutRefWorker(MegatronWorker):
         rank of each data-parallel group (in memory), which loads them into its rollout model and
         generates for its group.
         """
-        from verl.models.mcore.parallel_hf_save import gather_hf_weights
-
         self._check_built()
         sampling = prompts.get("sampling") if prompts else None
         start = time.monotonic()
         with self._resident(optimizer=False):
-            weights = gather_hf_weights(self.actor.bridge, self.actor.model, receivers=self._rollout_ranks)
+            weights = self.actor.bridge.gather_hf_weights(self.actor.model, receivers=self._rollout_ranks)
             # Inside: a gathered tensor may be this rank's own parameter storage, which param_offload frees.
             if self.rollout is not None:
                 self.rollout.load_weights(weights.items())

@@ -24,7 +24,7 @@ from verl.models.mcore.local_spec import (
     moe_layer_list,
     transformer_engine_available,
 )
-from verl.models.mcore.parallel_hf_save import is_expert_te_name, save_weights_in_parallel
+from verl.models.mcore.parallel_hf_save import gather_hf_weights, is_expert_te_name, save_weights_in_parallel
 from verl.models.support import (
     MOE_MODEL_TYPES,
     hf_config_problems,
@@ -209,6 +209,10 @@ class _ParallelSaveMixin:
             self.save_weights_gathered(models, weights_path, memory_efficient=memory_efficient)
             return
         save_weights_in_parallel(self, models, weights_path, comm)
+
+    def gather_hf_weights(self, models: list, receivers: list[int]) -> dict[str, torch.Tensor]:
+        """Every HF tensor of the model, whole, on each rank in ``receivers`` (``parallel_hf_save.gather_hf_weights``)."""
+        return gather_hf_weights(self, models, receivers)
 
     @property
     def saves_in_parallel(self) -> bool:

@@ -1,10 +1,13 @@
 """Megatron models through NVIDIA's Megatron-Bridge (``megatron.bridge.AutoBridge``), upstream verl's default bridge.
 
-Where TransformerEngine is absent the model is built from megatron-core's local layer spec (Megatron-Bridge's
-own ``local_layer_spec``, whose parameter names the bridge maps itself) with every fused kernel off: each
-needs TransformerEngine or apex (fused permutation, grouped GEMM, the fused cross entropy, bias / dropout /
-softmax / RoPE fusions). Where TransformerEngine is present the provider is left as Megatron-Bridge makes it.
-``MegatronBridgeWeights`` puts Megatron-Bridge's own HF weight save behind the checkpoint manager's HF export.
+Where TransformerEngine is absent the model is built from the project's local block spec (megatron-core's
+local layers, the MoE/dense pattern per layer and the sequence-parallel RMSNorm: the same modules, so the same
+dist-checkpoint names, as the mbridge path builds; Megatron-Bridge maps the local names itself) with every fused
+kernel off: each needs TransformerEngine or apex (fused permutation, grouped GEMM, the fused cross entropy,
+bias / dropout / softmax / RoPE fusions). Where TransformerEngine is present the provider is left as
+Megatron-Bridge makes it (its TE spec). ``MegatronBridgeWeights`` puts Megatron-Bridge's own HF weight save
+behind the checkpoint manager's HF export; ``MegatronBridgeModel`` is the whole bridge surface the engine uses
+(``verl.models.mcore.bridge``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 import torch
 
-from verl.models.mcore.local_spec import transformer_engine_available
+from verl.models.mcore.local_spec import get_local_decoder_block_spec, transformer_engine_available
 from verl.utils.custom_code import refuse_custom_code
 from verl.utils.internals.megatron_bridge import hf_save_without_modelopt, import_megatron_bridge
 from verl.utils.megatron.parallel import ParallelSizes
@@ -31,18 +34,20 @@ _FUSIONS_OFF_WITHOUT_TE = {
 }
 
 
-def megatron_bridge_provider(hf_path: str, dtype: torch.dtype = torch.float32, sizes: ParallelSizes | None = None) -> tuple[Any, Any]:
+def megatron_bridge_provider(
+    hf_path: str, dtype: torch.dtype = torch.float32, sizes: ParallelSizes | None = None, load_weights: bool = True
+) -> tuple[Any, Any]:
     """``(AutoBridge, provider)`` for the HF model at ``hf_path``: the provider builds the Megatron model in
-    ``dtype`` at the parallel layout ``sizes`` (default: one rank) and loads the HF weights into it
-    (``provide_distributed_model``); finalized. No MTP (multi-token prediction) head, whatever the config
-    counts: the actor trains none, as upstream's default (``actor_rollout_ref.model.mtp.enable=False``)."""
+    ``dtype`` at the parallel layout ``sizes`` (default: one rank) and, with ``load_weights``, loads the HF
+    weights into it (``provide_distributed_model``); finalized. No MTP (multi-token prediction) head, whatever
+    the config counts: the actor trains none, as upstream's default (``actor_rollout_ref.model.mtp.enable=False``)."""
     bridge_module = import_megatron_bridge()
     # The package's one rule for a folder it reads: nothing it names runs (verl/utils/custom_code.py).
     refuse_custom_code(hf_path, f"actor_rollout_ref.model.path={hf_path}", "use a folder of a built-in transformers model")
     # By name: Megatron-Bridge 0.6 hands its keyword arguments to the tokenizer too, which then stores a
     # torch.dtype in its config, and the HF save's tokenizer_config.json fails (dtype is not JSON serializable).
     bridge = bridge_module.AutoBridge.from_hf_pretrained(hf_path, dtype=str(dtype).removeprefix("torch."), trust_remote_code=False)
-    provider = bridge.to_megatron_provider(load_weights=True)
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
     provider.params_dtype = provider.pipeline_dtype = dtype
     provider.fp16, provider.bf16 = dtype is torch.float16, dtype is torch.bfloat16
     provider.mtp_num_layers = None
@@ -50,14 +55,17 @@ def megatron_bridge_provider(hf_path: str, dtype: torch.dtype = torch.float32, s
     provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = sizes.tp, sizes.pp
     provider.expert_model_parallel_size, provider.expert_tensor_parallel_size = sizes.ep, sizes.expert_tp
     provider.context_parallel_size = sizes.cp
+    provider.sequence_parallel = sizes.tp > 1  # as mbridge builds it (MoE with TP needs it)
     if not transformer_engine_available():
-        from megatron.bridge.models.gpt_provider import local_layer_spec
-
         for field, value in _FUSIONS_OFF_WITHOUT_TE.items():
             setattr(provider, field, value)
-        provider.transformer_layer_spec = local_layer_spec
+        provider.transformer_layer_spec = _local_block_spec
     provider.finalize()
     return bridge, provider
+
+
+def _local_block_spec(config: Any, vp_stage: int | None = None) -> Any:
+    return get_local_decoder_block_spec(config, vp_stage=vp_stage)
 
 
 class MegatronBridgeWeights:
@@ -83,3 +91,62 @@ class MegatronBridgeWeights:
         shard left incomplete, is an error rather than a warning."""
         with hf_save_without_modelopt():
             self.auto_bridge.save_hf_weights(models, weights_path, show_progress=False, strict=strict)
+
+
+class MegatronBridgeModel(MegatronBridgeWeights):
+    """The bridge surface the engine builds through (``verl.models.mcore.bridge``), over Megatron-Bridge: ``config``
+    (the provider, a TransformerConfig), ``get_model`` with mbridge's keywords, ``load_weights`` from an HF
+    folder, the HF save, and ``gather_hf_weights`` for the rollout's weight sync. Needs megatron parallel state;
+    the layout is read from it."""
+
+    def __init__(self, hf_path: str, dtype: torch.dtype = torch.float32) -> None:
+        from megatron.core import parallel_state as mpu
+
+        sizes = ParallelSizes(
+            tp=mpu.get_tensor_model_parallel_world_size(),
+            pp=mpu.get_pipeline_model_parallel_world_size(),
+            ep=mpu.get_expert_model_parallel_world_size(),
+            etp=mpu.get_expert_tensor_parallel_world_size(),
+            cp=mpu.get_context_parallel_world_size(),
+        )
+        auto_bridge, self.config = megatron_bridge_provider(hf_path, dtype, sizes, load_weights=False)
+        super().__init__(auto_bridge)
+        self.dtype = dtype
+
+    def get_model(
+        self,
+        wrap_with_ddp: bool = True,
+        bf16: bool = False,
+        fp16: bool = False,
+        use_cpu_initialization: bool = True,
+        ddp_config: dict | None = None,
+        data_parallel_random_init: bool = False,
+    ) -> list:
+        """The model chunks, randomly initialised (``load_weights`` fills them), DDP-wrapped with ``ddp_config``'s
+        fields (``DistributedDataParallelConfig``) when ``wrap_with_ddp``."""
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        return self.config.provide_distributed_model(
+            ddp_config=DistributedDataParallelConfig(**ddp_config) if wrap_with_ddp else None,
+            wrap_with_ddp=wrap_with_ddp,
+            bf16=bf16,
+            fp16=fp16,
+            use_cpu_initialization=use_cpu_initialization,
+            data_parallel_random_init=data_parallel_random_init,
+        )
+
+    def load_weights(self, models: list, weights_path: str) -> None:
+        """The HF folder's weights into the model (every rank; each reads the tensors it holds)."""
+        refuse_custom_code(weights_path, f"HF weights {weights_path}", "use a folder of a built-in transformers model")
+        self.auto_bridge.load_hf_weights(models, weights_path)
+
+    def gather_hf_weights(self, models: list, receivers: list[int]) -> dict[str, torch.Tensor]:
+        """Every HF tensor of the model, whole, on each rank in ``receivers`` (an empty dict on the others); every
+        rank takes part (Megatron-Bridge's export gathers each tensor to all ranks)."""
+        keep = torch.distributed.get_rank() in receivers
+        weights = {}
+        with hf_save_without_modelopt():
+            for name, tensor in self.auto_bridge.export_hf_weights(models, cpu=True, show_progress=False):
+                if keep:
+                    weights[name] = tensor
+        return weights

@@ -1,16 +1,17 @@
-"""Megatron model chunks from an mbridge bridge, wrapped in Megatron DDP."""
+"""Megatron model chunks from a bridge (either of ``verl.models.mcore.bridge``'s), wrapped in Megatron DDP."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from mbridge.core.bridge import Bridge
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.utils import get_model_config
 
 from verl.utils.internals import mbridge as mbridge_internals
 
 
-def build_megatron_model(bridge: Bridge, use_distributed_optimizer: bool = False, wrap_with_ddp: bool = True) -> list:
+def build_megatron_model(bridge: Any, use_distributed_optimizer: bool = False, wrap_with_ddp: bool = True) -> list:
     """Model chunks (one per virtual pipeline stage) in the bridge's dtype, DDP-wrapped for training.
 
     ``use_distributed_optimizer=False`` gives DDP buffers with ``param_data is None`` (no flat

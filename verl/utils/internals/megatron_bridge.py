@@ -1,4 +1,5 @@
-"""What Megatron-Bridge (``megatron.bridge``) needs on a host without TransformerEngine or NVIDIA ModelOpt.
+"""Whether Megatron-Bridge (``megatron.bridge``) is here, and what it needs on a host without TransformerEngine
+or NVIDIA ModelOpt.
 
 Megatron-Bridge 0.6 imports both unconditionally on paths verl takes, although neither runs there:
 ``megatron.bridge.peft.lora_layers`` imports ``transformer_engine.pytorch`` at module level (LoRA with TE
@@ -17,6 +18,21 @@ import sys
 import types
 from collections.abc import Iterator
 from typing import Any
+
+VANILLA_MBRIDGE_KEY = "actor_rollout_ref.actor.megatron.vanilla_mbridge"
+
+
+def megatron_bridge_missing_problem(vanilla_mbridge: bool) -> str | None:
+    """The one-line refusal of ``vanilla_mbridge=False`` on a host without Megatron-Bridge, or None: never a silent
+    switch to mbridge (a run's bridge is the one its config names)."""
+    if vanilla_mbridge or _importable("megatron.bridge"):
+        return None
+    return (
+        f"{VANILLA_MBRIDGE_KEY}=False (upstream verl's default) builds the model through NVIDIA's Megatron-Bridge, "
+        f"which is not installed here (no module megatron.bridge; it needs Python >= 3.12 and megatron-core >= 0.17): "
+        f"set {VANILLA_MBRIDGE_KEY}=True to build through mbridge, or install megatron-bridge (docs/models.md)"
+    )
+
 
 _LORA_LAYERS = "megatron.bridge.peft.lora_layers"
 _MODELOPT_UTILS = "modelopt.torch.quantization.utils"

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from verl.models.mcore import load_hf_config, make_bridge
+from verl.models.mcore import load_hf_config
+from verl.models.mcore.bridge import make_model_bridge
 from verl.models.mcore.forward import compute_log_probs, forward_logits, train_step
 from verl.models.mcore.model import build_megatron_model
 from verl.utils.checkpoint import commit, finite, precision
@@ -53,6 +54,7 @@ class ActorSettings:
     async_save: bool = False
     async_mode: str = "background_write"
     use_dist_checkpointing: bool = False
+    vanilla_mbridge: bool = True  # upstream's key: True builds through mbridge, False through Megatron-Bridge
     optim: Any = None
     checkpoint: Any = None
     refuse_unsupported: bool = True  # False: build a config verl.models.support refuses (to show what it prevents)
@@ -85,7 +87,9 @@ class MegatronEngine(BaseEngine):
         self.settings = settings
         self.hf_config = load_hf_config(settings.model_path)
         self.tokenizer = load_tokenizer(settings.model_path, f"actor_rollout_ref.model.path={settings.model_path}")
-        self.bridge = make_bridge(self.hf_config, dtype=settings.dtype, refuse_unsupported=settings.refuse_unsupported)
+        self.bridge = make_model_bridge(
+            settings.model_path, self.hf_config, settings.dtype, settings.vanilla_mbridge, settings.refuse_unsupported
+        )
         self.model = build_megatron_model(self.bridge, use_distributed_optimizer=settings.use_distributed_optimizer)
         self.bridge.load_weights(self.model, settings.model_path)
         release_free_heap()  # the load's temporary tensors, ~the model's size, would stay resident
@@ -282,9 +286,9 @@ class MegatronReference:
     (upstream checkpoints no reference). A resumed run rebuilds it from ``model_path``, so it is always the
     initial model. As upstream's, it is not DDP-wrapped: it only runs forward, and holds no grad buffers."""
 
-    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, vanilla_mbridge: bool = True) -> None:
         self.hf_config = load_hf_config(model_path)
-        self.bridge = make_bridge(self.hf_config, dtype=dtype)
+        self.bridge = make_model_bridge(model_path, self.hf_config, dtype, vanilla_mbridge)
         self.model = build_megatron_model(self.bridge, wrap_with_ddp=False)
         self.bridge.load_weights(self.model, model_path)
         release_free_heap()

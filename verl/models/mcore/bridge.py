@@ -1,0 +1,75 @@
+"""The one place that chooses the HF <-> Megatron bridge (upstream's ``actor.megatron.vanilla_mbridge``).
+
+``vanilla_mbridge=True``: the mbridge package (``verl.models.mcore.mbridge``); False: NVIDIA's Megatron-Bridge
+(``verl.models.mcore.megatron_bridge``), upstream verl's default. Either answer has the same surface, and
+nothing outside this module asks which one it is: ``config`` (the TransformerConfig), ``dtype``, ``get_model``
+(mbridge's keywords; ``verl.models.mcore.model.build_megatron_model`` wraps it), ``load_weights(models, path)``,
+``save_weights(models, path, **checkpoint.mbridge_config)`` with ``saves_in_parallel`` (the checkpoint manager's
+HF export, after fix 2's config-first barrier) and ``gather_hf_weights(models, receivers)`` (the rollout's sync).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from verl.models.mcore.mbridge import UnsupportedHFConfigError, check_hf_config_supported, make_bridge
+from verl.models.support import hf_config_problems
+from verl.utils.internals.megatron_bridge import megatron_bridge_missing_problem
+
+
+def make_model_bridge(
+    model_path: str,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype = torch.float32,
+    vanilla_mbridge: bool = True,
+    refuse_unsupported: bool = True,
+) -> Any:
+    """The bridge of the HF model at ``model_path`` (``hf_config``: its config, already loaded); needs megatron
+    parallel state. ``refuse_unsupported=False`` builds even a config ``verl.models.support`` refuses."""
+    if vanilla_mbridge:
+        return make_bridge(hf_config, dtype=dtype, refuse_unsupported=refuse_unsupported)
+    problem = megatron_bridge_missing_problem(vanilla_mbridge)
+    if problem is not None:
+        raise RuntimeError(problem)
+    if refuse_unsupported and hf_config_problems(hf_config):
+        raise UnsupportedHFConfigError(hf_config_problems(hf_config))
+    from verl.models.mcore.megatron_bridge import MegatronBridgeModel
+
+    return MegatronBridgeModel(model_path, dtype=dtype)
+
+
+def transformer_config_without_ranks(hf_config: PretrainedConfig, vanilla_mbridge: bool = True) -> Any:
+    """The TransformerConfig the bridge gives ``hf_config``, made without parallel state or process groups (the
+    pre-start identity check of a resumed step; its fields do not depend on the layout); None when this
+    bridge cannot map the family here (the ranks then check after they start)."""
+    if vanilla_mbridge:
+        # mbridge's own mapping, given explicit single-rank parallel states; head_dim left unset (Mixtral) is
+        # filled with transformers' own default, hidden_size / num_attention_heads, as the ranks' bridge does.
+        from mbridge import AutoBridge
+        from mbridge.core.parallel_states import ParallelStates
+
+        view = copy.deepcopy(hf_config)
+        if getattr(view, "head_dim", None) is None and getattr(view, "num_attention_heads", None):
+            view.head_dim = view.hidden_size // view.num_attention_heads
+        try:
+            return AutoBridge.from_config(view, dtype=torch.float32, parallel_states=ParallelStates()).config
+        except Exception:  # noqa: BLE001 - a family mbridge maps only on ranks: leave the check to them
+            return None
+    from verl.utils.internals.megatron_bridge import import_megatron_bridge
+
+    try:
+        return import_megatron_bridge().AutoBridge.from_hf_config(hf_config).to_megatron_provider(load_weights=False)
+    except Exception:  # noqa: BLE001 - as above
+        return None
+
+
+__all__ = [
+    "UnsupportedHFConfigError",
+    "check_hf_config_supported",
+    "make_model_bridge",
+    "transformer_config_without_ranks",
+]
