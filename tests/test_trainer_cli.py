@@ -8,6 +8,7 @@
   tensorboard event files that hold what metrics.jsonl holds;
 - the log-prob parity gate stops a run whose model the bridge maps differently from transformers;
 - PP4 EP2 TP2 ETP2 on 16 ranks completes one verified save;
+- PP2 VPP2 (interleaved pipeline) with the KL loss trains, saves and resumes exactly;
 - param_offload with use_distributed_optimizer=False saves (fix 1, through the worker);
 - bad configurations exit with status 2 and their message before Ray or any rank starts.
 """
@@ -179,6 +180,36 @@ def test_pp4_ep2_tp2_etp2_16_ranks_one_verified_save(tmp_path, env, tiny_moe_pat
     assert record["hf"] == "all 135 tensors present with the expected shapes" and record["files"] > 0
 
 
+def test_vpp2_trains_with_the_reference_and_resumes_exactly(tmp_path, env, tiny_moe_path):
+    """Upstream's interleaved pipeline key through the trainer: 2 ranks at PP2 VPP2 with the KL loss (the
+    reference and the log-prob passes run as model chunks too); step 2 resumed from step 1's save gives the
+    metrics of the uninterrupted run."""
+    ckpt = tmp_path / "ckpt"
+    common = [
+        f"actor_rollout_ref.model.path={tiny_moe_path}", "trainer.n_gpus_per_node=2", f"{MEGATRON}tensor_model_parallel_size=1",
+        f"{MEGATRON}pipeline_model_parallel_size=2", f"{MEGATRON}virtual_pipeline_model_parallel_size=2",
+        f"{MEGATRON}expert_model_parallel_size=1", "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.05", "trainer.save_freq=1", "trainer.total_training_steps=2",
+        f"trainer.default_local_dir={ckpt}",
+    ]  # fmt: skip
+    code, out = _run(common, tmp_path, env)
+    assert code == 0, out[-6000:]
+    assert "TP1 PP2 VPP2 EP1 ETP1 CP1" in out
+    first_run = {m["step"]: m for m in _metrics(ckpt)}
+    manifest = json.loads((ckpt / "global_step_2/actor/manifest.json").read_text())
+    assert manifest["parallel"] == {"world_size": 2, "tp": 1, "pp": 2, "ep": 1, "etp": 1, "cp": 1, "vpp": 2}
+    assert first_run[2]["checkpoint"]["hf"] == "all 135 tensors present with the expected shapes"
+
+    code, out = _run([*common, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt}/global_step_1"], tmp_path, env)
+    assert code == 0, out[-6000:]
+    resumed = _metrics(ckpt)[len(first_run):]
+    assert [m["step"] for m in resumed] == [2]
+    keys = [key for key in first_run[2] if not key.startswith("timing_s/") and key not in ("time", "checkpoint", "checkpoint_committed")]
+    assert {"actor/kl_loss", "actor/grad_norm", "actor/entropy"} <= set(keys)
+    assert first_run[2]["actor/kl_loss"] > 0
+    assert {key: resumed[0].get(key) for key in keys} == {key: first_run[2][key] for key in keys}
+
+
 def _two_ranks_ep2(model_path: str, ckpt: Path) -> list[str]:
     """2 ranks, EP2 only (the cheapest MoE layout), a save every step into ``ckpt``."""
     return [
@@ -264,7 +295,10 @@ BAD_CONFIGS = {
     "group_of_one": (["actor_rollout_ref.rollout.n=1"], "set actor_rollout_ref.rollout.n to 2 or more"),
     "estimator": (["algorithm.adv_estimator=gae"], "only grpo is implemented here; set algorithm.adv_estimator=grpo"),
     "truncation": (["data.truncation=cut"], "data.truncation=cut is not one of ['error', 'left', 'right', 'middle']"),
-    "upstream_vpp": ([f"{MEGATRON}virtual_pipeline_model_parallel_size=2"], "virtual_pipeline_model_parallel_size=2: the actor builds one model chunk"),
+    "vpp_layers": (
+        [f"{MEGATRON}virtual_pipeline_model_parallel_size=4"],
+        f"num_hidden_layers=4 does not split into pipeline_model_parallel_size=2 x virtual_pipeline_model_parallel_size=4 equal model chunks; set {MEGATRON}virtual_pipeline_model_parallel_size",
+    ),
     "task": (["data.task=reverse"], "data.task=reverse is not one of ['add', 'first']; set data.task=first"),
 }
 

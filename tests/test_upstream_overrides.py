@@ -136,14 +136,13 @@ SCRIPT_OVERRIDES = [
 ]
 
 # What the pre-start checks refuse, each with its own line: a rollout engine this host does not have, a reward
-# manager not implemented here, the interleaved pipeline schedule, and the wandb logger where the wandb package
-# is not installed (it is not in this project's requirements; installed, wandb runs offline and is accepted).
+# manager not implemented here, and the wandb logger where the wandb package is not installed (it is not in this
+# project's requirements; installed, wandb runs offline and is accepted). The interleaved pipeline is accepted.
 WANDB_INSTALLED = importlib.util.find_spec("wandb") is not None
 EXPECTED_REFUSED = {
     "actor_rollout_ref.rollout.name",
     "reward_model.reward_manager",
     *(() if WANDB_INSTALLED else ("trainer.logger",)),
-    "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size",
 }
 
 
@@ -212,7 +211,6 @@ def test_script_is_accepted_except_a_few_refusals_with_one_line_each(concrete, t
         "actor_rollout_ref.rollout.gpu_memory_utilization",
         "actor_rollout_ref.rollout.moe_tensor_parallel_size",
         "actor_rollout_ref.model.use_fused_kernels",
-        "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size",
         "actor_rollout_ref.actor.kl_loss_coef",
         "algorithm.kl_ctrl.kl_coef",
         "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method",
@@ -228,17 +226,18 @@ def test_script_is_accepted_except_a_few_refusals_with_one_line_each(concrete, t
         assert key not in ignored
     # ref settings equal to the actor's (the default follows it) and upstream defaults are not listed
     assert "actor_rollout_ref.ref.megatron.tensor_model_parallel_size" not in ignored
+    assert "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size" not in ignored
     assert "trainer.balance_batch" not in ignored and "data.return_raw_chat" not in ignored
 
 
 def test_script_with_the_kl_loss_on_honours_the_reference_keys(concrete, tiny_moe_path):
     """The script with actor.use_kl_loss=True (upstream's GRPO examples set it): the KL loss and the reference's
-    keys are honoured; the reference's interleaved pipeline is refused like the actor's, one line."""
+    keys are honoured, the reference's interleaved pipeline (equal to the actor's) with them."""
     with_kl = [o for o in concrete if _key(o) != "actor_rollout_ref.actor.use_kl_loss"] + ["actor_rollout_ref.actor.use_kl_loss=True"]
     problems = check_config(_compose(with_kl), tiny_moe_path)
     keys = {_key(o) for o in with_kl}
     refused = {key for key in keys if any(p.startswith((f"{key}=", f"{key} ")) for p in problems)}
-    assert refused == EXPECTED_REFUSED | {"actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size"}, problems
+    assert refused == EXPECTED_REFUSED, problems
     assert len(problems) == len(refused), problems
 
     config = _compose([o for o in with_kl if _key(o) not in refused] + ["trainer.logger=[console]"])
@@ -309,3 +308,22 @@ def test_refusals_name_the_key(tiny_moe_path, tmp_path, override, expected):
         assert problems == []
         return
     assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_script_interleaved_pipeline_limits_are_refused_in_one_line_each(concrete, tiny_moe_path):
+    """The script's VPP2 at PP2: an update of one microbatch per data-parallel rank cannot run the interleaved
+    schedule (a multiple of PP is needed), and a reference with another VPP than the actor's is not its layout."""
+    accepted = [o for o in concrete if _key(o) not in EXPECTED_REFUSED] + ["trainer.logger=[console]"]
+    fixed_micro = [*accepted, "actor_rollout_ref.actor.use_dynamic_bsz=False"]
+    assert check_config(_compose([*fixed_micro, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"]), tiny_moe_path) == []
+    problems = check_config(_compose([*fixed_micro, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32"]), tiny_moe_path)
+    assert problems == [
+        "1 microbatches per data-parallel rank and mini-batch (32 sequences / actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32) "
+        "is not a multiple of pipeline_model_parallel_size=2, which actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2 "
+        "needs; set ppo_micro_batch_size_per_gpu so that 32 / it is a multiple of 2"
+    ]
+    with_kl = [o for o in accepted if _key(o) != "actor_rollout_ref.actor.use_kl_loss"] + ["actor_rollout_ref.actor.use_kl_loss=True"]
+    problems = check_config(_compose([*with_kl, "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=null"]), tiny_moe_path)
+    assert len(problems) == 1 and problems[0].startswith(
+        "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=None differs from the actor's (2)"
+    ), problems

@@ -11,7 +11,7 @@ from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes
 
 
 def test_valid_layouts_pass(tiny_moe_path):
-    for sizes, world in [(ParallelSizes(), 1), (ParallelSizes(2, 2, 2, 2), 8), (ParallelSizes(2, 4, 2, 2), 16)]:
+    for sizes, world in [(ParallelSizes(), 1), (ParallelSizes(2, 2, 2, 2), 8), (ParallelSizes(2, 4, 2, 2), 16), (ParallelSizes(pp=2, vpp=2), 4), (ParallelSizes(pp=2, vpp=1), 2)]:
         assert validate_model_build(tiny_moe_path, sizes, world).num_experts == 8
 
 
@@ -24,6 +24,14 @@ def test_valid_layouts_pass(tiny_moe_path):
         (ParallelSizes(pp=3), 3, "num_hidden_layers=4 is not divisible by pipeline_model_parallel_size=3"),
         (ParallelSizes(tp=8), 8, "num_attention_heads=4 is not divisible by tensor_model_parallel_size=8"),
         (ParallelSizes(tp=0), 1, "tensor_model_parallel_size=0 must be >= 1"),
+        (
+            ParallelSizes(pp=2, vpp=4),
+            2,
+            "num_hidden_layers=4 does not split into pipeline_model_parallel_size=2 x virtual_pipeline_model_parallel_size=4 "
+            "equal model chunks; set actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size so that 2 x it divides 4",
+        ),
+        (ParallelSizes(vpp=2), 1, "virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size >= 2"),
+        (ParallelSizes(pp=2, vpp=0), 2, "virtual_pipeline_model_parallel_size=0 must be >= 1 (or null)"),
     ],
 )
 def test_bad_parallel_sizes(tiny_moe_path, sizes, world, message):

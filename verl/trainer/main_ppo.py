@@ -302,7 +302,7 @@ def _print_plan(config, plan: RunPlan, device: str) -> None:
     print(
         f"[main_ppo] model {plan.model_path}\n"
         f"[main_ppo] {world_size(config)} ranks on {device} ({config.trainer.nnodes} node(s) x {config.trainer.n_gpus_per_node}); "
-        f"TP{sizes.tp} PP{sizes.pp} EP{sizes.ep} ETP{sizes.expert_tp} CP{sizes.cp}; "
+        f"TP{sizes.tp} PP{sizes.pp}{f' VPP{sizes.virtual_stages}' if sizes.virtual_stages else ''} EP{sizes.ep} ETP{sizes.expert_tp} CP{sizes.cp}; "
         f"use_distributed_optimizer={megatron.use_distributed_optimizer} param_offload={megatron.param_offload}\n"
         f"[main_ppo] {plan.data.total_training_steps} steps, save_freq={config.trainer.save_freq}, "
         f"checkpoints -> {os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))}; {resume}\n"

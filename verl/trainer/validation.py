@@ -63,6 +63,7 @@ def parallel_sizes(config: Any) -> ParallelSizes:
         ep=int(megatron.expert_model_parallel_size),
         etp=None if etp is None else int(etp),
         cp=int(megatron.context_parallel_size),
+        vpp=None if megatron.virtual_pipeline_model_parallel_size is None else int(megatron.virtual_pipeline_model_parallel_size),
     )
 
 
@@ -102,7 +103,7 @@ _INT_KEYS = (
     f"{_MEGATRON}expert_model_parallel_size", f"{_MEGATRON}context_parallel_size", f"{_MEGATRON}seed",
 )  # fmt: skip
 _OPTIONAL_INT_KEYS = (
-    f"{_MEGATRON}expert_tensor_parallel_size", "ray_kwargs.ray_init.num_cpus", "trainer.max_actor_ckpt_to_keep",
+    f"{_MEGATRON}expert_tensor_parallel_size", f"{_MEGATRON}virtual_pipeline_model_parallel_size", "ray_kwargs.ray_init.num_cpus", "trainer.max_actor_ckpt_to_keep",
     "trainer.total_training_steps", "data.val_batch_size", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
     f"{_ACTOR}.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
     f"{_REF}.log_prob_micro_batch_size_per_gpu", f"{_REF}.log_prob_max_token_len_per_gpu",
@@ -404,6 +405,9 @@ def _check_batch_split(config: Any) -> list[str]:
         return [f"a mini-batch of actor_rollout_ref.actor.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {sequences} sequences does not split into {dp} data-parallel ranks; make it a multiple of {dp}"]
     if (sequences // dp) % micro and not actor.use_dynamic_bsz:
         return [f"{sequences // dp} sequences per data-parallel rank and mini-batch (ppo_mini_batch_size={mini} x rollout.n={n} / {dp} ranks) do not split into microbatches of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}; set it to a divisor of {sequences // dp}"]
+    interleaved = _interleaved_split_problem(megatron, sequences // dp, micro, actor.use_dynamic_bsz)
+    if interleaved:
+        return [interleaved]
     rollout = config.actor_rollout_ref.rollout
     rows = train * n // dp if (train * n) % dp == 0 else None
     if rows is None:
@@ -413,6 +417,19 @@ def _check_batch_split(config: Any) -> list[str]:
         if log_micro is not None and not node.log_prob_use_dynamic_bsz and (not _positive_int(log_micro) or rows % log_micro):
             return [f"{name}.log_prob_micro_batch_size_per_gpu={log_micro} does not divide the {rows} sequences of a step on each data-parallel rank; set it to a divisor of {rows}"]
     return []
+
+
+def _interleaved_split_problem(megatron: Any, rows: int, micro: int, dynamic: bool) -> str | None:
+    """The interleaved schedule runs a mini-batch's microbatches in groups of PP per model chunk: their number
+    must be a multiple of PP (the log-prob passes top theirs up; an update cannot without changing the loss)."""
+    vpp, pp = megatron.virtual_pipeline_model_parallel_size, int(megatron.pipeline_model_parallel_size)
+    if vpp is None or vpp <= 1 or pp < 2:
+        return None
+    if dynamic and rows % pp:
+        return f"{rows} sequences per data-parallel rank and mini-batch cannot make a multiple of pipeline_model_parallel_size={pp} microbatches, which {_MEGATRON}virtual_pipeline_model_parallel_size={vpp} needs; make {_ACTOR}.ppo_mini_batch_size x rollout.n / data-parallel size a multiple of {pp}"
+    if not dynamic and (rows // micro) % pp:
+        return f"{rows // micro} microbatches per data-parallel rank and mini-batch ({rows} sequences / {_ACTOR}.ppo_micro_batch_size_per_gpu={micro}) is not a multiple of pipeline_model_parallel_size={pp}, which {_MEGATRON}virtual_pipeline_model_parallel_size={vpp} needs; set ppo_micro_batch_size_per_gpu so that {rows} / it is a multiple of {pp}"
+    return None
 
 
 def _ref_pass(config: Any, entry: Any) -> list:
@@ -461,9 +478,7 @@ def _check_kl_loss(config: Any) -> list[str]:
     if float(actor.kl_loss_coef) < 0:
         problems.append(f"{_ACTOR}.kl_loss_coef={actor.kl_loss_coef} must be >= 0")
     megatron = actor.megatron
-    if ref.megatron.virtual_pipeline_model_parallel_size is not None:
-        problems.append(f"{_REF}.megatron.virtual_pipeline_model_parallel_size={ref.megatron.virtual_pipeline_model_parallel_size}: the reference is built as one model chunk per pipeline stage, like the actor; set it to null")
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size"):
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size"):
         theirs, ours = ref.megatron[key], megatron[key]
         if key == "expert_tensor_parallel_size":  # null: the tensor-parallel size (both null: the TP check says it)
             if theirs is None and ours is None:
@@ -844,8 +859,6 @@ def _check_upstream_keys(config: Any) -> list[str]:
     engine = config.get("model_engine", "megatron")
     if engine != "megatron":
         problems.append(f"model_engine={engine}: only the Megatron backend trains here; set model_engine=megatron")
-    if megatron.virtual_pipeline_model_parallel_size is not None:
-        problems.append(f"{_MEGATRON}virtual_pipeline_model_parallel_size={megatron.virtual_pipeline_model_parallel_size}: the actor builds one model chunk per pipeline stage (no interleaved schedule here); set it to null")
     if megatron.dist_checkpointing_path is not None:
         problems.append(f"{_MEGATRON}dist_checkpointing_path={megatron.dist_checkpointing_path}: initial weights are read from the HF actor_rollout_ref.model.path only; set it to null")
     for node in ("override_ddp_config", "override_mcore_model_config"):

@@ -53,6 +53,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             ep=int(megatron["expert_model_parallel_size"]),
             etp=None if megatron.get("expert_tensor_parallel_size") is None else int(megatron["expert_tensor_parallel_size"]),
             cp=int(megatron["context_parallel_size"]),
+            vpp=None if megatron.get("virtual_pipeline_model_parallel_size") is None else int(megatron["virtual_pipeline_model_parallel_size"]),
         )
         self._is_offload_param = bool(megatron.get("param_offload", False))
         self._is_offload_grad = bool(megatron.get("grad_offload", False))
@@ -236,11 +237,16 @@ class ActorRolloutRefWorker(MegatronWorker):
     def _micro_batch_size(self, rows: int, seq_len: int, dynamic: bool, max_token_len: int, fixed: int) -> int:
         """Rows per micro batch: with dynamic batch size (upstream's ``use_dynamic_bsz``) the most that fit
         ``max_token_len`` tokens and divide ``rows`` (every sequence here has one length, so a token budget
-        is a row count; megatron's pipeline needs equal micro batches); otherwise ``fixed``."""
+        is a row count; megatron's pipeline needs equal micro batches; the interleaved schedule, a number of them
+        that is a multiple of the pipeline size, where the rows allow it); otherwise ``fixed``."""
         if not dynamic:
             return fixed
+        from verl.models.mcore.forward import interleaved_microbatch_multiple
+
         fit = max(1, min(rows, int(max_token_len) // max(seq_len, 1)))
-        return next(size for size in range(fit, 0, -1) if rows % size == 0)
+        sizes = [size for size in range(fit, 0, -1) if rows % size == 0]
+        multiple = interleaved_microbatch_multiple()
+        return next((size for size in sizes if (rows // size) % multiple == 0), sizes[0])
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
     def compute_log_prob(self, batch: dict) -> dict:

@@ -46,7 +46,21 @@ def _inputs(microbatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, _position_ids(tokens, padding), _attention_mask(tokens, padding)
 
 
+def interleaved_microbatch_multiple() -> int:
+    """What the number of microbatches of one schedule run must be a multiple of: the pipeline size under the
+    interleaved schedule (megatron runs microbatches in groups of PP per model chunk), else 1."""
+    if (mpu.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+        return mpu.get_pipeline_model_parallel_world_size()
+    return 1
+
+
 def _run_schedule(model: list, microbatches: list[torch.Tensor], forward_only: bool, step_fn, seq_length: int) -> list:
+    multiple = interleaved_microbatch_multiple()
+    if len(microbatches) % multiple:
+        raise ValueError(
+            f"{len(microbatches)} microbatches cannot run through the interleaved pipeline schedule, which needs a "
+            f"multiple of pipeline_model_parallel_size={multiple}; choose micro batch sizes that give a multiple of {multiple}"
+        )
     forward_backward = get_forward_backward_func()
     return forward_backward(
         forward_step_func=step_fn,
@@ -90,9 +104,14 @@ def broadcast_from_last_stage(value: torch.Tensor | None) -> torch.Tensor:
 
 
 def _forward_only(model: list, microbatches: list[torch.Tensor], capture) -> torch.Tensor:
-    """Forward of every microbatch; ``capture(output, microbatch)`` on the last stage, concatenated, on every rank."""
+    """Forward of every microbatch; ``capture(output, microbatch)`` on the last stage, concatenated, on every rank.
+
+    Under the interleaved schedule the microbatches are topped up to a multiple of the pipeline size with
+    repeats of the last one, whose outputs are dropped: a forward changes nothing, so any batch runs."""
     captured = []
     device = model_device(model)
+    count = len(microbatches)
+    microbatches = microbatches + [microbatches[-1]] * (-count % interleaved_microbatch_multiple())
 
     def step(data_iterator, chunk):
         batch = to_device(next(data_iterator), device)
@@ -108,7 +127,7 @@ def _forward_only(model: list, microbatches: list[torch.Tensor], capture) -> tor
         chunk.eval()
     with torch.no_grad():
         _run_schedule(model, microbatches, forward_only=True, step_fn=step, seq_length=_tokens(microbatches[0]).shape[1])
-    return broadcast_from_last_stage(torch.cat(captured) if captured else None).to(_tokens(microbatches[0]).device)
+    return broadcast_from_last_stage(torch.cat(captured[:count]) if captured else None).to(_tokens(microbatches[0]).device)
 
 
 def forward_logits(model: list, tokens: torch.Tensor) -> torch.Tensor:

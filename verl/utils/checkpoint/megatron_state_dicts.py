@@ -74,8 +74,11 @@ def sharded_structure(state: dict) -> tuple:
 
 
 def current_parallel_layout() -> dict[str, int]:
-    """This process's world size and model-parallel sizes (a save's manifest records them; a load compares)."""
-    return {
+    """This process's world size and model-parallel sizes (a save's manifest records them; a load compares).
+
+    ``vpp`` only with model chunks (interleaved pipeline): the distributed optimizer's state is laid out per
+    chunk, so it is part of the layout, and a layout without chunks reads as before."""
+    layout = {
         "world_size": torch.distributed.get_world_size(),
         "tp": mpu.get_tensor_model_parallel_world_size(),
         "pp": mpu.get_pipeline_model_parallel_world_size(),
@@ -83,6 +86,10 @@ def current_parallel_layout() -> dict[str, int]:
         "etp": mpu.get_expert_tensor_parallel_world_size(),
         "cp": mpu.get_context_parallel_world_size(),
     }
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None and vpp > 1:
+        layout["vpp"] = vpp
+    return layout
 
 
 def model_sharded_state_dict(model: list, metadata: dict) -> dict:

@@ -162,8 +162,8 @@ def _optimizer_layout_problems(step_path: str, manifest: dict, target: LoadTarge
     if saved == now:
         return []
     return [
-        f"{step_path} holds distributed-optimizer state saved at {saved}; it loads only at the same TP/PP/EP/ETP/CP, "
-        f"this run is {now}. Load the model alone (drop 'optimizer' from {LOAD_CONTENTS_KEY}), or save with "
+        f"{step_path} holds distributed-optimizer state saved at {saved}; it loads only at the same TP/PP/EP/ETP/CP "
+        f"(and virtual pipeline size), this run is {now}. Load the model alone (drop 'optimizer' from {LOAD_CONTENTS_KEY}), or save with "
         f"{DIST_OPTIMIZER_KEY}=False, whose optimizer state loads at any layout."
     ]
 

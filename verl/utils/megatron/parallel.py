@@ -1,4 +1,5 @@
-"""Parallel sizes (TP/PP/EP/ETP/CP): validation before any rank starts, and Megatron initialisation."""
+"""Parallel sizes (TP/PP/EP/ETP/CP, and the virtual pipeline size): validation before any rank starts, and
+Megatron initialisation."""
 
 from __future__ import annotations
 
@@ -41,10 +42,16 @@ class ParallelSizes:
     ep: int = 1
     etp: int | None = None  # None: same as tp, as in upstream verl's config
     cp: int = 1
+    vpp: int | None = None  # model chunks per pipeline rank (interleaved schedule); None or 1: one chunk
 
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
+
+    @property
+    def virtual_stages(self) -> int | None:
+        """Megatron's virtual pipeline size: None for one model chunk per pipeline rank, as upstream treats 1."""
+        return self.vpp if self.vpp is not None and self.vpp > 1 else None
 
     def validate(
         self,
@@ -64,6 +71,13 @@ class ParallelSizes:
                 problems.append(f"{name}_model_parallel_size={value} must be >= 1")
         if self.expert_tp < 1:
             problems.append(f"expert_tensor_parallel_size={self.expert_tp} must be >= 1")
+        if self.vpp is not None and self.vpp < 1:
+            problems.append(f"virtual_pipeline_model_parallel_size={self.vpp} must be >= 1 (or null)")
+        elif self.virtual_stages and self.pp < 2:
+            problems.append(
+                f"virtual_pipeline_model_parallel_size={self.vpp} needs pipeline_model_parallel_size >= 2 (it is {self.pp}); "
+                f"set {_KEY}virtual_pipeline_model_parallel_size=null or raise {_KEY}pipeline_model_parallel_size"
+            )
         if problems:
             raise ParallelConfigError("; ".join(problems), problems)
         if world_size % (self.tp * self.pp * self.cp):
@@ -88,6 +102,12 @@ class ParallelSizes:
             problems.append(
                 f"num_hidden_layers={num_layers} is not divisible by pipeline_model_parallel_size={self.pp}; "
                 f"set {_KEY}pipeline_model_parallel_size to a divisor of {num_layers}"
+            )
+        elif num_layers is not None and self.virtual_stages and self.pp >= 2 and num_layers % (self.pp * self.vpp):
+            problems.append(
+                f"num_hidden_layers={num_layers} does not split into pipeline_model_parallel_size={self.pp} x "
+                f"virtual_pipeline_model_parallel_size={self.vpp} equal model chunks; set "
+                f"{_KEY}virtual_pipeline_model_parallel_size so that {self.pp} x it divides {num_layers} (or null)"
             )
         if num_attention_heads is not None and num_attention_heads % self.tp:
             problems.append(
@@ -119,6 +139,7 @@ class ParallelSizes:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.virtual_stages,
             context_parallel_size=self.cp,
             expert_model_parallel_size=self.ep,
             expert_tensor_parallel_size=self.expert_tp,
