@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tests.test_trainer_cli import MEGATRON, TRACKER, _metrics, _run
 from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
 
-CLOCKS = ("time", "checkpoint", "checkpoint_committed")  # what may differ between runs: times and save records
+CLOCKS = ("time", "checkpoint", "checkpoint_committed", "resume")  # what may differ between runs: times, save and resume records
 
 
 def _command(model_path: str, ckpt) -> list[str]:
