@@ -27,11 +27,12 @@ def check_tokens() -> torch.Tensor:
     return torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(3))
 
 
-def _actor(src: str, use_distributed_optimizer: bool = False):
+def _actor(src: str, use_distributed_optimizer: bool = False, vanilla_mbridge: bool = True):
     from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
     settings = ActorSettings(
-        model_path=src, use_distributed_optimizer=use_distributed_optimizer, use_dist_checkpointing=True, save_contents=CONTENTS
+        model_path=src, use_distributed_optimizer=use_distributed_optimizer, use_dist_checkpointing=True, save_contents=CONTENTS,
+        vanilla_mbridge=vanilla_mbridge,
     )
     return MegatronEngine(settings)
 
@@ -44,10 +45,10 @@ def hf_state(path: str) -> dict:
     return state
 
 
-def train_save_continue_then_resume(src: str, root: str, use_distributed_optimizer: bool = False) -> dict:
+def train_save_continue_then_resume(src: str, root: str, use_distributed_optimizer: bool = False, vanilla_mbridge: bool = True) -> dict:
     """On each rank: two steps, save step 2 (its logits of ``check_tokens()`` kept), two more; a fresh actor
-    loads step 2 and takes the same two steps."""
-    first = _actor(src, use_distributed_optimizer)
+    (built through the same bridge) loads step 2 and takes the same two steps."""
+    first = _actor(src, use_distributed_optimizer, vanilla_mbridge)
     for step in range(2):
         first.train_step(batches(step))
     first.save_checkpoint(os.path.join(root, "global_step_2", "actor"), global_step=2)
@@ -55,7 +56,7 @@ def train_save_continue_then_resume(src: str, root: str, use_distributed_optimiz
     continued = [first.train_step(batches(10 + step))["loss"] for step in range(2)]
     expected = first.parameters_snapshot()
 
-    resumed_actor = _actor(src, use_distributed_optimizer)
+    resumed_actor = _actor(src, use_distributed_optimizer, vanilla_mbridge)
     resumed_actor.load_checkpoint(os.path.join(root, "global_step_2", "actor"))
     resumed = [resumed_actor.train_step(batches(10 + step))["loss"] for step in range(2)]
     actual = resumed_actor.parameters_snapshot()

@@ -55,6 +55,7 @@ def megatron_bridge_provider(
     provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = sizes.tp, sizes.pp
     provider.expert_model_parallel_size, provider.expert_tensor_parallel_size = sizes.ep, sizes.expert_tp
     provider.context_parallel_size = sizes.cp
+    provider.virtual_pipeline_model_parallel_size = sizes.virtual_stages  # model chunks per pipeline rank
     provider.sequence_parallel = sizes.tp > 1  # as mbridge builds it (MoE with TP needs it)
     if not transformer_engine_available():
         for field, value in _FUSIONS_OFF_WITHOUT_TE.items():
@@ -108,6 +109,7 @@ class MegatronBridgeModel(MegatronBridgeWeights):
             ep=mpu.get_expert_model_parallel_world_size(),
             etp=mpu.get_expert_tensor_parallel_world_size(),
             cp=mpu.get_context_parallel_world_size(),
+            vpp=mpu.get_virtual_pipeline_model_parallel_world_size(),
         )
         auto_bridge, self.config = megatron_bridge_provider(hf_path, dtype, sizes, load_weights=False)
         super().__init__(auto_bridge)
