@@ -84,6 +84,11 @@ python -c "import torch" 2>/dev/null || python -m pip install -q "$(grep '^torch
 python -m pip install -q -r <(grep -v '^megatron-bridge' requirements-py312.txt) -e . "pytest>=8"
 python -m pip install -q --no-deps "$(grep '^megatron-bridge' requirements-py312.txt | cut -d' ' -f1)"
 py312_status=0
-run_pytest "${PY312_TESTS[@]}" || py312_status=$?
+# offload at the 8-rank layout runs on the main leg; here one multi-rank layout (TP2 PP2) with both optimizer settings
+PY312_DESELECT=(
+  "tests/test_megatron_utils.py::test_offload_reload_is_bit_exact_and_training_continues[DO=True-tp2pp2ep2etp2]"
+  "tests/test_megatron_utils.py::test_offload_reload_is_bit_exact_and_training_continues[DO=False-tp2pp2ep2etp2]"
+)
+run_pytest "${PY312_TESTS[@]}" "${PY312_DESELECT[@]/#/--deselect=}" || py312_status=$?
 echo "[test.sh] main leg (transformers 5.10): status $main_status; transformers 4.57 leg: status $tf4_status; Python 3.12 leg: status $py312_status"
 [ "$main_status" -eq 0 ] && [ "$tf4_status" -eq 0 ] && [ "$py312_status" -eq 0 ]
