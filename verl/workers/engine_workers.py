@@ -411,7 +411,7 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(
-        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False, checked: CheckedStep | None = None
+        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False, *, checked: CheckedStep | None = None
     ) -> dict:
         """Load a step on every rank (upstream's arguments); ``checked``: the driver's record of its check of the step,
         so that the ranks repeat none of it (``MegatronEngine.load_checkpoint``). Returns this rank's seconds and

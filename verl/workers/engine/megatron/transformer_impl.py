@@ -239,6 +239,7 @@ class MegatronEngine(BaseEngine):
         local_path: str,
         hdfs_path: str | None = None,
         del_local_after_load: bool = True,
+        *,
         checked: CheckedStep | None = None,
         **kwargs: Any,
     ) -> None:
