@@ -709,7 +709,7 @@ def schedule_length_warning(step_dir: str, optim: Any) -> str | None:
     )
 
 
-def model_identity(model_path: str, vanilla_mbridge: bool = True) -> tuple[Any, Any]:
+def model_identity(model_path: str, vanilla_mbridge: bool = False) -> tuple[Any, Any]:
     """(TransformerConfig, HF config) of ``model_path`` for the pre-start identity check of a resumed step, or
     (None, None) when it cannot be built here (the ranks then make the check after they start, as before).
 

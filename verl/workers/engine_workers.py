@@ -79,7 +79,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             # upstream's megatron.dtype (ours defaults to float32); the rollout and the reference run in it too
             dtype=getattr(torch, megatron_param_dtype(actor["megatron"].get("dtype", "float32"))),
             use_dist_checkpointing=bool(actor["megatron"].get("use_dist_checkpointing", False)),
-            vanilla_mbridge=bool(actor["megatron"].get("vanilla_mbridge", True)),
+            vanilla_mbridge=bool(actor["megatron"]["vanilla_mbridge"]),  # no default: a run's bridge is the one its config names
             optim=configs.optim,
             checkpoint=configs.checkpoint,
         )

@@ -25,7 +25,7 @@ def make_model_bridge(
     model_path: str,
     hf_config: PretrainedConfig,
     dtype: torch.dtype = torch.float32,
-    vanilla_mbridge: bool = True,
+    vanilla_mbridge: bool = False,
     refuse_unsupported: bool = True,
 ) -> Any:
     """The bridge of the HF model at ``model_path`` (``hf_config``: its config, already loaded); needs megatron
@@ -42,7 +42,7 @@ def make_model_bridge(
     return MegatronBridgeModel(model_path, dtype=dtype)
 
 
-def transformer_config_without_ranks(hf_config: PretrainedConfig, vanilla_mbridge: bool = True) -> Any:
+def transformer_config_without_ranks(hf_config: PretrainedConfig, vanilla_mbridge: bool = False) -> Any:
     """The TransformerConfig the bridge gives ``hf_config``, made without parallel state or process groups (the
     pre-start identity check of a resumed step; its fields do not depend on the layout); None when this
     bridge cannot map the family here (the ranks then check after they start)."""
