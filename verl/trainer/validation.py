@@ -552,13 +552,20 @@ def check_model_build(model_path: str, config: Any) -> list[str]:
     from verl.utils.custom_code import CustomCodeError
 
     try:
-        validate_model_build(model_path, parallel_sizes(config), world_size(config))
+        hf_config = validate_model_build(model_path, parallel_sizes(config), world_size(config))
     except UnsupportedHFConfigError as exc:
         return [f"actor_rollout_ref.model.path={model_path}: {p}" for p in exc.problems]
     except ParallelConfigError as exc:
         return exc.problems
     except (FileNotFoundError, CustomCodeError) as exc:
         return [str(exc)]
+    vanilla_mbridge = bool(config.actor_rollout_ref.actor.megatron.vanilla_mbridge)
+    if not vanilla_mbridge and megatron_bridge_missing_problem(vanilla_mbridge) is None:  # else _check_actor says so
+        from verl.models.mcore.bridge import megatron_bridge_family_problem
+
+        family = megatron_bridge_family_problem(hf_config)
+        if family is not None:
+            return [f"actor_rollout_ref.model.path={model_path}: {family}"]
     return _check_mbridge_config(model_path, config)
 
 
