@@ -1,4 +1,4 @@
-"""Megatron-Bridge (the Python 3.12 leg only: it needs megatron-core >= 0.17, whose wheels need Python 3.12).
+"""Megatron-Bridge (the Python 3.12 leg only: Megatron-Bridge 0.6 declares Python 3.12).
 
 The tiny Qwen3-MoE goes HF -> Megatron -> HF through ``AutoBridge`` on a CPU rank: every tensor comes back
 bit-identical, and the Megatron model's logits equal transformers' on the same weights and tokens.

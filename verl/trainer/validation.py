@@ -21,7 +21,7 @@ from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the co
 from verl.utils.checkpoint.layout import CONTENTS_FILENAME, DATA_STATE_FILENAME, STEP_DIR_RE
 from verl.utils.checkpoint.precision import optimizer_dtype_problem
 from verl.utils.custom_code import oversized_file_problem, read_json
-from verl.utils.internals.megatron_bridge import megatron_bridge_missing_problem
+from verl.utils.internals.megatron_bridge import megatron_bridge_install_problem
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
 from verl.utils.tracking import BACKEND_PACKAGES
 from verl.utils.tracking import BACKENDS as LOGGER_BACKENDS
@@ -255,7 +255,7 @@ def _check_actor(config: Any) -> list[str]:
         problems.append(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} must be an integer >= 1")
     if not megatron.use_mbridge:
         problems.append(f"{_MEGATRON}use_mbridge=False: models are built only through mbridge here; set {_MEGATRON}use_mbridge=True")
-    missing_bridge = megatron_bridge_missing_problem(bool(megatron.vanilla_mbridge))
+    missing_bridge = megatron_bridge_install_problem(bool(megatron.vanilla_mbridge))
     if missing_bridge is not None:
         problems.append(missing_bridge)
     if megatron.grad_offload and not megatron.param_offload:
@@ -560,7 +560,7 @@ def check_model_build(model_path: str, config: Any) -> list[str]:
     except (FileNotFoundError, CustomCodeError) as exc:
         return [str(exc)]
     vanilla_mbridge = bool(config.actor_rollout_ref.actor.megatron.vanilla_mbridge)
-    if not vanilla_mbridge and megatron_bridge_missing_problem(vanilla_mbridge) is None:  # else _check_actor says so
+    if not vanilla_mbridge and megatron_bridge_install_problem(vanilla_mbridge) is None:  # else _check_actor says so
         from verl.models.mcore.bridge import megatron_bridge_family_problem
 
         family = megatron_bridge_family_problem(hf_config)

@@ -21,7 +21,7 @@ from verl.models.support import hf_config_problems
 from verl.utils.internals.megatron_bridge import (
     VANILLA_MBRIDGE_KEY,
     import_megatron_bridge,
-    megatron_bridge_missing_problem,
+    megatron_bridge_install_problem,
 )
 
 # The families the Megatron-Bridge path is proven for here (parity with transformers, the dist checkpoint and the
@@ -54,7 +54,7 @@ def make_model_bridge(
     parallel state. ``refuse_unsupported=False`` builds even a config ``verl.models.support`` refuses."""
     if vanilla_mbridge:
         return make_bridge(hf_config, dtype=dtype, refuse_unsupported=refuse_unsupported)
-    problem = megatron_bridge_missing_problem(vanilla_mbridge)
+    problem = megatron_bridge_install_problem(vanilla_mbridge)
     if problem is not None:
         raise RuntimeError(problem)
     if refuse_unsupported:
