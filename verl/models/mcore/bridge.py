@@ -67,6 +67,13 @@ def make_model_bridge(
     return MegatronBridgeModel(model_path, dtype=dtype)
 
 
+def bridge_name(bridge: Any) -> str:
+    """Which bridge ``make_model_bridge`` built, as a run reports it: ``Megatron-Bridge`` or ``mbridge``."""
+    from verl.models.mcore.megatron_bridge import MegatronBridgeModel
+
+    return "Megatron-Bridge" if isinstance(bridge, MegatronBridgeModel) else "mbridge"
+
+
 def transformer_config_without_ranks(hf_config: PretrainedConfig, vanilla_mbridge: bool = False) -> Any:
     """The TransformerConfig the bridge gives ``hf_config``, made without parallel state or process groups (the
     pre-start identity check of a resumed step; its fields do not depend on the layout); None when this
@@ -92,6 +99,7 @@ def transformer_config_without_ranks(hf_config: PretrainedConfig, vanilla_mbridg
 
 __all__ = [
     "UnsupportedHFConfigError",
+    "bridge_name",
     "check_hf_config_supported",
     "make_model_bridge",
     "megatron_bridge_family_problem",
