@@ -83,7 +83,8 @@ def test_a_folder_naming_custom_code_is_refused_before_megatron_bridge_reads_it(
 def test_a_family_not_proven_through_megatron_bridge_is_refused_in_one_line_before_start(tiny_moe_path, tmp_path):
     """Mixtral and Qwen2-MoE pass mbridge's checks, and Megatron-Bridge 0.6 cannot build them (on every rank, in
     many lines): the pre-start check and the bridge factory refuse them in one line naming the key that builds
-    them through mbridge; the proven Qwen3-MoE passes both."""
+    them through mbridge; the proven Qwen3-MoE passes both, and an mbridge save option is refused naming
+    Megatron-Bridge's save."""
     import pytest
     from omegaconf import OmegaConf
 
@@ -103,3 +104,8 @@ def test_a_family_not_proven_through_megatron_bridge_is_refused_in_one_line_befo
             make_model_bridge(path, load_hf_config(path), vanilla_mbridge=False)
         assert refused.value.problems == [problem.removeprefix(f"actor_rollout_ref.model.path={path}: ")]
     assert check_model_build(tiny_moe_path, config) == []
+    key = "actor_rollout_ref.actor.checkpoint.mbridge_config.memory_efficient"  # an mbridge save's option
+    OmegaConf.update(config, key, True, force_add=True)
+    assert check_model_build(tiny_moe_path, config) == [
+        f"{key}: the bridge's HF save (Megatron-Bridge's save_hf_weights) takes no such argument (it takes: strict); remove {key}"
+    ]

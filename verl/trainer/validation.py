@@ -254,7 +254,7 @@ def _check_actor(config: Any) -> list[str]:
     if not _positive_int(actor.ppo_micro_batch_size_per_gpu):
         problems.append(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} must be an integer >= 1")
     if not megatron.use_mbridge:
-        problems.append(f"{_MEGATRON}use_mbridge=False: models are built only through mbridge here; set {_MEGATRON}use_mbridge=True")
+        problems.append(f"{_MEGATRON}use_mbridge=False: models are built only through a bridge here (mbridge or Megatron-Bridge, chosen by {_MEGATRON}vanilla_mbridge); set {_MEGATRON}use_mbridge=True")
     missing_bridge = megatron_bridge_install_problem(bool(megatron.vanilla_mbridge))
     if missing_bridge is not None:
         problems.append(missing_bridge)
@@ -263,7 +263,7 @@ def _check_actor(config: Any) -> list[str]:
     if int(megatron.context_parallel_size) > 1:
         problems.append(f"{_MEGATRON}context_parallel_size={megatron.context_parallel_size}: the update step does not split sequences over context-parallel ranks yet; set {_MEGATRON}context_parallel_size=1")
     if int(megatron.tensor_model_parallel_size) > 1 and not megatron.sequence_parallel:
-        problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: mbridge always uses sequence parallelism with TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
+        problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: both bridges build with sequence parallelism when TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
     try:
         megatron_param_dtype(megatron.get("dtype", "float32"), key=f"{_MEGATRON}dtype")
     except ValueError as exc:
@@ -579,13 +579,13 @@ def _check_mbridge_config(model_path: str, config: Any) -> list[str]:
         return []
     entries = OmegaConf.to_container(node, resolve=True)
     if config.actor_rollout_ref.actor.megatron.vanilla_mbridge:
-        save_weights = bridge_class_for(read_model_config(model_path)["model_type"]).save_weights
+        save_weights, save_name = bridge_class_for(read_model_config(model_path)["model_type"]).save_weights, "mbridge's save_weights"
     else:
         from verl.models.mcore.megatron_bridge import MegatronBridgeWeights
 
-        save_weights = MegatronBridgeWeights.save_weights
+        save_weights, save_name = MegatronBridgeWeights.save_weights, "Megatron-Bridge's save_hf_weights"
     try:
-        save_weights_kwargs(save_weights, entries, key=f"{_CHECKPOINT}mbridge_config")
+        save_weights_kwargs(save_weights, entries, key=f"{_CHECKPOINT}mbridge_config", save_name=save_name)
     except ValueError as exc:
         return [str(exc)]
     return []
@@ -759,7 +759,7 @@ _ROLLOUT = "actor_rollout_ref.rollout."
 _ENGINE_WHY = "an inference-engine setting (vLLM / SGLang / TensorRT-LLM); the hf rollout (transformers generate on each data-parallel group's output rank) has none"
 _NO_REF_WHY = "no reference model is built: actor.use_kl_loss is off"
 _REF_BUILD_WHY = "the reference is built like the actor, through the actor's bridge (actor.megatron.vanilla_mbridge) from the HF actor_rollout_ref.model.path (its weights, not a seed)"
-_TRANSFORMER_WHY = "a memory / speed setting of Megatron's TransformerConfig; not applied here (the model is built from its HF config through mbridge) and the model computes the same function without it"
+_TRANSFORMER_WHY = "a memory / speed setting of Megatron's TransformerConfig; not applied here (the model is built from its HF config through the bridge) and the model computes the same function without it"
 # override_transformer_config fields that change memory or speed only; any other field would change the model.
 PERF_ONLY_TRANSFORMER_FIELDS = (
     "recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers", "attention_backend",
