@@ -309,7 +309,7 @@ def bench_rank(model_path: str, work: str) -> dict:
     out: dict = {"rank": rank, "rss_runtime": rss_now()}
     peak = PeakRSS()
     start = time.monotonic()
-    actor = MegatronEngine(ActorSettings(model_path=model_path, dtype=torch.float32))
+    actor = MegatronEngine(ActorSettings(vanilla_mbridge=True, model_path=model_path, dtype=torch.float32))
     data = torch.randint(4, 90, (4, 33), generator=torch.Generator().manual_seed(0))
     actor.train_step([data[:2], data[2:]])
     out["build_and_train_s"] = time.monotonic() - start

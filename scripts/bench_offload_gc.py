@@ -36,8 +36,8 @@ def _measure(model_path: str, cycles: int) -> dict:
     from verl.utils.megatron_utils import load_megatron_model_to_gpu, offload_megatron_model_to_cpu
     from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine, MegatronReference
 
-    actor = MegatronEngine(ActorSettings(model_path=model_path, dtype=torch.float32))
-    reference = MegatronReference(model_path)
+    actor = MegatronEngine(ActorSettings(vanilla_mbridge=True, model_path=model_path, dtype=torch.float32))
+    reference = MegatronReference(model_path, vanilla_mbridge=True)
 
     def cycle() -> float:
         start = time.monotonic()

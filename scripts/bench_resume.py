@@ -39,7 +39,7 @@ def drop_page_cache() -> None:
 def _actor(model_path: str):
     from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
-    return MegatronEngine(ActorSettings(model_path=model_path, save_contents=LOAD_CONTENTS, load_contents=LOAD_CONTENTS))
+    return MegatronEngine(ActorSettings(model_path=model_path, save_contents=LOAD_CONTENTS, load_contents=LOAD_CONTENTS, vanilla_mbridge=True))
 
 
 def _save(model_path: str, root: str, plain: str) -> int:

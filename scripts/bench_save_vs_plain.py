@@ -128,7 +128,7 @@ def rank_main(model_path: str, work: str, pairs: int) -> dict:
     from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
     torch.set_num_threads(1)
-    actor = MegatronEngine(ActorSettings(model_path=model_path, dtype=torch.float32, optim=McoreOptimizerConfig(**interop.OPTIM)))
+    actor = MegatronEngine(ActorSettings(vanilla_mbridge=True, model_path=model_path, dtype=torch.float32, optim=McoreOptimizerConfig(**interop.OPTIM)))
     prime_optimizer(actor.model, actor.optimizer, actor.scheduler, interop.SEED)
     state = state_bytes(actor)
     plain_path = os.path.join(work, "plain.safetensors")

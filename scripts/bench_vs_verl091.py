@@ -129,7 +129,7 @@ def build_saver(side: str, model_path: str, seed: int):
         from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
         actor = MegatronEngine(
-            ActorSettings(model_path=model_path, dtype=torch.float32, optim=McoreOptimizerConfig(**interop.OPTIM))
+            ActorSettings(vanilla_mbridge=True, model_path=model_path, dtype=torch.float32, optim=McoreOptimizerConfig(**interop.OPTIM))
         )
         prime_optimizer(actor.model, actor.optimizer, actor.scheduler, seed)
 

@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/five_seeds.py --out-dir /tmp/five_seeds [--seeds 1,2,3,4,5] [hydra overrides ...]
 
-Each seed is one ``python -m verl.trainer.main_ppo data.seed=S`` (the defaults, checkpoints included) in
+Each seed is one ``python -m verl.trainer.main_ppo actor_rollout_ref.actor.megatron.vanilla_mbridge=True data.seed=S``
+(the defaults but the bridge: mbridge, as on requirements.txt's stack; checkpoints included) in
 ``<out-dir>/seed_S``, one after the other. Written to ``<out-dir>``: ``five_seeds.json`` (per seed: mean
 reward of the first and last 10 steps, the first step whose trailing 10-step mean reaches 0.9, steps with
 grad norm 0, median seconds per step, seconds spent in steps, wall seconds from start to exit, the
@@ -27,9 +28,10 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from verl.trainer.ppo.ray_trainer import METRICS_FILENAME  # noqa: E402
+from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY  # noqa: E402
 
 # The main job as scripts/run.sh runs it: on requirements.txt's stack, which has no Megatron-Bridge, through mbridge.
-MBRIDGE = "actor_rollout_ref.actor.megatron.vanilla_mbridge=True"
+MBRIDGE = f"{VANILLA_MBRIDGE_KEY}=True"
 REWARD_KEY = "critic/score/mean"
 WINDOW = 10
 TARGET = 0.9

@@ -134,7 +134,7 @@ def _actor(ctx: Context, **settings):
 
     manager_cls = settings.pop("manager_cls", None)
     kwargs = {"manager_cls": manager_cls} if manager_cls is not None else {}
-    return MegatronEngine(ActorSettings(model_path=ctx.model_path, **settings), **kwargs)
+    return MegatronEngine(ActorSettings(vanilla_mbridge=True, model_path=ctx.model_path, **settings), **kwargs)
 
 
 @dataclasses.dataclass

@@ -44,7 +44,7 @@ def _measure(model_path: str, dtype_name: str, rows: int, seeds: int) -> dict:
     from verl.workers.rollout.hf_rollout import InMemoryHFRollout, RolloutSettings
 
     dtype = getattr(torch, dtype_name)
-    actor = MegatronEngine(ActorSettings(model_path=model_path, dtype=dtype))
+    actor = MegatronEngine(ActorSettings(vanilla_mbridge=True, model_path=model_path, dtype=dtype))
     ppo = MegatronPPOActor(PPOActorSettings(response_length=RESPONSE_LENGTH, micro_batch_size=rows), actor.model, actor.optimizer, actor.scheduler)
     rank0 = torch.distributed.get_rank() == 0
     tokenizer = actor.tokenizer

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from tests.main_leg import main_leg_settings
 from verl.utils.checkpoint.integrity import build_manifest
 
 
@@ -60,11 +61,11 @@ def craft_metadata(step: str, marker: str) -> str:
 def train_and_save(src: str, root: str) -> None:
     """One training step of the model at ``src`` saved as ``<root>/dc_<use_dist_checkpointing>/global_step_1/actor``
     in both model formats (and the first exported to ``<root>/export``); run on ranks by ``run_on_ranks``."""
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     batch = torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))
     for use_dist_checkpointing in (True, False):
-        settings = ActorSettings(model_path=src, use_dist_checkpointing=use_dist_checkpointing, save_contents=("model", "optimizer", "extra"))
+        settings = main_leg_settings(src, use_dist_checkpointing=use_dist_checkpointing, save_contents=("model", "optimizer", "extra"))
         actor = MegatronEngine(settings)
         actor.train_step([batch])
         actor.save_checkpoint(os.path.join(root, f"dc_{use_dist_checkpointing}", "global_step_1", "actor"), global_step=1)

@@ -6,7 +6,7 @@ import pytest
 
 from verl.models.tiny import make_tiny_hf_model
 
-# tests/py312: Megatron-Bridge needs megatron-core >= 0.17, whose wheels need Python 3.12; scripts/test.sh's
+# tests/py312: Megatron-Bridge 0.6 and the megatron-core 0.18 it runs on declare Python 3.12; scripts/test.sh's
 # Python 3.12 leg runs them (PY312_TESTS), every other leg leaves them out here.
 collect_ignore = ["py312"] if sys.version_info < (3, 12) else []
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tests.main_leg import main_leg_settings
+
 FP32_LOG_PROB_TOLERANCE = 1e-5
 
 
@@ -64,10 +66,10 @@ def on_rank(
     step. Returns the log-probs, both runs' losses of the last step and the names of this rank's
     parameters that differ between them (None, None, [] without ``resume``). ``refuse_unsupported=False``
     builds the model even where ``verl.models.support`` refuses its config."""
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     def actor() -> MegatronEngine:
-        return MegatronEngine(ActorSettings(model_path=src, use_distributed_optimizer=False, refuse_unsupported=refuse_unsupported))
+        return MegatronEngine(main_leg_settings(src, use_distributed_optimizer=False, refuse_unsupported=refuse_unsupported))
 
     first = actor()
     log_probs = next_token_log_probs(first.logits(check_tokens()), check_tokens())

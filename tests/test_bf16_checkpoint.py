@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tests.main_leg import MBRIDGE
+from tests.main_leg import MBRIDGE, main_leg_settings
 from verl.utils.checkpoint.data_only import METADATA_FILENAME, DataOnlyFileSystemReader, read_dcp_metadata
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -48,9 +48,9 @@ def _batches(seed: int) -> list[torch.Tensor]:
 
 
 def _actor(src: str, dtype: torch.dtype, use_distributed_optimizer: bool, **settings):
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    return MegatronEngine(ActorSettings(model_path=src, dtype=dtype, use_distributed_optimizer=use_distributed_optimizer, **settings))
+    return MegatronEngine(main_leg_settings(src, dtype=dtype, use_distributed_optimizer=use_distributed_optimizer, **settings))
 
 
 def _save_load_save(src: str, root: str, use_distributed_optimizer: bool) -> dict:

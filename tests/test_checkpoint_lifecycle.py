@@ -22,7 +22,7 @@ from tests.checkpoint_builders import (
     entry_outside_the_step,
     rewrite_manifest,
 )
-from tests.main_leg import MBRIDGE
+from tests.main_leg import MBRIDGE, main_leg_settings
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
 from verl.utils.checkpoint.finite import is_finite
 from verl.utils.checkpoint.integrity import (
@@ -46,9 +46,9 @@ def _batches(seed: int) -> list[torch.Tensor]:
 
 
 def _actor(src: str, manager_cls=MegatronCheckpointManager, **settings):
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    return MegatronEngine(ActorSettings(model_path=src, **settings), manager_cls=manager_cls)
+    return MegatronEngine(main_leg_settings(src, **settings), manager_cls=manager_cls)
 
 
 def _step_path(root: str, step: int) -> str:

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import torch
 
+from tests.main_leg import main_leg_settings
 from verl.utils.checkpoint import dist_writer, layout
 from verl.utils.distributed import run_on_ranks
 from verl.utils.internals import megatron_core
@@ -26,9 +27,9 @@ WORLD = 2
 
 
 def _actor(src: str):
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    return MegatronEngine(ActorSettings(model_path=src))
+    return MegatronEngine(main_leg_settings(src))
 
 
 def _recording_fsync_and_rename(events: list) -> None:
@@ -248,7 +249,7 @@ def _collections_inside_the_dist_checkpoint_phase(src: str, root: str) -> dict:
     import gc
 
     from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     window = {"inside": False, "collections": []}
 
@@ -261,7 +262,7 @@ def _collections_inside_the_dist_checkpoint_phase(src: str, root: str) -> dict:
         if phase == "start" and window["inside"]:
             window["collections"].append(info["generation"])
 
-    actor = MegatronEngine(ActorSettings(model_path=src), manager_cls=Observed)
+    actor = MegatronEngine(main_leg_settings(src), manager_cls=Observed)
     actor.train_step([torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))] * 2)
     thresholds = gc.get_threshold()
     gc.set_threshold(50, 1, 1)  # a collection, and a full one, every few dozen objects: certain inside the phase

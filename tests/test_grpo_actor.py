@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.main_leg import main_leg_settings
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
@@ -15,9 +16,9 @@ def _prompts(rows: int) -> torch.Tensor:
 
 def _build(model_path: str, micro_batch_size: int = 2, temperature: float = 1.0):
     from verl.workers.actor.megatron_actor import MegatronPPOActor, PPOActorSettings
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    actor = MegatronEngine(ActorSettings(model_path=model_path, lr=1e-3))
+    actor = MegatronEngine(main_leg_settings(model_path, lr=1e-3))
     settings = PPOActorSettings(response_length=RESPONSE_LEN, temperature=temperature, micro_batch_size=micro_batch_size)
     return actor, MegatronPPOActor(settings, actor.model, actor.optimizer, actor.scheduler)
 
@@ -124,7 +125,7 @@ def _reference_kl_and_entropy(model_path: str) -> dict:
     temperature, rows = 0.9, 8
     actor, ppo = _build(model_path, temperature=temperature)
     ppo.settings = dataclasses.replace(ppo.settings, use_kl_loss=True, kl_loss_coef=0.0, kl_loss_type="low_var_kl", entropy_coeff=1.0)
-    ref = MegatronReference(model_path)
+    ref = MegatronReference(model_path, vanilla_mbridge=True)
     digest = ref.params_digest()
     generator = torch.Generator().manual_seed(5)
     sequences = torch.randint(4, 99, (rows, PROMPT_LEN + RESPONSE_LEN), generator=generator)

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from tests.main_leg import main_leg_settings
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -67,9 +68,9 @@ class SlowConfigNoBarrierManager(SlowConfigManager):
 
 
 def _actor(src: str, wrap_bridge, manager_cls=MegatronCheckpointManager):
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    settings = ActorSettings(model_path=src, save_contents=("model", "optimizer", "extra", "hf_model"))
+    settings = main_leg_settings(src, save_contents=("model", "optimizer", "extra", "hf_model"))
     return MegatronEngine(settings, wrap_bridge=wrap_bridge, manager_cls=manager_cls)
 
 

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from tests.main_leg import main_leg_settings
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 from verl.workers.config import McoreOptimizerConfig
@@ -21,9 +22,9 @@ def _batches(step: int) -> list[torch.Tensor]:
 
 
 def _actor(src: str, optim: McoreOptimizerConfig, distributed: bool):
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    settings = ActorSettings(model_path=src, optim=optim, use_distributed_optimizer=distributed, save_contents=("model", "optimizer", "extra"))
+    settings = main_leg_settings(src, optim=optim, use_distributed_optimizer=distributed, save_contents=("model", "optimizer", "extra"))
     return MegatronEngine(settings)
 
 

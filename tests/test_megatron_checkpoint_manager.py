@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.main_leg import main_leg_settings
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 from verl.utils.distributed import RankFailure, run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -22,11 +23,11 @@ def _batches(seed: int) -> list[torch.Tensor]:
 
 
 def _actor(src: str, **settings):
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     wrap_bridge = settings.pop("wrap_bridge", None)
     manager_cls = settings.pop("manager_cls", MegatronCheckpointManager)
-    return MegatronEngine(ActorSettings(model_path=src, **settings), wrap_bridge=wrap_bridge, manager_cls=manager_cls)
+    return MegatronEngine(main_leg_settings(src, **settings), wrap_bridge=wrap_bridge, manager_cls=manager_cls)
 
 
 def _hf_state(path: str) -> dict:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.main_leg import main_leg_settings
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
@@ -107,9 +108,9 @@ def test_parallel_export_is_bit_identical_to_mbridge(tiny_moe_path, tmp_path, si
 
 def _gather_vs_export(src: str) -> dict:
     from verl.models.mcore.parallel_hf_save import gather_hf_weights
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    actor = MegatronEngine(ActorSettings(model_path=src, save_contents=("model",)))
+    actor = MegatronEngine(main_leg_settings(src, save_contents=("model",)))
     receivers = [0, torch.distributed.get_world_size() - 3]
     gathered = gather_hf_weights(actor.bridge, actor.model, receivers=receivers)
     exported = dict(actor.bridge.export_weights(actor.model))  # mbridge's: every tensor on every rank

@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from tests.main_leg import main_leg_settings
 from verl.utils.checkpoint import dist_writer, finite
 from verl.utils.distributed import run_on_ranks
 from verl.utils.internals import megatron_core
@@ -25,9 +26,9 @@ METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
 def _actor(src: str):
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    return MegatronEngine(ActorSettings(model_path=src, save_contents=CONTENTS, load_contents=CONTENTS))
+    return MegatronEngine(main_leg_settings(src, save_contents=CONTENTS, load_contents=CONTENTS))
 
 
 def _batches(seed: int) -> list[torch.Tensor]:

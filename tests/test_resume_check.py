@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.checkpoint_builders import craft_metadata
+from tests.main_leg import main_leg_settings
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
@@ -54,9 +55,9 @@ def counting_opens(directory: str) -> Iterator[collections.Counter]:
 
 
 def _actor(src: str, use_distributed_optimizer: bool = False):
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    return MegatronEngine(ActorSettings(model_path=src, load_contents=LOAD_CONTENTS, use_distributed_optimizer=use_distributed_optimizer))
+    return MegatronEngine(main_leg_settings(src, load_contents=LOAD_CONTENTS, use_distributed_optimizer=use_distributed_optimizer))
 
 
 def _save_step(src: str, root: str) -> None:

@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from tests.main_leg import main_leg_settings
 from tests.te_stand_in import run_on_te_host
 from tests.test_parallel_hf_export import _files, _tensors
 from verl.utils.megatron.parallel import ParallelSizes
@@ -94,10 +95,10 @@ def _checkpoint_on_te_spec(src: str, root: str, async_mode: str | None, use_dist
     """One rank: a TE-spec actor steps its optimizer once (gradients set directly: the stand-in runs no
     forward), saves the step through the worker's path (the manager, then the commit step), and a second
     actor loads it back."""
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     writer = {"async_save": async_mode is not None, "async_mode": async_mode or "background_write"}
-    settings = ActorSettings(model_path=src, use_dist_checkpointing=use_dist_checkpointing, **writer)
+    settings = main_leg_settings(src, use_dist_checkpointing=use_dist_checkpointing, **writer)
     actor = MegatronEngine(settings)
     generator = torch.Generator().manual_seed(0)  # the same on every rank: replicas stay equal
     for chunk in actor.model:

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from tests.main_leg import main_leg_settings
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 from verl.utils.distributed import run_on_ranks
@@ -64,9 +65,9 @@ def test_upstream_only_options_are_refused_by_name(name):
 
 
 def _save_and_reload(src: str, root: str, use_dist_checkpointing: bool) -> dict:
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    settings = ActorSettings(model_path=src, save_contents=("model", "optimizer", "extra"), use_dist_checkpointing=use_dist_checkpointing)
+    settings = main_leg_settings(src, save_contents=("model", "optimizer", "extra"), use_dist_checkpointing=use_dist_checkpointing)
     actor = MegatronEngine(settings)
     batch = torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))
     actor.train_step([batch])

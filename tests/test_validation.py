@@ -125,3 +125,26 @@ def tiny_hf_config_dict(kind: str) -> dict:
     from verl.models.tiny import tiny_hf_config
 
     return tiny_hf_config(kind).to_dict()
+
+
+def test_a_megatron_bridge_release_other_than_the_tested_one_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Megatron-Bridge 0.3.1 installs on Python 3.11 (upstream pins 0.5.2); only 0.6.x is proven here. A host whose
+    megatron.bridge imports but is another release (a stand-in package with its dist-info) gets one line naming
+    both releases and the key's mbridge value, as the only problem; the tested release passes."""
+    from verl.trainer.validation import check_config
+
+    packages = tmp_path / "site"
+    (packages / "megatron" / "bridge").mkdir(parents=True)
+    (packages / "megatron" / "bridge" / "__init__.py").write_text("")
+    dist_info = packages / "megatron_bridge-0.3.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-bridge\nVersion: 0.3.1\n")
+    monkeypatch.syspath_prepend(str(packages))
+    config, path = _trainer_config(tmp_path, tiny_hf_config_dict("moe"))
+    config.actor_rollout_ref.actor.megatron.vanilla_mbridge = False
+    (problem,) = check_config(config, path)
+    assert "megatron-bridge 0.3.1 is installed here, not the tested 0.6.x" in problem and "\n" not in problem, problem
+    assert "set actor_rollout_ref.actor.megatron.vanilla_mbridge=True" in problem, problem
+    dist_info.rename(packages / "megatron_bridge-0.6.2.dist-info")
+    (packages / "megatron_bridge-0.6.2.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-bridge\nVersion: 0.6.2\n")
+    assert check_config(config, path) == []

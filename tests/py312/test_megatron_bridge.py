@@ -1,4 +1,4 @@
-"""Megatron-Bridge (the Python 3.12 leg only: it needs megatron-core >= 0.17, whose wheels need Python 3.12).
+"""Megatron-Bridge (the Python 3.12 leg only: Megatron-Bridge 0.6 declares Python 3.12).
 
 The tiny Qwen3-MoE goes HF -> Megatron -> HF through ``AutoBridge`` on a CPU rank: every tensor comes back
 bit-identical, and the Megatron model's logits equal transformers' on the same weights and tokens.
@@ -78,3 +78,34 @@ def test_a_folder_naming_custom_code_is_refused_before_megatron_bridge_reads_it(
         megatron_bridge_provider(str(folder))
     assert "auto_map" in str(refused.value) and "\n" not in str(refused.value)
     assert not marker.exists()
+
+
+def test_a_family_not_proven_through_megatron_bridge_is_refused_in_one_line_before_start(tiny_moe_path, tmp_path):
+    """Mixtral and Qwen2-MoE pass mbridge's checks, and Megatron-Bridge 0.6 cannot build them (on every rank, in
+    many lines): the pre-start check and the bridge factory refuse them in one line naming the key that builds
+    them through mbridge; the proven Qwen3-MoE passes both, and an mbridge save option is refused naming
+    Megatron-Bridge's save."""
+    import pytest
+    from omegaconf import OmegaConf
+
+    from verl.models.mcore import UnsupportedHFConfigError, load_hf_config
+    from verl.models.mcore.bridge import make_model_bridge
+    from verl.models.tiny import make_tiny_hf_model
+    from verl.trainer.validation import check_model_build
+
+    config = OmegaConf.load("verl/trainer/config/ppo_megatron_trainer.yaml")  # upstream's default: Megatron-Bridge
+    assert config.actor_rollout_ref.actor.megatron.vanilla_mbridge is False
+    fix = "set actor_rollout_ref.actor.megatron.vanilla_mbridge=True"
+    for kind in ("mixtral", "qwen2_moe"):
+        path = make_tiny_hf_model(str(tmp_path / kind), kind=kind)
+        (problem,) = check_model_build(path, config)
+        assert f"model_type={kind!r}" in problem and fix in problem and "\n" not in problem, problem
+        with pytest.raises(UnsupportedHFConfigError) as refused:
+            make_model_bridge(path, load_hf_config(path), vanilla_mbridge=False)
+        assert refused.value.problems == [problem.removeprefix(f"actor_rollout_ref.model.path={path}: ")]
+    assert check_model_build(tiny_moe_path, config) == []
+    key = "actor_rollout_ref.actor.checkpoint.mbridge_config.memory_efficient"  # an mbridge save's option
+    OmegaConf.update(config, key, True, force_add=True)
+    assert check_model_build(tiny_moe_path, config) == [
+        f"{key}: the bridge's HF save (Megatron-Bridge's save_hf_weights) takes no such argument (it takes: strict); remove {key}"
+    ]

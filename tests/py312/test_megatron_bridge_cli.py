@@ -1,8 +1,8 @@
 """``python -m verl.trainer.main_ppo`` on the config's default bridge, Megatron-Bridge (upstream's
-``vanilla_mbridge=False``), at TP1 PP2 EP2 ETP1 on 4 CPU ranks with ``use_distributed_optimizer=False``: GRPO
-trains through the first-batch log-prob parity gate, saves every step (the model as HF weights through
-Megatron-Bridge's own save), and a second run resumed from step 1 repeats step 2 bit for bit; the HF folder
-loads in transformers.
+``vanilla_mbridge=False``), at TP1 PP2 EP2 ETP1 on 4 CPU ranks with ``use_distributed_optimizer=False`` and the
+KL loss (the reference is built through it too; the run's metrics name both bridges): GRPO trains through the
+first-batch log-prob parity gate, saves every step (the model as HF weights through Megatron-Bridge's own save),
+and a second run resumed from step 1 repeats step 2 bit for bit; the HF folder loads in transformers.
 """
 
 import glob
@@ -23,7 +23,7 @@ def _command(model_path: str, ckpt) -> list[str]:
         f"{MEGATRON}tensor_model_parallel_size=1", f"{MEGATRON}pipeline_model_parallel_size=2",
         f"{MEGATRON}expert_model_parallel_size=2", f"{MEGATRON}expert_tensor_parallel_size=1",
         f"{MEGATRON}use_distributed_optimizer=False", "trainer.total_training_steps=2", "trainer.save_freq=1",
-        f"trainer.default_local_dir={ckpt}",
+        f"trainer.default_local_dir={ckpt}", "actor_rollout_ref.actor.use_kl_loss=True",
     ]  # fmt: skip
 
 
@@ -44,10 +44,11 @@ def test_grpo_through_megatron_bridge_trains_saves_resumes_exactly_and_exports(t
     whole, resumed_dir = tmp_path / "whole", tmp_path / "resumed"
     code, out = _run(_command(tiny_moe_path, whole), tmp_path, env, bridge=None)  # the config's default bridge
     assert code == 0, out[-6000:]
-    assert "bridge: Megatron-Bridge (use_mbridge=True, vanilla_mbridge=False;" in out and "TP1 PP2 EP2 ETP1" in out
     assert "HF export: all 135 tensors present with the expected shapes" in out
     first = {m["step"]: m for m in _metrics(whole)}
     assert sorted(first) == [1, 2] and (whole / TRACKER).read_text() == "2"
+    # the actor and the KL term's reference, each built through the config's default bridge
+    assert [first[step]["bridge"] for step in (1, 2)] == [{"actor": "Megatron-Bridge", "ref": "Megatron-Bridge"}] * 2
     assert first[1]["rollout/log_prob_diff_max"] <= 1e-4  # the parity gate's measure on the first batch: it passed
     manifest = json.loads((whole / "global_step_2/actor/manifest.json").read_text())
     assert manifest["parallel"] == {"world_size": 4, "tp": 1, "pp": 2, "ep": 2, "etp": 1, "cp": 1}

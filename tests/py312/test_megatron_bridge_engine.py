@@ -38,7 +38,7 @@ def _save_and_resume(src: str, root: str) -> dict:
     what differs, and rank 0's HF weights at step 1. (Training on from a
     cross-bridge resume is not compared: Megatron-Bridge's MoE providers add the router's load-balancing loss,
     mbridge's do not; docs/models.md.)"""
-    actor = _actor(src, vanilla_mbridge=False, async_save=True, **DIST)
+    actor, bridge_on_device = _built_on_device(lambda: _actor(src, vanilla_mbridge=False, async_save=True, **DIST))
     assert type(actor.bridge).__name__ == "MegatronBridgeModel"
     actor.train_step(_batches(0))
     at_step_1 = _params_and_optimizer(actor)
@@ -55,7 +55,7 @@ def _save_and_resume(src: str, root: str) -> dict:
     resumed_step_2 = _params_and_optimizer(actor)
     _export(actor, os.path.join(root, "bridge_hf"))  # step 2's weights, through Megatron-Bridge's HF save
 
-    other = _actor(src, vanilla_mbridge=True, **DIST)
+    other, mbridge_on_device = _built_on_device(lambda: _actor(src, vanilla_mbridge=True, **DIST))
     assert type(other.bridge).__name__ != "MegatronBridgeModel"
     other.load_checkpoint(committed)
     mbridge_resumed = _params_and_optimizer(other)
@@ -67,6 +67,7 @@ def _save_and_resume(src: str, root: str) -> dict:
     back_through_megatron_bridge = _params_and_optimizer(actor)
     actor.bridge.load_weights(actor.model, os.path.join(root, "mbridge_hf"))  # step 1 -> mbridge's step-2 HF
     return {
+        "on_device": {"megatron_bridge": bridge_on_device, "mbridge": mbridge_on_device},
         "pending": pending,
         "moved": len(_differing(at_step_1, at_step_2)),
         "resumed": _differing(resumed, at_step_1),
@@ -77,6 +78,25 @@ def _save_and_resume(src: str, root: str) -> dict:
         "megatron_bridge_loaded_mbridge_hf": _differing(_params(actor), _params(at_step_2)),
         "hf": hf_at_step_1,
     }
+
+
+def _built_on_device(build):
+    """The engine ``build()`` makes, and whether its bridge moved every model chunk to the current device before
+    the DDP wrap (a GPU host's ``.cuda()``). The CPU runtime makes the move a no-op, so the call is recorded."""
+    from megatron.core.utils import unwrap_model
+
+    moved, cuda = [], torch.nn.Module.cuda
+
+    def recording_cuda(module, device=None):
+        moved.append(module)
+        return cuda(module, device)
+
+    torch.nn.Module.cuda = recording_cuda
+    try:
+        engine = build()
+    finally:
+        torch.nn.Module.cuda = cuda
+    return engine, all(any(module is unwrap_model(chunk) for module in moved) for chunk in engine.model)
 
 
 def _params(state) -> dict:
@@ -96,6 +116,7 @@ def test_dist_checkpoints_save_resume_reshard_and_cross_bridges(tiny_moe_path, t
     root = str(tmp_path)
     results = run_on_ranks(_save_and_resume, 4, SIZES, args=(tiny_moe_path, root))
     for rank, result in enumerate(results):
+        assert result["on_device"] == {"megatron_bridge": True, "mbridge": True}, rank
         assert result["pending"] is True  # the async save returned before its write was committed
         assert result["moved"] > 0, "step 2 must change the state"
         for key in (

@@ -21,7 +21,7 @@ from verl.models.support import hf_config_problems, hf_layout_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
 from verl.utils.checkpoint.layout import CONTENTS_FILENAME, DATA_STATE_FILENAME, STEP_DIR_RE
 from verl.utils.custom_code import oversized_file_problem, read_json
-from verl.utils.internals.megatron_bridge import megatron_bridge_missing_problem
+from verl.utils.internals.megatron_bridge import megatron_bridge_install_problem
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
 from verl.utils.tracking import BACKEND_PACKAGES
 from verl.utils.tracking import BACKENDS as LOGGER_BACKENDS
@@ -255,8 +255,8 @@ def _check_actor(config: Any) -> list[str]:
     if not _positive_int(actor.ppo_micro_batch_size_per_gpu):
         problems.append(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} must be an integer >= 1")
     if not megatron.use_mbridge:
-        problems.append(f"{_MEGATRON}use_mbridge=False: models are built only through mbridge here; set {_MEGATRON}use_mbridge=True")
-    missing_bridge = megatron_bridge_missing_problem(bool(megatron.vanilla_mbridge))
+        problems.append(f"{_MEGATRON}use_mbridge=False: models are built only through a bridge here (mbridge or Megatron-Bridge, chosen by {_MEGATRON}vanilla_mbridge); set {_MEGATRON}use_mbridge=True")
+    missing_bridge = megatron_bridge_install_problem(bool(megatron.vanilla_mbridge))
     if missing_bridge is not None:
         problems.append(missing_bridge)
     if megatron.grad_offload and not megatron.param_offload:
@@ -264,7 +264,7 @@ def _check_actor(config: Any) -> list[str]:
     if int(megatron.context_parallel_size) > 1:
         problems.append(f"{_MEGATRON}context_parallel_size={megatron.context_parallel_size}: the update step does not split sequences over context-parallel ranks yet; set {_MEGATRON}context_parallel_size=1")
     if int(megatron.tensor_model_parallel_size) > 1 and not megatron.sequence_parallel:
-        problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: mbridge always uses sequence parallelism with TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
+        problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: both bridges build with sequence parallelism when TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
     try:
         megatron_param_dtype(megatron.get("dtype", "float32"), key=f"{_MEGATRON}dtype")
     except ValueError as exc:
@@ -567,13 +567,20 @@ def check_model_build(model_path: str, config: Any) -> list[str]:
     from verl.utils.custom_code import CustomCodeError
 
     try:
-        validate_model_build(model_path, parallel_sizes(config), world_size(config))
+        hf_config = validate_model_build(model_path, parallel_sizes(config), world_size(config))
     except UnsupportedHFConfigError as exc:
         return [f"actor_rollout_ref.model.path={model_path}: {p}" for p in exc.problems]
     except ParallelConfigError as exc:
         return exc.problems
     except (FileNotFoundError, CustomCodeError) as exc:
         return [str(exc)]
+    vanilla_mbridge = bool(config.actor_rollout_ref.actor.megatron.vanilla_mbridge)
+    if not vanilla_mbridge and megatron_bridge_install_problem(vanilla_mbridge) is None:  # else _check_actor says so
+        from verl.models.mcore.bridge import megatron_bridge_family_problem
+
+        family = megatron_bridge_family_problem(hf_config)
+        if family is not None:
+            return [f"actor_rollout_ref.model.path={model_path}: {family}"]
     return _check_mbridge_config(model_path, config)
 
 
@@ -587,13 +594,13 @@ def _check_mbridge_config(model_path: str, config: Any) -> list[str]:
         return []
     entries = OmegaConf.to_container(node, resolve=True)
     if config.actor_rollout_ref.actor.megatron.vanilla_mbridge:
-        save_weights = bridge_class_for(read_model_config(model_path)["model_type"]).save_weights
+        save_weights, save_name = bridge_class_for(read_model_config(model_path)["model_type"]).save_weights, "mbridge's save_weights"
     else:
         from verl.models.mcore.megatron_bridge import MegatronBridgeWeights
 
-        save_weights = MegatronBridgeWeights.save_weights
+        save_weights, save_name = MegatronBridgeWeights.save_weights, "Megatron-Bridge's save_hf_weights"
     try:
-        save_weights_kwargs(save_weights, entries, key=f"{_CHECKPOINT}mbridge_config")
+        save_weights_kwargs(save_weights, entries, key=f"{_CHECKPOINT}mbridge_config", save_name=save_name)
     except ValueError as exc:
         return [str(exc)]
     return []
@@ -727,7 +734,7 @@ def schedule_length_warning(step_dir: str, optim: Any) -> str | None:
     )
 
 
-def model_identity(model_path: str, vanilla_mbridge: bool = True) -> tuple[Any, Any]:
+def model_identity(model_path: str, vanilla_mbridge: bool = False) -> tuple[Any, Any]:
     """(TransformerConfig, HF config) of ``model_path`` for the pre-start identity check of a resumed step, or
     (None, None) when it cannot be built here (the ranks then make the check after they start, as before).
 
@@ -750,7 +757,7 @@ _ROLLOUT = "actor_rollout_ref.rollout."
 _ENGINE_WHY = "an inference-engine setting (vLLM / SGLang / TensorRT-LLM); the hf rollout (transformers generate on each data-parallel group's output rank) has none"
 _NO_REF_WHY = "no reference model is built: actor.use_kl_loss is off"
 _REF_BUILD_WHY = "the reference is built like the actor, through the actor's bridge (actor.megatron.vanilla_mbridge) from the HF actor_rollout_ref.model.path (its weights, not a seed)"
-_TRANSFORMER_WHY = "a memory / speed setting of Megatron's TransformerConfig; not applied here (the model is built from its HF config through mbridge) and the model computes the same function without it"
+_TRANSFORMER_WHY = "a memory / speed setting of Megatron's TransformerConfig; not applied here (the model is built from its HF config through the bridge) and the model computes the same function without it"
 # override_transformer_config fields that change memory or speed only; any other field would change the model.
 PERF_ONLY_TRANSFORMER_FIELDS = (
     "recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers", "attention_backend",

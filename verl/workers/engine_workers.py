@@ -71,6 +71,7 @@ class ActorRolloutRefWorker(MegatronWorker):
     def init_model(self) -> dict:
         import torch
 
+        from verl.models.mcore.bridge import bridge_name
         from verl.utils.host_memory import freeze_long_lived_objects
         from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
         from verl.workers.actor.megatron_actor import MegatronPPOActor
@@ -85,7 +86,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             # upstream's megatron.dtype (ours defaults to float32); the rollout and the reference run in it too
             dtype=getattr(torch, megatron_param_dtype(actor["megatron"].get("dtype", "float32"))),
             use_dist_checkpointing=bool(actor["megatron"].get("use_dist_checkpointing", False)),
-            vanilla_mbridge=bool(actor["megatron"].get("vanilla_mbridge", True)),
+            vanilla_mbridge=bool(actor["megatron"]["vanilla_mbridge"]),  # no default: a run's bridge is the one its config names
             optim=configs.optim,
             checkpoint=configs.checkpoint,
         )
@@ -107,6 +108,8 @@ class ActorRolloutRefWorker(MegatronWorker):
             "seconds": time.monotonic() - start,
             "num_params": sum(p.numel() for chunk in self.actor.model for p in chunk.parameters()),
             "ref": self.ref is not None,
+            # the bridges the models were built through, as the run's metrics report them
+            "bridge": {"actor": bridge_name(self.actor.bridge), "ref": bridge_name(self.ref.bridge) if self.ref is not None else None},
             "dtype": str(self.actor.settings.dtype).removeprefix("torch."),
             "frozen_objects": gc.get_freeze_count(),
         }

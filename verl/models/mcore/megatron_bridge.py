@@ -60,6 +60,7 @@ def megatron_bridge_provider(
     if not transformer_engine_available():
         for field, value in _FUSIONS_OFF_WITHOUT_TE.items():
             setattr(provider, field, value)
+        provider.use_cpu_initialization = True  # as mbridge's local-spec build initialises
         provider.transformer_layer_spec = _local_block_spec
     provider.finalize()
     return bridge, provider
@@ -67,6 +68,12 @@ def megatron_bridge_provider(
 
 def _local_block_spec(config: Any, vp_stage: int | None = None) -> Any:
     return get_local_decoder_block_spec(config, vp_stage=vp_stage)
+
+
+def _to_current_device(chunks: list) -> list:
+    """Each chunk moved to the current device before the DDP wrap (whose buffers are allocated there), as
+    mbridge's ``get_model`` moves them."""
+    return [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
 
 
 class MegatronBridgeWeights:
@@ -124,17 +131,23 @@ class MegatronBridgeModel(MegatronBridgeWeights):
         ddp_config: dict | None = None,
         data_parallel_random_init: bool = False,
     ) -> list:
-        """The model chunks, randomly initialised (``load_weights`` fills them), DDP-wrapped with ``ddp_config``'s
-        fields (``DistributedDataParallelConfig``) when ``wrap_with_ddp``."""
+        """The model chunks on the current device, randomly initialised (``load_weights`` fills them), DDP-wrapped
+        with ``ddp_config``'s fields (``DistributedDataParallelConfig``) when ``wrap_with_ddp``.
+
+        ``use_cpu_initialization`` has mbridge's meaning: accepted and unused, the provider's own field says where
+        parameters are initialised, and the chunks always end on the device. Megatron-Bridge's own meaning (write
+        the field, then leave the model on the CPU when it is True) would keep a GPU host's model on its CPU."""
         from megatron.core.distributed import DistributedDataParallelConfig
 
+        hooks = [hook for hook in (self.config.pre_wrap_hook, _to_current_device) if hook is not None]
         return self.config.provide_distributed_model(
             ddp_config=DistributedDataParallelConfig(**ddp_config) if wrap_with_ddp else None,
             wrap_with_ddp=wrap_with_ddp,
             bf16=bf16,
             fp16=fp16,
-            use_cpu_initialization=use_cpu_initialization,
+            use_cpu_initialization=self.config.use_cpu_initialization,
             data_parallel_random_init=data_parallel_random_init,
+            pre_wrap_hook=hooks,
         )
 
     def load_weights(self, models: list, weights_path: str) -> None:

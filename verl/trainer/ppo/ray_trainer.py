@@ -116,6 +116,7 @@ class MegatronGRPOTrainer:
         self.metrics_path = os.path.join(self.default_local_dir, METRICS_FILENAME)
         self.tracking: Tracking | None = None  # file / tensorboard / wandb, opened by fit()
         self.actor_dtype = "float32"  # what the ranks report once built
+        self.bridges: dict | None = None  # {"actor": ..., "ref": ...}: the bridges the ranks built through
         self.parity_checked = False  # the log-prob parity gate runs on the first batch of this process
         self.saved: list[dict] = []
         self._pending: dict | None = None  # an async save not yet committed
@@ -165,6 +166,7 @@ class MegatronGRPOTrainer:
         start = time.monotonic()
         built = wg.init_model()
         self.actor_dtype = built[0]["dtype"]
+        self.bridges = built[0]["bridge"]
         self._print(f"[trainer] model built on every rank in {time.monotonic() - start:.1f}s ({built[0]['num_params']:,} parameters on rank 0)")
         if built[0]["ref"]:
             offload = self.config.actor_rollout_ref.ref.megatron.param_offload
@@ -215,6 +217,7 @@ class MegatronGRPOTrainer:
                 self.global_steps = step
                 step_start = time.monotonic()
                 metrics = self._train_step(step)
+                metrics["bridge"] = self.bridges  # which bridge built each model (a record, as "checkpoint")
                 if self.resume_metrics:
                     metrics["resume"], self.resume_metrics = self.resume_metrics, {}
                 committed = self._finalize_pending(bar, blocking=False)

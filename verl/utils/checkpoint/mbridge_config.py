@@ -14,10 +14,13 @@ from typing import Any
 _SAVE_OWN_ARGUMENTS = ("self", "models", "weights_path", "comm")
 
 
-def save_weights_kwargs(save_weights: Callable, mbridge_config: Mapping, key: str = "checkpoint.mbridge_config") -> dict[str, Any]:
+def save_weights_kwargs(
+    save_weights: Callable, mbridge_config: Mapping, key: str = "checkpoint.mbridge_config", save_name: str = "mbridge's save_weights"
+) -> dict[str, Any]:
     """The keyword arguments ``checkpoint.mbridge_config`` gives ``save_weights`` (upstream passes the entries the
     bridge's save takes by name). An entry it does not take is refused (upstream drops it silently, so a misspelt
-    or another bridge's option would vanish): ValueError naming ``key.<entry>`` and what the save takes."""
+    or another bridge's option would vanish): ValueError naming ``key.<entry>``, the save (``save_name``, as
+    the user knows it) and what it takes."""
     parameters = inspect.signature(save_weights).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return dict(mbridge_config)
@@ -25,7 +28,7 @@ def save_weights_kwargs(save_weights: Callable, mbridge_config: Mapping, key: st
     unknown = [name for name in mbridge_config if name not in takes]
     if unknown:
         raise ValueError(
-            f"{key}.{unknown[0]}: the bridge's HF save (mbridge's save_weights) takes no such argument"
+            f"{key}.{unknown[0]}: the bridge's HF save ({save_name}) takes no such argument"
             + (f" (it takes: {', '.join(takes)})" if takes else " (it takes none)") + f"; remove {key}.{unknown[0]}"
         )
     return dict(mbridge_config)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import importlib.metadata
 import importlib.util
 import sys
 import types
@@ -22,16 +23,29 @@ from typing import Any
 VANILLA_MBRIDGE_KEY = "actor_rollout_ref.actor.megatron.vanilla_mbridge"
 
 
-def megatron_bridge_missing_problem(vanilla_mbridge: bool) -> str | None:
-    """The one-line refusal of ``vanilla_mbridge=False`` on a host without Megatron-Bridge, or None: never a silent
-    switch to mbridge (a run's bridge is the one its config names)."""
-    if vanilla_mbridge or _importable("megatron.bridge"):
+TESTED_MEGATRON_BRIDGE = "0.6"  # the release line the Megatron-Bridge path is proven with (tests/py312)
+
+
+def megatron_bridge_install_problem(vanilla_mbridge: bool) -> str | None:
+    """The one-line refusal of ``vanilla_mbridge=False`` on a host without Megatron-Bridge, or with a release other
+    than the tested one, or None: never a silent switch to mbridge (a run's bridge is the one its config names)."""
+    if vanilla_mbridge:
         return None
-    return (
-        f"{VANILLA_MBRIDGE_KEY}=False (upstream verl's default) builds the model through NVIDIA's Megatron-Bridge, "
-        f"which is not installed here (no module megatron.bridge; it needs Python >= 3.12 and megatron-core >= 0.17): "
-        f"set {VANILLA_MBRIDGE_KEY}=True to build through mbridge, or install megatron-bridge (docs/models.md)"
-    )
+    fix = f"set {VANILLA_MBRIDGE_KEY}=True to build through mbridge, or install megatron-bridge {TESTED_MEGATRON_BRIDGE}.x (docs/models.md)"
+    upstream = f"{VANILLA_MBRIDGE_KEY}=False (upstream verl's default) builds the model through NVIDIA's Megatron-Bridge"
+    if not _importable("megatron.bridge"):
+        return (
+            f"{upstream}, which is not installed here (no module megatron.bridge; its tested release, "
+            f"{TESTED_MEGATRON_BRIDGE}.x, needs Python 3.12): {fix}"
+        )
+    try:
+        version = importlib.metadata.version("megatron-bridge")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if version is not None and version.split(".")[:2] == TESTED_MEGATRON_BRIDGE.split("."):
+        return None
+    found = f"megatron-bridge {version}" if version else "a megatron.bridge of unknown version (no package metadata)"
+    return f"{upstream}, and {found} is installed here, not the tested {TESTED_MEGATRON_BRIDGE}.x: {fix}"
 
 
 _LORA_LAYERS = "megatron.bridge.peft.lora_layers"

@@ -54,7 +54,7 @@ class ActorSettings:
     async_save: bool = False
     async_mode: str = "background_write"
     use_dist_checkpointing: bool = False
-    vanilla_mbridge: bool = True  # upstream's key: True builds through mbridge, False through Megatron-Bridge
+    vanilla_mbridge: bool = False  # upstream's key and default: False builds through Megatron-Bridge, True through mbridge
     optim: Any = None
     checkpoint: Any = None
     refuse_unsupported: bool = True  # False: build a config verl.models.support refuses (to show what it prevents)
@@ -290,7 +290,7 @@ class MegatronReference:
     (upstream checkpoints no reference). A resumed run rebuilds it from ``model_path``, so it is always the
     initial model. As upstream's, it is not DDP-wrapped: it only runs forward, and holds no grad buffers."""
 
-    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, vanilla_mbridge: bool = True) -> None:
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, vanilla_mbridge: bool = False) -> None:
         self.hf_config = load_hf_config(model_path)
         self.bridge = make_model_bridge(model_path, self.hf_config, dtype, vanilla_mbridge)
         self.model = build_megatron_model(self.bridge, wrap_with_ddp=False)
