@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import os
 import shutil
 import sys
@@ -29,22 +30,32 @@ _RECORDING: list[tuple[str, collections.Counter]] = []  # (directory, its files'
 _HOOKED: list[bool] = []
 
 
+_UNREADABLE: list[str] = []  # files whose open fails in this process (a disk error on one rank)
+
+
 def _on_audit_event(event: str, args: tuple) -> None:
-    if event != "open" or not _RECORDING or not isinstance(args[0], (str, bytes, os.PathLike)):
+    if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
         return
     path = os.path.abspath(os.fsdecode(args[0]))
+    if path in _UNREADABLE:
+        raise OSError(errno.EIO, os.strerror(errno.EIO), path)
     for directory, opens in _RECORDING:
         if path.startswith(directory + os.sep):
             opens[os.path.relpath(path, directory)] += 1
+
+
+def _hook_opens() -> None:
+    """The audit hook that counts and fails opens: added once per process (it cannot be removed)."""
+    if not _HOOKED:
+        sys.addaudithook(_on_audit_event)
+        _HOOKED.append(True)
 
 
 @contextlib.contextmanager
 def counting_opens(directory: str) -> Iterator[collections.Counter]:
     """How many times each file under ``directory`` is opened in this process inside the block (relative path
     -> count). An audit hook cannot be removed: it is added once per process and records only in here."""
-    if not _HOOKED:
-        sys.addaudithook(_on_audit_event)
-        _HOOKED.append(True)
+    _hook_opens()
     opens: collections.Counter = collections.Counter()
     _RECORDING.append((os.path.abspath(directory), opens))
     try:
@@ -295,3 +306,45 @@ def test_a_step_that_does_not_fit_is_refused_in_one_wording_by_the_driver_and_th
     assert line.startswith(f"{step} optimizer state was saved with use_distributed_optimizer=False, this run uses True; set "), line
     for message in run_on_ranks(_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step, None, True)):
         assert "nothing was loaded" in message and line in message and message.endswith("untouched=True"), message
+
+
+def _load_with_shards_unreadable_on_rank_1(src: str, step: str, checked, unreadable: list[str]) -> str:
+    if torch.distributed.get_rank() == 1:
+        _hook_opens()
+        _UNREADABLE.extend(os.path.join(step, relative) for relative in unreadable)
+    return _load_refused(src, step, checked)
+
+
+def test_a_read_error_on_one_rank_fails_every_rank_together_with_nothing_applied(tiny_moe_path, saved_root, tmp_path):
+    """The optimizer's shards cannot be read on rank 1 alone (an I/O error, not a refusal of ours): every rank fails
+    in one line naming the error, none waits for another, and the model's weights are as before."""
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    shards = [os.path.join("optimizer", "dist_ckpt", name) for name in _files(os.path.join(step, "optimizer", "dist_ckpt"), ".distcp")]
+    checked = _driver_check(root).checked
+    for message in run_on_ranks(_load_with_shards_unreadable_on_rank_1, WORLD, LAYOUT, args=(tiny_moe_path, step, checked, shards), timeout_s=240):
+        assert message.startswith(f"CheckpointError: cannot load {step}; nothing was loaded. "), message
+        assert "OSError: [Errno 5]" in message and ".distcp" in message and "\n" not in message and message.endswith("untouched=True"), message
+
+
+def _manager_load_refused(src: str, step: str) -> str:
+    """The manager's own load, without the checks before it (a caller that skips them)."""
+    actor = _actor(src)
+    before = actor.parameters_snapshot()
+    try:
+        actor.checkpoint_manager.load_checkpoint(step)
+    except Exception as exc:  # noqa: BLE001 - the refusal's type and text are what is checked
+        after = actor.parameters_snapshot()
+        return f"{type(exc).__name__}: {exc} | untouched={all(torch.equal(before[k], after[k]) for k in before)}"
+    return "loaded"
+
+
+def test_a_step_of_ours_whose_manifest_is_gone_is_not_loaded_unchecksummed(tiny_moe_path, saved_root, tmp_path):
+    """The manifest deleted after the step was checked: the load does not take it for an upstream step (nothing
+    to compare with) but refuses it on every rank, naming the missing file, with nothing applied."""
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    os.remove(os.path.join(step, "manifest.json"))
+    for message in run_on_ranks(_manager_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step)):
+        assert message.startswith(f"CheckpointError: cannot load {step}; nothing was loaded. "), message
+        assert f"{os.path.join(step, 'manifest.json')} is missing" in message and message.endswith("untouched=True"), message

@@ -17,11 +17,18 @@ from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint.api import CheckpointException
 
 from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import not_implemented_unless_default
 from verl.utils.checkpoint.errors import CheckpointError
-from verl.utils.checkpoint.integrity import checksums_in, manifest_checksums, read_saved_layout, verify_bulk_checksums
+from verl.utils.checkpoint.integrity import (
+    checksums_in,
+    manifest_checksums,
+    read_saved_layout,
+    verify_bulk_checksums,
+    verify_manifest,
+)
 from verl.utils.checkpoint.megatron_optimizer_state import (
     initialize_distributed_optimizer_state,
     optimizer_state_from_loaded,
@@ -29,7 +36,7 @@ from verl.utils.checkpoint.megatron_optimizer_state import (
 )
 from verl.utils.checkpoint.megatron_state_dicts import RANK_RNG_STATE_KEY, current_parallel_layout
 from verl.utils.megatron_utils import get_legacy_dist_checkpoint_path, get_legacy_hf_model_checkpoint_path
-from verl.utils.rank_comm import PeerFailure, RankComm, describe
+from verl.utils.rank_comm import RankComm, describe
 
 
 def _seams():
@@ -61,23 +68,29 @@ class MegatronLoads:
             raise FileNotFoundError(f"checkpoint {local_path} does not exist (or is not a directory)")
         self._raise_for_old_layout(local_path)
         start = time.monotonic()
-        applies, error = self._read_parts(local_path)
         try:
+            applies, error = self._read_parts(local_path)
             RankComm().agree(error, f"read {local_path}")
-        except (CheckpointError, PeerFailure) as exc:
+        except (Exception, CheckpointException) as exc:
             raise CheckpointError(f"cannot load {local_path}; nothing was loaded. {describe(exc)}") from exc
         for apply in applies:
             apply()
         torch.distributed.barrier()
         self._log(f"loaded {local_path} ({', '.join(self.checkpoint_load_contents)}) in {time.monotonic() - start:.1f}s")
 
-    def _read_parts(self, local_path: str) -> tuple[list[Callable[[], None]], CheckpointError | None]:
+    def _read_parts(self, local_path: str) -> tuple[list[Callable[[], None]], BaseException | None]:
         """Every part ``load_contents`` names, read (every rank takes every read: they are collectives) and
-        checksummed, nothing applied: what applies each, and the first refusal of a read on this rank."""
-        metadata = self._load_content_metadata(local_path)
-        checksums = manifest_checksums(local_path)
+        checksummed, nothing applied: what applies each, and the first error of a read on this rank (any error,
+        torch's ``CheckpointException`` too, so that the agreement carries it rather than a peer waiting)."""
+        error: BaseException | None = None
+        try:
+            metadata = self._load_content_metadata(local_path)
+            checksums = _step_checksums(local_path)
+        except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
+            error = exc
+        # every rank agrees here, the same once per load, before the reads (collectives) that need both
+        RankComm().agree(error, f"read {local_path}")
         applies: list[Callable[[], None]] = []
-        error: CheckpointError | None = None
         reads = []
         if self.should_load_dist_ckpt_model:
             reads.append(lambda: self._read_model_from_dist_checkpoint(local_path, metadata, checksums))
@@ -90,9 +103,10 @@ class MegatronLoads:
         for read in reads:
             try:
                 applies.append(read())
-            except CheckpointError as exc:
+            except (Exception, CheckpointException) as exc:
                 error = error or exc
         return applies, error
+
     @staticmethod
     def _has_checkpoint_files(path: str) -> bool:
         return os.path.isdir(path) and any(os.scandir(path))
@@ -226,6 +240,15 @@ class MegatronLoads:
         if "rng_state" not in loaded:
             raise CheckpointError(f"{path} holds no rng_state")
         return lambda: self.load_rng_states([loaded[RANK_RNG_STATE_KEY]] if per_rank else loaded["rng_state"])
+
+
+def _step_checksums(local_path: str) -> dict[str, str] | None:
+    """The manifest's checksums of the step; None only for a step saved by upstream verl. A step of ours whose
+    manifest is gone (since its check) is refused in one line, never loaded unchecksummed."""
+    checksums = manifest_checksums(local_path)
+    if checksums is None:
+        verify_manifest(local_path, required=False, checksums=False)  # False for upstream's step, else the refusal
+    return checksums
 
 
 def _checked(checksums: dict | None, local_path: str, directory: str) -> dict:
