@@ -58,7 +58,9 @@ class MegatronLoads:
         part is read first, into buffers of its own, each file checksummed against the step's manifest from the
         very bytes read (``verl.utils.megatron.dist_checkpointing``); all ranks then agree that every read was
         whole (``RankComm.agree``), and only then is any of it applied to the model, optimizer, schedule and RNG.
-        A damaged file fails every rank together, naming it, with nothing applied. Integrity checks of the step
+        A damaged file, or any error of a read on one rank, fails every rank together, naming it, with nothing
+        applied; the model's keys are compared with the loaded state's before the agreement too. An error while
+        applying fails every rank together as well, saying the state is partly applied (restart). Integrity checks of the step
         itself (manifest, data-only metadata, HF completeness, model identity) belong before this call:
         ``verl.utils.checkpoint.resume_check.check_before_load``.
         """
@@ -73,9 +75,19 @@ class MegatronLoads:
             RankComm().agree(error, f"read {local_path}")
         except (Exception, CheckpointException) as exc:
             raise CheckpointError(f"cannot load {local_path}; nothing was loaded. {describe(exc)}") from exc
-        for apply in applies:
-            apply()
-        torch.distributed.barrier()
+        apply_error: BaseException | None = None
+        try:
+            for apply in applies:
+                apply()
+        except (Exception, CheckpointException) as exc:
+            apply_error = exc
+        try:
+            RankComm().agree(apply_error, f"apply {local_path}")
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(
+                f"cannot load {local_path}: it was read whole, but applying it failed part way, so this run's model, "
+                f"optimizer, schedule and RNG are partly from the step; restart the run. {describe(exc)}"
+            ) from exc
         self._log(f"loaded {local_path} ({', '.join(self.checkpoint_load_contents)}) in {time.monotonic() - start:.1f}s")
 
     def _read_parts(self, local_path: str) -> tuple[list[Callable[[], None]], BaseException | None]:
@@ -146,6 +158,8 @@ class MegatronLoads:
             key = "model" if len(self.model) == 1 else f"model{index}"
             if key not in loaded:
                 raise CheckpointError(f"{path} holds no '{key}' state (saved with use_dist_checkpointing=False?)")
+            expected = unwrap_model(self.model[index]).state_dict().keys()
+            _raise_unless_fits(path, [k for k in expected if k not in loaded[key]], [k for k in loaded[key] if k not in expected], checkpointed[key])
 
         def apply() -> None:
             for index, chunk in enumerate(self.model):
@@ -278,8 +292,14 @@ def _load_chunk_strictly(chunk: torch.nn.Module, state: dict, checkpointed: set[
     leaves out (megatron-core's TE attention does, for its FP8 metadata) is not in the checkpoint by design,
     so its absence is no damage. Any other missing or unexpected key fails the load, named."""
     result = unwrap_model(chunk).load_state_dict(state, strict=False)  # megatron's DDP returns no result
-    missing = [k for k in result.missing_keys if not (k.endswith("._extra_state") and k not in checkpointed)]
-    unexpected = list(result.unexpected_keys)
+    _raise_unless_fits(path, result.missing_keys, result.unexpected_keys, checkpointed)
+
+
+def _raise_unless_fits(path: str, missing: list[str], unexpected: list[str], checkpointed: set[str]) -> None:
+    """The model's keys ``missing`` from the loaded state and the state's ``unexpected`` ones fail the load, named,
+    but an ``_extra_state`` the model does not checkpoint (``checkpointed``: the keys of its sharded state dict)."""
+    missing = [k for k in missing if not (k.endswith("._extra_state") and k not in checkpointed)]
+    unexpected = list(unexpected)
     if missing or unexpected:
         raise CheckpointError(
             f"{path} does not fit this model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
