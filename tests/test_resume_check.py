@@ -14,12 +14,13 @@ import errno
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from tests.checkpoint_builders import craft_metadata
+from tests.test_checkpoint_lifecycle import _differing, _params_and_optimizer
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
@@ -119,15 +120,39 @@ def _load_counting(src: str, step: str, checked, checks: bool = True) -> dict[st
     return dict(opens)
 
 
+def _state(actor) -> dict:
+    """This rank's parameters, optimizer state, RNG states and LR schedule: what a refused load leaves as it was.
+    A distributed optimizer's state is left out: megatron's ``DistributedOptimizer.state_dict()`` fails before its
+    first step (no Adam step to report)."""
+    if actor.settings.use_distributed_optimizer:
+        return {**actor.parameters_snapshot(), "lr_scheduler": actor.scheduler.state_dict()}
+    return {**_params_and_optimizer(actor), "lr_scheduler": actor.scheduler.state_dict()}
+
+
+def _changed(before: dict, after: dict) -> list[str]:
+    """The entries of ``_state`` that differ, but Adam's state entries that a fresh optimizer gains at zero (the
+    read builds the optimizer's sharded state dict, which initializes an empty Adam state; zeros are its start)."""
+    return [k for k in _differing(before, after) if not (k not in before and k.startswith("optimizer.") and _is_zero(after.get(k)))]
+
+
+def _is_zero(value) -> bool:
+    return isinstance(value, torch.Tensor) and not value.any() or (isinstance(value, (int, float)) and value == 0)
+
+
+def _refusal(actor, load: Callable[[], None]) -> str:
+    """``load``'s refusal (its type and text) and whether the actor's whole state stayed as before; or "loaded"."""
+    before = _state(actor)
+    try:
+        load()
+    except Exception as exc:  # noqa: BLE001 - the refusal's type and text are what is checked
+        changed = _changed(before, _state(actor))
+        return f"{type(exc).__name__}: {exc} | untouched={not changed}" + (f" {changed[:5]}" if changed else "")
+    return "loaded"
+
+
 def _load_refused(src: str, step: str, checked, use_distributed_optimizer: bool = False) -> str:
     actor = _actor(src, use_distributed_optimizer)
-    before = actor.parameters_snapshot()
-    try:
-        actor.load_checkpoint(step, checked=checked)
-    except Exception as exc:  # noqa: BLE001 - the refusal's type and text are what is checked
-        after = actor.parameters_snapshot()
-        return f"{type(exc).__name__}: {exc} | untouched={all(torch.equal(before[k], after[k]) for k in before)}"
-    return "loaded"
+    return _refusal(actor, lambda: actor.load_checkpoint(step, checked=checked))
 
 
 def _files(step: str, suffix: str = "") -> list[str]:
@@ -205,19 +230,9 @@ def test_a_load_without_the_record_checks_everything_once_itself(tiny_moe_path, 
 
 
 def _each_load_refused(src: str, steps: list[str], records: list) -> list[str]:
-    """On each rank: one actor, each step loaded with its record; each refusal and whether the weights stayed."""
+    """On each rank: one actor, each step loaded with its record; each refusal and whether the actor's state stayed."""
     actor = _actor(src)
-    refusals = []
-    for step, checked in zip(steps, records, strict=True):
-        before = actor.parameters_snapshot()
-        try:
-            actor.load_checkpoint(step, checked=checked)
-        except Exception as exc:  # noqa: BLE001 - the refusal's type and text are what is checked
-            after = actor.parameters_snapshot()
-            refusals.append(f"{type(exc).__name__}: {exc} | untouched={all(torch.equal(before[k], after[k]) for k in before)}")
-        else:
-            refusals.append("loaded")
-    return refusals
+    return [_refusal(actor, lambda step=step, checked=checked: actor.load_checkpoint(step, checked=checked)) for step, checked in zip(steps, records, strict=True)]
 
 
 def _append_a_space(path: str) -> str:
@@ -229,7 +244,7 @@ def _append_a_space(path: str) -> str:
 def test_a_file_changed_after_the_drivers_check_is_refused_on_every_rank_before_anything_is_applied(tiny_moe_path, saved_root, tmp_path):
     """The driver checked the step; then a byte of one shard or weights file flips (the manifest unchanged, so the
     record still fits), or the small transformer_config.json changes: every rank refuses the load in one line
-    naming the file, and the model's weights are as before, whichever part held the byte (model, optimizer, RNG)."""
+    naming the file, and the weights, optimizer state, RNG and LR schedule are as before, whichever part held the byte (model, optimizer, RNG)."""
     steps, records, expected = [], [], []
     for case, part in enumerate(["model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt", "transformer_config.json"]):
         root = _copy_run(saved_root, tmp_path / str(case))
@@ -317,7 +332,7 @@ def _load_with_shards_unreadable_on_rank_1(src: str, step: str, checked, unreada
 
 def test_a_read_error_on_one_rank_fails_every_rank_together_with_nothing_applied(tiny_moe_path, saved_root, tmp_path):
     """The optimizer's shards cannot be read on rank 1 alone (an I/O error, not a refusal of ours): every rank fails
-    in one line naming the error, none waits for another, and the model's weights are as before."""
+    in one line naming the error, none waits for another, and the weights, optimizer state, RNG and LR schedule are as before."""
     root = _copy_run(saved_root, tmp_path)
     step = os.path.join(root, "global_step_1", "actor")
     shards = [os.path.join("optimizer", "dist_ckpt", name) for name in _files(os.path.join(step, "optimizer", "dist_ckpt"), ".distcp")]
@@ -330,13 +345,7 @@ def test_a_read_error_on_one_rank_fails_every_rank_together_with_nothing_applied
 def _manager_load_refused(src: str, step: str) -> str:
     """The manager's own load, without the checks before it (a caller that skips them)."""
     actor = _actor(src)
-    before = actor.parameters_snapshot()
-    try:
-        actor.checkpoint_manager.load_checkpoint(step)
-    except Exception as exc:  # noqa: BLE001 - the refusal's type and text are what is checked
-        after = actor.parameters_snapshot()
-        return f"{type(exc).__name__}: {exc} | untouched={all(torch.equal(before[k], after[k]) for k in before)}"
-    return "loaded"
+    return _refusal(actor, lambda: actor.checkpoint_manager.load_checkpoint(step))
 
 
 def test_a_step_of_ours_whose_manifest_is_gone_is_not_loaded_unchecksummed(tiny_moe_path, saved_root, tmp_path):
