@@ -1005,7 +1005,7 @@ def _resume_config(root: str):
 def test_the_data_position_is_checked_before_any_rank_starts(base_root, tmp_path, damage):
     """``global_step_N/data.pt`` lies outside the actor's manifest: the pre-start check reads it whole, or a
     truncated one would fail only after every rank had loaded the step."""
-    from verl.trainer.validation import ConfigError, find_resume_step
+    from verl.trainer.validation import ConfigError, check_resume_step
 
     root = _copy_run(base_root, tmp_path)
     data = os.path.join(root, "global_step_1", "data.pt")
@@ -1016,10 +1016,11 @@ def test_the_data_position_is_checked_before_any_rank_starts(base_root, tmp_path
         open(data, "wb").write(b"\0" * 100)
     config = _resume_config(root)
     if damage == "none":
-        assert find_resume_step(config) == (1, os.path.join(root, "global_step_1"))
+        found = check_resume_step(config)
+        assert (found.step, found.step_dir) == (1, os.path.join(root, "global_step_1"))
         return
     with pytest.raises(ConfigError, match=re.escape(f"{data} is damaged")):
-        find_resume_step(config)
+        check_resume_step(config)
 
 
 def test_a_data_position_of_other_data_is_refused_before_ray(tiny_moe_path, base_root, tmp_path):
@@ -1111,7 +1112,7 @@ def test_a_step_of_ours_stripped_of_every_mark_is_not_taken_for_upstreams(base_r
     upstream verl's (verify OK, resume accepted), a flipped shard and all. Its contents file still says whose
     it is: verify and the pre-start check refuse it in one line naming the missing files and the fix."""
     from verl.model_merger.__main__ import main as merger
-    from verl.trainer.validation import ConfigError, find_resume_step
+    from verl.trainer.validation import ConfigError, check_resume_step
 
     root = _copy_run(base_root, tmp_path)
     step = _step_path(root, 1)
@@ -1125,7 +1126,7 @@ def test_a_step_of_ours_stripped_of_every_mark_is_not_taken_for_upstreams(base_r
     err = capsys.readouterr().err.strip()
     assert refusal.fullmatch(err.removeprefix("DAMAGED: ")), err
     with pytest.raises(ConfigError) as refused:
-        find_resume_step(_resume_config(root))
+        check_resume_step(_resume_config(root))
     assert len(refused.value.problems) == 1 and refusal.search(refused.value.problems[0]), refused.value.problems
     assert os.path.isdir(os.path.join(step, "optimizer"))  # nothing deleted
 
@@ -1217,7 +1218,7 @@ def test_a_crafted_pickled_step_file_is_refused_in_one_line_before_ray(base_root
     nothing, but it used to pass ``verify`` and the pre-start check and fail only once every rank had started,
     in torch's traceback. Both now refuse it in one line naming the file and the global it names."""
     from verl.model_merger.__main__ import main as merger
-    from verl.trainer.validation import ConfigError, data_position_problems, find_resume_step
+    from verl.trainer.validation import ConfigError, check_resume_step, data_position_problems
 
     root = _copy_run(base_root, tmp_path)
     marker = str(tmp_path / "ran")
@@ -1231,8 +1232,8 @@ def test_a_crafted_pickled_step_file_is_refused_in_one_line_before_ray(base_root
     assert err.startswith("DAMAGED: ") and names_the_file_and_the_global(err) and "\n" not in err and "safe_globals" not in err, err
     config = _resume_config(root)
     try:  # the driver's pre-start checks, in main_ppo's order
-        step = find_resume_step(config)
-        problems = data_position_problems(step[1], config.data, 1000)
+        step = check_resume_step(config)
+        problems = data_position_problems(step.step_dir, config.data, 1000)
     except ConfigError as exc:
         problems = exc.problems
     assert len(problems) == 1 and names_the_file_and_the_global(problems[0]), problems

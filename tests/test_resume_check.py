@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from tests.checkpoint_builders import craft_metadata
 from tests.main_leg import main_leg_settings
+from tests.test_checkpoint_lifecycle import _differing, _params_and_optimizer
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
@@ -30,22 +32,32 @@ _RECORDING: list[tuple[str, collections.Counter]] = []  # (directory, its files'
 _HOOKED: list[bool] = []
 
 
+_UNREADABLE: list[str] = []  # files whose open fails in this process (a disk error on one rank)
+
+
 def _on_audit_event(event: str, args: tuple) -> None:
-    if event != "open" or not _RECORDING or not isinstance(args[0], (str, bytes, os.PathLike)):
+    if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
         return
     path = os.path.abspath(os.fsdecode(args[0]))
+    if path in _UNREADABLE:
+        raise OSError(errno.EIO, os.strerror(errno.EIO), path)
     for directory, opens in _RECORDING:
         if path.startswith(directory + os.sep):
             opens[os.path.relpath(path, directory)] += 1
+
+
+def _hook_opens() -> None:
+    """The audit hook that counts and fails opens: added once per process (it cannot be removed)."""
+    if not _HOOKED:
+        sys.addaudithook(_on_audit_event)
+        _HOOKED.append(True)
 
 
 @contextlib.contextmanager
 def counting_opens(directory: str) -> Iterator[collections.Counter]:
     """How many times each file under ``directory`` is opened in this process inside the block (relative path
     -> count). An audit hook cannot be removed: it is added once per process and records only in here."""
-    if not _HOOKED:
-        sys.addaudithook(_on_audit_event)
-        _HOOKED.append(True)
+    _hook_opens()
     opens: collections.Counter = collections.Counter()
     _RECORDING.append((os.path.abspath(directory), opens))
     try:
@@ -109,15 +121,39 @@ def _load_counting(src: str, step: str, checked, checks: bool = True) -> dict[st
     return dict(opens)
 
 
+def _state(actor) -> dict:
+    """This rank's parameters, optimizer state, RNG states and LR schedule: what a refused load leaves as it was.
+    A distributed optimizer's state is left out: megatron's ``DistributedOptimizer.state_dict()`` fails before its
+    first step (no Adam step to report)."""
+    if actor.settings.use_distributed_optimizer:
+        return {**actor.parameters_snapshot(), "lr_scheduler": actor.scheduler.state_dict()}
+    return {**_params_and_optimizer(actor), "lr_scheduler": actor.scheduler.state_dict()}
+
+
+def _changed(before: dict, after: dict) -> list[str]:
+    """The entries of ``_state`` that differ, but Adam's state entries that a fresh optimizer gains at zero (the
+    read builds the optimizer's sharded state dict, which initializes an empty Adam state; zeros are its start)."""
+    return [k for k in _differing(before, after) if not (k not in before and k.startswith("optimizer.") and _is_zero(after.get(k)))]
+
+
+def _is_zero(value) -> bool:
+    return isinstance(value, torch.Tensor) and not value.any() or (isinstance(value, (int, float)) and value == 0)
+
+
+def _refusal(actor, load: Callable[[], None]) -> str:
+    """``load``'s refusal (its type and text) and whether the actor's whole state stayed as before; or "loaded"."""
+    before = _state(actor)
+    try:
+        load()
+    except Exception as exc:  # noqa: BLE001 - the refusal's type and text are what is checked
+        changed = _changed(before, _state(actor))
+        return f"{type(exc).__name__}: {exc} | untouched={not changed}" + (f" {changed[:5]}" if changed else "")
+    return "loaded"
+
+
 def _load_refused(src: str, step: str, checked, use_distributed_optimizer: bool = False) -> str:
     actor = _actor(src, use_distributed_optimizer)
-    before = actor.parameters_snapshot()
-    try:
-        actor.load_checkpoint(step, checked=checked)
-    except Exception as exc:  # noqa: BLE001 - the refusal's type and text are what is checked
-        after = actor.parameters_snapshot()
-        return f"{type(exc).__name__}: {exc} | untouched={all(torch.equal(before[k], after[k]) for k in before)}"
-    return "loaded"
+    return _refusal(actor, lambda: actor.load_checkpoint(step, checked=checked))
 
 
 def _files(step: str, suffix: str = "") -> list[str]:
@@ -195,19 +231,9 @@ def test_a_load_without_the_record_checks_everything_once_itself(tiny_moe_path, 
 
 
 def _each_load_refused(src: str, steps: list[str], records: list) -> list[str]:
-    """On each rank: one actor, each step loaded with its record; each refusal and whether the weights stayed."""
+    """On each rank: one actor, each step loaded with its record; each refusal and whether the actor's state stayed."""
     actor = _actor(src)
-    refusals = []
-    for step, checked in zip(steps, records, strict=True):
-        before = actor.parameters_snapshot()
-        try:
-            actor.load_checkpoint(step, checked=checked)
-        except Exception as exc:  # noqa: BLE001 - the refusal's type and text are what is checked
-            after = actor.parameters_snapshot()
-            refusals.append(f"{type(exc).__name__}: {exc} | untouched={all(torch.equal(before[k], after[k]) for k in before)}")
-        else:
-            refusals.append("loaded")
-    return refusals
+    return [_refusal(actor, lambda step=step, checked=checked: actor.load_checkpoint(step, checked=checked)) for step, checked in zip(steps, records, strict=True)]
 
 
 def _append_a_space(path: str) -> str:
@@ -219,7 +245,7 @@ def _append_a_space(path: str) -> str:
 def test_a_file_changed_after_the_drivers_check_is_refused_on_every_rank_before_anything_is_applied(tiny_moe_path, saved_root, tmp_path):
     """The driver checked the step; then a byte of one shard or weights file flips (the manifest unchanged, so the
     record still fits), or the small transformer_config.json changes: every rank refuses the load in one line
-    naming the file, and the model's weights are as before, whichever part held the byte (model, optimizer, RNG)."""
+    naming the file, and the weights, optimizer state, RNG and LR schedule are as before, whichever part held the byte (model, optimizer, RNG)."""
     steps, records, expected = [], [], []
     for case, part in enumerate(["model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt", "transformer_config.json"]):
         root = _copy_run(saved_root, tmp_path / str(case))
@@ -296,3 +322,39 @@ def test_a_step_that_does_not_fit_is_refused_in_one_wording_by_the_driver_and_th
     assert line.startswith(f"{step} optimizer state was saved with use_distributed_optimizer=False, this run uses True; set "), line
     for message in run_on_ranks(_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step, None, True)):
         assert "nothing was loaded" in message and line in message and message.endswith("untouched=True"), message
+
+
+def _load_with_shards_unreadable_on_rank_1(src: str, step: str, checked, unreadable: list[str]) -> str:
+    if torch.distributed.get_rank() == 1:
+        _hook_opens()
+        _UNREADABLE.extend(os.path.join(step, relative) for relative in unreadable)
+    return _load_refused(src, step, checked)
+
+
+def test_a_read_error_on_one_rank_fails_every_rank_together_with_nothing_applied(tiny_moe_path, saved_root, tmp_path):
+    """The optimizer's shards cannot be read on rank 1 alone (an I/O error, not a refusal of ours): every rank fails
+    in one line naming the error, none waits for another, and the weights, optimizer state, RNG and LR schedule are as before."""
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    shards = [os.path.join("optimizer", "dist_ckpt", name) for name in _files(os.path.join(step, "optimizer", "dist_ckpt"), ".distcp")]
+    checked = _driver_check(root).checked
+    for message in run_on_ranks(_load_with_shards_unreadable_on_rank_1, WORLD, LAYOUT, args=(tiny_moe_path, step, checked, shards), timeout_s=240):
+        assert message.startswith(f"CheckpointError: cannot load {step}; nothing was loaded. "), message
+        assert "OSError: [Errno 5]" in message and ".distcp" in message and "\n" not in message and message.endswith("untouched=True"), message
+
+
+def _manager_load_refused(src: str, step: str) -> str:
+    """The manager's own load, without the checks before it (a caller that skips them)."""
+    actor = _actor(src)
+    return _refusal(actor, lambda: actor.checkpoint_manager.load_checkpoint(step))
+
+
+def test_a_step_of_ours_whose_manifest_is_gone_is_not_loaded_unchecksummed(tiny_moe_path, saved_root, tmp_path):
+    """The manifest deleted after the step was checked: the load does not take it for an upstream step (nothing
+    to compare with) but refuses it on every rank, naming the missing file, with nothing applied."""
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    os.remove(os.path.join(step, "manifest.json"))
+    for message in run_on_ranks(_manager_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step)):
+        assert message.startswith(f"CheckpointError: cannot load {step}; nothing was loaded. "), message
+        assert f"{os.path.join(step, 'manifest.json')} is missing" in message and message.endswith("untouched=True"), message

@@ -24,7 +24,7 @@ from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fix
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool, WorkerGroupError
 from verl.trainer.run_control import resume_command
-from verl.trainer.validation import ConfigError, check_config, find_resume_step
+from verl.trainer.validation import ConfigError, check_config, check_resume_step
 from verl.utils.checkpoint.dir_lock import (
     LOCK_FILENAME,
     CheckpointDirBusyError,
@@ -150,7 +150,7 @@ def test_mistyped_keys_are_one_line_each_not_a_traceback(tmp_path):
 def test_a_corrupt_tracker_is_named(tmp_path, content):
     (tmp_path / TRACKER).write_bytes(content)
     with pytest.raises(ConfigError) as err:
-        find_resume_step(_config(f"trainer.default_local_dir={tmp_path}"))
+        check_resume_step(_config(f"trainer.default_local_dir={tmp_path}"))
     assert f"checkpoint tracker {tmp_path / TRACKER} is corrupt" in str(err.value)
 
 

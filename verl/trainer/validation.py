@@ -615,15 +615,9 @@ class ResumeStep:
     checked: Any  # ``verl.utils.checkpoint.resume_check.CheckedStep`` (torch: not imported at this module's top)
 
 
-def find_resume_step(config: Any, model_path: str | None = None) -> tuple[int, str] | None:
-    """(step, global_step_N directory) the run resumes from, or None to start fresh; ``check_resume_step``."""
-    found = check_resume_step(config, model_path)
-    return None if found is None else (found.step, found.step_dir)
-
-
 def check_resume_step(config: Any, model_path: str | None = None) -> ResumeStep | None:
     """The step the run resumes from (the tracker's, or ``trainer.resume_from_path``), checked once before any
-    rank starts as a load would check it (``resume_check.check_step``: every file and its checksum, the data-only
+    rank starts as a load would check it (``resume_check.check_step``: every file at its size, the small files' checksums, the data-only
     metadata, HF export, contents, optimizer flag, dtype; with ``model_path`` also that it was saved from this
     model), plus the data position ``data.pt``; None to start fresh. Raises ConfigError, one line per problem."""
     from verl.utils.checkpoint.errors import CheckpointError

@@ -421,6 +421,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         the checks it made of the step's files (``check_audit``)."""
         self._check_built()
         start = time.monotonic()
+        self.actor.finalize_checkpoint(blocking=True)  # a pending save commits first: its checks are not the load's
         with self._resident(optimizer=self.actor.checkpoint_manager.should_load_optimizer), check_audit.recording() as checks:
             self.actor.load_checkpoint(local_path, hdfs_path, del_local_after_load, checked=checked)
         return {"rank": self.rank, "seconds": time.monotonic() - start, "checks": dict(checks)}

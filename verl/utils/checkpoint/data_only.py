@@ -180,7 +180,7 @@ def check_step(step_path: str) -> None:
 class DataOnlyFileSystemReader(FileSystemReader):
     """torch's ``FileSystemReader`` whose ``.metadata`` goes through ``read_dcp_metadata`` (read once, kept), and
     which, given the manifest's ``checksums`` (file name in the directory -> ``crc32:...``), reads each file it loads
-    whole, once, checksums those very bytes and serves the load's items from them only when they match: a file
+    whole, one file at a time, checksums those very bytes and serves the load's items from them only when they match: a file
     that does not match is named in ``mismatches`` and none of its items reaches the state being loaded."""
 
     def __init__(self, path: str | os.PathLike, checksums: dict[str, str] | None = None, mismatches: list[str] | None = None) -> None:
@@ -196,23 +196,28 @@ class DataOnlyFileSystemReader(FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for relative, items in per_file.items():
-            path = os.path.join(str(self.path), relative)
-            with open(path, "rb") as handle:
-                data = handle.read()
-            got, want = checksum_of(data, path), self.checksums.get(relative)
-            if got != want:
-                self.mismatches.append(
-                    f"{path}: its content checksum differs from the manifest's {want} (changed or corrupted since the save)"
-                    if want
-                    else f"{path} is not listed in the step's manifest (added after the save?); remove it or restore the step"
-                )
-                continue
-            planner.reading = path  # a refused bytes item is named with its file
-            with _serving_from_memory(self, path, data):
-                super().read_data(LoadPlan(items, plan.storage_data, plan.planner_data), planner)
+            self._serve_file(relative, LoadPlan(items, plan.storage_data, plan.planner_data), planner)
         done: Future = Future()
         done.set_result(None)
         return done
+
+    def _serve_file(self, relative: str, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """``plan``'s items from the file ``relative``, read whole and checksummed; its bytes are dropped on return,
+        before the next file is read, so at most one whole file is held at a time."""
+        path = os.path.join(str(self.path), relative)
+        with open(path, "rb") as handle:
+            data = handle.read()
+        got, want = checksum_of(data, path), self.checksums.get(relative)
+        if got != want:
+            self.mismatches.append(
+                f"{path}: its content checksum differs from the manifest's {want} (changed or corrupted since the save)"
+                if want
+                else f"{path} is not listed in the step's manifest (added after the save?); remove it or restore the step"
+            )
+            return
+        planner.reading = path  # a refused bytes item is named with its file
+        with _serving_from_memory(self, path, data):
+            super().read_data(plan, planner)
 
     def read_metadata(self) -> Metadata:  # no ``rank``: torch then tries no per-rank file (megatron writes one)
         if self._metadata is None:

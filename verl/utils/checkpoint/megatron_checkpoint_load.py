@@ -17,11 +17,18 @@ from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint.api import CheckpointException
 
 from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import not_implemented_unless_default
 from verl.utils.checkpoint.errors import CheckpointError
-from verl.utils.checkpoint.integrity import checksums_in, manifest_checksums, read_saved_layout, verify_bulk_checksums
+from verl.utils.checkpoint.integrity import (
+    checksums_in,
+    manifest_checksums,
+    read_saved_layout,
+    verify_bulk_checksums,
+    verify_manifest,
+)
 from verl.utils.checkpoint.megatron_optimizer_state import (
     initialize_distributed_optimizer_state,
     optimizer_state_from_loaded,
@@ -29,7 +36,7 @@ from verl.utils.checkpoint.megatron_optimizer_state import (
 )
 from verl.utils.checkpoint.megatron_state_dicts import RANK_RNG_STATE_KEY, current_parallel_layout
 from verl.utils.megatron_utils import get_legacy_dist_checkpoint_path, get_legacy_hf_model_checkpoint_path
-from verl.utils.rank_comm import PeerFailure, RankComm, describe
+from verl.utils.rank_comm import RankComm, describe
 
 
 def _seams():
@@ -51,7 +58,9 @@ class MegatronLoads:
         part is read first, into buffers of its own, each file checksummed against the step's manifest from the
         very bytes read (``verl.utils.megatron.dist_checkpointing``); all ranks then agree that every read was
         whole (``RankComm.agree``), and only then is any of it applied to the model, optimizer, schedule and RNG.
-        A damaged file fails every rank together, naming it, with nothing applied. Integrity checks of the step
+        A damaged file, or any error of a read on one rank, fails every rank together, naming it, with nothing
+        applied; the model's keys are compared with the loaded state's before the agreement too. An error while
+        applying fails every rank together as well, saying the state is partly applied (restart). Integrity checks of the step
         itself (manifest, data-only metadata, HF completeness, model identity) belong before this call:
         ``verl.utils.checkpoint.resume_check.check_before_load``.
         """
@@ -61,23 +70,39 @@ class MegatronLoads:
             raise FileNotFoundError(f"checkpoint {local_path} does not exist (or is not a directory)")
         self._raise_for_old_layout(local_path)
         start = time.monotonic()
-        applies, error = self._read_parts(local_path)
         try:
+            applies, error = self._read_parts(local_path)
             RankComm().agree(error, f"read {local_path}")
-        except (CheckpointError, PeerFailure) as exc:
+        except (Exception, CheckpointException) as exc:
             raise CheckpointError(f"cannot load {local_path}; nothing was loaded. {describe(exc)}") from exc
-        for apply in applies:
-            apply()
-        torch.distributed.barrier()
+        apply_error: BaseException | None = None
+        try:
+            for apply in applies:
+                apply()
+        except (Exception, CheckpointException) as exc:
+            apply_error = exc
+        try:
+            RankComm().agree(apply_error, f"apply {local_path}")
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(
+                f"cannot load {local_path}: it was read whole, but applying it failed part way, so this run's model, "
+                f"optimizer, schedule and RNG are partly from the step; restart the run. {describe(exc)}"
+            ) from exc
         self._log(f"loaded {local_path} ({', '.join(self.checkpoint_load_contents)}) in {time.monotonic() - start:.1f}s")
 
-    def _read_parts(self, local_path: str) -> tuple[list[Callable[[], None]], CheckpointError | None]:
+    def _read_parts(self, local_path: str) -> tuple[list[Callable[[], None]], BaseException | None]:
         """Every part ``load_contents`` names, read (every rank takes every read: they are collectives) and
-        checksummed, nothing applied: what applies each, and the first refusal of a read on this rank."""
-        metadata = self._load_content_metadata(local_path)
-        checksums = manifest_checksums(local_path)
+        checksummed, nothing applied: what applies each, and the first error of a read on this rank (any error,
+        torch's ``CheckpointException`` too, so that the agreement carries it rather than a peer waiting)."""
+        error: BaseException | None = None
+        try:
+            metadata = self._load_content_metadata(local_path)
+            checksums = _step_checksums(local_path)
+        except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
+            error = exc
+        # every rank agrees here, the same once per load, before the reads (collectives) that need both
+        RankComm().agree(error, f"read {local_path}")
         applies: list[Callable[[], None]] = []
-        error: CheckpointError | None = None
         reads = []
         if self.should_load_dist_ckpt_model:
             reads.append(lambda: self._read_model_from_dist_checkpoint(local_path, metadata, checksums))
@@ -90,9 +115,10 @@ class MegatronLoads:
         for read in reads:
             try:
                 applies.append(read())
-            except CheckpointError as exc:
+            except (Exception, CheckpointException) as exc:
                 error = error or exc
         return applies, error
+
     @staticmethod
     def _has_checkpoint_files(path: str) -> bool:
         return os.path.isdir(path) and any(os.scandir(path))
@@ -132,6 +158,8 @@ class MegatronLoads:
             key = "model" if len(self.model) == 1 else f"model{index}"
             if key not in loaded:
                 raise CheckpointError(f"{path} holds no '{key}' state (saved with use_dist_checkpointing=False?)")
+            expected = unwrap_model(self.model[index]).state_dict().keys()
+            _raise_unless_fits(path, [k for k in expected if k not in loaded[key]], [k for k in loaded[key] if k not in expected], checkpointed[key])
 
         def apply() -> None:
             for index, chunk in enumerate(self.model):
@@ -228,6 +256,15 @@ class MegatronLoads:
         return lambda: self.load_rng_states([loaded[RANK_RNG_STATE_KEY]] if per_rank else loaded["rng_state"])
 
 
+def _step_checksums(local_path: str) -> dict[str, str] | None:
+    """The manifest's checksums of the step; None only for a step saved by upstream verl. A step of ours whose
+    manifest is gone (since its check) is refused in one line, never loaded unchecksummed."""
+    checksums = manifest_checksums(local_path)
+    if checksums is None:
+        verify_manifest(local_path, required=False, checksums=False)  # False for upstream's step, else the refusal
+    return checksums
+
+
 def _checked(checksums: dict | None, local_path: str, directory: str) -> dict:
     """The load's ``checksums`` argument for ``directory`` of the step (none for a step without a manifest, so a
     patched ``load_dist_checkpointing`` of upstream's signature keeps working for upstream's steps)."""
@@ -255,8 +292,14 @@ def _load_chunk_strictly(chunk: torch.nn.Module, state: dict, checkpointed: set[
     leaves out (megatron-core's TE attention does, for its FP8 metadata) is not in the checkpoint by design,
     so its absence is no damage. Any other missing or unexpected key fails the load, named."""
     result = unwrap_model(chunk).load_state_dict(state, strict=False)  # megatron's DDP returns no result
-    missing = [k for k in result.missing_keys if not (k.endswith("._extra_state") and k not in checkpointed)]
-    unexpected = list(result.unexpected_keys)
+    _raise_unless_fits(path, result.missing_keys, result.unexpected_keys, checkpointed)
+
+
+def _raise_unless_fits(path: str, missing: list[str], unexpected: list[str], checkpointed: set[str]) -> None:
+    """The model's keys ``missing`` from the loaded state and the state's ``unexpected`` ones fail the load, named,
+    but an ``_extra_state`` the model does not checkpoint (``checkpointed``: the keys of its sharded state dict)."""
+    missing = [k for k in missing if not (k.endswith("._extra_state") and k not in checkpointed)]
+    unexpected = list(unexpected)
     if missing or unexpected:
         raise CheckpointError(
             f"{path} does not fit this model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "

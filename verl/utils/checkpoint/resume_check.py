@@ -4,9 +4,9 @@
 size; the small files' CRC-32), the contents file, every dist checkpoint's metadata and bytes items being data
 (``data_only.check_step``), the HF folders naming no custom code, the model identity, the HF export's tensors,
 and whether the step fits this load (``load_fit_problems``: the contents asked for, the distributed-optimizer
-flag and layout, the parameter dtype). The shards and weights (``checksum.is_bulk``) are checksummed by the
-load that reads them, from the bytes it reads, on every rank, before any of it is applied
-(``MegatronCheckpointManager.load_checkpoint``): each byte is read once. ``check_step`` returns a
+flag and layout, the parameter dtype). The shards and weights (``checksum.is_bulk``) are checksummed on every
+rank that loads them, before any of it is applied (``MegatronCheckpointManager.load_checkpoint``): a shard from
+the very bytes the load reads, an HF weights file in a read before the bridge's own. ``check_step`` returns a
 ``CheckedStep``: the record of what it proved, of which step (a fingerprint of the files that vouch for every
 other one).
 
