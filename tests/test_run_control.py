@@ -244,7 +244,7 @@ def test_one_writer_and_clean_stops_through_the_cli(tmp_path, env, tiny_moe_path
     assert last.startswith("[main_ppo] stopped by SIGTERM at step ") and f"step {committed} is committed" in last, last
     assert "Traceback" not in out and "SIGABRT" not in out and "*** " not in out, out[-5000:]
     resume = last.split("; resume with: ")[1]
-    assert resume == resume_command(common + ["trainer.total_training_steps=50"])
+    assert resume == resume_command([MBRIDGE, *common, "trainer.total_training_steps=50"])  # the bridge it ran with, too
 
     code, out = _run([*common, "trainer.save_freq=abc"], tmp_path, env, timeout_s=120)
     assert code == 2 and "trainer.save_freq=abc must be an integer; set trainer.save_freq=<n>" in out and "Traceback" not in out, out[-3000:]
@@ -259,7 +259,7 @@ def test_one_writer_and_clean_stops_through_the_cli(tmp_path, env, tiny_moe_path
 
     # The printed command, as a user would paste it, resumes from the committed step; then Ctrl-C.
     second_log = tmp_path / "second.log"
-    second = _start(shlex.split(resume)[3:], tmp_path, env, second_log)
+    second = _start(shlex.split(resume)[3:], tmp_path, env, second_log, bridge=None)  # the command names it
     try:
         _wait_for(rf"resumed from {ckpt}/global_step_{committed} \(step {committed}\)", second_log, second)
         _wait_for(rf"\[trainer\] step {committed + 1}/50", second_log, second)
