@@ -108,16 +108,10 @@ class MegatronBridgeModel(MegatronBridgeWeights):
     the layout is read from it."""
 
     def __init__(self, hf_path: str, dtype: torch.dtype = torch.float32) -> None:
-        from megatron.core import parallel_state as mpu
+        from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout
 
-        sizes = ParallelSizes(
-            tp=mpu.get_tensor_model_parallel_world_size(),
-            pp=mpu.get_pipeline_model_parallel_world_size(),
-            ep=mpu.get_expert_model_parallel_world_size(),
-            etp=mpu.get_expert_tensor_parallel_world_size(),
-            cp=mpu.get_context_parallel_world_size(),
-            vpp=mpu.get_virtual_pipeline_model_parallel_world_size(),
-        )
+        layout = current_parallel_layout()  # this process's sizes, as a save's manifest records them
+        sizes = ParallelSizes(**{key: value for key, value in layout.items() if key != "world_size"})
         auto_bridge, self.config = megatron_bridge_provider(hf_path, dtype, sizes, load_weights=False)
         super().__init__(auto_bridge)
         self.dtype = dtype
