@@ -5,8 +5,9 @@ every rank finished every part; its ``manifest.json`` (ours, written last inside
 upstream verl ignores it) lists every file with its size and the parallel layout it was saved at. A load
 checks the manifest first, so a truncated shard, a deleted metadata file or a foreign model fails with the
 file and the cause named, before anything loads. A step without a manifest and commit mark was saved by
-upstream verl: it loads with a warning, checked only as far as its own files allow; unless it holds what only
-this package writes (``our_marks``): then it is a step of ours stripped of them, and refused.
+upstream verl (or in place by upstream's API, the manager's own ``save_checkpoint``, which commits nothing): it
+loads with a warning, checked only as far as its own files allow; unless it holds what only a committed step of
+this package holds (``our_marks``): then it is a step of ours stripped of them, and refused.
 """
 
 from __future__ import annotations
@@ -270,13 +271,16 @@ def our_marks(step_path: str) -> list[str]:
     """What in a step only this package writes (besides the manifest and commit mark), one line per file:
     ckpt_contents.json's ``integrity`` entry, this package's own notes on its contents and descriptions of its
     ``directories``, and the per-rank RNG states (``rank_rng_state``) in a dist checkpoint's ``.metadata``.
-    Upstream verl writes none of them."""
+    Upstream verl writes none of them. None when the contents file is there without the ``integrity`` entry:
+    a step saved in place through the manager's ``save_checkpoint`` (upstream's API), which writes no manifest."""
     from verl.utils.checkpoint.data_only import METADATA_FILENAME, read_dcp_metadata
 
     marks = []
     contents_path = os.path.join(step_path, CONTENTS_FILENAME)
     if os.path.isfile(contents_path):
         data = _read_json(contents_path, "checkpoint contents")
+        if isinstance(data, dict) and INTEGRITY_KEY not in data:
+            return []  # saved in place through the manager's own save_checkpoint: it never promised a manifest
         if INTEGRITY_KEY in data:
             marks.append(f"{contents_path} names its '{INTEGRITY_KEY}' files, {MANIFEST_FILENAME} and {COMMIT_MARK_FILENAME}")
         entries = {**_as_dict(data.get("directories")), **{name: entry.get("note") for name, entry in _as_dict(data.get("contents")).items() if isinstance(entry, dict)}}
@@ -453,7 +457,7 @@ def verify_checkpoint(step_path: str, transformer_config=None, hf_config=None, c
     """
     contents = read_ckpt_contents(step_path)
     if not verify_manifest(step_path, required=False, checksums=checksums, bulk_checksums=bulk_checksums):
-        warnings.warn(f"{step_path} has no {MANIFEST_FILENAME}: a checkpoint saved by upstream verl; its file sizes cannot be checked", stacklevel=2)
+        warnings.warn(f"{step_path} has no {MANIFEST_FILENAME}: a checkpoint saved by upstream verl (or in place by its API); its file sizes cannot be checked", stacklevel=2)
     from verl.utils.checkpoint.data_only import check_step
 
     check_step(step_path)  # every .metadata and bytes item is data: a crafted one is refused before any rank starts

@@ -68,7 +68,9 @@ CONTENT_NOTES = {
     "hf_model_same_files": "the same files as 'model'",
 }
 # Ours, in ckpt_contents.json (upstream's readers ignore keys they do not know): the files that vouch for the
-# step's bytes. A step whose contents file holds it is ours whatever else it lost.
+# step's bytes, written only by a save the step transaction commits. A step whose contents file holds it is ours
+# whatever else it lost; one whose contents file lacks it was saved in place through the manager's own
+# ``save_checkpoint`` (upstream's API, no transaction), which promises no manifest.
 INTEGRITY_KEY = "integrity"
 INTEGRITY_NOTE = {"manifest": MANIFEST_FILENAME, "commit_mark": COMMIT_MARK_FILENAME}
 
@@ -91,6 +93,11 @@ def tracker_path(root: str) -> str:
 def staging_path(role_path: str) -> str:
     """Where the parts of ``role_path`` are written before the commit renames them into place."""
     return role_path.rstrip("/") + STAGING_SUFFIX
+
+
+def is_staging_path(path: str) -> bool:
+    """Whether ``path`` is a staging directory: its parts are committed by the step transaction, not in place."""
+    return os.path.normpath(path).endswith(STAGING_SUFFIX)
 
 
 def superseded_path(path: str) -> str:

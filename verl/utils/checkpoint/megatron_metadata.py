@@ -90,7 +90,7 @@ class MegatronMetadata:
             contents["hf_config"] = {"path": hf, "format": "huggingface", "note": layout.CONTENT_NOTES["hf_config"]}
             if self.processing_class is not None:
                 contents["tokenizer"] = {"path": hf, "format": "huggingface"}
-        return {
+        manifest = {
             "schema_version": CKPT_CONTENTS_SCHEMA_VERSION,
             "framework": "megatron",
             "role": self.role,
@@ -102,8 +102,10 @@ class MegatronMetadata:
             "contents": contents,
             "directories": directories,
             "saved_any_dist_ckpt": bool(self._dist_contents()),
-            layout.INTEGRITY_KEY: dict(layout.INTEGRITY_NOTE),  # ours: tells a step of ours that lost its marks
         }
+        if layout.is_staging_path(local_path):  # the step transaction commits it: the manifest and mark it will write
+            manifest[layout.INTEGRITY_KEY] = dict(layout.INTEGRITY_NOTE)
+        return manifest
 
     def _write_checkpoint_manifest(self, local_path: str, global_step: int) -> None:
         """Rank 0, last: ``ckpt_contents.json``."""
