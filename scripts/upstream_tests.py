@@ -12,7 +12,7 @@ file that hangs, crashes or cannot be imported does not hide another's results. 
 its error text (see ``classify``); docs/upstream-interop.md records the classes after review.
 
 Suites (frozen; see docs/upstream-interop.md for how the ``cpu`` list was drawn):
-  ckpt  upstream's checkpoint-layer CPU tests (issue 13), one test deselected (PEFT, refused by design)
+  ckpt  upstream's checkpoint-layer CPU tests, one test deselected (PEFT, refused by design)
   cpu   every upstream ``*_on_cpu.py`` test file that imports a module this package has at the same path
 
 Exit status: 0 when every collected test passed (skips allowed), 1 otherwise, 2 on bad input.
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 CKPT_FILES = (
     "tests/utils/ckpt/test_megatron_checkpoint_manager_on_cpu.py",
     "tests/utils/ckpt/test_checkpoint_cleanup_on_cpu.py",
-    "tests/utils/ckpt/test_esi_save_ckpt_on_cpu.py",  # issue 23: should_save_ckpt_esi
+    "tests/utils/ckpt/test_esi_save_ckpt_on_cpu.py",  # should_save_ckpt_esi
 )
 # Drawn 2026-12-01 at PINNED_COMMIT and frozen: removing or renaming a name here does not shrink it.
 CPU_FILES = (

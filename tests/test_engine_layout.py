@@ -1,4 +1,4 @@
-"""Upstream HEAD's engine layout (issue 24): the rank's engine and the Ray worker under upstream's paths, names
+"""Upstream HEAD's engine layout: the rank's engine and the Ray worker under upstream's paths, names
 and checkpoint arguments; the pre-#6067 paths still import the same objects."""
 
 import inspect

@@ -290,6 +290,15 @@ def test_a_misspelled_key_is_still_refused(tiny_moe_path, tmp_path):
         ("trainer.logger=[console,mlflow]", "trainer.logger has ['mlflow'], which this trainer does not provide"),
         ("actor_rollout_ref.rollout.log_prob_parity_check.tolerance.float32=0", "tolerance.float32=0 must be a number > 0"),
         ("trainer.logger=[console,tensorboard]", ""),  # the tensorboard package is a requirement: accepted
+        # upstream's e2e launch script (tests/special_e2e/run_ppo_trainer_megatron.sh) sets these keys
+        ("actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.rank=8: LoRA is not supported here; set it to 0"),
+        ("actor_rollout_ref.actor.megatron.use_megatron_fsdp=True", "use_megatron_fsdp=True: Megatron's FSDP is not supported here"),
+        ("actor_rollout_ref.ref.megatron.use_megatron_fsdp=True", "ref.megatron.use_megatron_fsdp=True: Megatron's FSDP"),
+        ("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "router_replay.mode=R3: MoE routing replay is not implemented"),
+        ("actor_rollout_ref.rollout.enable_rollout_routing_replay=True", "enable_rollout_routing_replay=True: MoE routing replay"),
+        ("reward.reward_model.enable=True", "reward.reward_model.enable=True: a model-based reward is not available here"),
+        ("actor_rollout_ref.actor.megatron.dist_checkpointing_path=/some/dist", ""),  # read by upstream only with use_dist_checkpointing
+        ("critic.megatron.pipeline_model_parallel_size=4", ""),  # GRPO trains no critic: listed at start, never refused
         *(() if WANDB_INSTALLED else (
             ("trainer.logger=[wandb]", "trainer.logger has wandb but the wandb package is not installed; pip install wandb, or drop wandb from trainer.logger"),
         )),

@@ -489,8 +489,8 @@ def _check_kl_loss(config: Any) -> list[str]:
             problems.append(f"{_REF}.megatron.{key}={ref.megatron[key]} differs from the actor's ({megatron[key]}): the reference runs on the actor's ranks in the actor's layout here; set it to {megatron[key]} (its default follows the actor)")
     if not _same_dtype(ref.megatron.get("dtype", "float32"), megatron.get("dtype", "float32")):
         problems.append(f"{_REF}.megatron.dtype={ref.megatron.dtype} differs from the actor's ({megatron.dtype}): the reference runs in the actor's dtype here; set it to {megatron.dtype} (its default follows the actor)")
-    if ref.megatron.use_dist_checkpointing or ref.megatron.dist_checkpointing_path is not None:
-        problems.append(f"{_REF}.megatron.use_dist_checkpointing / dist_checkpointing_path: the reference is built from the HF actor_rollout_ref.model.path only; set use_dist_checkpointing=False and dist_checkpointing_path=null")
+    if ref.megatron.use_dist_checkpointing:
+        problems.append(f"{_REF}.megatron.use_dist_checkpointing=True: the reference is built from the HF actor_rollout_ref.model.path only; set it to False")
     if ref.log_prob_micro_batch_size is not None:
         problems.append(f"{_REF}.log_prob_micro_batch_size={ref.log_prob_micro_batch_size}: upstream's deprecated global form; set {_REF}.log_prob_micro_batch_size_per_gpu instead")
     return problems
@@ -750,6 +750,7 @@ _YAML = os.path.join(os.path.dirname(__file__), "config", "ppo_megatron_trainer.
 _ROLLOUT = "actor_rollout_ref.rollout."
 _ENGINE_WHY = "an inference-engine setting (vLLM / SGLang / TensorRT-LLM); the hf rollout (transformers generate on each data-parallel group's output rank) has none"
 _NO_REF_WHY = "no reference model is built: actor.use_kl_loss is off"
+_PROFILER_WHY = "no profiler (nsys, npu, torch) is wired into this trainer; the run is not profiled"
 _REF_BUILD_WHY = "the reference is built like the actor, through the actor's bridge (actor.megatron.vanilla_mbridge) from the HF actor_rollout_ref.model.path (its weights, not a seed)"
 _TRANSFORMER_WHY = "a memory / speed setting of Megatron's TransformerConfig; not applied here (the model is built from its HF config through the bridge) and the model computes the same function without it"
 # override_transformer_config fields that change memory or speed only; any other field would change the model.
@@ -764,7 +765,7 @@ _OPEN_NODES = (
     f"{_MEGATRON}override_transformer_config", f"{_MEGATRON}override_ddp_config", f"{_MEGATRON}override_mcore_model_config",
     f"{_ACTOR}.optim.override_optimizer_config", f"{_CHECKPOINT}mbridge_config", "reward_model.reward_kwargs",
     f"{_ROLLOUT}engine_kwargs", "ray_kwargs.ray_init", "data.apply_chat_template_kwargs", "actor_rollout_ref.model.override_config",
-    f"{PARITY_KEY}.tolerance",
+    f"{PARITY_KEY}.tolerance", "actor_rollout_ref.model.lora", "critic.optim.override_optimizer_config",
 )  # fmt: skip
 # Keys upstream's rollout has and this YAML does not list, accepted with `+` (the run script adds some).
 _EXTRA_ENGINE_KEYS = ("moe_tensor_parallel_size", "quantization", "quantization_config_file", "cudagraph_capture_sizes", "layered_summon")
@@ -799,7 +800,10 @@ def _inert_rules(config: Any) -> list[tuple[str, str]]:
         ("data.validation_shuffle", "validation scores every prompt; the order changes nothing"),
         ("ray_kwargs.timeline_json_file", "no Ray timeline is written"),
         (f"{_MEGATRON}override_transformer_config", _TRANSFORMER_WHY),
+        (f"{_REF}.megatron.dist_checkpointing_path", "read by upstream only with use_dist_checkpointing, which the reference does not take here"),
     ]
+    if not config.actor_rollout_ref.actor.megatron.use_dist_checkpointing:
+        rules.append((f"{_MEGATRON}dist_checkpointing_path", "read by upstream only with use_dist_checkpointing (initial weights from a dist checkpoint)"))
     actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
     if not actor.use_kl_loss:
         rules.append(("actor_rollout_ref.ref", _NO_REF_WHY))
@@ -811,6 +815,15 @@ def _inert_rules(config: Any) -> list[tuple[str, str]]:
         rules += [(f"algorithm.{key}", "algorithm.use_kl_in_reward is off") for key in ("kl_penalty", "kl_ctrl")]
     if config.reward_model.reward_manager in (None, "naive"):
         rules.append(("reward_model.reward_kwargs", "read only by other reward managers (dapo, prime, ...); the naive manager calls default_compute_score"))
+    rules += [
+        ("critic", "GRPO trains no critic"),
+        ("reward.num_workers", "rule-based rewards are computed on the driver"),
+        ("reward.reward_model", "no reward model is built (reward.reward_model.enable is off)"),
+        (f"{_ACTOR}.profiler", _PROFILER_WHY),
+        ("global_profiler", _PROFILER_WHY),
+    ]
+    if int(config.actor_rollout_ref.model.lora.rank or 0) == 0:
+        rules.append(("actor_rollout_ref.model.lora", "LoRA is off (lora.rank 0)"))
     return rules
 
 
@@ -860,7 +873,7 @@ def _check_upstream_keys(config: Any) -> list[str]:
     engine = config.get("model_engine", "megatron")
     if engine != "megatron":
         problems.append(f"model_engine={engine}: only the Megatron backend trains here; set model_engine=megatron")
-    if megatron.dist_checkpointing_path is not None:
+    if megatron.use_dist_checkpointing and megatron.dist_checkpointing_path is not None:
         problems.append(f"{_MEGATRON}dist_checkpointing_path={megatron.dist_checkpointing_path}: initial weights are read from the HF actor_rollout_ref.model.path only; set it to null")
     for node in ("override_ddp_config", "override_mcore_model_config"):
         if megatron[node]:
@@ -870,8 +883,18 @@ def _check_upstream_keys(config: Any) -> list[str]:
             problems.append(f"{_MEGATRON}override_transformer_config.{name}={value}: only memory / speed fields {list(PERF_ONLY_TRANSFORMER_FIELDS[:4])}... are accepted (and ignored) here; a model field is read from the HF config; remove it")
     if model.override_config:
         problems.append(f"actor_rollout_ref.model.override_config={OmegaConf.to_container(model.override_config)}: the model is built from its config.json as is; edit a copy of the model's config.json instead")
-    if int(model.lora_rank or 0) > 0:
-        problems.append(f"actor_rollout_ref.model.lora_rank={model.lora_rank}: LoRA is not supported here; set it to 0")
+    for key, rank in (("lora_rank", model.lora_rank), ("lora.rank", model.lora.rank)):
+        if int(rank or 0) > 0:
+            problems.append(f"actor_rollout_ref.model.{key}={rank}: LoRA is not supported here; set it to 0")
+    for role in (_MEGATRON, f"{_REF}.megatron."):
+        if OmegaConf.select(config, f"{role}use_megatron_fsdp"):
+            problems.append(f"{role}use_megatron_fsdp=True: Megatron's FSDP is not supported here (its DDP is); set it to False")
+    if megatron.router_replay.mode != "disabled":
+        problems.append(f"{_MEGATRON}router_replay.mode={megatron.router_replay.mode}: MoE routing replay is not implemented; set it to disabled")
+    if rollout.enable_rollout_routing_replay:
+        problems.append(f"{_ROLLOUT}enable_rollout_routing_replay=True: MoE routing replay is not implemented; set it to False")
+    if config.reward.reward_model.enable:
+        problems.append("reward.reward_model.enable=True: a model-based reward is not available here (rule-based rewards only); set it to False")
     if model.external_lib is not None:
         problems.append(f"actor_rollout_ref.model.external_lib={model.external_lib}: external model code is not imported here; set it to null")
     for key, value in ((f"{_ACTOR}.ppo_micro_batch_size", actor.ppo_micro_batch_size), (f"{_ROLLOUT}log_prob_micro_batch_size", rollout.log_prob_micro_batch_size)):
