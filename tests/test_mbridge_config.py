@@ -58,3 +58,18 @@ def test_the_pre_start_check_names_an_entry_the_bridge_does_not_take(tiny_moe_pa
     problems = check_model_build(tiny_moe_path, config)
     key = f"actor_rollout_ref.actor.checkpoint.mbridge_config.{entry}"
     assert problems == ([f"{key}: the bridge's HF save (mbridge's save_weights) takes no such argument (it takes: memory_efficient); remove {key}"] if refused else [])
+
+
+def test_checkpoint_strict_reaches_a_save_that_takes_it_and_no_other():
+    """upstream's ``checkpoint.strict`` goes to Megatron-Bridge's HF save (a ``strict`` parameter), never to a save
+    without one (mbridge's), and ``mbridge_config`` naming ``strict`` itself wins."""
+    from verl.utils.checkpoint.mbridge_config import save_weights_kwargs
+
+    def takes_strict(models, weights_path, strict: bool = True) -> None: ...
+
+    def takes_memory_efficient(models, weights_path, memory_efficient: bool = False) -> None: ...
+
+    assert save_weights_kwargs(takes_strict, {}, strict=False) == {"strict": False}
+    assert save_weights_kwargs(takes_strict, {"strict": True}, strict=False) == {"strict": True}
+    assert save_weights_kwargs(takes_memory_efficient, {}, strict=False) == {}
+    assert save_weights_kwargs(takes_memory_efficient, {"memory_efficient": True}, strict=True) == {"memory_efficient": True}

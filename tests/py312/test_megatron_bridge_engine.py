@@ -68,6 +68,8 @@ def _save_and_resume(src: str, root: str) -> dict:
     actor.bridge.load_weights(actor.model, os.path.join(root, "mbridge_hf"))  # step 1 -> mbridge's step-2 HF
     return {
         "on_device": {"megatron_bridge": bridge_on_device, "mbridge": mbridge_on_device},
+        # upstream's checkpoint.strict (default true) reaches Megatron-Bridge's HF save; mbridge's takes no such flag
+        "save_kwargs": {"megatron_bridge": actor.checkpoint_manager.bridge_save_kwargs, "mbridge": other.checkpoint_manager.bridge_save_kwargs},
         "pending": pending,
         "moved": len(_differing(at_step_1, at_step_2)),
         "resumed": _differing(resumed, at_step_1),
@@ -117,6 +119,7 @@ def test_dist_checkpoints_save_resume_reshard_and_cross_bridges(tiny_moe_path, t
     results = run_on_ranks(_save_and_resume, 4, SIZES, args=(tiny_moe_path, root))
     for rank, result in enumerate(results):
         assert result["on_device"] == {"megatron_bridge": True, "mbridge": True}, rank
+        assert result["save_kwargs"] == {"megatron_bridge": {"strict": True}, "mbridge": {}}, rank
         assert result["pending"] is True  # the async save returned before its write was committed
         assert result["moved"] > 0, "step 2 must change the state"
         for key in (

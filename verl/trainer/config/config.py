@@ -45,8 +45,8 @@ class CheckpointConfig(BaseConfig):
         save_contents: subset of "model", "optimizer", "extra", "hf_model" to save.
         load_contents: what to load back; the same choices (upstream's YAML defaults it to save_contents).
         async_save: write the dist checkpoint in the background while training goes on (Megatron only).
-        strict: upstream's strictness flag for Megatron-Bridge's HF export; kept for config compatibility
-            (this package exports through mbridge and verifies with ``strict_hf_verify``).
+        strict: upstream's: Megatron-Bridge's HF export (``save_hf_weights(strict=...)``) fails on a tensor it
+            cannot map; mbridge's export takes no such flag. Either export is then verified (``strict_hf_verify``).
         save_lora_only: upstream's LoRA-adapter-only save; no effect without LoRA adapters (none here).
         strict_hf_verify: ours, not upstream's. After every save the HF folder is checked against every
             tensor its config implies; True fails the save on a missing or misshapen tensor, False only warns.

@@ -15,15 +15,23 @@ _SAVE_OWN_ARGUMENTS = ("self", "models", "weights_path", "comm")
 
 
 def save_weights_kwargs(
-    save_weights: Callable, mbridge_config: Mapping, key: str = "checkpoint.mbridge_config", save_name: str = "mbridge's save_weights"
+    save_weights: Callable,
+    mbridge_config: Mapping,
+    key: str = "checkpoint.mbridge_config",
+    save_name: str = "mbridge's save_weights",
+    strict: bool | None = None,
 ) -> dict[str, Any]:
     """The keyword arguments ``checkpoint.mbridge_config`` gives ``save_weights`` (upstream passes the entries the
     bridge's save takes by name). An entry it does not take is refused (upstream drops it silently, so a misspelt
     or another bridge's option would vanish): ValueError naming ``key.<entry>``, the save (``save_name``, as
-    the user knows it) and what it takes."""
+    the user knows it) and what it takes. ``strict`` (``checkpoint.strict``) goes to a save that takes it
+    (Megatron-Bridge's, as upstream passes it there) unless ``mbridge_config`` names it."""
     parameters = inspect.signature(save_weights).parameters
+    given = dict(mbridge_config)
+    if strict is not None and "strict" in parameters and "strict" not in given:
+        given["strict"] = bool(strict)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return dict(mbridge_config)
+        return given
     takes = [name for name in parameters if name not in _SAVE_OWN_ARGUMENTS]
     unknown = [name for name in mbridge_config if name not in takes]
     if unknown:
@@ -31,4 +39,4 @@ def save_weights_kwargs(
             f"{key}.{unknown[0]}: the bridge's HF save ({save_name}) takes no such argument"
             + (f" (it takes: {', '.join(takes)})" if takes else " (it takes none)") + f"; remove {key}.{unknown[0]}"
         )
-    return dict(mbridge_config)
+    return given

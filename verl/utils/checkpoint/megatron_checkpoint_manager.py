@@ -168,7 +168,8 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         self._check_bridge_for_hf_contents()
         mbridge_config = config_get(checkpoint_config, "mbridge_config", None) or {}
         # the keyword arguments of every HF weight save (ValueError naming an entry the bridge does not take)
-        self.bridge_save_kwargs = save_weights_kwargs(bridge.save_weights, mbridge_config) if bridge is not None else {}
+        strict = config_get(checkpoint_config, "strict", True)
+        self.bridge_save_kwargs = save_weights_kwargs(bridge.save_weights, mbridge_config, strict=strict) if bridge is not None else {}
         # Made at the first async save (megatron_core.async_calls_queue). Not persistent: each save forks its
         # writer, whose copy-on-write image of this process is the snapshot of the tensors (on CPU megatron's
         # "copy to host" returns the live tensors themselves).
