@@ -147,14 +147,23 @@ def test_the_engine_and_the_old_import_paths_are_reported(tmp_path):
     assert any(p.endswith("verl.trainer.ppo.ray_trainer imports verl.workers.megatron_workers") for p in problems)
 
 
-# The one circle left in verl/utils/checkpoint/: the manager's load methods look up upstream's patching seam
-# (``load_dist_checkpointing``) on the manager's module at call time.
-KNOWN_CHECKPOINT_CIRCLES = [{"verl.utils.checkpoint.megatron_checkpoint_load", "verl.utils.checkpoint.megatron_checkpoint_manager"}]
+# verl/utils/checkpoint/, one level down: each module's floor; a module imports only modules of its own floor
+# or below (and no circle, below). Errors and names at the bottom, then the records built on them, the checks,
+# the writers, the step transaction and the resume check, and the manager on top: the transaction never
+# imports the manager, a check never imports a writer.
+CHECKPOINT_FLOORS: dict[str, int] = {
+    **dict.fromkeys(("errors", "layout", "async_modes", "check_audit", "dir_lock", "mbridge_config", "megatron_optimizer_state"), 0),
+    **dict.fromkeys(("tracker", "names", "checksum", "megatron_metadata", "checkpoint_manager", "os_errors", "megatron_state_dicts", "precision"), 1),
+    **dict.fromkeys(("data_only", "hf_verify", "integrity", "finite"), 2),  # checks
+    **dict.fromkeys(("dist_writer", "snapshot_save", "forked_save", "save_writers"), 3),  # writers
+    **dict.fromkeys(("step_commit", "resume_check"), 4),  # the step transaction, the resume check
+    **dict.fromkeys(("megatron_checkpoint_manager", "megatron_checkpoint_load"), 5),  # the manager
+}  # fmt: skip
 
 
-def checkpoint_import_circles(root: pathlib.Path) -> list[set[str]]:
-    """The groups of ``verl/utils/checkpoint/`` modules that import each other in a circle (module level or
-    inside a function), found as the strongly connected components of the import graph."""
+def checkpoint_import_graph(root: pathlib.Path) -> dict[str, set[str]]:
+    """Each ``verl/utils/checkpoint/`` module (short name) -> the modules of the package it imports (module level
+    or inside a function)."""
     package = root / "verl" / "utils" / "checkpoint"
     modules = {_module_name(path, root): path for path in package.glob("*.py") if path.name != "__init__.py"}
     graph = {}
@@ -167,7 +176,26 @@ def checkpoint_import_circles(root: pathlib.Path) -> list[set[str]]:
             if isinstance(node, ast.ImportFrom) and node.module == "verl.utils.checkpoint"
             for alias in node.names
         }
-        graph[module] = {name for name in imported if name in modules and name != module}
+        graph[module.rsplit(".", 1)[1]] = {name.rsplit(".", 1)[1] for name in imported if name in modules and name != module}
+    return graph
+
+
+def checkpoint_floor_violations(root: pathlib.Path) -> list[str]:
+    """``importer (floor) imports imported (floor)`` for each import up the floors, and a line per module that
+    has no floor in ``CHECKPOINT_FLOORS``."""
+    graph = checkpoint_import_graph(root)
+    problems = [f"{module} has no floor in CHECKPOINT_FLOORS" for module in sorted(graph) if module not in CHECKPOINT_FLOORS]
+    for module, imported in sorted(graph.items()):
+        for other in sorted(imported):
+            if module in CHECKPOINT_FLOORS and CHECKPOINT_FLOORS.get(other, 0) > CHECKPOINT_FLOORS[module]:
+                problems.append(f"{module} ({CHECKPOINT_FLOORS[module]}) imports {other} ({CHECKPOINT_FLOORS[other]})")
+    return problems
+
+
+def checkpoint_import_circles(root: pathlib.Path) -> list[set[str]]:
+    """The groups of ``verl/utils/checkpoint/`` modules (short names) that import each other in a circle, found
+    as the strongly connected components of the import graph."""
+    graph = checkpoint_import_graph(root)
     circles, index, low, stack, counter = [], {}, {}, [], [0]
 
     def visit(module: str) -> None:
@@ -193,13 +221,22 @@ def checkpoint_import_circles(root: pathlib.Path) -> list[set[str]]:
     return circles
 
 
-def test_the_checkpoint_package_has_no_import_circle_but_the_managers_seam():
-    """Errors and names at the bottom, the checks above them: none of them imports back what imports it."""
-    assert checkpoint_import_circles(REPO) == KNOWN_CHECKPOINT_CIRCLES
+def test_the_checkpoint_package_keeps_its_floors_and_has_no_import_circle():
+    assert checkpoint_floor_violations(REPO) == []
+    assert checkpoint_import_circles(REPO) == []
 
 
-def test_a_checkpoint_import_circle_is_reported(tmp_path):
+def test_a_checkpoint_import_up_the_floors_or_in_a_circle_is_reported(tmp_path):
     shutil.copytree(REPO / "verl", tmp_path / "verl", ignore=shutil.ignore_patterns("__pycache__"))
-    errors = tmp_path / "verl" / "utils" / "checkpoint" / "errors.py"
+    package = tmp_path / "verl" / "utils" / "checkpoint"
+    errors = package / "errors.py"
     errors.write_text(errors.read_text() + "\n\ndef _late():\n    from verl.utils.checkpoint.integrity import read_manifest\n")
-    assert {"verl.utils.checkpoint.errors", "verl.utils.checkpoint.integrity"} <= set().union(*checkpoint_import_circles(tmp_path))
+    commit = package / "step_commit.py"
+    commit.write_text(commit.read_text() + "\n\ndef _late():\n    from verl.utils.checkpoint import megatron_checkpoint_manager\n")
+    (package / "unplaced.py").write_text("from verl.utils.checkpoint import layout\n")
+    assert checkpoint_floor_violations(tmp_path) == [
+        "unplaced has no floor in CHECKPOINT_FLOORS",
+        "errors (0) imports integrity (2)",
+        "step_commit (4) imports megatron_checkpoint_manager (5)",
+    ]
+    assert {"errors", "integrity"} <= set().union(*checkpoint_import_circles(tmp_path))

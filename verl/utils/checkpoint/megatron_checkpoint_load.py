@@ -6,7 +6,6 @@ The checks of the step come before, on every rank together (``verl.utils.checkpo
 from __future__ import annotations
 
 import os
-import re
 import time
 import warnings
 from collections.abc import Callable
@@ -39,19 +38,10 @@ from verl.utils.checkpoint.megatron_state_dicts import RANK_RNG_STATE_KEY, curre
 from verl.utils.megatron_utils import get_legacy_dist_checkpoint_path, get_legacy_hf_model_checkpoint_path
 from verl.utils.rank_comm import RankComm, describe
 
-_PER_GEMM_EXTRA_STATE = re.compile(r"(.*\._extra_state)[1-9][0-9]*")
-
-
-def _seams():
-    """The manager's module, looked up at call time: ``load_dist_checkpointing`` is upstream's module-level seam
-    there (upstream's tests patch it on that module)."""
-    from verl.utils.checkpoint import megatron_checkpoint_manager
-
-    return megatron_checkpoint_manager
-
 
 class MegatronLoads:
-    """The manager's load methods (a mixin over its model, optimizer, scheduler, bridge and builders)."""
+    """The manager's load methods (a mixin over its model, optimizer, scheduler, bridge and builders; the manager
+    gives ``_read_dist_checkpoint``, upstream's ``load_dist_checkpointing`` seam on its own module)."""
 
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False):
         """Load the contents ``load_contents`` names from the step at ``local_path`` (upstream's v2 layout).
@@ -62,7 +52,7 @@ class MegatronLoads:
         very bytes read (``verl.utils.megatron.dist_checkpointing``); all ranks then agree that every read was
         whole (``RankComm.agree``), and only then is any of it applied to the model, optimizer, schedule and RNG.
         A damaged file, or any error of a read on one rank, fails every rank together, naming it, with nothing
-        applied; the model's keys are compared with the loaded state's before the agreement too. An error while
+        applied; every key the model holds must have been read before the agreement too. An error while
         applying fails every rank together as well, saying the state is partly applied (restart). Integrity checks of the step
         itself (manifest, data-only metadata, HF completeness, model identity) belong before this call:
         ``verl.utils.checkpoint.resume_check.check_before_load``.
@@ -154,16 +144,17 @@ class MegatronLoads:
         path = layout.dist_path(local_path, "model")
         model_state = self._build_model_sharded_state_dict(metadata)
         checkpointed = {key: set(state) for key, state in model_state.items()}
-        loaded = _seams().load_dist_checkpointing(
+        loaded = self._read_dist_checkpoint(
             sharded_state_dict=into_own_buffers(dict(model_state)), ckpt_dir=path, **_checked(checksums, local_path, path)
         )
         for index in range(len(self.model)):
             key = "model" if len(self.model) == 1 else f"model{index}"
             if key not in loaded:
                 raise CheckpointError(f"{path} holds no '{key}' state (saved with use_dist_checkpointing=False?)")
-            expected = unwrap_model(self.model[index]).state_dict().keys()
-            unexpected = [k for k in loaded[key] if k not in expected and not _merged_on_load(k, expected)]
-            _raise_unless_fits(path, [k for k in expected if k not in loaded[key]], unexpected, checkpointed[key])
+            # every key the model holds was read; a key beyond them is the strict apply's to judge (a grouped TE
+            # linear's per-GEMM _extra_state<i> are merged back by its own load hook there)
+            held = unwrap_model(self.model[index]).state_dict().keys()
+            _raise_unless_fits(path, [k for k in held if k not in loaded[key]], [], checkpointed[key])
 
         def apply() -> None:
             for index, chunk in enumerate(self.model):
@@ -191,7 +182,7 @@ class MegatronLoads:
         if self.use_distributed_optimizer:
             initialize_distributed_optimizer_state(self.optimizer)
         request = self._build_optimizer_state_dict(self._build_model_sharded_state_dict(metadata), metadata, is_loading=True)
-        loaded = _seams().load_dist_checkpointing(
+        loaded = self._read_dist_checkpoint(
             sharded_state_dict=into_own_buffers(request), ckpt_dir=path, **_checked(checksums, local_path, path)
         )
         if "optimizer" not in loaded:
@@ -252,7 +243,7 @@ class MegatronLoads:
             return lambda: None
         path = layout.dist_path(local_path, "extra")
         per_rank = saved == now
-        loaded = _seams().load_dist_checkpointing(
+        loaded = self._read_dist_checkpoint(
             sharded_state_dict=self._build_extra_state_dict(per_rank), ckpt_dir=path, **_checked(checksums, local_path, path)
         )
         if "rng_state" not in loaded:
@@ -289,14 +280,6 @@ def into_own_buffers(sharded_state_dict: dict) -> dict:
 
     dict_list_map_inplace(own, sharded_state_dict)
     return sharded_state_dict
-
-
-def _merged_on_load(key: str, expected) -> bool:
-    """Whether ``key`` is one of the per-GEMM ``<prefix>_extra_state<i>`` a grouped TE linear writes to a dist
-    checkpoint and merges back into its ``<prefix>_extra_state`` as it loads (a ``load_state_dict`` pre-hook): not
-    a key of its ``state_dict``, yet no stranger. The load itself stays strict about what the merge leaves."""
-    match = _PER_GEMM_EXTRA_STATE.fullmatch(key)
-    return match is not None and match.group(1) in expected
 
 
 def _load_chunk_strictly(chunk: torch.nn.Module, state: dict, checkpointed: set[str], path: str) -> None:
