@@ -112,10 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.keep or tempfile.mkdtemp(prefix="upstream-e2e-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     script = work / Path(SCRIPT).name
-    script.write_bytes(subprocess.run(["git", "--git-dir", str(git_dir), "show", f"{PINNED_COMMIT}:{SCRIPT}"], check=True, capture_output=True).stdout)
+    exported = subprocess.run(["git", "--git-dir", str(git_dir), "show", f"{PINNED_COMMIT}:{SCRIPT}"], capture_output=True)
+    if exported.returncode != 0:
+        print(f"{SCRIPT} not found at {PINNED_COMMIT} in {git_dir}: pass upstream verl's git dir", file=sys.stderr)
+        return 2
+    script.write_bytes(exported.stdout)
     print(f"[upstream-e2e] {SCRIPT} at {PINNED_COMMIT[:9]} -> {script}", flush=True)
     env = _environment(work, args.bridge, steps=2)
     whole, resumed = work / "whole", work / "resumed"
+    for stale in (whole, resumed):  # a kept directory's earlier runs are never compared
+        shutil.rmtree(stale, ignore_errors=True)
     common = ["reward.reward_model.enable=False", "trainer.logger=[console,file]"]
     failures = []
     if _run(script, env, [*common, f"trainer.default_local_dir={whole}"], work / "run1.log") != 0:

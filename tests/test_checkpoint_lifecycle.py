@@ -1089,10 +1089,11 @@ def test_a_step_of_ours_stripped_of_manifest_and_commit_mark_is_refused_before_r
     assert any("saved by upstream verl" in str(w.message) for w in caught)
 
 
-def _strip_our_marks(step: str, notes_too: bool) -> None:
+def _strip_our_marks(step: str, stripped: str) -> None:
     """What the CLI case below cannot see: a step of ours without manifest, commit mark, ``extra/`` (the
-    per-rank RNG states) and the contents file's ``directories``, an optimizer shard flipped; ``notes_too``:
-    its contents' notes gone as well, so only the contents file's ``integrity`` entry is left."""
+    per-rank RNG states) and the contents file's ``directories``, an optimizer shard flipped; ``notes``: its
+    contents' notes gone as well, so only the contents file's ``integrity`` entry is left; ``integrity``: that
+    entry gone instead, the notes left."""
     for name in ("manifest.json", "committed.json"):
         os.remove(os.path.join(step, name))
     shutil.rmtree(os.path.join(step, "extra"), ignore_errors=True)  # a step saved without 'extra' has none
@@ -1100,14 +1101,16 @@ def _strip_our_marks(step: str, notes_too: bool) -> None:
     contents = json.load(open(path))
     del contents["directories"]
     for entry in contents["contents"].values():
-        if notes_too:
+        if stripped == "notes":
             entry.pop("note", None)
+    if stripped == "integrity":
+        del contents["integrity"]
     json.dump(contents, open(path, "w"))
     _flip_optimizer_shard(step)
 
 
-@pytest.mark.parametrize("notes_too", [False, True], ids=["marks_stripped", "notes_stripped_too"])
-def test_a_step_of_ours_stripped_of_every_mark_is_not_taken_for_upstreams(base_root, tmp_path, capsys, notes_too):
+@pytest.mark.parametrize("stripped", ["marks", "notes", "integrity"], ids=["marks_stripped", "notes_stripped_too", "integrity_entry_stripped_too"])
+def test_a_step_of_ours_stripped_of_every_mark_is_not_taken_for_upstreams(base_root, tmp_path, capsys, stripped):
     """Stripped of manifest, commit mark, ``extra/`` and ``directories``, a step of ours used to pass as
     upstream verl's (verify OK, resume accepted), a flipped shard and all. Its contents file still says whose
     it is: verify and the pre-start check refuse it in one line naming the missing files and the fix."""
@@ -1116,7 +1119,7 @@ def test_a_step_of_ours_stripped_of_every_mark_is_not_taken_for_upstreams(base_r
 
     root = _copy_run(base_root, tmp_path)
     step = _step_path(root, 1)
-    _strip_our_marks(step, notes_too)
+    _strip_our_marks(step, stripped)
     refusal = re.compile(
         rf"checkpoint {re.escape(step)} has neither manifest\.json nor committed\.json, yet it was saved by this package "
         rf"\({re.escape(step)}/ckpt_contents\.json [^)]*\): .* resume an earlier step \(trainer\.resume_mode=resume_path "

@@ -62,7 +62,7 @@ def test_the_pre_start_check_names_an_entry_the_bridge_does_not_take(tiny_moe_pa
 
 def test_checkpoint_strict_reaches_a_save_that_takes_it_and_no_other():
     """upstream's ``checkpoint.strict`` goes to Megatron-Bridge's HF save (a ``strict`` parameter), never to a save
-    without one (mbridge's), and ``mbridge_config`` naming ``strict`` itself wins."""
+    without one (mbridge's); ``mbridge_config`` naming ``strict`` for such a save is refused, naming the key to set."""
     from verl.utils.checkpoint.mbridge_config import save_weights_kwargs
 
     def takes_strict(models, weights_path, strict: bool = True) -> None: ...
@@ -70,6 +70,7 @@ def test_checkpoint_strict_reaches_a_save_that_takes_it_and_no_other():
     def takes_memory_efficient(models, weights_path, memory_efficient: bool = False) -> None: ...
 
     assert save_weights_kwargs(takes_strict, {}, strict=False) == {"strict": False}
-    assert save_weights_kwargs(takes_strict, {"strict": True}, strict=False) == {"strict": True}
+    with pytest.raises(ValueError, match=r"^checkpoint.mbridge_config.strict: .*; set actor_rollout_ref.actor.checkpoint.strict instead and remove checkpoint.mbridge_config.strict$"):
+        save_weights_kwargs(takes_strict, {"strict": True}, strict=False)
     assert save_weights_kwargs(takes_memory_efficient, {}, strict=False) == {}
     assert save_weights_kwargs(takes_memory_efficient, {"memory_efficient": True}, strict=True) == {"memory_efficient": True}

@@ -9,6 +9,7 @@ import torch
 
 from tests.main_leg import main_leg_settings
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+from verl.utils.checkpoint.integrity import verify_checkpoint
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -152,3 +153,10 @@ def test_code_written_against_verl091_runs_unchanged(tiny_moe_path, tmp_path):
     result = run_on_ranks(_upstream_api_three_saves_and_a_load, 1, ParallelSizes(), args=(tiny_moe_path, str(tmp_path)))[0]
     assert result["equal"] and result["scheduler_steps"] == 3
     assert result["kept"] == ["global_step_2", "global_step_3"] == result["previous_saved_paths"]
+    # saved in place, as upstream saves: no manifest vouches for it, and its contents file says so (a step of ours
+    # that lost its manifest and mark is refused instead: tests/test_checkpoint_lifecycle.py)
+    step = os.path.join(tmp_path, "global_step_3")
+    assert not os.path.exists(os.path.join(step, "manifest.json"))
+    assert set(json.load(open(os.path.join(step, "ckpt_contents.json")))["integrity"]) == {"saved_in_place"}
+    with pytest.warns(UserWarning, match="has no manifest.json: a checkpoint saved by upstream verl \\(or in place by its API\\)"):
+        verify_checkpoint(step)

@@ -293,7 +293,7 @@ def test_a_misspelled_key_is_still_refused(tiny_moe_path, tmp_path):
         # upstream's e2e launch script (tests/special_e2e/run_ppo_trainer_megatron.sh) sets these keys
         ("actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.rank=8: LoRA is not supported here; set it to 0"),
         ("actor_rollout_ref.actor.megatron.use_megatron_fsdp=True", "use_megatron_fsdp=True: Megatron's FSDP is not supported here"),
-        ("actor_rollout_ref.ref.megatron.use_megatron_fsdp=True", "ref.megatron.use_megatron_fsdp=True: Megatron's FSDP"),
+        ("actor_rollout_ref.ref.megatron.use_megatron_fsdp=True", ""),  # no reference is built without the KL loss
         ("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "router_replay.mode=R3: MoE routing replay is not implemented"),
         ("actor_rollout_ref.rollout.enable_rollout_routing_replay=True", "enable_rollout_routing_replay=True: MoE routing replay"),
         ("reward.reward_model.enable=True", "reward.reward_model.enable=True: a model-based reward is not available here"),
@@ -336,3 +336,31 @@ def test_script_interleaved_pipeline_limits_are_refused_in_one_line_each(concret
     assert len(problems) == 1 and problems[0].startswith(
         "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=None differs from the actor's (2)"
     ), problems
+
+
+def test_upstream_e2e_script_keys_are_refused_or_listed_as_inert(tiny_moe_path, tmp_path):
+    """Keys upstream's e2e launch script (tests/special_e2e/run_ppo_trainer_megatron.sh) sets: with the KL loss on,
+    the reference's FSDP and an actor dist-checkpoint path it would read are refused in one line each; the
+    critic, profiler, LoRA (rank 0) and reward-model keys are listed at start as having no effect."""
+    base = [f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={tmp_path}"]
+    refused = _compose([
+        *base, "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.ref.megatron.use_megatron_fsdp=True",
+        "actor_rollout_ref.actor.megatron.use_dist_checkpointing=True", "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/some/dist",
+    ])  # fmt: skip
+    problems = check_config(refused, tiny_moe_path)
+    assert len(problems) == 2, problems
+    assert any(p.startswith("actor_rollout_ref.ref.megatron.use_megatron_fsdp=True: Megatron's FSDP is not supported here") for p in problems)
+    assert any(p.startswith("actor_rollout_ref.actor.megatron.dist_checkpointing_path=/some/dist: initial weights are read from the HF") for p in problems)
+    inert = _compose([
+        *base, "critic.megatron.pipeline_model_parallel_size=4", "actor_rollout_ref.actor.profiler.enable=True",
+        "global_profiler.tool=nsys", "actor_rollout_ref.model.lora.alpha=16", "reward.reward_model.model_path=/rm",
+        "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/some/dist",
+    ])  # fmt: skip
+    assert check_config(inert, tiny_moe_path) == []
+    listed = {line.split("=", 1)[0]: line.split(": ", 1)[1] for line in ignored_settings(inert)}
+    assert listed["critic.megatron.pipeline_model_parallel_size"] == "GRPO trains no critic"
+    assert listed["actor_rollout_ref.actor.profiler.enable"].startswith("no profiler")
+    assert listed["global_profiler.tool"].startswith("no profiler")
+    assert listed["actor_rollout_ref.model.lora.alpha"] == "LoRA is off (lora.rank 0)"
+    assert listed["reward.reward_model.model_path"].startswith("no reward model is built")
+    assert listed["actor_rollout_ref.actor.megatron.dist_checkpointing_path"].startswith("read by upstream only with use_dist_checkpointing")

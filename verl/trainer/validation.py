@@ -600,7 +600,8 @@ def _check_mbridge_config(model_path: str, config: Any) -> list[str]:
 
         save_weights, save_name = MegatronBridgeWeights.save_weights, "Megatron-Bridge's save_hf_weights"
     try:
-        save_weights_kwargs(save_weights, entries, key=f"{_CHECKPOINT}mbridge_config", save_name=save_name)
+        strict = OmegaConf.select(config, f"{_CHECKPOINT}strict", default=True)
+        save_weights_kwargs(save_weights, entries, key=f"{_CHECKPOINT}mbridge_config", save_name=save_name, strict=strict)
     except ValueError as exc:
         return [str(exc)]
     return []
@@ -886,7 +887,7 @@ def _check_upstream_keys(config: Any) -> list[str]:
     for key, rank in (("lora_rank", model.lora_rank), ("lora.rank", model.lora.rank)):
         if int(rank or 0) > 0:
             problems.append(f"actor_rollout_ref.model.{key}={rank}: LoRA is not supported here; set it to 0")
-    for role in (_MEGATRON, f"{_REF}.megatron."):
+    for role in (_MEGATRON, *([f"{_REF}.megatron."] if actor.use_kl_loss else [])):  # a reference is built for the KL loss only
         if OmegaConf.select(config, f"{role}use_megatron_fsdp"):
             problems.append(f"{role}use_megatron_fsdp=True: Megatron's FSDP is not supported here (its DDP is); set it to False")
     if megatron.router_replay.mode != "disabled":

@@ -31,6 +31,7 @@ from verl.utils.checkpoint.layout import (  # the manifest, mark and staging nam
     CONTENT_NOTES,
     CONTENTS_FILENAME,
     DIRECTORY_NOTES,
+    INTEGRITY_IN_PLACE_NOTE,
     INTEGRITY_KEY,
     MANIFEST_FILENAME,
     RANK_RNG_STATE_KEY,
@@ -271,16 +272,17 @@ def our_marks(step_path: str) -> list[str]:
     """What in a step only this package writes (besides the manifest and commit mark), one line per file:
     ckpt_contents.json's ``integrity`` entry, this package's own notes on its contents and descriptions of its
     ``directories``, and the per-rank RNG states (``rank_rng_state``) in a dist checkpoint's ``.metadata``.
-    Upstream verl writes none of them. None when the contents file is there without the ``integrity`` entry:
-    a step saved in place through the manager's ``save_checkpoint`` (upstream's API), which writes no manifest."""
+    Upstream verl writes none of them. Empty for a step whose contents file says it was saved in place
+    (``INTEGRITY_IN_PLACE_NOTE``: the manager's ``save_checkpoint`` called directly, upstream's API), which no
+    manifest ever vouched for."""
     from verl.utils.checkpoint.data_only import METADATA_FILENAME, read_dcp_metadata
 
     marks = []
     contents_path = os.path.join(step_path, CONTENTS_FILENAME)
     if os.path.isfile(contents_path):
         data = _read_json(contents_path, "checkpoint contents")
-        if isinstance(data, dict) and INTEGRITY_KEY not in data:
-            return []  # saved in place through the manager's own save_checkpoint: it never promised a manifest
+        if data.get(INTEGRITY_KEY) == INTEGRITY_IN_PLACE_NOTE:
+            return []
         if INTEGRITY_KEY in data:
             marks.append(f"{contents_path} names its '{INTEGRITY_KEY}' files, {MANIFEST_FILENAME} and {COMMIT_MARK_FILENAME}")
         entries = {**_as_dict(data.get("directories")), **{name: entry.get("note") for name, entry in _as_dict(data.get("contents")).items() if isinstance(entry, dict)}}

@@ -67,12 +67,13 @@ CONTENT_NOTES = {
     "hf_model_beside_dist": "HF export next to the Megatron model shards",
     "hf_model_same_files": "the same files as 'model'",
 }
-# Ours, in ckpt_contents.json (upstream's readers ignore keys they do not know): the files that vouch for the
-# step's bytes, written only by a save the step transaction commits. A step whose contents file holds it is ours
-# whatever else it lost; one whose contents file lacks it was saved in place through the manager's own
-# ``save_checkpoint`` (upstream's API, no transaction), which promises no manifest.
+# Ours, in ckpt_contents.json (upstream's readers ignore keys they do not know): what vouches for the step's
+# bytes. A save the step transaction commits names the files that will (a step whose contents file says so is
+# ours whatever else it lost); a save made in place through the manager's own ``save_checkpoint`` (upstream's
+# API, no transaction) says that nothing does, so it loads as upstream's step would.
 INTEGRITY_KEY = "integrity"
 INTEGRITY_NOTE = {"manifest": MANIFEST_FILENAME, "commit_mark": COMMIT_MARK_FILENAME}
+INTEGRITY_IN_PLACE_NOTE = {"saved_in_place": "MegatronCheckpointManager.save_checkpoint outside a step transaction: no manifest"}
 
 
 def step_dir(root: str, step: int) -> str:

@@ -25,10 +25,15 @@ def save_weights_kwargs(
     bridge's save takes by name). An entry it does not take is refused (upstream drops it silently, so a misspelt
     or another bridge's option would vanish): ValueError naming ``key.<entry>``, the save (``save_name``, as
     the user knows it) and what it takes. ``strict`` (``checkpoint.strict``) goes to a save that takes it
-    (Megatron-Bridge's, as upstream passes it there) unless ``mbridge_config`` names it."""
+    (Megatron-Bridge's, as upstream passes it there, never from ``mbridge_config``: an entry naming it is refused)."""
     parameters = inspect.signature(save_weights).parameters
     given = dict(mbridge_config)
-    if strict is not None and "strict" in parameters and "strict" not in given:
+    if strict is not None and "strict" in parameters:
+        if "strict" in given:
+            raise ValueError(
+                f"{key}.strict: the HF save's strictness is checkpoint.strict (upstream passes that to {save_name}); "
+                f"set actor_rollout_ref.actor.checkpoint.strict instead and remove {key}.strict"
+            )
         given["strict"] = bool(strict)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return given

@@ -151,10 +151,8 @@ class MegatronLoads:
             key = "model" if len(self.model) == 1 else f"model{index}"
             if key not in loaded:
                 raise CheckpointError(f"{path} holds no '{key}' state (saved with use_dist_checkpointing=False?)")
-            # every key the model holds was read; a key beyond them is the strict apply's to judge (a grouped TE
-            # linear's per-GEMM _extra_state<i> are merged back by its own load hook there)
             held = unwrap_model(self.model[index]).state_dict().keys()
-            _raise_unless_fits(path, [k for k in held if k not in loaded[key]], [], checkpointed[key])
+            _raise_unless_every_key_read(path, [k for k in held if k not in loaded[key]], checkpointed[key])
 
         def apply() -> None:
             for index, chunk in enumerate(self.model):
@@ -280,6 +278,19 @@ def into_own_buffers(sharded_state_dict: dict) -> dict:
 
     dict_list_map_inplace(own, sharded_state_dict)
     return sharded_state_dict
+
+
+def _raise_unless_every_key_read(path: str, unread: list[str], checkpointed: set[str]) -> None:
+    """Before any rank applies the read state: every key the model holds was read, but an ``_extra_state`` its
+    sharded state dict leaves out. A key read beyond the model's is the strict apply's to judge (a grouped TE
+    linear's per-GEMM ``_extra_state<i>`` are merged back by its own load hook there)."""
+    unread = [k for k in unread if not (k.endswith("._extra_state") and k not in checkpointed)]
+    if unread:
+        raise CheckpointError(
+            f"{path} left {len(unread)} key(s) of this model unread ({unread[:5]}{'...' if len(unread) > 5 else ''}): "
+            "its sharded state dict does not request them, so Megatron shards cannot restore this model; save and load it "
+            "with actor_rollout_ref.actor.megatron.use_dist_checkpointing=False (its weights as HF files)"
+        )
 
 
 def _load_chunk_strictly(chunk: torch.nn.Module, state: dict, checkpointed: set[str], path: str) -> None:

@@ -103,8 +103,9 @@ class MegatronMetadata:
             "directories": directories,
             "saved_any_dist_ckpt": bool(self._dist_contents()),
         }
-        if layout.is_staging_path(local_path):  # the step transaction commits it: the manifest and mark it will write
-            manifest[layout.INTEGRITY_KEY] = dict(layout.INTEGRITY_NOTE)
+        # a staging directory is committed by the step transaction, which writes the manifest and mark named here
+        note = layout.INTEGRITY_NOTE if layout.is_staging_path(local_path) else layout.INTEGRITY_IN_PLACE_NOTE
+        manifest[layout.INTEGRITY_KEY] = dict(note)
         return manifest
 
     def _write_checkpoint_manifest(self, local_path: str, global_step: int) -> None:
