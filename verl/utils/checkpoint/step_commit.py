@@ -7,7 +7,8 @@ into the staging directory the transaction hands out; the transaction does every
 2. verify: the HF export holds every tensor its config implies (once; strict fails the save);
 3. manifest: our commit mark, then ``manifest.json`` over every other file (checksums the writer sealed are
    reused, the rest computed);
-4. fsync + one rename of the staging directory into place (an older copy of the step goes only after);
+4. fsync of what rank 0 wrote (every other file was fsynced by the rank that wrote it before this phase's
+   gather: ``durability``) + one rename of the staging directory into place (an older copy goes only after);
 5. retention: the writer's ``previous_saved_paths``, upstream's ``max_ckpt_to_keep`` rule, never the tracked step;
 6. the step's other files (the driver's ``data.pt``), written atomically beside the role's directory;
 7. the tracker, last: only now does a resume take this step.
@@ -36,9 +37,10 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from verl.utils.checkpoint import layout, os_errors
+from verl.utils.checkpoint.durability import fsync_unsealed
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
-from verl.utils.checkpoint.integrity import FORMAT_VERSION, build_manifest, fsync_tree
+from verl.utils.checkpoint.integrity import FORMAT_VERSION, build_manifest
 from verl.utils.fs import atomic_open, atomic_write_text, fsync_path
 from verl.utils.rank_comm import describe
 
@@ -290,7 +292,8 @@ class StepCommit:
         return None
 
     def _mark_and_rename(self, sealed: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
-        """Rank 0: the commit mark, the manifest (which covers every other file), fsync, then one rename."""
+        """Rank 0: the commit mark, the manifest (which covers every other file), fsync of what no writer sealed,
+        then one rename."""
         mark = {"format_version": FORMAT_VERSION, "global_step": self.step, "role": self.spec.role}
         atomic_write_text(os.path.join(self.staging, layout.COMMIT_MARK_FILENAME), json.dumps(mark, indent=2))
         manifest = build_manifest(self.staging, dict(self.spec.parallel), self.spec.use_distributed_optimizer, known_checksums=sealed)
@@ -299,7 +302,7 @@ class StepCommit:
         with contextlib.suppress(FileNotFoundError):
             with open(os.path.join(self.staging, layout.CONTENTS_FILENAME), encoding="utf-8") as handle:
                 contents = tuple(json.load(handle).get("save_contents", ()))
-        fsync_tree(self.staging)
+        fsync_unsealed(self.staging, sealed)  # the rest was fsynced by its writer (``durability``)
         if os.path.exists(self.path):  # a re-save: the committed copy waits aside until this commit ends
             os.replace(self.path, self.superseded)
             self._replaced = True
