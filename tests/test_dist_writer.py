@@ -28,10 +28,10 @@ LAYOUT = ParallelSizes(ep=2, etp=1)  # 2 ranks: experts split, dense data parall
 WORLD = 2
 
 
-def _actor(src: str):
+def _actor(src: str, **settings):
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    return MegatronEngine(main_leg_settings(src))
+    return MegatronEngine(main_leg_settings(src, **settings))
 
 
 def _recording_writes_and_fsyncs(log_path: str) -> None:
@@ -120,7 +120,13 @@ def _audited_saves(src: str, root: str, logs: str) -> dict:
     for step in (1, 2):  # the first save (cold: no writer helper may start) and a warm one
         actor.save_checkpoint(os.path.join(root, f"global_step_{step}", "actor"), global_step=step)
     children_after = {p.pid for p in psutil.Process().children(recursive=True)}
-    return {"forks": len(forks), "new_children": sorted(children_after - children_before)}
+    report = {"forks": len(forks), "new_children": sorted(children_after - children_before)}
+    # the forked writers: the snapshot's fork (which exports the HF weights here) and megatron's writer processes
+    snapshot = _actor(src, async_save=True, async_mode="snapshot")
+    snapshot.save_checkpoint(os.path.join(root, "global_step_3", "actor"), global_step=3)
+    snapshot.finalize_checkpoint()
+    report["hf_in_fork"] = snapshot.checkpoint_manager.last_save.hf_weights_in_background
+    return report
 
 
 def _events(logs: str) -> list[tuple]:
@@ -168,16 +174,18 @@ def _not_durable_by_their_writers(local_path: str, events: list[tuple]) -> tuple
     return breaches, files, sorted(writers)
 
 
-def test_every_file_of_a_committed_step_was_fsynced_by_the_rank_that_wrote_it_and_no_save_forked(tiny_moe_path, tmp_path):
-    """On hosts that share a filesystem, only the writer's fsync flushes its cache: each rank fsyncs what it
-    wrote and its directories before the commit; rank 0 fsyncs the parent after the rename."""
+def test_every_file_of_a_committed_step_was_fsynced_by_the_rank_that_wrote_it_and_no_sync_save_forked(tiny_moe_path, tmp_path):
+    """On hosts that share a filesystem, only the writer's fsync flushes its cache: each rank (or the process it
+    forked to write) fsyncs what it wrote and its directories before the commit; rank 0 fsyncs the parent after
+    the rename. Steps 1 and 2: the sync writer; step 3: the snapshot writer, whose forks write everything."""
     root, logs = str(tmp_path / "ckpt"), str(tmp_path / "logs")
     os.makedirs(logs)
     results = run_on_ranks(_audited_saves, WORLD, LAYOUT, args=(tiny_moe_path, root, logs))
     for rank, result in enumerate(results):
         assert result["forks"] == 0 and result["new_children"] == [], f"rank {rank}: a sync save started processes"
+        assert result["hf_in_fork"], f"rank {rank}: the snapshot's HF export ran in the rank, not in its fork"
     events = _events(logs)
-    for step in (1, 2):
+    for step in (1, 2, 3):
         local_path = os.path.realpath(os.path.join(root, f"global_step_{step}", "actor"))
         breaches, files, writers = _not_durable_by_their_writers(local_path, events)
         assert files >= 10, f"step {step}: only {files} files committed"
