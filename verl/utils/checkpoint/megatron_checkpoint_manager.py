@@ -314,7 +314,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             save.hf_comm = self._hf_comm
             hf_beside = functools.partial(self._hf_export(save.local_path, in_rank=True).run, self.rank, self._hf_comm, self.wait_for_hf_config)
         job = save_writers.SaveJob(
-            save.local_path, self.rank, self.world_size, dist_dirs,
+            self.rank,
             plan_in_rank=functools.partial(self._timed, "dist_checkpoints", self._save_dist_checkpoints, save.local_path),
             plans_reusable=self._plans_are_reusable,
             fork=lambda: self._forked_save(save),

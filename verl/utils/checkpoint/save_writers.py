@@ -1,8 +1,8 @@
 """One writer object per save mode (``AsyncMode``), chosen once when the checkpoint manager is built.
 
 A save's phases ask the writer where they run; nothing in a save tests the host. Each writer is given a
-``SaveJob`` (the step's staging directory, what the rank plans, and what a fork would be given: state dicts'
-sources, paths, strategies, the HF export) and returns what a forked process is to run, if anything:
+``SaveJob`` (what the rank plans and wrote, its sealer, and what a fork would be given: state dicts' sources,
+paths, strategies, the HF export) and returns what a forked process is to run, if anything:
 
 ================  ============================  ==========================  ============  =============
 writer            dist checkpoints: plan/write  NaN/Inf check               HF export     hosts
@@ -53,16 +53,13 @@ if TYPE_CHECKING:
 class SaveJob:
     """One save as a writer sees it. ``plan_in_rank(in_background)``: the rank's dist-checkpoint save (written
     here, or only planned with ``in_background``; the writes still to run); ``plans_reusable``: megatron's plans
-    need no collective any more; ``fork``: what a forked pipeline is given (built when asked); ``dist_dirs``: the
-    dist checkpoints' directories in ``staging``; ``dist_written``: the files this rank's in-rank writer wrote in
-    them (after ``plan_in_rank(False)``); ``sealer``: this rank's, for the files it writes; ``hf_beside``: the
-    rank's HF export over a group of its own, which the sync writer runs beside the dist write (None: the manager
-    exports after it), returning the files it wrote (``HFExport.run``); ``hf_dir``: its folder."""
+    need no collective any more; ``fork``: what a forked pipeline is given (built when asked); ``dist_written``:
+    the files this rank's in-rank writer wrote into the dist checkpoints (after ``plan_in_rank(False)``);
+    ``sealer``: this rank's, for the files it writes; ``hf_beside``: the rank's HF export over a group of its own,
+    which the sync writer runs beside the dist write (None: the manager exports after it), returning the files it
+    wrote (``HFExport.run``); ``hf_dir``: its folder."""
 
-    staging: str
     rank: int
-    world_size: int
-    dist_dirs: list[str]
     plan_in_rank: Callable[[bool], list[AsyncRequest] | None]
     plans_reusable: Callable[[], bool]
     fork: Callable[[], ForkedSave]

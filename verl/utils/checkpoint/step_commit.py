@@ -124,7 +124,8 @@ class StepSpec:
 
     ``hf_config``: the HF config whose tensors the export must hold, None when the step has no HF export.
     ``parallel``: the layout the parts were written at (the manifest records it). ``sealed``: this rank's
-    checksums of files the writer already hashed, relative paths (called after the writer finished).
+    checksums of the files it wrote, relative paths, once each is fsynced with its directory (called after the
+    writer finished, before the gather: ``durability``); the commit fsyncs only what no rank sealed.
     ``retention``: whose saved steps ``max_ckpt_to_keep`` applies to (None: no retention). ``step_files``:
     name -> bytes written beside the role's directory after the commit; ``track``: then move the tracker.
     ``on_phase``: called on every rank as each phase starts (crash-injection tests, benchmarks), ``discard`` (a
