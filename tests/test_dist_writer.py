@@ -28,10 +28,10 @@ LAYOUT = ParallelSizes(ep=2, etp=1)  # 2 ranks: experts split, dense data parall
 WORLD = 2
 
 
-def _actor(src: str, **settings):
+def _actor(src: str):
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    return MegatronEngine(main_leg_settings(src, **settings))
+    return MegatronEngine(main_leg_settings(src))
 
 
 def _recording_writes_and_fsyncs(log_path: str) -> None:
@@ -122,10 +122,11 @@ def _audited_saves(src: str, root: str, logs: str) -> dict:
     children_after = {p.pid for p in psutil.Process().children(recursive=True)}
     report = {"forks": len(forks), "new_children": sorted(children_after - children_before)}
     # the forked writers: the snapshot's fork (which exports the HF weights here) and megatron's writer processes
-    snapshot = _actor(src, async_save=True, async_mode="snapshot")
-    snapshot.save_checkpoint(os.path.join(root, "global_step_3", "actor"), global_step=3)
-    snapshot.finalize_checkpoint()
-    report["hf_in_fork"] = snapshot.checkpoint_manager.last_save.hf_weights_in_background
+    manager = actor.checkpoint_manager
+    manager.async_save, manager.async_mode = True, "snapshot"  # the manager's public setters: the writer chosen again
+    actor.save_checkpoint(os.path.join(root, "global_step_3", "actor"), global_step=3)
+    actor.finalize_checkpoint()
+    report["hf_in_fork"] = manager.last_save.hf_weights_in_background
     return report
 
 
