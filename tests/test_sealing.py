@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import zlib
 
+import pytest
+
 from verl.utils.checkpoint.durability import Sealer, own_files
 from verl.utils.checkpoint.integrity import build_manifest
 
@@ -32,6 +34,15 @@ def test_sealed_checksums_are_the_files_and_an_unreadable_file_is_left_to_the_co
     assert {name: entry["checksum"] for name, entry in manifest["files"].items()} == {
         name: f"crc32:{zlib.crc32(payload):08x}" for name, payload in data.items()
     }
+
+
+def test_an_fsync_that_fails_is_raised_naming_the_file_not_left_to_another_rank(tmp_path):
+    """A failed fsync means pages the writer's host held may be lost: no other host's fsync can make up for it."""
+    (tmp_path / "a.bin").write_bytes(b"xyz")
+    sealer = Sealer(str(tmp_path))
+    sealer.seal(["a.bin", os.devnull])  # fsync of a character device: EINVAL, a real failure of the call
+    with pytest.raises(OSError, match=r"Invalid argument: '/dev/null'"):
+        sealer.results()
 
 
 def test_a_file_hashed_while_the_save_went_on_is_not_read_again(tmp_path):

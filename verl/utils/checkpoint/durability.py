@@ -5,7 +5,8 @@ that host flushes them: an fsync on another host does not. So the rule, owned he
 
 - every rank hashes (the manifest's CRC-32) and fsyncs the files its writers report it wrote, then the
   directories holding them and the directories its save made (``Sealer``), in background threads while the
-  save goes on, and waits for them (``Sealer.results``) before it enters the step commit's gather (its barrier);
+  save goes on, and waits for them (``Sealer.results``) before it enters the step commit's gather (its barrier),
+  which fails the commit on every rank when one rank's fsync failed;
 - a process forked to write (the async writers) fsyncs what it writes, in the fork: megatron's dist-checkpoint
   writer processes fsync each file they write; a snapshot fork's HF export fsyncs its files (``fsync_written``);
 - what no writer reports is rank 0's (``own_files``): megatron's coordinator files (``.metadata``,
@@ -27,6 +28,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from verl.utils.checkpoint.checksum import file_checksum
 from verl.utils.checkpoint.integrity import start_writeback
 from verl.utils.fs import fsync_path
+
+
+def _fsync(path: str) -> None:
+    """``fsync_path``, its error naming the path: on a shared filesystem a write error shows here (the pages the
+    writer's host held may be lost), and it fails the save."""
+    try:
+        fsync_path(path)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, path) from exc
 
 
 def files_in(directory: str) -> list[str]:
@@ -59,15 +69,15 @@ def _directories_up_to(step_path: str, paths: Iterable[str]) -> list[str]:
 def fsync_written(step_path: str, paths: list[str]) -> None:
     """In the process that wrote ``paths`` (files inside ``step_path``): fsync each, then their directories."""
     for path in paths:
-        fsync_path(path)
+        _fsync(path)
     for directory in _directories_up_to(step_path, paths):
-        fsync_path(directory)
+        _fsync(directory)
 
 
 def _checksum_and_sync(path: str) -> str:
     """The file's CRC-32, then an fsync of it: read from the page cache first, written back while others hash."""
     checksum = file_checksum(path)
-    fsync_path(path)
+    _fsync(path)
     return checksum
 
 
@@ -93,18 +103,22 @@ class Sealer:
             self._pending[os.path.relpath(path, self.step_path)] = self._pool.submit(_checksum_and_sync, path)
 
     def results(self) -> dict[str, str]:
-        """Relative path -> checksum of every sealed file that could be read, once each is durable with its
-        directory; one that could not is left out (the step transaction then hashes it itself, and reports it if
-        it is gone). Asked again, the same answer."""
+        """Relative path -> checksum of every sealed file, once each is durable with its directory; a file gone
+        is left out (the step transaction reports it); any other error (an fsync's EIO: pages this host held
+        may be lost) is raised, and the step commit fails on every rank. Asked again, the same answer."""
         if self._sealed is not None:
             return self._sealed
         self._pool.shutdown(wait=True)
+        failed = [f.exception() for f in self._pending.values() if f.exception() is not None]
+        for error in failed:
+            if not isinstance(error, FileNotFoundError):
+                raise error
         sealed = {relpath: future.result() for relpath, future in self._pending.items() if future.exception() is None}
         written = [os.path.join(self.step_path, relpath) for relpath in sealed]
         for directory in _directories_up_to(
             self.step_path, [*written, *(d for d in self.directories if os.path.isdir(d))]
         ):
-            fsync_path(directory)
+            _fsync(directory)
         self._sealed = sealed
         return sealed
 
@@ -119,6 +133,6 @@ def fsync_unsealed(step_path: str, sealed: Iterable[str]) -> None:
         for name in names:
             path = os.path.join(root, name)
             if os.path.relpath(path, step_path) not in sealed:
-                fsync_path(path)
+                _fsync(path)
     for directory in sorted(directories, key=lambda d: -d.count(os.sep)):
-        fsync_path(directory)
+        _fsync(directory)

@@ -252,9 +252,7 @@ class StepCommit:
         with self._phase("hf_verify"):
             hf_tensors = self._verify_hf_export()
         with self._phase("commit"):
-            everyone: list = [None] * torch.distributed.get_world_size()  # the checksums every rank's writer computed
-            torch.distributed.all_gather_object(everyone, dict(self.spec.sealed()))
-            sealed = {relpath: checksum for share in everyone for relpath, checksum in share.items()}
+            sealed = self._gather_sealed()
             files, contents = from_rank_zero(lambda: self._mark_and_rename(sealed), f"commit step {self.step}", self.staging)
             self.placed = True
         with self._phase("retention"):
@@ -273,6 +271,21 @@ class StepCommit:
                 self._discard_superseded()
         self.committed = CommittedStep(self.path, self.step, files, contents, hf_tensors, self.spec.track, dict(self.phase_seconds))
         return self.committed
+
+    def _gather_sealed(self) -> dict[str, str]:
+        """Every rank's checksums of the files it wrote, each made durable by it before this gather (``durability``).
+        A rank whose seal failed (an fsync error: pages its host held may be lost) fails the commit on every rank,
+        named, before anything is renamed."""
+        try:
+            mine = (True, dict(self.spec.sealed()))
+        except Exception as exc:
+            mine = (False, describe(exc))
+        everyone: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+        failed = [(rank, cause) for rank, (ok, cause) in enumerate(everyone) if not ok]
+        if failed:
+            raise CheckpointError(f"rank {failed[0][0]} could not make the files it wrote durable ({failed[0][1]})")
+        return {relpath: checksum for _, share in everyone for relpath, checksum in share.items()}
 
     def _verify_hf_export(self) -> int | None:
         """Fix 2's proof, once per save: the bridge wrote every tensor the config implies. The count checked."""
