@@ -1,9 +1,11 @@
 """The sync save's in-rank dist-checkpoint writer: durable, fork-free, the plan reused from the second save.
 
-The fsync audit records, in each rank, every ``os.fsync`` (the path of its fd) and every ``os.replace`` /
-``os.rename`` with a system-wide monotonic stamp, wrapping the real calls: every file and directory of the
-committed step must have been fsynced before the staging directory was renamed into place, and the parent
-after it, so no speed-up is ever bought by dropping durability.
+The fsync audit records, in each rank (and the processes it forks), every file it writes, every directory it
+makes, every ``os.fsync`` and every rename, by inode with a system-wide monotonic stamp, wrapping the real calls:
+every file and directory of the committed step must have been fsynced by the rank that wrote (or made) it before
+the staging directory was renamed into place, and the parent after it. So no speed-up is ever bought by
+dropping durability, nor by one host fsyncing what another host wrote (which does not flush the writer's cache
+on a shared filesystem).
 """
 
 from __future__ import annotations
@@ -32,67 +34,167 @@ def _actor(src: str):
     return MegatronEngine(main_leg_settings(src))
 
 
-def _recording_fsync_and_rename(events: list) -> None:
-    """Wrap ``os.fsync``, ``os.replace`` and ``os.rename`` in this process: each call, once it returned, is
-    recorded as (monotonic ns, op, path(s)), the real call unchanged."""
-    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+def _recording_writes_and_fsyncs(log_path: str) -> None:
+    """Wrap, in this process and the processes it forks, every way a save writes a file (``builtins.open`` /
+    ``io.open`` / ``os.open`` for writing; ``torch.save``, ``safetensors``' ``save_file`` and ``tokenizers``'
+    ``Tokenizer.save`` to a path: their writes run in C++ or Rust), makes a directory (``os.mkdir``), fsyncs
+    (``os.fsync``) and renames (``os.replace`` / ``os.rename``). Each call, the real one unchanged, appends one
+    JSON line to ``log_path`` (this rank's log; a fork's lines land in its rank's): monotonic ns, the op and the
+    inode it touched (a rename keeps it, so a file is followed from its temp name to the committed step)."""
+    import builtins
+    import io
+    import json
+
+    import safetensors.torch
+    import tokenizers
+
+    from verl.models.mcore import parallel_hf_save
+
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    real_open, real_os_open, real_mkdir, real_fsync = builtins.open, os.open, os.mkdir, os.fsync
+
+    def record(op: str, start: int, inode: int, *paths: str) -> None:
+        line = json.dumps([start, time.monotonic_ns(), op, inode, *paths]) + "\n"
+        os.write(log, line.encode())  # one short O_APPEND write: lines of several processes never interleave
+
+    def opening(file, mode="r", *args, **kwargs):
+        start = time.monotonic_ns()
+        handle = real_open(file, mode, *args, **kwargs)
+        if not isinstance(file, int) and any(c in mode for c in "wax+"):
+            record("wrote", start, os.fstat(handle.fileno()).st_ino, os.path.abspath(file))
+        return handle
+
+    def os_opening(path, flags, *args, **kwargs):
+        start = time.monotonic_ns()
+        fd = real_os_open(path, flags, *args, **kwargs)
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            record("wrote", start, os.fstat(fd).st_ino, os.path.abspath(path))
+        return fd
+
+    def writing_to_a_path(real, path_arg: int):
+        def write(*args, **kwargs):
+            start = time.monotonic_ns()
+            result = real(*args, **kwargs)
+            target = args[path_arg] if len(args) > path_arg else None
+            if isinstance(target, (str, os.PathLike)):
+                record("wrote", start, os.stat(target).st_ino, os.path.abspath(target))
+            return result
+
+        return write
+
+    def mkdir(path, *args, **kwargs):
+        start = time.monotonic_ns()
+        real_mkdir(path, *args, **kwargs)
+        record("made", start, os.stat(path).st_ino, os.path.abspath(path))
 
     def fsync(fd) -> None:
         number = fd if isinstance(fd, int) else fd.fileno()
-        path = os.readlink(f"/proc/self/fd/{number}")
+        start = time.monotonic_ns()
         real_fsync(fd)
-        events.append((time.monotonic_ns(), "fsync", path))
+        record("fsync", start, os.fstat(number).st_ino, os.readlink(f"/proc/self/fd/{number}"))
 
     def renaming(real):
         def rename(src, dst, **kwargs) -> None:
+            start = time.monotonic_ns()
             real(src, dst, **kwargs)
-            events.append((time.monotonic_ns(), "rename", os.path.abspath(src), os.path.abspath(dst)))
+            record("rename", start, os.stat(dst).st_ino, os.path.abspath(src), os.path.abspath(dst))
 
         return rename
 
-    os.fsync, os.replace, os.rename = fsync, renaming(real_replace), renaming(real_rename)
+    builtins.open = io.open = opening
+    os.open, os.mkdir, os.fsync = os_opening, mkdir, fsync
+    os.replace, os.rename = renaming(os.replace), renaming(os.rename)
+    torch.save = writing_to_a_path(torch.save, 1)
+    save_file = writing_to_a_path(safetensors.torch.save_file, 1)
+    safetensors.torch.save_file = parallel_hf_save.save_file = save_file
+    tokenizers.Tokenizer.save = writing_to_a_path(tokenizers.Tokenizer.save, 1)
 
 
-def _audited_saves(src: str, root: str) -> dict:
+def _audited_saves(src: str, root: str, logs: str) -> dict:
     actor = _actor(src)
     actor.train_step([torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))] * 2)
-    events: list = []
     forks: list = []
     os.register_at_fork(before=lambda: forks.append(os.getpid()))
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
-    _recording_fsync_and_rename(events)
+    _recording_writes_and_fsyncs(os.path.join(logs, f"rank{torch.distributed.get_rank()}.jsonl"))
     for step in (1, 2):  # the first save (cold: no writer helper may start) and a warm one
         actor.save_checkpoint(os.path.join(root, f"global_step_{step}", "actor"), global_step=step)
     children_after = {p.pid for p in psutil.Process().children(recursive=True)}
-    return {"events": events, "forks": len(forks), "new_children": sorted(children_after - children_before)}
+    report = {"forks": len(forks), "new_children": sorted(children_after - children_before)}
+    # the forked writers: the snapshot's fork (which exports the HF weights here) and megatron's writer processes
+    manager = actor.checkpoint_manager
+    manager.async_save, manager.async_mode = True, "snapshot"  # the manager's public setters: the writer chosen again
+    actor.save_checkpoint(os.path.join(root, "global_step_3", "actor"), global_step=3)
+    actor.finalize_checkpoint()
+    report["hf_in_fork"] = manager.last_save.hf_weights_in_background
+    return report
 
 
-def test_every_file_of_a_committed_step_was_fsynced_before_the_rename_and_no_save_forked(tiny_moe_path, tmp_path):
-    root = str(tmp_path)
-    results = run_on_ranks(_audited_saves, WORLD, LAYOUT, args=(tiny_moe_path, root))
+def _events(logs: str) -> list[tuple]:
+    """Every rank's recorded calls as (start ns, end ns, op, inode, paths..., rank), in the order they ended."""
+    import json
+
+    events = []
+    for rank in range(WORLD):
+        with open(os.path.join(logs, f"rank{rank}.jsonl")) as handle:
+            events += [(*json.loads(line), rank) for line in handle]
+    return sorted(events, key=lambda e: e[1])
+
+
+def _not_durable_by_their_writers(local_path: str, events: list[tuple]) -> tuple[list[str], int, list[int]]:
+    """Per-writer durability of a committed step (``verl.utils.checkpoint.durability``): for every file, the
+    rank that wrote it (its last writing open before the commit's rename, followed by inode through renames)
+    fsynced it and the directory holding it after the write and before the rename; every directory, the rank
+    that made it fsynced it. Returns the breaches, the files checked and the ranks that wrote them."""
+    staging = os.path.realpath(layout.staging_path(local_path))
+    renamed = [e for e in events if e[2] == "rename" and list(e[4:6]) == [staging, os.path.realpath(local_path)]]
+    assert len(renamed) == 1, f"{local_path}: the staging directory was renamed {len(renamed)} times"
+    rename_ns = renamed[0][0]
+
+    def fsynced_by(rank: int, inode: int, after: int) -> bool:
+        return any(e[2] == "fsync" and e[3] == inode and e[-1] == rank and after < e[0] and e[1] < rename_ns for e in events)
+
+    breaches, files, writers = [], 0, set()
+    for directory, _, names in os.walk(local_path):
+        made = [e for e in events if e[2] == "made" and e[3] == os.stat(directory).st_ino and e[1] < rename_ns]
+        if made and not fsynced_by(made[-1][-1], made[-1][3], made[-1][1]):
+            breaches.append(f"{directory}/ made by rank {made[-1][-1]}, which did not fsync it")
+        for name in names:
+            path = os.path.join(directory, name)
+            files += 1
+            wrote = [e for e in events if e[2] == "wrote" and e[3] == os.stat(path).st_ino and e[0] < rename_ns]
+            if not wrote:
+                breaches.append(f"{path}: no rank was seen writing it")
+                continue
+            writer, written = wrote[-1][-1], wrote[-1][1]
+            writers.add(writer)
+            if not fsynced_by(writer, wrote[-1][3], written):
+                breaches.append(f"{path}: written by rank {writer}, which did not fsync it before the rename")
+            elif not fsynced_by(writer, os.stat(directory).st_ino, written):
+                breaches.append(f"{path}: written by rank {writer}, which did not fsync its directory after it")
+    return breaches, files, sorted(writers)
+
+
+def test_every_file_of_a_committed_step_was_fsynced_by_the_rank_that_wrote_it_and_no_sync_save_forked(tiny_moe_path, tmp_path):
+    """On hosts that share a filesystem, only the writer's fsync flushes its cache: each rank (or the process it
+    forked to write) fsyncs what it wrote and its directories before the commit; rank 0 fsyncs the parent after
+    the rename. Steps 1 and 2: the sync writer; step 3: the snapshot writer, whose forks write everything."""
+    root, logs = str(tmp_path / "ckpt"), str(tmp_path / "logs")
+    os.makedirs(logs)
+    results = run_on_ranks(_audited_saves, WORLD, LAYOUT, args=(tiny_moe_path, root, logs))
     for rank, result in enumerate(results):
         assert result["forks"] == 0 and result["new_children"] == [], f"rank {rank}: a sync save started processes"
-    events = sorted(event for result in results for event in result["events"])
-    for step in (1, 2):
+        assert result["hf_in_fork"], f"rank {rank}: the snapshot's HF export ran in the rank, not in its fork"
+    events = _events(logs)
+    for step in (1, 2, 3):
         local_path = os.path.realpath(os.path.join(root, f"global_step_{step}", "actor"))
-        staging = os.path.realpath(layout.staging_path(local_path))
-        renames = [e[0] for e in events if e[1] == "rename" and e[2:] == (staging, local_path)]
-        assert len(renames) == 1, f"step {step}: the staging directory was renamed {len(renames)} times"
-        fsynced = {e[2] for e in events if e[1] == "fsync" and e[0] < renames[0]}
-        unsynced = []
-        files = 0
-        for directory, _, names in os.walk(local_path):
-            relative = os.path.relpath(directory, local_path)
-            staged_dir = staging if relative == "." else os.path.join(staging, relative)
-            unsynced += [] if staged_dir in fsynced else [f"{staged_dir}/ (directory)"]
-            for name in names:
-                files += 1
-                staged = os.path.join(staged_dir, name)
-                unsynced += [] if staged in fsynced else [staged]
+        breaches, files, writers = _not_durable_by_their_writers(local_path, events)
         assert files >= 10, f"step {step}: only {files} files committed"
-        assert not unsynced, f"step {step}: not fsynced before the rename: {unsynced}"
-        parent = os.path.dirname(local_path)
-        assert any(e[1] == "fsync" and e[2] == parent and e[0] > renames[0] for e in events), (
+        assert writers == [0, 1], f"step {step}: files written by ranks {writers}, not by both"
+        assert not breaches, f"step {step}: " + "; ".join(breaches)
+        rename_ns = next(e[1] for e in events if e[2] == "rename" and e[5] == local_path)
+        parent = os.stat(os.path.dirname(local_path)).st_ino
+        assert any(e[2] == "fsync" and e[3] == parent and e[0] > rename_ns for e in events), (
             f"step {step}: the parent directory was not fsynced after the rename"
         )
 

@@ -40,7 +40,7 @@ class ParallelObservingBridge:
     def save_weights(self, models, weights_path, memory_efficient=False, comm=None):
         self.seen_at_start = {name: os.path.exists(os.path.join(weights_path, name)) for name in NAMES}
         self.in_main_thread = threading.current_thread() is threading.main_thread()
-        self.bridge.save_weights(models, weights_path, memory_efficient=memory_efficient, comm=comm)
+        return self.bridge.save_weights(models, weights_path, memory_efficient=memory_efficient, comm=comm)
 
 
 class SerialBridge:
@@ -50,7 +50,7 @@ class SerialBridge:
         self.bridge = bridge
 
     def save_weights(self, models, weights_path, memory_efficient=False):
-        self.bridge.save_weights(models, weights_path, memory_efficient=memory_efficient)
+        return self.bridge.save_weights(models, weights_path, memory_efficient=memory_efficient)
 
 
 class SlowConfigManager(MegatronCheckpointManager):

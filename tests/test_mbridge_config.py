@@ -25,7 +25,7 @@ class RecordingBridge:
 
     def save_weights(self, models, weights_path, memory_efficient=False, comm=None):
         self.calls.append({"memory_efficient": memory_efficient})
-        self.bridge.save_weights(models, weights_path, memory_efficient=memory_efficient, comm=comm)
+        return self.bridge.save_weights(models, weights_path, memory_efficient=memory_efficient, comm=comm)
 
 
 def _save_with(src: str, root: str, mbridge_config: dict) -> list[dict] | str:

@@ -50,7 +50,7 @@ class ObservingBridge:
     def save_weights(self, models, weights_path, memory_efficient=False):
         names = ("config.json", "tokenizer.json", "tokenizer_config.json")
         self.seen_at_start = {name: os.path.exists(os.path.join(weights_path, name)) for name in names}
-        self.bridge.save_weights(models, weights_path, memory_efficient=memory_efficient)
+        return self.bridge.save_weights(models, weights_path, memory_efficient=memory_efficient)
 
 
 class SlowConfigManager(MegatronCheckpointManager):
@@ -114,7 +114,7 @@ class LastLayersExpertDroppingBridge:
 
         self.bridge.export_weights = export_without_last_experts
         try:
-            self.bridge.save_weights(models, weights_path, memory_efficient=memory_efficient)
+            return self.bridge.save_weights(models, weights_path, memory_efficient=memory_efficient)
         finally:
             del self.bridge.export_weights
 

@@ -1,23 +1,25 @@
-"""The split of a step's files over the ranks for hashing, and the background hashing itself."""
+"""Which files a rank seals (the ones it wrote), and the background hashing itself."""
 
 from __future__ import annotations
 
 import os
 import zlib
 
+import pytest
+
+from verl.utils.checkpoint.durability import Sealer, own_files
 from verl.utils.checkpoint.integrity import build_manifest
-from verl.utils.checkpoint.save_writers import Sealer, share_of
 
 
-def test_every_file_goes_to_exactly_one_rank_and_the_bytes_are_balanced():
-    relpaths = [f"optimizer/dist_ckpt/__{i}_0.distcp" for i in range(9)]
-    sizes = [900, 100, 800, 200, 700, 300, 600, 400, 500]
-    shares = [share_of(relpaths, sizes, rank, 3) for rank in range(3)]
-    assert sorted(p for share in shares for p in share) == sorted(relpaths)
-    by_path = dict(zip(relpaths, sizes, strict=True))
-    loads = [sum(by_path[p] for p in share) for share in shares]
-    assert max(loads) - min(loads) <= max(sizes) // 4, loads
-    assert share_of(relpaths, sizes, 0, 1) == sorted(relpaths, key=by_path.get, reverse=True)
+def test_a_rank_seals_what_its_writer_reported_and_rank_zero_what_a_writer_that_reports_none_wrote(tmp_path):
+    folder = tmp_path / "huggingface"
+    (folder / "sub").mkdir(parents=True)
+    for name in ("a.safetensors", "b.safetensors", "sub/c.json"):
+        (folder / name).write_bytes(b"x")
+    reported = [str(folder / "b.safetensors")]
+    assert [own_files(str(folder), reported, rank) for rank in (0, 1)] == [reported, reported]
+    everything = [str(folder / n) for n in ("a.safetensors", "b.safetensors", "sub/c.json")]
+    assert [own_files(str(folder), None, rank) for rank in (0, 1)] == [everything, []]
 
 
 def test_sealed_checksums_are_the_files_and_an_unreadable_file_is_left_to_the_commit(tmp_path):
@@ -32,6 +34,15 @@ def test_sealed_checksums_are_the_files_and_an_unreadable_file_is_left_to_the_co
     assert {name: entry["checksum"] for name, entry in manifest["files"].items()} == {
         name: f"crc32:{zlib.crc32(payload):08x}" for name, payload in data.items()
     }
+
+
+def test_an_fsync_that_fails_is_raised_naming_the_file_not_left_to_another_rank(tmp_path):
+    """A failed fsync means pages the writer's host held may be lost: no other host's fsync can make up for it."""
+    (tmp_path / "a.bin").write_bytes(b"xyz")
+    sealer = Sealer(str(tmp_path))
+    sealer.seal(["a.bin", os.devnull])  # fsync of a character device: EINVAL, a real failure of the call
+    with pytest.raises(OSError, match=r"Invalid argument: '/dev/null'"):
+        sealer.results()
 
 
 def test_a_file_hashed_while_the_save_went_on_is_not_read_again(tmp_path):

@@ -161,6 +161,40 @@ def test_a_write_error_on_rank_zero_fails_every_rank_and_keeps_the_previous_step
     verify_manifest(layout.role_dir(root, 1, "actor"))
 
 
+def _fail_a_seal_on_rank_one(root: str) -> dict:
+    """Step 2: rank 1's sealer meets a real fsync error (a character device among its files)."""
+    from verl.utils.checkpoint.durability import Sealer
+
+    _save(root, 1, track=True)
+    sealers: list = []
+
+    def sealed() -> dict:
+        return sealers[0].results()
+
+    raised = None
+    try:
+        with StepCommit(layout.role_dir(root, 2, "actor"), 2, _spec(sealed=sealed, track=True)) as staging:
+            PartWriter().save_checkpoint(staging)
+            sealers.append(Sealer(staging))
+            sealers[0].seal([f"part{torch.distributed.get_rank()}.bin", *([os.devnull] if torch.distributed.get_rank() == 1 else [])])
+    except CheckpointError as exc:
+        raised = str(exc)
+    torch.distributed.barrier()
+    return {"raised": raised, "tracker": read_tracker(root), "dirs": sorted(os.listdir(root))}
+
+
+def test_a_rank_whose_fsync_failed_fails_the_commit_on_every_rank_before_the_rename(tmp_path):
+    root = str(tmp_path / "run")
+    results = run_on_ranks(_fail_a_seal_on_rank_one, WORLD, args=(root,), timeout_s=120)
+    for result in results:
+        assert result["raised"] == (
+            "rank 1 could not make the files it wrote durable (OSError: [Errno 22] Invalid argument: '/dev/null'). "
+            "Nothing was committed; the previous checkpoint and the tracker are unchanged."
+        ), result["raised"]
+    assert results[0]["tracker"] == 1
+    assert results[0]["dirs"] == ["global_step_1", layout.TRACKER_FILENAME]
+
+
 class FailingRetention(BaseCheckpointManager):
     """Upstream's retention whose rule fails on every rank (a step was already renamed into place)."""
 

@@ -192,7 +192,7 @@ class _ParallelSaveMixin:
     mapping of the model's own parameters, so the TE spec's names (``linear_qkv.layer_norm_weight``, grouped
     experts' ``linear_fc1.weight{i}``; ``_extra_state`` is no parameter) need nothing of their own."""
 
-    def save_weights(self, models: list, weights_path: str, memory_efficient: bool = False, comm: RankComm | None = None) -> None:
+    def save_weights(self, models: list, weights_path: str, memory_efficient: bool = False, comm: RankComm | None = None) -> list[str] | None:
         """Write the HF folder with every rank writing the files it owns (``parallel_hf_save``).
 
         The files and the tensors in them are the same as mbridge's ``save_weights`` writes (bit for
@@ -201,14 +201,16 @@ class _ParallelSaveMixin:
         in ``weights_path`` (the checkpoint manager writes it first) is left as it is. An
         ``export_weights`` replaced on the instance is honoured by taking mbridge's own path.
         ``comm``: the group of ranks that writes (default: torch.distributed's default group; the
-        background save passes its forked processes' group); only the parallel path takes one.
+        background save passes its forked processes' group); only the parallel path takes one. Returns the
+        files this rank wrote (the checkpoint's per-writer durability: ``verl.utils.checkpoint.durability``);
+        None from mbridge's own save, where rank 0 writes every file.
         """
         if not self.saves_in_parallel:
             if comm is not None:
                 raise ValueError("only the parallel HF save runs over another group than the default one")
             self.save_weights_gathered(models, weights_path, memory_efficient=memory_efficient)
-            return
-        save_weights_in_parallel(self, models, weights_path, comm)
+            return None
+        return save_weights_in_parallel(self, models, weights_path, comm)
 
     def gather_hf_weights(self, models: list, receivers: list[int]) -> dict[str, torch.Tensor]:
         """Every HF tensor of the model, whole, on each rank in ``receivers`` (``parallel_hf_save.gather_hf_weights``)."""

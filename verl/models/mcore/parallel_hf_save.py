@@ -210,8 +210,10 @@ def _to_hf(bridge, te: str, shard: _Shard, pieces: list[torch.Tensor]) -> dict[s
     return dict(zip(*mbridge_internals.to_hf_format(bridge, te, merged), strict=True))
 
 
-def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: RankComm | None = None) -> None:
-    """Write the HF folder ``weights_path``; every rank of ``comm`` (default: the default group) calls this."""
+def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: RankComm | None = None) -> list[str]:
+    """Write the HF folder ``weights_path``; every rank of ``comm`` (default: the default group) calls this.
+    Returns the files this rank wrote (its safetensors files; on rank 0 also the index and a ``config.json`` it
+    wrote), which the caller makes durable in this process."""
     comm = comm or RankComm()
     rank, world_size = comm.rank, comm.world_size
     failure: Exception | None = None  # this rank's write failed: it still sends its shards, writes nothing more
@@ -251,6 +253,7 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
     # 4. rounds: shards to writers, merge, convert, write (over a host-only group, from host copies: the
     # file write needs them there anyway)
     written: dict[str, int] = {}
+    files_written: list[str] = []
     device = torch.device("cpu") if comm.host_only else held.device
     tag = 0
     for round_index in range(max(len(f) for f in writer_files)):
@@ -274,7 +277,9 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
         for writer, file in jobs:
             if writer == rank and failure is None:
                 try:
-                    written.update(_write_file(bridge, weights_path, file, files[file], te_for_file[file], meta, my_tensors, received, device))
+                    sizes = _write_file(bridge, weights_path, file, files[file], te_for_file[file], meta, my_tensors, received, device)
+                    written.update(sizes)
+                    files_written += [os.path.join(weights_path, file)] if sizes else []
                 except Exception as exc:  # a full disk, say: reported to every rank in step 5, not left to hang them
                     failure = exc
         del received
@@ -285,14 +290,16 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
     index_failure = None
     if rank == 0:
         try:
-            _write_index_and_config(bridge, weights_path, plan, source_index, {n: b for report in reports for n, b in report.items()})
+            files_written += _write_index_and_config(bridge, weights_path, plan, source_index, {n: b for report in reports for n, b in report.items()})
         except Exception as exc:
             index_failure = exc
     comm.agree(index_failure, "write the HF index")
+    return files_written
 
 
-def _write_index_and_config(bridge, weights_path: str, plan: dict, source_index: dict, sizes: dict[str, int]) -> None:
-    """Rank 0: the index (the source's verbatim, as mbridge writes it, or a new one) and a missing ``config.json``."""
+def _write_index_and_config(bridge, weights_path: str, plan: dict, source_index: dict, sizes: dict[str, int]) -> list[str]:
+    """Rank 0: the index (the source's verbatim, as mbridge writes it, or a new one) and a missing ``config.json``;
+    the files it wrote."""
     missing = sorted(set(plan) - set(sizes), key=_natural_key)
     shared = set(mbridge_internals.hf_shared_weight_keys(bridge))
     if set(missing) - shared:
@@ -305,8 +312,11 @@ def _write_index_and_config(bridge, weights_path: str, plan: dict, source_index:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         with open(os.path.join(weights_path, INDEX_FILENAME), "w") as handle:
             json.dump(index, handle, indent=2)
+    written = [os.path.join(weights_path, INDEX_FILENAME)]
     if not os.path.exists(os.path.join(weights_path, "config.json")):
         bridge.hf_config.save_pretrained(weights_path)
+        written.append(os.path.join(weights_path, "config.json"))
+    return written
 
 
 def _write_file(bridge, weights_path, file, names, te_list, meta, my_tensors, received, device) -> dict[str, int]:

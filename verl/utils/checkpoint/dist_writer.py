@@ -11,8 +11,9 @@ What a save's bytes cost beyond the copy into the page cache: DCP ``torch.save``
 archive, which ``torch.load`` reads back: the reader's requirement, so the format stays) and computes a CRC-32
 of every record, ~40% of a 460 MiB optimizer's serialization CPU here; the step's manifest already has a CRC-32
 of every whole file, so the items are written without record CRCs. The manager's save does not fsync here
-(``fsync=False``): its sealer fsyncs each file in the background while the HF export runs, and the step commit
-fsyncs the whole tree before its rename (tests/test_dist_writer.py audits that).
+(``fsync=False``): the strategy reports the files this rank wrote (``last_files``), and the rank's sealer hashes
+and fsyncs them in the background while the HF export runs, before the step commit's barrier; the coordinator's
+``.metadata`` is rank 0's and its commit fsyncs it (``durability``; tests/test_dist_writer.py audits each rank).
 
 Threads per save (``writer_threads``): one per ``BYTES_PER_THREAD`` of this rank's bytes, at most the cores
 this rank may use (the CPUs of its affinity mask shared by the local ranks) and ``MAX_THREADS``. A thread below
@@ -130,8 +131,7 @@ class InRankWriter(FileSystemWriter):
     The files are the ones DCP's ``FileSystemWriter`` writes (each tensor item one ``torch.save`` archive at an
     offset, each bytes item its raw bytes; file names, offsets and lengths in ``.metadata``), written by
     ``write_file``: the archives without record CRCs (``write_archive``) and, with ``fsync=False``, no fsync
-    (the caller makes them durable: the manager's sealer fsyncs each file while the HF export runs, and the
-    step commit fsyncs the tree before its rename)."""
+    (the caller makes the files ``write`` returns durable, in this process: the manager's sealer)."""
 
     can_run_decentralized_global_plan = True  # megatron's planner then names files per rank, as its writer does
 
@@ -154,10 +154,10 @@ class InRankWriter(FileSystemWriter):
         """megatron's planning hands over the final plan here; ``write`` writes it."""
         self._planned = (plan, planner)
 
-    def write(self, threads: int | None = None) -> int:
-        """Write this rank's files, one per thread; returns the threads used. A failure is kept for
-        ``retrieve_write_results`` and ``failure`` (every rank then fails the save, naming this one), not raised
-        here."""
+    def write(self, threads: int | None = None) -> list[str]:
+        """Write this rank's files, one per thread; returns their paths (``thread_count``: the threads used). A
+        failure is kept for ``retrieve_write_results`` and ``failure`` (every rank then fails the save, naming this
+        one), not raised here."""
         plan, planner = self._planned
         self.thread_count = threads or writer_threads(planned_bytes(plan))
         files = split_items(plan.items, self.thread_count)
@@ -168,7 +168,7 @@ class InRankWriter(FileSystemWriter):
             self._results = [result for results in written for result in results]
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the finalize
             self._results = (exc, traceback.extract_tb(exc.__traceback__))  # DCP's WRAPPED_EXCEPTION
-        return self.thread_count
+        return [os.path.join(self.path, name) for name in names]
 
     @property
     def failure(self) -> Exception | None:
@@ -219,8 +219,9 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
 
     def __init__(self, fsync: bool = True) -> None:
         super().__init__("torch_dist", 1, cached_metadata=True)
-        self.fsync = fsync  # False: the caller fsyncs every file before it relies on them (the step commit)
+        self.fsync = fsync  # False: the caller fsyncs every file of ``last_files`` before it relies on them
         self.last_threads = 0  # writer threads of the last sync save (0: megatron's writer took it)
+        self.last_files: list[str] = []  # the files this rank wrote in the last sync save (none: megatron's writer did, fsyncing each)
         self.agreed: frozenset[megatron_core.Place] = frozenset()  # what a reused plan resolves directly
         self.last_direct = 0  # tensor items the last sync save resolved without megatron's conversion
         self.archives: dict = {}  # the tensor items' archive templates (``write_archive``), kept across saves
@@ -234,11 +235,12 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
             plan = megatron_core.plan_torch_dist_save(self, sharded_state_dict, writer, reuse, self.agreed)
         except InternalsChangedError as exc:
             warnings.warn(f"{exc} This save is written by megatron's forked writer processes.", stacklevel=2)
-            self.last_threads = 0
+            self.last_threads, self.last_files = 0, []
             super().save(sharded_state_dict, checkpoint_dir)
             return
         self.agreed, writer.direct, self.last_direct = plan.agreed, plan.direct, len(plan.direct)
-        self.last_threads = writer.write()
+        self.last_files = writer.write()
+        self.last_threads = writer.thread_count
         # megatron's finalize names a write's failure on its coordinator rank only ("ranks:dict_keys([])" on the
         # others): every rank learns it first, the failed rank raising its own error
         RankComm().agree(writer.failure, "write its dist checkpoint files")

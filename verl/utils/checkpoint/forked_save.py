@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from verl.utils.checkpoint import finite, layout, snapshot_save
+from verl.utils.checkpoint import durability, finite, layout, snapshot_save
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.megatron_state_dicts import DistParts, sharded_structure
 from verl.utils.internals import megatron_core
@@ -34,13 +34,12 @@ def _untimed(phase: str, fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
-def _attempt(timed: Callable[..., Any], phase: str, fn: Callable[[], Any]) -> Exception | None:
-    """Run one phase; its error is returned, for every rank to agree on, not raised past its peers."""
+def _attempt(timed: Callable[..., Any], phase: str, fn: Callable[[], Any]) -> tuple[Any, Exception | None]:
+    """Run one phase; its value, or its error, for every rank to agree on, not raised past its peers."""
     try:
-        timed(phase, fn)
+        return timed(phase, fn), None
     except Exception as exc:
-        return exc
-    return None
+        return None, exc
 
 
 @dataclasses.dataclass
@@ -58,18 +57,23 @@ class HFExport:
     write_config: Callable[[], None]  # rank 0's ``megatron_metadata.write_hf_config``, bound to its arguments
     timed: Callable[..., Any] = _untimed
 
-    def run(self, rank: int, comm: RankComm | None = None, wait_for_config: Callable[[Exception | None], None] | None = None) -> None:
+    def run(self, rank: int, comm: RankComm | None = None, wait_for_config: Callable[[Exception | None], None] | None = None) -> list[str] | None:
         """``comm`` None: the default group and any bridge; else a bridge that saves in parallel, over ``comm``.
         ``wait_for_config(config_failure)``: fix 2's barrier, carrying rank 0's outcome of the config write (the
-        rank's public ``wait_for_hf_config``; default ``comm``'s ``agree``)."""
+        rank's public ``wait_for_hf_config``; default ``comm``'s ``agree``). Returns the files this rank wrote:
+        on rank 0 the folder's files once its config is written (no rank writes a weight before the barrier),
+        and the files the bridge's ``save_weights`` returns; None when the bridge returns none (mbridge's and
+        Megatron-Bridge's own saves: rank 0 writes every file; ``durability.own_files``)."""
         group = comm or RankComm()
-        failure = None
+        failure, config_files = None, []
         if rank == 0:
-            failure = _attempt(self.timed, "hf_config", self.write_config)
+            _, failure = _attempt(self.timed, "hf_config", self.write_config)
+            config_files = durability.files_in(self.hf_path)
         (wait_for_config or functools.partial(group.agree, what="write the HF config"))(failure)
         kwargs = self.save_kwargs if comm is None else {**self.save_kwargs, "comm": comm}
-        failure = _attempt(self.timed, "hf_weights", functools.partial(self.bridge.save_weights, self.model, self.hf_path, **kwargs))
+        weights, failure = _attempt(self.timed, "hf_weights", functools.partial(self.bridge.save_weights, self.model, self.hf_path, **kwargs))
         group.agree(failure, "write its HF weights")  # every file complete on every rank, or every rank raises
+        return None if weights is None else [*config_files, *weights]
 
 
 @dataclasses.dataclass
@@ -123,14 +127,16 @@ def forked_request(save: ForkedSave, planned: list[AsyncRequest] | None) -> Asyn
 
 def run_in_fork(save: ForkedSave, write_dist: Callable[[], dict | None]) -> dict:
     """The forked process: with ``save.check`` the NaN/Inf check of the state it is about to write, this rank's dist
-    checkpoints, then with ``save.hf`` the HF export over the forks' group. The group is formed first: a fork that fails later makes
-    the others fail fast, not wait."""
+    checkpoints (megatron's writer processes fsync each file), then with ``save.hf`` the HF export over the forks'
+    group, whose files this process fsyncs (``durability``: on the host that wrote them). The group is formed
+    first: a fork that fails later makes the others fail fast, not wait."""
     comm = ForkedRankComm(save.group) if save.hf is not None else None
     if save.check:
         finite.check_finite_here(save.parts.model, save.parts.optimizer, save.refusal, save.rank)
     outcome: dict[str, Any] = {"writes": write_dist() or {}}
     if comm is not None:
-        save.hf.run(save.rank, comm)
+        written = save.hf.run(save.rank, comm)
+        durability.fsync_written(save.staging, durability.own_files(save.hf.hf_path, written, save.rank))
     return outcome
 
 

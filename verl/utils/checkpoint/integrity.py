@@ -43,7 +43,6 @@ from verl.utils.checkpoint.layout import (  # the manifest, mark and staging nam
     superseded_path,
 )
 from verl.utils.checkpoint.tracker import read_tracker
-from verl.utils.fs import fsync_path
 from verl.utils.megatron.layer_pattern import megatron_moe_layers
 
 FORMAT_VERSION = 2  # each file's size and content checksum (1, sizes only, is refused: it cannot vouch for bytes)
@@ -175,13 +174,6 @@ def read_saved_layout(step_path: str) -> dict | None:
     """The parallel layout (tp, pp, ep, etp, cp, world_size) the step was saved at, when its manifest says."""
     manifest = read_manifest(step_path)
     return manifest.get("parallel") if manifest else None
-
-
-def fsync_tree(path: str) -> None:
-    """Flush every file and directory under ``path`` to disk, so a rename commits durable data."""
-    for root, dirs, names in os.walk(path):
-        for name in [*names, *dirs, "."]:
-            fsync_path(os.path.join(root, name))
 
 
 def _read_json(path: str, what: str) -> dict:

@@ -11,7 +11,8 @@
 4-6. the HF export, one unit (``forked_save.HFExport``, the same in a rank or a fork): rank 0 writes the HF
    config, tokenizer and generation config into ``model/huggingface``; a barrier (``wait_for_hf_config``): no rank
    starts the HF weights before the config is on disk (verl #6821); every rank takes part in the bridge's weight
-   save. The sync writer runs it beside step 3 when it can (``save_writers``, note [2]) and seals its files;
+   save. The sync writer runs it beside step 3 when it can (``save_writers``, note [2]); each rank seals the
+   files it wrote (``durability``);
 7. metadata: rank 0 writes ``transformer_config.json`` and, last, ``ckpt_contents.json``; upstream's retention.
 
 A rank saves through the step transaction (``verl.utils.checkpoint.step_commit``), which hands this manager
@@ -38,7 +39,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.api import CheckpointException as DistributedCheckpointException
 
 from verl.utils import process_lifetime
-from verl.utils.checkpoint import dist_writer, finite, layout, os_errors, save_writers, snapshot_save
+from verl.utils.checkpoint import dist_writer, durability, finite, layout, os_errors, save_writers, snapshot_save
 from verl.utils.checkpoint.async_modes import AsyncMode, choose_mode
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get, not_implemented_unless_default
 from verl.utils.checkpoint.errors import CheckpointError
@@ -89,7 +90,7 @@ class SaveReport:
     mode: AsyncMode
     max_ckpt_to_keep: int | None = None
     checked_in_background: bool = False
-    sealer: save_writers.Sealer | None = None  # a sync save's dist-checkpoint and HF files, being hashed and fsynced since written
+    sealer: durability.Sealer | None = None  # the files this rank wrote in the rank, hashed and fsynced since written
     hf_comm: RankComm | None = None  # the group the HF export runs over beside the dist write (None: the default group)
     hf_exported: bool = False  # the rank's HF export ran (beside the dist write, or after it)
     hf_weights_in_background: bool = False
@@ -295,12 +296,15 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
 
     def _save_dist_parts(self, save: SaveReport) -> AsyncRequest | None:
         """The dist checkpoints (optimizer + scheduler, RNG, model shards if asked), as the writer does them (the
-        sync writer also starts hashing and fsyncing each rank's share of their files while the HF export runs);
-        returns what its forked process is to run, if anything. Their directories are made here, before any."""
+        sync writer also starts hashing and fsyncing the files this rank wrote while the HF export runs); returns
+        what its forked process is to run, if anything. Their directories are made here, before any, and this
+        rank's sealer, which fsyncs them too (``durability``)."""
         dist_dirs = [layout.dist_path(save.local_path, content) for content in self._dist_contents()]
         hf_dir = layout.hf_path(save.local_path) if self.should_save_hf_model else None
-        for directory in [*dist_dirs, hf_dir] if hf_dir else dist_dirs:
+        made = [*dist_dirs, hf_dir] if hf_dir else dist_dirs
+        for directory in made:
             os.makedirs(directory, exist_ok=True)
+        save.sealer = durability.Sealer(save.local_path, made)
         hf_beside = None
         # The HF export the sync writer may run beside the dist write: over a gloo group of its own, made
         # collectively at the first such save, so no collective of the two threads shares a group. Only a bridge
@@ -311,16 +315,22 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             save.hf_comm = self._hf_comm
             hf_beside = functools.partial(self._hf_export(save.local_path, in_rank=True).run, self.rank, self._hf_comm, self.wait_for_hf_config)
         job = save_writers.SaveJob(
-            save.local_path, self.rank, self.world_size, dist_dirs,
+            self.rank,
             plan_in_rank=functools.partial(self._timed, "dist_checkpoints", self._save_dist_checkpoints, save.local_path),
             plans_reusable=self._plans_are_reusable,
             fork=lambda: self._forked_save(save),
+            dist_written=self._dist_files_written,
+            sealer=save.sealer,
             hf_beside=hf_beside,
             hf_dir=hf_dir,
         )
         request = self._writer.save_dist_parts(job)
-        save.planned_in_background, save.sealer, save.hf_exported = job.planned_in_background, job.sealer, job.hf_exported
+        save.planned_in_background, save.hf_exported = job.planned_in_background, job.hf_exported
         return request
+
+    def _dist_files_written(self) -> list[str]:
+        """The files this rank's in-rank writers wrote in the sync save just made (``InRankSaveStrategy.last_files``)."""
+        return [path for content in self._dist_contents() for path in self._save_strategies[content][1].last_files]
 
     def _plans_are_reusable(self) -> bool:
         """Whether a fork can plan this save alone: every plan reusable without a collective, same structure, and
@@ -359,13 +369,12 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
 
     def _export_hf(self, save: SaveReport) -> None:
         """Every rank, over the default group, unless the writer's fork exports (``snapshot``) or the sync writer
-        already did beside the dist write; a sync save then seals the HF files with the dist files."""
+        already did beside the dist write; then the rank seals the HF files it wrote (``durability.own_files``)."""
         if not self.should_save_hf_model or save.hf_weights_in_background or save.hf_exported:
             return
-        self._hf_export(save.local_path, in_rank=True).run(self.rank, None, self.wait_for_hf_config)
+        written = self._hf_export(save.local_path, in_rank=True).run(self.rank, None, self.wait_for_hf_config)
         save.hf_exported = True
-        if save.sealer is not None:
-            save.sealer.seal_share([layout.hf_path(save.local_path)], self.rank, self.world_size)
+        save.sealer.seal(durability.own_files(layout.hf_path(save.local_path), written, self.rank))
 
     def _continue_in_background(self, save: SaveReport, request: AsyncRequest) -> SaveReport:
         """Fork the writer's background part and give training back; ``finalize_async_save`` completes the save."""
@@ -468,7 +477,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             structure = sharded_structure(state)
             known = self._save_strategies.get(content)
             fresh = known is None or known[0] != structure
-            strategy = dist_writer.InRankSaveStrategy(fsync=False) if fresh else known[1]  # in-rank; sealer + commit fsync
+            strategy = dist_writer.InRankSaveStrategy(fsync=False) if fresh else known[1]  # in-rank; the sealer fsyncs
             if content == "optimizer":
                 self._planned_optimizer_layout = optimizer_layout(self.optimizer)
             request = save_dist_checkpointing(

@@ -1,8 +1,8 @@
 """The metadata files of a ``MegatronCheckpointManager`` step: upstream's ``ckpt_contents.json`` (what each
 content is, where it lies, in which format) and ``transformer_config.json`` (what the model-identity check
 reads at resume). Rank 0 writes both once the parts are on disk, ``ckpt_contents.json`` last, each whole or not
-at all but not fsynced: they go into a step's staging directory, which the step transaction fsyncs whole before
-its rename (an fsync here waited for the journal behind the dist files' writeback). Also the HF
+at all but not fsynced: they go into a step's staging directory, where rank 0's commit fsyncs what it wrote
+before its rename (``durability``; an fsync here waited for the journal behind the dist files' writeback). Also the HF
 folder's non-weight files (``write_hf_config``), which rank 0 writes before any HF weight, in the rank or a fork.
 """
 
@@ -31,7 +31,7 @@ def _json_safe(value: Any) -> Any:
 
 
 def _write_json(path: str, data: dict, **dump_options: Any) -> None:
-    """``data`` into ``path`` whole or not at all, not fsynced (the step transaction's fsync of the tree is)."""
+    """``data`` into ``path`` whole or not at all, not fsynced (rank 0's commit fsyncs it: ``durability``)."""
     with atomic_open(path, "w", durable=False) as handle:
         json.dump(data, handle, **dump_options)
 

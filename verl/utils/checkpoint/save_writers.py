@@ -1,8 +1,8 @@
 """One writer object per save mode (``AsyncMode``), chosen once when the checkpoint manager is built.
 
 A save's phases ask the writer where they run; nothing in a save tests the host. Each writer is given a
-``SaveJob`` (the step's staging directory, what the rank plans, and what a fork would be given: state dicts'
-sources, paths, strategies, the HF export) and returns what a forked process is to run, if anything:
+``SaveJob`` (what the rank plans and wrote, its sealer, and what a fork would be given: state dicts' sources,
+paths, strategies, the HF export) and returns what a forked process is to run, if anything:
 
 ================  ============================  ==========================  ============  =============
 writer            dist checkpoints: plan/write  NaN/Inf check               HF export     hosts
@@ -24,98 +24,50 @@ saves of one structure), then in the fork: a fork has no process group of the ra
 whose state dict is built by a collective (the distributed optimizer's ``fully_reshardable``) is always planned
 in the rank (the manager's ``plans_reusable`` says so).
 
-The sync writer also seals its files (``Sealer``): the step transaction needs every file's CRC-32 (the manifest)
-and every file durable (before the rename). Done by rank 0 at the end, that is one more pass over the whole step
-on one rank; instead each rank takes its share of the dist-checkpoint files, and then of the HF files, as soon
-as they are complete on every rank and hashes and fsyncs them in background threads (zlib and fsync release the
-GIL) while the rest of the save runs; the step transaction gathers the shares and hashes only what is left (the
-small metadata files), and its fsync of the tree finds the sealed files clean.
+Every writer seals what its rank writes (``durability.Sealer``, the per-writer durability rule): the step
+transaction needs every file's CRC-32 (the manifest) and every file durable before the rename, fsynced by the
+host that wrote it. The sync writer seals the dist-checkpoint files this rank's writer threads wrote as soon as
+they are complete on every rank, and the rank's HF files once the export's last barrier passed, hashing and
+fsyncing them in background threads (zlib and fsync release the GIL) while the rest of the save runs; the step
+transaction gathers every rank's checksums and hashes and fsyncs only what rank 0 wrote unreported (megatron's
+coordinator files, the small metadata files). The async writers seal the HF files the rank exported; their forked
+processes fsync what they write.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from verl.utils.checkpoint.async_modes import AsyncMode
+from verl.utils.checkpoint.durability import Sealer, own_files
 from verl.utils.checkpoint.forked_save import ForkedSave, forked_request
-from verl.utils.checkpoint.integrity import file_checksum, files_under, start_writeback
-from verl.utils.fs import fsync_path
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-
-
-def share_of(relpaths: list[str], sizes: list[int], rank: int, world_size: int) -> list[str]:
-    """This rank's files of ``relpaths``: the largest file first to the rank with the fewest bytes so far. Every
-    rank computes the same split from the same listing, so no collective is needed."""
-    loads = [0] * world_size
-    mine = []
-    for size, relpath in sorted(zip(sizes, relpaths, strict=True), reverse=True):
-        owner = loads.index(min(loads))
-        loads[owner] += size
-        if owner == rank:
-            mine.append(relpath)
-    return mine
-
-
-def checksum_and_sync(path: str) -> str:
-    """The file's CRC-32, then an fsync of it: read from the page cache first, written back while others hash."""
-    checksum = file_checksum(path)
-    fsync_path(path)
-    return checksum
-
-
-class Sealer:
-    """Hashes and fsyncs files of one step in background threads; ``results`` waits for them."""
-
-    def __init__(self, step_path: str, threads: int = 2) -> None:
-        self.step_path = step_path
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="checkpoint-seal")
-        self._pending: dict[str, Future] = {}
-
-    def seal(self, relpaths: list[str]) -> None:
-        """Start every file's writeback at once (the disk writes while the threads hash), then hash and fsync each."""
-        for relpath in relpaths:
-            start_writeback(os.path.join(self.step_path, relpath))
-        for relpath in relpaths:
-            self._pending[relpath] = self._pool.submit(checksum_and_sync, os.path.join(self.step_path, relpath))
-
-    def seal_share(self, directories: list[str], rank: int, world_size: int) -> None:
-        """This rank's share (``share_of``) of the files under ``directories``, complete on every rank."""
-        relpaths = files_under(self.step_path, directories)
-        sizes = [os.path.getsize(os.path.join(self.step_path, r)) for r in relpaths]
-        self.seal(share_of(relpaths, sizes, rank, world_size))
-
-    def results(self) -> dict[str, str]:
-        """Relative path -> checksum of every file given to ``seal`` that could be read; one that could not is
-        left out (the step transaction then hashes it itself, and reports it if it is gone)."""
-        self._pool.shutdown(wait=True)
-        return {relpath: future.result() for relpath, future in self._pending.items() if future.exception() is None}
 
 
 @dataclasses.dataclass
 class SaveJob:
     """One save as a writer sees it. ``plan_in_rank(in_background)``: the rank's dist-checkpoint save (written
     here, or only planned with ``in_background``; the writes still to run); ``plans_reusable``: megatron's plans
-    need no collective any more; ``fork``: what a forked pipeline is given (built when asked); ``dist_dirs``: the
-    dist checkpoints' directories in ``staging``; ``hf_beside``: the rank's HF export over a group of its own,
-    which the sync writer runs beside the dist write (None: the manager exports after it); ``hf_dir``: its folder."""
+    need no collective any more; ``fork``: what a forked pipeline is given (built when asked); ``dist_written``:
+    the files this rank's in-rank writer wrote into the dist checkpoints (after ``plan_in_rank(False)``);
+    ``sealer``: this rank's, for the files it writes; ``hf_beside``: the rank's HF export over a group of its own,
+    which the sync writer runs beside the dist write (None: the manager exports after it), returning the files it
+    wrote (``HFExport.run``); ``hf_dir``: its folder."""
 
-    staging: str
     rank: int
-    world_size: int
-    dist_dirs: list[str]
     plan_in_rank: Callable[[bool], list[AsyncRequest] | None]
     plans_reusable: Callable[[], bool]
     fork: Callable[[], ForkedSave]
-    hf_beside: Callable[[], None] | None = None
+    dist_written: Callable[[], list[str]]
+    sealer: Sealer
+    hf_beside: Callable[[], list[str] | None] | None = None
     hf_dir: str | None = None
     planned_in_background: bool = False  # set by the writer: the fork planned this save's dist checkpoints
-    sealer: Sealer | None = None  # set by the sync writer: its files, being hashed and fsynced
     hf_exported: bool = False  # set by the sync writer: it ran ``hf_beside``
 
 
@@ -129,15 +81,14 @@ class SyncWriter:
     exports_hf_beside = True  # see [2]_
 
     def save_dist_parts(self, job: SaveJob) -> AsyncRequest | None:
-        """Write the dist checkpoints; once they are complete on every rank, start sealing this rank's share.
-        The HF export beside them seals its share as soon as its files are complete on every rank (its last
-        barrier), while the dist write may still run. The export thread is always waited for: a save never
+        """Write the dist checkpoints; once they are complete on every rank, start sealing the files this rank
+        wrote. The HF export beside them seals this rank's files as soon as they are complete on every rank (its
+        last barrier), while the dist write may still run. The export thread is always waited for: a save never
         returns (or fails) with it still writing."""
-        job.sealer = Sealer(job.staging)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hf") as pool:
             hf = pool.submit(self._export_and_seal, job) if job.hf_beside is not None else None
             job.plan_in_rank(False)
-            job.sealer.seal_share(job.dist_dirs, job.rank, job.world_size)
+            job.sealer.seal(job.dist_written())
         if hf is not None:
             hf.result()
             job.hf_exported = True
@@ -145,8 +96,7 @@ class SyncWriter:
 
     @staticmethod
     def _export_and_seal(job: SaveJob) -> None:
-        job.hf_beside()
-        job.sealer.seal_share([job.hf_dir], job.rank, job.world_size)
+        job.sealer.seal(own_files(job.hf_dir, job.hf_beside(), job.rank))
 
 
 class BackgroundWriter:

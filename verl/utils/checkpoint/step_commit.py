@@ -7,7 +7,8 @@ into the staging directory the transaction hands out; the transaction does every
 2. verify: the HF export holds every tensor its config implies (once; strict fails the save);
 3. manifest: our commit mark, then ``manifest.json`` over every other file (checksums the writer sealed are
    reused, the rest computed);
-4. fsync + one rename of the staging directory into place (an older copy of the step goes only after);
+4. fsync of what rank 0 wrote (every other file was fsynced by the rank that wrote it before this phase's
+   gather: ``durability``) + one rename of the staging directory into place (an older copy goes only after);
 5. retention: the writer's ``previous_saved_paths``, upstream's ``max_ckpt_to_keep`` rule, never the tracked step;
 6. the step's other files (the driver's ``data.pt``), written atomically beside the role's directory;
 7. the tracker, last: only now does a resume take this step.
@@ -36,9 +37,10 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from verl.utils.checkpoint import layout, os_errors
+from verl.utils.checkpoint.durability import fsync_unsealed
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
-from verl.utils.checkpoint.integrity import FORMAT_VERSION, build_manifest, fsync_tree
+from verl.utils.checkpoint.integrity import FORMAT_VERSION, build_manifest
 from verl.utils.fs import atomic_open, atomic_write_text, fsync_path
 from verl.utils.rank_comm import describe
 
@@ -122,7 +124,8 @@ class StepSpec:
 
     ``hf_config``: the HF config whose tensors the export must hold, None when the step has no HF export.
     ``parallel``: the layout the parts were written at (the manifest records it). ``sealed``: this rank's
-    checksums of files the writer already hashed, relative paths (called after the writer finished).
+    checksums of the files it wrote, relative paths, once each is fsynced with its directory (called after the
+    writer finished, before the gather: ``durability``); the commit fsyncs only what no rank sealed.
     ``retention``: whose saved steps ``max_ckpt_to_keep`` applies to (None: no retention). ``step_files``:
     name -> bytes written beside the role's directory after the commit; ``track``: then move the tracker.
     ``on_phase``: called on every rank as each phase starts (crash-injection tests, benchmarks), ``discard`` (a
@@ -249,9 +252,7 @@ class StepCommit:
         with self._phase("hf_verify"):
             hf_tensors = self._verify_hf_export()
         with self._phase("commit"):
-            everyone: list = [None] * torch.distributed.get_world_size()  # the checksums every rank's writer computed
-            torch.distributed.all_gather_object(everyone, dict(self.spec.sealed()))
-            sealed = {relpath: checksum for share in everyone for relpath, checksum in share.items()}
+            sealed = self._gather_sealed()
             files, contents = from_rank_zero(lambda: self._mark_and_rename(sealed), f"commit step {self.step}", self.staging)
             self.placed = True
         with self._phase("retention"):
@@ -270,6 +271,21 @@ class StepCommit:
                 self._discard_superseded()
         self.committed = CommittedStep(self.path, self.step, files, contents, hf_tensors, self.spec.track, dict(self.phase_seconds))
         return self.committed
+
+    def _gather_sealed(self) -> dict[str, str]:
+        """Every rank's checksums of the files it wrote, each made durable by it before this gather (``durability``).
+        A rank whose seal failed (an fsync error: pages its host held may be lost) fails the commit on every rank,
+        named, before anything is renamed."""
+        try:
+            mine = (True, dict(self.spec.sealed()))
+        except Exception as exc:
+            mine = (False, describe(exc))
+        everyone: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+        failed = [(rank, cause) for rank, (ok, cause) in enumerate(everyone) if not ok]
+        if failed:
+            raise CheckpointError(f"rank {failed[0][0]} could not make the files it wrote durable ({failed[0][1]})")
+        return {relpath: checksum for _, share in everyone for relpath, checksum in share.items()}
 
     def _verify_hf_export(self) -> int | None:
         """Fix 2's proof, once per save: the bridge wrote every tensor the config implies. The count checked."""
@@ -290,7 +306,8 @@ class StepCommit:
         return None
 
     def _mark_and_rename(self, sealed: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
-        """Rank 0: the commit mark, the manifest (which covers every other file), fsync, then one rename."""
+        """Rank 0: the commit mark, the manifest (which covers every other file), fsync of what no writer sealed,
+        then one rename."""
         mark = {"format_version": FORMAT_VERSION, "global_step": self.step, "role": self.spec.role}
         atomic_write_text(os.path.join(self.staging, layout.COMMIT_MARK_FILENAME), json.dumps(mark, indent=2))
         manifest = build_manifest(self.staging, dict(self.spec.parallel), self.spec.use_distributed_optimizer, known_checksums=sealed)
@@ -299,7 +316,7 @@ class StepCommit:
         with contextlib.suppress(FileNotFoundError):
             with open(os.path.join(self.staging, layout.CONTENTS_FILENAME), encoding="utf-8") as handle:
                 contents = tuple(json.load(handle).get("save_contents", ()))
-        fsync_tree(self.staging)
+        fsync_unsealed(self.staging, sealed)  # the rest was fsynced by its writer (``durability``)
         if os.path.exists(self.path):  # a re-save: the committed copy waits aside until this commit ends
             os.replace(self.path, self.superseded)
             self._replaced = True
