@@ -38,7 +38,7 @@ import torch
 from verl.utils.checkpoint import layout, os_errors
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
-from verl.utils.checkpoint.integrity import FORMAT_VERSION, build_manifest, fsync_tree
+from verl.utils.checkpoint.integrity import FORMAT_VERSION, BridgeRecord, build_manifest, fsync_tree
 from verl.utils.fs import atomic_open, atomic_write_text, fsync_path
 from verl.utils.rank_comm import describe
 
@@ -121,7 +121,8 @@ class StepSpec:
     """What the transaction is told about the step; nothing is read from the writer.
 
     ``hf_config``: the HF config whose tensors the export must hold, None when the step has no HF export.
-    ``parallel``: the layout the parts were written at (the manifest records it). ``sealed``: this rank's
+    ``parallel``: the layout the parts were written at, ``bridge`` the bridge that wrote them (the manifest records
+    both; None: no bridge recorded). ``sealed``: this rank's
     checksums of files the writer already hashed, relative paths (called after the writer finished).
     ``retention``: whose saved steps ``max_ckpt_to_keep`` applies to (None: no retention). ``step_files``:
     name -> bytes written beside the role's directory after the commit; ``track``: then move the tracker.
@@ -133,6 +134,7 @@ class StepSpec:
     strict_hf_verify: bool = True
     parallel: Mapping[str, int] = dataclasses.field(default_factory=dict)
     use_distributed_optimizer: bool | None = None
+    bridge: BridgeRecord | None = None
     sealed: Callable[[], Mapping[str, str]] = dict
     retention: Retention | None = None
     max_ckpt_to_keep: int | None = None
@@ -293,7 +295,9 @@ class StepCommit:
         """Rank 0: the commit mark, the manifest (which covers every other file), fsync, then one rename."""
         mark = {"format_version": FORMAT_VERSION, "global_step": self.step, "role": self.spec.role}
         atomic_write_text(os.path.join(self.staging, layout.COMMIT_MARK_FILENAME), json.dumps(mark, indent=2))
-        manifest = build_manifest(self.staging, dict(self.spec.parallel), self.spec.use_distributed_optimizer, known_checksums=sealed)
+        manifest = build_manifest(
+            self.staging, dict(self.spec.parallel), self.spec.use_distributed_optimizer, known_checksums=sealed, bridge=self.spec.bridge
+        )
         atomic_write_text(os.path.join(self.staging, layout.MANIFEST_FILENAME), json.dumps(manifest, indent=2))
         contents = None
         with contextlib.suppress(FileNotFoundError):
