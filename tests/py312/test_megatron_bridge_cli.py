@@ -2,16 +2,21 @@
 ``vanilla_mbridge=False``), at TP1 PP2 EP2 ETP1 on 4 CPU ranks with ``use_distributed_optimizer=False`` and the
 KL loss (the reference is built through it too; the run's metrics name both bridges): GRPO trains through the
 first-batch log-prob parity gate, saves every step (the model as HF weights through Megatron-Bridge's own save),
-and a second run resumed from step 1 repeats step 2 bit for bit; the HF folder loads in transformers.
+and the HF folder loads in transformers. The same command, stopped by SIGTERM once step 1 is committed (step 2,
+its rollout, training or Megatron-Bridge's HF save, cut short) and run again, resumes from step 1 and logs the
+uninterrupted run's step 2 and ends with its weights, bit for bit.
 """
 
 import glob
 import json
+import shutil
 
 import torch
 from safetensors.torch import load_file
 
-from tests.test_trainer_cli import MEGATRON, TRACKER, _metrics, _run
+from tests.main_leg import MBRIDGE
+from tests.test_resume_schedules_cli import _stop_after_a_save
+from tests.test_trainer_cli import MEGATRON, REPO, TRACKER, _metrics, _run
 from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
 
 CLOCKS = ("time", "checkpoint", "checkpoint_committed", "resume")  # what may differ between runs: times, save and resume records
@@ -38,10 +43,49 @@ def _hf_weights(folder) -> dict[str, torch.Tensor]:
     return weights
 
 
-def test_grpo_through_megatron_bridge_trains_saves_resumes_exactly_and_exports(tmp_path, env, tiny_moe_path):  # noqa: F811
+def _pre_start_resume_problems(overrides: list[str], model_path: str) -> list[str]:
+    """What the driver's pre-start check of the resume step (before Ray or any rank) refuses, one line each."""
+    from hydra import compose, initialize_config_dir
+
+    from verl.trainer.validation import ConfigError, check_resume_step
+
+    with initialize_config_dir(config_dir=str(REPO / "verl" / "trainer" / "config"), version_base=None):
+        config = compose(config_name="ppo_megatron_trainer", overrides=overrides)
+    try:
+        check_resume_step(config, model_path)
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def _check_cross_bridge_resume(step_dir, tmp_path, model_path: str, command: list[str]) -> None:
+    """The step (written through Megatron-Bridge, whose manifest says so) passes the pre-start check under mbridge:
+    both build megatron-core's local spec here, so its dist checkpoints carry the names mbridge's model loads
+    (tests/py312/test_megatron_bridge_engine.py loads them). The same step claiming TransformerEngine's spec, where
+    the names are not proven to agree, is refused in one line naming the bridge it was written with."""
+    resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={step_dir}"]
+    manifest = json.loads((step_dir / "actor/manifest.json").read_text())
+    assert manifest["bridge"] == {"name": "Megatron-Bridge", "layer_spec": "local"}
+    assert _pre_start_resume_problems([MBRIDGE, *command, *resume], model_path) == []
+    te_claimed = tmp_path / "te_claimed" / step_dir.name
+    shutil.copytree(step_dir, te_claimed)
+    manifest["bridge"]["layer_spec"] = "transformer_engine"  # what a TransformerEngine host would have written
+    (te_claimed / "actor/manifest.json").write_text(json.dumps(manifest))
+    resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={te_claimed}"]
+    assert _pre_start_resume_problems([MBRIDGE, *command, *resume], model_path) == [
+        f"{te_claimed}/actor was written through Megatron-Bridge (transformer_engine layer spec), this run builds through "
+        "mbridge (local layer spec), whose dist-checkpoint names are not proven to match; set "
+        "actor_rollout_ref.actor.megatron.vanilla_mbridge=False (the bridge it was written with)"
+    ]
+    # loading only the model's HF weights reads HF's names, whichever bridge wrote them
+    model_only = "actor_rollout_ref.actor.checkpoint.load_contents=[model]"
+    assert _pre_start_resume_problems([MBRIDGE, *command, *resume, model_only], model_path) == []
+
+
+def test_grpo_through_megatron_bridge_trains_saves_resumes_exactly_after_sigterm_and_exports(tmp_path, env, tiny_moe_path):  # noqa: F811
     from transformers import AutoModelForCausalLM
 
-    whole, resumed_dir = tmp_path / "whole", tmp_path / "resumed"
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     code, out = _run(_command(tiny_moe_path, whole), tmp_path, env, bridge=None)  # the config's default bridge
     assert code == 0, out[-6000:]
     assert "HF export: all 135 tensors present with the expected shapes" in out
@@ -53,19 +97,20 @@ def test_grpo_through_megatron_bridge_trains_saves_resumes_exactly_and_exports(t
     manifest = json.loads((whole / "global_step_2/actor/manifest.json").read_text())
     assert manifest["parallel"] == {"world_size": 4, "tp": 1, "pp": 2, "ep": 2, "etp": 1, "cp": 1}
     assert manifest["use_distributed_optimizer"] is False
+    _check_cross_bridge_resume(whole / "global_step_1", tmp_path, tiny_moe_path, _command(tiny_moe_path, whole))
 
-    code, out = _run(
-        [*_command(tiny_moe_path, resumed_dir), "trainer.resume_mode=resume_path", f"trainer.resume_from_path={whole}/global_step_1"],
-        tmp_path, env, bridge=None,
-    )  # fmt: skip
+    assert _stop_after_a_save(_command(tiny_moe_path, stopped), tmp_path, env, stopped, step=1, last=2, bridge=None) == 1
+    assert not (stopped / "global_step_2" / "actor").exists()  # step 2 was cut short: nothing of it committed
+    before = len(_metrics(stopped))
+    code, out = _run(_command(tiny_moe_path, stopped), tmp_path, env, bridge=None)  # the same command, resume_mode=auto
     assert code == 0, out[-6000:]
-    assert f"resumed from {whole}/global_step_1 (step 1)" in out
-    again = {m["step"]: m for m in _metrics(resumed_dir)}
-    assert sorted(again) == [2]
-    assert {"actor/grad_norm", "actor/pg_loss", "critic/score/mean"} <= set(_comparable(first[2]))
+    assert f"resumed from {stopped}/global_step_1 (step 1)" in out
+    again = {m["step"]: m for m in _metrics(stopped)[before:]}
+    assert sorted(again) == [2] and again[2]["bridge"] == first[2]["bridge"]
+    assert {"actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "critic/score/mean"} <= set(_comparable(first[2]))
     assert _comparable(again[2]) == _comparable(first[2])
     hf = whole / "global_step_2/actor/model/huggingface"
-    expected, actual = _hf_weights(hf), _hf_weights(resumed_dir / "global_step_2/actor/model/huggingface")
+    expected, actual = _hf_weights(hf), _hf_weights(stopped / "global_step_2/actor/model/huggingface")
     assert len(expected) == 135 and sorted(actual) == sorted(expected)
     assert [name for name in expected if not torch.equal(expected[name], actual[name])] == []
 
