@@ -4,7 +4,9 @@ KL loss (the reference is built through it too; the run's metrics name both brid
 first-batch log-prob parity gate, saves every step (the model as HF weights through Megatron-Bridge's own save),
 and the HF folder loads in transformers. The same command, stopped by SIGTERM once step 1 is committed (step 2,
 its rollout, training or Megatron-Bridge's HF save, cut short) and run again, resumes from step 1 and logs the
-uninterrupted run's step 2 and ends with its weights, bit for bit.
+uninterrupted run's step 2 and ends with its weights, bit for bit. The saved step 1 passes the driver's pre-start
+check under mbridge; a copy claiming TransformerEngine's spec is refused there in one line (docs/checkpoint.md,
+"Checkpoints across bridges").
 """
 
 import glob
