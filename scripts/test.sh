@@ -62,7 +62,7 @@ PY312_TESTS=(
   tests/py312/test_megatron_bridge_fix2.py     # fix 2 against Megatron-Bridge's own HF save, PP2 EP2, both orders
   tests/py312/test_megatron_bridge_engine.py   # the engine through Megatron-Bridge: dist save/resume/reshard/async, across bridges
   tests/py312/test_megatron_bridge_vpp.py      # VPP2 at PP2 through Megatron-Bridge: every chunk saved, exact resume
-  tests/py312/test_megatron_bridge_cli.py      # CLI GRPO on the default bridge, TP1 PP2 EP2 ETP1: trains, saves, resumes exactly, exports
+  tests/py312/test_megatron_bridge_cli.py      # CLI GRPO on the default bridge, TP1 PP2 EP2 ETP1: trains, saves, SIGTERM-stopped and resumed exactly, exports
   # the GPU check's CPU run from the device's own bundle: both megatron-core releases, Megatron-Bridge's lines
   tests/test_gpu_check.py::test_the_device_bundle_resolves_offline_under_the_carry_limit
   tests/test_gpu_check.py::test_each_run_installs_one_wheel_of_each_name

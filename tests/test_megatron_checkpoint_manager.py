@@ -1,7 +1,6 @@
 """MegatronCheckpointManager: save order (fix 2), verified HF exports, exact resume, resharding."""
 
 import glob
-import json
 import os
 import time
 
@@ -10,16 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.main_leg import main_leg_settings
+from tests.seed_layout_check import SEED_LAYOUT, WORLD_SIZE, batches, seed_layout_problems, seed_layout_report
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 from verl.utils.distributed import RankFailure, run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
-
-PP4_EP2_TP2_ETP2 = ParallelSizes(tp=2, pp=4, ep=2, etp=2)
-
-
-def _batches(seed: int) -> list[torch.Tensor]:
-    data = torch.randint(4, 90, (4, 17), generator=torch.Generator().manual_seed(seed))
-    return [data[:2], data[2:]]
 
 
 def _actor(src: str, **settings):
@@ -141,7 +134,7 @@ def _save_hf(src: str, root: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "sizes,world", [(ParallelSizes(), 1), (ParallelSizes(2, 2, 2, 2), 8), (PP4_EP2_TP2_ETP2, 16)], ids=["1rank", "tp2pp2ep2etp2", "pp4ep2tp2etp2"]
+    "sizes,world", [(ParallelSizes(), 1), (ParallelSizes(2, 2, 2, 2), 8), (SEED_LAYOUT, WORLD_SIZE)], ids=["1rank", "tp2pp2ep2etp2", "pp4ep2tp2etp2"]
 )
 def test_real_bridge_export_is_complete(tiny_moe_path, tmp_path, sizes, world):
     run_on_ranks(_save_hf, world, sizes, args=(tiny_moe_path, str(tmp_path)))
@@ -156,32 +149,13 @@ def test_real_bridge_export_is_complete(tiny_moe_path, tmp_path, sizes, world):
 # --------------------------------------------------------------------------- PP4 EP2 TP2 ETP2 end to end
 
 
-def _pp4_ep2_tp2_etp2_save_and_logits(src: str, root: str, tokens: torch.Tensor) -> torch.Tensor:
-    actor = _actor(src, use_distributed_optimizer=False)
-    actor.train_step(_batches(0))
-    actor.save_checkpoint(os.path.join(root, "global_step_1", "actor"), global_step=1)
-    return actor.logits(tokens)
-
-
 def test_pp4_ep2_tp2_etp2_saves_everything_and_transformers_loads_it(tiny_moe_path, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    tokens = torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(3))
-    logits = run_on_ranks(_pp4_ep2_tp2_etp2_save_and_logits, 16, PP4_EP2_TP2_ETP2, args=(tiny_moe_path, str(tmp_path), tokens))[0]
-    step = tmp_path / "global_step_1" / "actor"
-    contents = json.loads((step / "ckpt_contents.json").read_text())
-    assert contents["save_contents"] == ["model", "optimizer", "extra", "hf_model"]
-    assert contents["schema_version"] == 2 and contents["contents"]["model"]["format"] == "huggingface"
-    manifest = json.loads((step / "manifest.json").read_text())
-    assert manifest["parallel"] == {"world_size": 16, "tp": 2, "pp": 4, "ep": 2, "etp": 2, "cp": 1}
-    for part in ("optimizer/dist_ckpt", "extra/dist_ckpt", "model/huggingface"):
-        assert any((step / part).iterdir()), part
-    assert not any((step / "model" / "dist_ckpt").iterdir()), "upstream's default keeps the model as HF only"
-    model, info = AutoModelForCausalLM.from_pretrained(str(step / "model" / "huggingface"), dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-    with torch.no_grad():
-        reference = model(tokens).logits
-    assert (logits - reference).abs().max().item() <= 1e-5
+    """The seed layout through mbridge: one step trained, saved with a verified HF export that transformers
+    loads and whose logits are the Megatron model's (tests/seed_layout_check.py; Megatron-Bridge's run of it:
+    scripts/check_seed_layout.py)."""
+    report = seed_layout_report(tiny_moe_path, str(tmp_path), vanilla_mbridge=True)
+    assert seed_layout_problems(report, "mbridge") == []
+    assert report["hf_tensors_verified_from_disk"] == 135
 
 
 # --------------------------------------------------------------------------- resume
@@ -191,14 +165,14 @@ def _train_save_continue_then_resume(src: str, root: str, use_distributed_optimi
     path = os.path.join(root, "global_step_2", "actor")
     first = _actor(src, use_distributed_optimizer=use_distributed_optimizer, save_contents=("model", "optimizer", "extra"))
     for step in range(2):
-        first.train_step(_batches(step))
+        first.train_step(batches(step))
     first.save_checkpoint(path, global_step=2)
-    continued = [first.train_step(_batches(10 + step))["loss"] for step in range(2)]
+    continued = [first.train_step(batches(10 + step))["loss"] for step in range(2)]
     expected = first.parameters_snapshot()
 
     resumed_actor = _actor(src, use_distributed_optimizer=use_distributed_optimizer, save_contents=("model", "optimizer", "extra"))
     resumed_actor.load_checkpoint(path)
-    resumed = [resumed_actor.train_step(_batches(10 + step))["loss"] for step in range(2)]
+    resumed = [resumed_actor.train_step(batches(10 + step))["loss"] for step in range(2)]
     actual = resumed_actor.parameters_snapshot()
     return continued, resumed, [name for name in expected if not torch.equal(expected[name], actual[name])]
 
@@ -218,7 +192,7 @@ def test_resume_continues_bit_exactly(tiny_moe_path, tmp_path, use_distributed_o
 
 def _train_and_save(src: str, root: str, use_distributed_optimizer: bool) -> None:
     actor = _actor(src, use_distributed_optimizer=use_distributed_optimizer)
-    actor.train_step(_batches(0))
+    actor.train_step(batches(0))
     actor.save_checkpoint(os.path.join(root, "global_step_1", "actor"), global_step=1)
 
 
@@ -226,7 +200,7 @@ def _load_and_export(src: str, ckpt: str, out: str, load_contents: tuple, use_di
     actor = _actor(src, use_distributed_optimizer=use_distributed_optimizer, load_contents=load_contents)
     actor.load_checkpoint(ckpt)
     actor.export_hf(out)
-    return actor.train_step(_batches(1))["loss"]
+    return actor.train_step(batches(1))["loss"]
 
 
 def test_checkpoint_reshards_to_other_layouts(tiny_moe_path, tmp_path):

@@ -358,3 +358,38 @@ def test_a_step_of_ours_whose_manifest_is_gone_is_not_loaded_unchecksummed(tiny_
     for message in run_on_ranks(_manager_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step)):
         assert message.startswith(f"CheckpointError: cannot load {step}; nothing was loaded. "), message
         assert f"{os.path.join(step, 'manifest.json')} is missing" in message and message.endswith("untouched=True"), message
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "load_contents", "model_format", "refused"),
+    [
+        (("mbridge", "local"), ("Megatron-Bridge", "local"), LOAD_CONTENTS, "huggingface", False),  # the same modules
+        (("mbridge", "transformer_engine"), ("Megatron-Bridge", "transformer_engine"), LOAD_CONTENTS, "huggingface", True),
+        (("Megatron-Bridge", "transformer_engine"), ("mbridge", "local"), ("model", "extra"), "megatron_dist_checkpoint", True),
+        (("mbridge", "transformer_engine"), ("Megatron-Bridge", "local"), ("model", "extra"), "huggingface", False),  # HF names only
+        (("mbridge", "transformer_engine"), ("mbridge", "transformer_engine"), LOAD_CONTENTS, "huggingface", False),
+        (None, ("Megatron-Bridge", "transformer_engine"), LOAD_CONTENTS, "huggingface", False),  # saved before the record
+    ],
+    ids=["local-across", "te-across", "te-dist-model-across", "te-hf-only-across", "same-bridge", "no-record"],
+)
+def test_a_step_of_the_other_bridge_loads_where_the_names_it_reads_agree(saved, now, load_contents, model_format, refused):
+    """Where the two bridges build megatron-core's local spec their dist checkpoints share the module names
+    (tests/py312/test_megatron_bridge_engine.py loads each through the other), and HF weights carry HF's names
+    whichever wrote them; a dist checkpoint of the other bridge's TransformerEngine build is refused in one line
+    that names the bridge it was written with and the setting that builds through it."""
+    from verl.utils.checkpoint.integrity import BridgeRecord
+    from verl.utils.checkpoint.resume_check import LoadTarget, load_fit_problems
+
+    manifest = {"use_distributed_optimizer": False} | ({"bridge": dict(zip(("name", "layer_spec"), saved, strict=True))} if saved else {})
+    contents = {"save_contents": list(LOAD_CONTENTS), "contents": {"model": {"format": model_format}}}
+    target = LoadTarget(load_contents, use_distributed_optimizer=False, param_dtype=None, bridge=BridgeRecord(*now))
+    problems = load_fit_problems("/ckpt/global_step_3/actor", contents, manifest, target)
+    if not refused:
+        assert problems == []
+        return
+    setting = "True" if saved[0] == "mbridge" else "False"
+    assert problems == [
+        f"/ckpt/global_step_3/actor was written through {saved[0]} ({saved[1]} layer spec), this run builds through {now[0]} "
+        f"({now[1]} layer spec), whose dist-checkpoint names are not proven to match; set "
+        f"actor_rollout_ref.actor.megatron.vanilla_mbridge={setting} (the bridge it was written with)"
+    ]

@@ -69,15 +69,18 @@ def _final_weights(ckpt: Path) -> dict:
     return weights
 
 
-def _stop_after_a_save(command: list[str], cwd: Path, env: dict, ckpt: Path) -> int:  # noqa: F811
-    """Start the run, SIGTERM its driver once step 2 is tracked; the step it can resume from."""
+def _stop_after_a_save(
+    command: list[str], cwd: Path, env: dict, ckpt: Path, step: int = 2, last: int = STEPS, bridge: str | None = MBRIDGE  # noqa: F811
+) -> int:
+    """Start the run (through ``bridge``, as ``_start``), SIGTERM its driver once ``step`` is tracked; the step
+    it can resume from, before ``last``."""
     log = cwd / "stopped.log"
-    proc = _start(command, cwd, env, log)
+    proc = _start(command, cwd, env, log, bridge)
     try:
         deadline = time.monotonic() + 480
-        while not ((ckpt / TRACKER).is_file() and (ckpt / TRACKER).read_text() == "2"):
+        while not ((ckpt / TRACKER).is_file() and (ckpt / TRACKER).read_text() == str(step)):
             assert proc.poll() is None, f"exited early:\n{log.read_text()[-5000:]}"
-            assert time.monotonic() < deadline, f"no save of step 2 in time:\n{log.read_text()[-5000:]}"
+            assert time.monotonic() < deadline, f"no save of step {step} in time:\n{log.read_text()[-5000:]}"
             time.sleep(0.1)
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
@@ -85,7 +88,7 @@ def _stop_after_a_save(command: list[str], cwd: Path, env: dict, ckpt: Path) -> 
         _kill_session(proc)
     assert proc.returncode == 143, log.read_text()[-5000:]
     tracked = int((ckpt / TRACKER).read_text())
-    assert tracked < STEPS, f"the run finished before the stop (tracked step {tracked})"
+    assert tracked < last, f"the run finished before the stop (tracked step {tracked})"
     return tracked
 
 

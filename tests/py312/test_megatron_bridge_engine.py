@@ -7,6 +7,7 @@ absent, so a dist checkpoint written through one names what the other loads, and
 each loads the other's checkpoint and HF export bit for bit.
 """
 
+import json
 import os
 
 import torch
@@ -127,8 +128,11 @@ def test_dist_checkpoints_save_resume_reshard_and_cross_bridges(tiny_moe_path, t
             "mbridge_loaded_megatron_bridge_hf", "megatron_bridge_loaded_mbridge_hf",
         ):
             assert result[key] == [], (rank, key, result[key][:5])
-    for bridge in ("bridge", "mbridge"):
+    for bridge, name in (("bridge", "Megatron-Bridge"), ("mbridge", "mbridge")):
         verify_checkpoint(_step_path(os.path.join(root, bridge), 1))
+        # each step names the bridge that wrote it; each loaded through the other above (both build the local spec)
+        manifest = json.loads(open(os.path.join(_step_path(os.path.join(root, bridge), 1), "manifest.json")).read())
+        assert manifest["bridge"] == {"name": name, "layer_spec": "local"}
     saved_hf = results[0]["hf"]
     assert len(saved_hf) == 135 and all(not r["hf"] for r in results[1:])
 

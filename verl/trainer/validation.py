@@ -621,6 +621,7 @@ def check_resume_step(config: Any, model_path: str | None = None) -> ResumeStep 
     rank starts as a load would check it (``resume_check.check_step``: every file at its size, the small files' checksums, the data-only
     metadata, HF export, contents, optimizer flag, dtype; with ``model_path`` also that it was saved from this
     model), plus the data position ``data.pt``; None to start fresh. Raises ConfigError, one line per problem."""
+    from verl.models.mcore.bridge import checkpoint_bridge
     from verl.utils.checkpoint.errors import CheckpointError
     from verl.utils.checkpoint.integrity import tracked_step
     from verl.utils.checkpoint.resume_check import LoadTarget, StepDoesNotFitError, check_step
@@ -633,6 +634,7 @@ def check_resume_step(config: Any, model_path: str | None = None) -> ResumeStep 
         load_contents=tuple(build_megatron_actor_configs(config.actor_rollout_ref.actor).checkpoint.load_contents),
         use_distributed_optimizer=bool(megatron.use_distributed_optimizer),
         param_dtype=megatron_param_dtype(megatron.get("dtype", "float32")),
+        bridge=checkpoint_bridge(bool(megatron.vanilla_mbridge)),
     )
     problems = []
     try:

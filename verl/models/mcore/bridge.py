@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from verl.models.mcore.local_spec import transformer_engine_available
 from verl.models.mcore.mbridge import UnsupportedHFConfigError, check_hf_config_supported, make_bridge
 from verl.models.support import hf_config_problems
+from verl.utils.checkpoint.integrity import BridgeRecord
 from verl.utils.internals.megatron_bridge import (
     VANILLA_MBRIDGE_KEY,
     import_megatron_bridge,
@@ -74,6 +76,16 @@ def bridge_name(bridge: Any) -> str:
     return "Megatron-Bridge" if isinstance(bridge, MegatronBridgeModel) else "mbridge"
 
 
+def checkpoint_bridge(vanilla_mbridge: bool) -> BridgeRecord:
+    """The bridge ``make_model_bridge`` builds through for ``vanilla_mbridge`` and the layer spec it builds from
+    here (each bridge builds megatron-core's local spec exactly where TransformerEngine is absent), as a step's
+    manifest records it and a resume compares it (``verl.utils.checkpoint.resume_check``)."""
+    return BridgeRecord(
+        name="mbridge" if vanilla_mbridge else "Megatron-Bridge",
+        layer_spec="transformer_engine" if transformer_engine_available() else "local",
+    )
+
+
 def transformer_config_without_ranks(hf_config: PretrainedConfig, vanilla_mbridge: bool = False) -> Any:
     """The TransformerConfig the bridge gives ``hf_config``, made without parallel state or process groups (the
     pre-start identity check of a resumed step; its fields do not depend on the layout); None when this
@@ -101,6 +113,7 @@ __all__ = [
     "UnsupportedHFConfigError",
     "bridge_name",
     "check_hf_config_supported",
+    "checkpoint_bridge",
     "make_model_bridge",
     "megatron_bridge_family_problem",
     "transformer_config_without_ranks",

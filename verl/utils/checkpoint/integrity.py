@@ -13,6 +13,7 @@ this package holds (``our_marks``): then it is a step of ours stripped of them, 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -113,14 +114,34 @@ def _checksums(paths: list[str]) -> list[str]:
         return list(pool.map(file_checksum, paths))
 
 
+@dataclasses.dataclass(frozen=True)
+class BridgeRecord:
+    """The bridge a step was written through and the layer spec it built the model from (manifest.json's
+    ``bridge``): together they decide the module names in the step's dist checkpoints (the optimizer state's
+    always, the model's with use_dist_checkpointing=True); HF weights carry HF's names whichever wrote them."""
+
+    name: str  # "mbridge" or "Megatron-Bridge"
+    layer_spec: str  # "local" (megatron-core's local modules) or "transformer_engine"
+
+    @classmethod
+    def of_step(cls, manifest: dict | None) -> BridgeRecord | None:
+        """The record a step's manifest holds; None for a step saved before it was recorded, or by upstream."""
+        saved = (manifest or {}).get("bridge")
+        if not isinstance(saved, dict) or not all(isinstance(saved.get(f.name), str) for f in dataclasses.fields(cls)):
+            return None
+        return cls(saved["name"], saved["layer_spec"])
+
+
 def build_manifest(
     step_path: str,
     parallel: dict | None = None,
     use_distributed_optimizer: bool | None = None,
     known_checksums: dict[str, str] | None = None,
+    bridge: BridgeRecord | None = None,
 ) -> dict:
-    """Every file of the step (relative path -> size and content checksum), and the layout it was saved at.
-    ``known_checksums``: files (relative paths) already hashed since they were complete; the rest is hashed here."""
+    """Every file of the step (relative path -> size and content checksum), the layout it was saved at and the
+    bridge that wrote it. ``known_checksums``: files (relative paths) already hashed since they were complete;
+    the rest is hashed here."""
     known = known_checksums or {}
     relative = _step_files(step_path)
     todo = [r for r in relative if r not in known]
@@ -130,6 +151,8 @@ def build_manifest(
     if parallel is not None:
         manifest["parallel"] = parallel
         manifest["use_distributed_optimizer"] = use_distributed_optimizer
+    if bridge is not None:
+        manifest["bridge"] = dataclasses.asdict(bridge)
     return manifest
 
 

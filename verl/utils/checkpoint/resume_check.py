@@ -35,6 +35,7 @@ from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, list
 from verl.utils.checkpoint.checksum import is_bulk
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.integrity import (
+    BridgeRecord,
     check_model_identity,
     file_checksum,
     holds_hf_weights,
@@ -47,6 +48,7 @@ from verl.utils.checkpoint.integrity import (
 from verl.utils.checkpoint.layout import COMMIT_MARK_FILENAME, CONTENTS_FILENAME, MANIFEST_FILENAME
 from verl.utils.checkpoint.precision import optimizer_dtype_problem
 from verl.utils.checkpoint.step_commit import from_rank_zero
+from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY
 
 LOAD_CONTENTS_KEY = "actor_rollout_ref.actor.checkpoint.load_contents"
 DIST_OPTIMIZER_KEY = "actor_rollout_ref.actor.megatron.use_distributed_optimizer"
@@ -59,12 +61,14 @@ class LoadTarget:
     """What a step is loaded into: what decides whether it fits, besides the model itself.
 
     ``param_dtype``: the parameters' torch dtype name (``float32``, ``bfloat16``); ``parallel``: the model-parallel
-    sizes (tp, pp, ep, etp, cp), None where they are not known (before the ranks start)."""
+    sizes (tp, pp, ep, etp, cp), None where they are not known (before the ranks start); ``bridge``: the bridge
+    the model is built through, None where not known (a manager called without an engine)."""
 
     load_contents: tuple[str, ...]
     use_distributed_optimizer: bool
     param_dtype: str | None
     parallel: dict[str, int] | None = None
+    bridge: BridgeRecord | None = None
 
 
 _SPENT_RECORDS: set[str] = set()  # the tokens of the records this process has loaded with: each vouches for one load
@@ -84,7 +88,8 @@ class CheckedStep:
     def covers(self, path: str, target: LoadTarget) -> bool:
         """Whether this record vouches for loading ``path`` into ``target`` now: not yet loaded with, the same step,
         unchanged since, for the same contents, optimizer flag and dtype."""
-        same_load = dataclasses.replace(self.target, parallel=None) == dataclasses.replace(target, parallel=None)
+        # the layout and the bridge are the ranks' to know: they check both themselves (``_check_what_is_left``)
+        same_load = dataclasses.replace(self.target, parallel=None, bridge=None) == dataclasses.replace(target, parallel=None, bridge=None)
         return (
             self.token not in _SPENT_RECORDS
             and same_load
@@ -132,12 +137,14 @@ def load_fit_problems(step_path: str, contents: dict, manifest: dict | None, tar
     """One line per reason the step cannot load into ``target``, each naming the fix: contents that
     ``load_contents`` asks for and the step lacks; optimizer state saved with the other
     ``use_distributed_optimizer``, or distributed-optimizer state of another layout (``target.parallel`` known);
-    optimizer state of another parameter dtype."""
+    optimizer state of another parameter dtype; dist checkpoints written through another bridge whose names are
+    not proven to be this bridge's."""
     problems = []
     saved_contents = contents.get("save_contents", [])
     missing = [c for c in target.load_contents if c != "hf_model" and c not in saved_contents]
     if missing:
         problems.append(f"{step_path} holds {saved_contents} but {LOAD_CONTENTS_KEY} asks for {missing}; drop them from {LOAD_CONTENTS_KEY}")
+    problems += _bridge_problems(step_path, contents, manifest, target)
     if "optimizer" not in target.load_contents:
         return problems
     if manifest is not None:
@@ -146,6 +153,25 @@ def load_fit_problems(step_path: str, contents: dict, manifest: dict | None, tar
         dtype = optimizer_dtype_problem(step_path, target.param_dtype)
         problems += [dtype] if dtype else []
     return problems
+
+
+def _bridge_problems(step_path: str, contents: dict, manifest: dict | None, target: LoadTarget) -> list[str]:
+    """A step written through the other bridge loads where the names it reads agree: its HF weights always, its
+    dist checkpoints (the optimizer state; the model with use_dist_checkpointing=True) where both bridges build
+    megatron-core's local layer spec, the same modules (tests/py312/test_megatron_bridge_engine.py). Elsewhere
+    (TransformerEngine's spec, each bridge its own) the names are not proven equal: refused, naming the setting."""
+    saved, now = BridgeRecord.of_step(manifest), target.bridge
+    if saved is None or now is None or saved.name == now.name:
+        return []
+    model_format = contents.get("contents", {}).get("model", {}).get("format")
+    reads_module_names = "optimizer" in target.load_contents or ("model" in target.load_contents and model_format != "huggingface")
+    if not reads_module_names or saved.layer_spec == now.layer_spec == "local":
+        return []
+    return [
+        f"{step_path} was written through {saved.name} ({saved.layer_spec} layer spec), this run builds through {now.name} "
+        f"({now.layer_spec} layer spec), whose dist-checkpoint names are not proven to match; set "
+        f"{VANILLA_MBRIDGE_KEY}={saved.name == 'mbridge'} (the bridge it was written with)"
+    ]
 
 
 def _optimizer_layout_problems(step_path: str, manifest: dict, target: LoadTarget) -> list[str]:
@@ -168,8 +194,9 @@ def _optimizer_layout_problems(step_path: str, manifest: dict, target: LoadTarge
     ]
 
 
-def load_target(manager: BaseCheckpointManager) -> LoadTarget:
-    """The load ``manager`` is about to make: its contents, optimizer flag, parameter dtype and this rank's layout."""
+def load_target(manager: BaseCheckpointManager, bridge: BridgeRecord | None = None) -> LoadTarget:
+    """The load ``manager`` is about to make: its contents, optimizer flag, parameter dtype, this rank's layout
+    and ``bridge``, the bridge its model was built through."""
     from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout  # megatron: on the ranks only
 
     return LoadTarget(
@@ -177,16 +204,20 @@ def load_target(manager: BaseCheckpointManager) -> LoadTarget:
         use_distributed_optimizer=bool(getattr(manager, "use_distributed_optimizer", False)),
         param_dtype=str(manager.param_dtype).removeprefix("torch.") if getattr(manager, "param_dtype", None) is not None else None,
         parallel=current_parallel_layout(),
+        bridge=bridge,
     )
 
 
-def check_before_load(manager: BaseCheckpointManager, local_path: str, checked: CheckedStep | None = None) -> None:
+def check_before_load(
+    manager: BaseCheckpointManager, local_path: str, checked: CheckedStep | None = None, bridge: BridgeRecord | None = None
+) -> None:
     """All ranks, before ``manager.load_checkpoint(local_path)``: rank 0 checks the step (``check_step``), or with
     ``checked``, the driver's record of this very step and load, only what that record leaves open; any problem
-    fails every rank at once, in one line, before anything loads. Then the committed steps up to this one become
+    fails every rank at once, in one line, before anything loads. ``bridge``: the bridge the model was built
+    through (None: not compared with the step's). Then the committed steps up to this one become
     ``previous_saved_paths`` (retention of a resumed run prunes them as it would have)."""
     transformer_config, hf_config = getattr(manager, "transformer_config", None), getattr(manager, "hf_config", None)
-    target = load_target(manager)
+    target = load_target(manager, bridge)
 
     def check() -> str | None:
         try:
@@ -220,17 +251,18 @@ def one_line(text: str) -> str:
 def _check_what_is_left(step_path: str, target: LoadTarget, checked: CheckedStep, transformer_config: Any, hf_config: Any) -> None:
     """The checks ``checked`` could not make: the small files still the bytes the driver checked (the bulk is
     checksummed as it loads), the model identity and HF export against the model's config when the driver had
-    none, and the distributed optimizer's layout, known only here."""
+    none, and what only the ranks know for sure: the distributed optimizer's layout and the bridge."""
     verify_manifest(step_path, required=False, bulk_checksums=False)
     if not checked.model_checked and transformer_config is not None:
         check_model_identity(step_path, transformer_config)
         if holds_hf_weights(read_ckpt_contents(step_path)):
             verify_step_hf_export(step_path, hf_config)
     manifest = read_manifest(step_path)
+    problems = _bridge_problems(step_path, read_ckpt_contents(step_path), manifest, target)
     if manifest is not None and "optimizer" in target.load_contents:
-        problems = _optimizer_layout_problems(step_path, manifest, target)
-        if problems:
-            raise StepDoesNotFitError(problems)
+        problems += _optimizer_layout_problems(step_path, manifest, target)
+    if problems:
+        raise StepDoesNotFitError(problems)
 
 
 def resume_check_metrics(driver: dict, ranks: list[dict]) -> dict[str, int | bool]:

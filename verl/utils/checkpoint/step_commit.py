@@ -40,7 +40,7 @@ from verl.utils.checkpoint import layout, os_errors
 from verl.utils.checkpoint.durability import fsync_unsealed
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
-from verl.utils.checkpoint.integrity import FORMAT_VERSION, build_manifest
+from verl.utils.checkpoint.integrity import FORMAT_VERSION, BridgeRecord, build_manifest
 from verl.utils.fs import atomic_open, atomic_write_text, fsync_path
 from verl.utils.rank_comm import describe
 
@@ -123,9 +123,10 @@ class StepSpec:
     """What the transaction is told about the step; nothing is read from the writer.
 
     ``hf_config``: the HF config whose tensors the export must hold, None when the step has no HF export.
-    ``parallel``: the layout the parts were written at (the manifest records it). ``sealed``: this rank's
-    checksums of the files it wrote, relative paths, once each is fsynced with its directory (called after the
-    writer finished, before the gather: ``durability``); the commit fsyncs only what no rank sealed.
+    ``parallel``: the layout the parts were written at, ``bridge`` the bridge that wrote them (the manifest records
+    both; None: no bridge recorded). ``sealed``: this rank's checksums of the files it wrote, relative paths, once
+    each is fsynced with its directory (called after the writer finished, before the gather: ``durability``); the
+    commit fsyncs only what no rank sealed.
     ``retention``: whose saved steps ``max_ckpt_to_keep`` applies to (None: no retention). ``step_files``:
     name -> bytes written beside the role's directory after the commit; ``track``: then move the tracker.
     ``on_phase``: called on every rank as each phase starts (crash-injection tests, benchmarks), ``discard`` (a
@@ -136,6 +137,7 @@ class StepSpec:
     strict_hf_verify: bool = True
     parallel: Mapping[str, int] = dataclasses.field(default_factory=dict)
     use_distributed_optimizer: bool | None = None
+    bridge: BridgeRecord | None = None
     sealed: Callable[[], Mapping[str, str]] = dict
     retention: Retention | None = None
     max_ckpt_to_keep: int | None = None
@@ -310,7 +312,9 @@ class StepCommit:
         then one rename."""
         mark = {"format_version": FORMAT_VERSION, "global_step": self.step, "role": self.spec.role}
         atomic_write_text(os.path.join(self.staging, layout.COMMIT_MARK_FILENAME), json.dumps(mark, indent=2))
-        manifest = build_manifest(self.staging, dict(self.spec.parallel), self.spec.use_distributed_optimizer, known_checksums=sealed)
+        manifest = build_manifest(
+            self.staging, dict(self.spec.parallel), self.spec.use_distributed_optimizer, known_checksums=sealed, bridge=self.spec.bridge
+        )
         atomic_write_text(os.path.join(self.staging, layout.MANIFEST_FILENAME), json.dumps(manifest, indent=2))
         contents = None
         with contextlib.suppress(FileNotFoundError):

@@ -26,11 +26,11 @@ CONTRACT_TEST = "tests/test_internals_contract.py"
 # The releases the internals contract test and the fix-1 / fix-2 / resume tests have passed on, per package
 # (a local label such as ``+cpu`` is ignored); docs/cpu.md ("The stack") states the same table, with its date.
 TESTED: dict[str, tuple[str, ...]] = {
-    "torch": ("2.13.0",),  # CPU CI
-    "megatron-core": ("0.16.1",),
+    "torch": ("2.13.0", "2.14.1"),  # CPU CI: the main legs, the Python 3.12 leg (its CUDA build on the CPU)
+    "megatron-core": ("0.16.1", "0.18.2"),  # CPU CI: the main legs, the Python 3.12 leg; no device run yet
     "mbridge": ("0.15.1",),
 }
-TESTED_ON = "2026-12-01"
+TESTED_ON = "2026-12-03"
 
 
 class InternalsChangedError(RuntimeError):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from verl.models.mcore import load_hf_config
-from verl.models.mcore.bridge import make_model_bridge
+from verl.models.mcore.bridge import checkpoint_bridge, make_model_bridge
 from verl.models.mcore.forward import compute_log_probs, forward_logits, train_step
 from verl.models.mcore.model import build_megatron_model
 from verl.utils.checkpoint import finite
@@ -222,6 +222,7 @@ class MegatronEngine(BaseEngine):
             strict_hf_verify=bool(config_get(manager.checkpoint_config, "strict_hf_verify", True)),
             parallel=current_parallel_layout(),
             use_distributed_optimizer=manager.use_distributed_optimizer,
+            bridge=checkpoint_bridge(self.settings.vanilla_mbridge),
             sealed=sealed,
             retention=manager,
             on_phase=manager.on_save_phase,
@@ -257,7 +258,7 @@ class MegatronEngine(BaseEngine):
             raise _unsupported("load_checkpoint", hdfs_path, kwargs)
         self.finalize_checkpoint(blocking=True)
         manager = self.checkpoint_manager
-        check_before_load(manager, local_path, checked)
+        check_before_load(manager, local_path, checked, checkpoint_bridge(self.settings.vanilla_mbridge))
         manager.load_checkpoint(local_path)
         if (manager.should_load_hf_model or manager.should_load_dist_ckpt_model) and not manager.should_load_optimizer:
             self.optimizer.reload_model_params()
