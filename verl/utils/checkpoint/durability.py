@@ -4,8 +4,8 @@ On a filesystem several hosts share (NFS, Lustre) the pages a host wrote sit in 
 that host flushes them: an fsync on another host does not. So the rule, owned here:
 
 - every rank hashes (the manifest's CRC-32) and fsyncs the files its writers report it wrote, then the
-  directories holding them and the directories its save made (``Sealer``), in background threads while the
-  save goes on, and waits for them (``Sealer.results``) before it enters the step commit's gather (its barrier),
+  directories holding them and the directories its save made (``Sealer``: the files in background threads
+  while the save goes on, the directories as it waits), and waits for them (``Sealer.results``) before it enters the step commit's gather (its barrier),
   which fails the commit on every rank when one rank's fsync failed;
 - a process forked to write (the async writers) fsyncs what it writes, in the fork: megatron's dist-checkpoint
   writer processes fsync each file they write; a snapshot fork's HF export fsyncs its files (``fsync_written``);
@@ -15,8 +15,8 @@ that host flushes them: an fsync on another host does not. So the rule, owned he
   step's JSON metadata. Rank 0's commit fsyncs every file no rank sealed and every directory, writes the commit
   mark and manifest durably, renames, and fsyncs the parent (``fsync_unsealed``; ``step_commit``).
 
-Hashing sits with the writer too: its pages are in its own cache, where another host would read them over the
-network.
+In a sync save hashing sits with the writer too: its pages are in its own cache, where another host would read
+them over the network (an async save's forks report no checksums: rank 0 hashes their files at the commit).
 """
 
 from __future__ import annotations
