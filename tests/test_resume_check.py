@@ -360,6 +360,20 @@ def test_a_step_of_ours_whose_manifest_is_gone_is_not_loaded_unchecksummed(tiny_
         assert f"{os.path.join(step, 'manifest.json')} is missing" in message and message.endswith("untouched=True"), message
 
 
+def test_a_bridge_record_naming_no_known_bridge_is_refused_in_one_line_and_upstreams_step_has_none():
+    from verl.utils.checkpoint.integrity import BridgeRecord
+    from verl.utils.checkpoint.resume_check import LoadTarget, load_fit_problems
+
+    contents = {"save_contents": list(LOAD_CONTENTS), "contents": {"model": {"format": "huggingface"}}}
+    target = LoadTarget(LOAD_CONTENTS, use_distributed_optimizer=False, param_dtype=None, bridge=BridgeRecord("mbridge", "local"))
+    damaged = {"use_distributed_optimizer": False, "bridge": {"name": "foo\nbar", "layer_spec": "local"}}
+    problems = load_fit_problems("/ckpt/global_step_3/actor", contents, damaged, target)
+    assert len(problems) == 1 and "\n" not in problems[0], problems
+    assert problems[0].startswith("/ckpt/global_step_3/actor/manifest.json's bridge record {'name': 'foo\\nbar', 'layer_spec': 'local'} names no bridge")
+    assert problems[0].endswith("the manifest is damaged; restore the step from a copy or resume an earlier step")
+    assert load_fit_problems("/ckpt/global_step_3/actor", contents, None, target) == []  # upstream's step: no manifest
+
+
 @pytest.mark.parametrize(
     ("saved", "now", "load_contents", "model_format", "refused"),
     [

@@ -123,6 +123,13 @@ class BridgeRecord:
     name: str  # "mbridge" or "Megatron-Bridge"
     layer_spec: str  # "local" (megatron-core's local modules) or "transformer_engine"
 
+    NAMES = ("mbridge", "Megatron-Bridge")
+    LAYER_SPECS = ("local", "transformer_engine")
+
+    def is_known(self) -> bool:
+        """Whether the record names a bridge and a layer spec this package builds with."""
+        return self.name in self.NAMES and self.layer_spec in self.LAYER_SPECS
+
     @classmethod
     def of_step(cls, manifest: dict | None) -> BridgeRecord | None:
         """The record a step's manifest holds; None for a step saved before it was recorded, or by upstream."""

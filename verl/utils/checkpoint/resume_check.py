@@ -161,6 +161,12 @@ def _bridge_problems(step_path: str, contents: dict, manifest: dict | None, targ
     megatron-core's local layer spec, the same modules (tests/py312/test_megatron_bridge_engine.py). Elsewhere
     (TransformerEngine's spec, each bridge its own) the names are not proven equal: refused, naming the setting."""
     saved, now = BridgeRecord.of_step(manifest), target.bridge
+    if saved is not None and not saved.is_known():
+        return [
+            f"{step_path}/manifest.json's bridge record {dataclasses.asdict(saved)!r} names no bridge this package builds with "
+            f"({' or '.join(BridgeRecord.NAMES)}, {' or '.join(BridgeRecord.LAYER_SPECS)} layer spec): the manifest is "
+            "damaged; restore the step from a copy or resume an earlier step"
+        ]
     if saved is None or now is None or saved.name == now.name:
         return []
     model_format = contents.get("contents", {}).get("model", {}).get("format")
