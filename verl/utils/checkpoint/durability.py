@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from verl.utils.checkpoint.checksum import file_checksum
-from verl.utils.checkpoint.integrity import start_writeback
+from verl.utils.checkpoint.integrity import files_under, start_writeback
 from verl.utils.fs import fsync_path
 
 
@@ -40,8 +40,8 @@ def _fsync(path: str) -> None:
 
 
 def files_in(directory: str) -> list[str]:
-    """Every file below ``directory``, absolute, sorted (none when it does not exist)."""
-    return sorted(os.path.join(root, name) for root, _, names in os.walk(directory) for name in names)
+    """Every file below ``directory``, as paths under it, sorted (none when it does not exist)."""
+    return [os.path.join(directory, relpath) for relpath in files_under(directory, [directory])]
 
 
 def own_files(directory: str, reported: list[str] | None, rank: int) -> list[str]:

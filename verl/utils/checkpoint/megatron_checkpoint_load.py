@@ -280,11 +280,17 @@ def into_own_buffers(sharded_state_dict: dict) -> dict:
     return sharded_state_dict
 
 
+def _beyond_uncheckpointed_extra_state(keys: list[str], checkpointed: set[str]) -> list[str]:
+    """``keys`` but the ``_extra_state`` entries the model's sharded state dict (``checkpointed``) leaves out:
+    megatron-core's TE attention keeps its FP8 metadata out of checkpoints by design."""
+    return [k for k in keys if not (k.endswith("._extra_state") and k not in checkpointed)]
+
+
 def _raise_unless_every_key_read(path: str, unread: list[str], checkpointed: set[str]) -> None:
     """Before any rank applies the read state: every key the model holds was read, but an ``_extra_state`` its
     sharded state dict leaves out. A key read beyond the model's is the strict apply's to judge (a grouped TE
     linear's per-GEMM ``_extra_state<i>`` are merged back by its own load hook there)."""
-    unread = [k for k in unread if not (k.endswith("._extra_state") and k not in checkpointed)]
+    unread = _beyond_uncheckpointed_extra_state(unread, checkpointed)
     if unread:
         raise CheckpointError(
             f"{path} left {len(unread)} key(s) of this model unread ({unread[:5]}{'...' if len(unread) > 5 else ''}): "
@@ -304,7 +310,7 @@ def _load_chunk_strictly(chunk: torch.nn.Module, state: dict, checkpointed: set[
 def _raise_unless_fits(path: str, missing: list[str], unexpected: list[str], checkpointed: set[str]) -> None:
     """The model's keys ``missing`` from the loaded state and the state's ``unexpected`` ones fail the load, named,
     but an ``_extra_state`` the model does not checkpoint (``checkpointed``: the keys of its sharded state dict)."""
-    missing = [k for k in missing if not (k.endswith("._extra_state") and k not in checkpointed)]
+    missing = _beyond_uncheckpointed_extra_state(missing, checkpointed)
     unexpected = list(unexpected)
     if missing or unexpected:
         raise CheckpointError(

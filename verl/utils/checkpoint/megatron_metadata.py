@@ -90,7 +90,9 @@ class MegatronMetadata:
             contents["hf_config"] = {"path": hf, "format": "huggingface", "note": layout.CONTENT_NOTES["hf_config"]}
             if self.processing_class is not None:
                 contents["tokenizer"] = {"path": hf, "format": "huggingface"}
-        manifest = {
+        # a staging directory is committed by the step transaction, which writes the manifest and mark named there
+        integrity = layout.INTEGRITY_NOTE if layout.is_staging_path(local_path) else layout.INTEGRITY_IN_PLACE_NOTE
+        return {
             "schema_version": CKPT_CONTENTS_SCHEMA_VERSION,
             "framework": "megatron",
             "role": self.role,
@@ -102,11 +104,8 @@ class MegatronMetadata:
             "contents": contents,
             "directories": directories,
             "saved_any_dist_ckpt": bool(self._dist_contents()),
+            layout.INTEGRITY_KEY: dict(integrity),
         }
-        # a staging directory is committed by the step transaction, which writes the manifest and mark named here
-        note = layout.INTEGRITY_NOTE if layout.is_staging_path(local_path) else layout.INTEGRITY_IN_PLACE_NOTE
-        manifest[layout.INTEGRITY_KEY] = dict(note)
-        return manifest
 
     def _write_checkpoint_manifest(self, local_path: str, global_step: int) -> None:
         """Rank 0, last: ``ckpt_contents.json``."""
