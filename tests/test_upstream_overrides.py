@@ -354,13 +354,15 @@ def test_upstream_e2e_script_keys_are_refused_or_listed_as_inert(tiny_moe_path, 
     inert = _compose([
         *base, "critic.megatron.pipeline_model_parallel_size=4", "actor_rollout_ref.actor.profiler.enable=True",
         "global_profiler.tool=nsys", "actor_rollout_ref.model.lora.alpha=16", "reward.reward_model.model_path=/rm",
-        "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/some/dist",
+        "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/some/dist", "actor_rollout_ref.actor.profiler.save_path=/prof",
     ])  # fmt: skip
     assert check_config(inert, tiny_moe_path) == []
     listed = {line.split("=", 1)[0]: line.split(": ", 1)[1] for line in ignored_settings(inert)}
     assert listed["critic.megatron.pipeline_model_parallel_size"] == "GRPO trains no critic"
     assert listed["actor_rollout_ref.actor.profiler.enable"].startswith("no profiler")
     assert listed["global_profiler.tool"].startswith("no profiler")
+    assert listed["actor_rollout_ref.actor.profiler.save_path"].startswith("no profiler")
+    assert "actor_rollout_ref.actor.profiler.tool" not in listed  # it follows global_profiler.tool, as upstream's does
     assert listed["actor_rollout_ref.model.lora.alpha"] == "LoRA is off (lora.rank 0)"
     assert listed["reward.reward_model.model_path"].startswith("no reward model is built")
     assert listed["actor_rollout_ref.actor.megatron.dist_checkpointing_path"].startswith("read by upstream only with use_dist_checkpointing")
