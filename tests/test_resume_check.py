@@ -407,3 +407,30 @@ def test_a_step_of_the_other_bridge_loads_where_the_names_it_reads_agree(saved, 
         f"({now[1]} layer spec), whose dist-checkpoint names are not proven to match; set "
         f"actor_rollout_ref.actor.megatron.vanilla_mbridge={setting} (the bridge it was written with)"
     ]
+
+
+def test_a_step_of_the_other_bridges_te_build_is_refused_by_every_rank_loading_without_the_drivers_record(
+    tiny_moe_path, saved_root, tmp_path
+):
+    """A rank called directly (no driver, no record) checks the bridge itself: the step, written here through
+    mbridge's local spec, claims Megatron-Bridge's TransformerEngine build, whose dist-checkpoint names are not
+    proven to be the local spec's; every rank refuses it in one line naming that bridge, nothing applied."""
+    import json
+
+    root = _copy_run(saved_root, tmp_path)
+    step = os.path.join(root, "global_step_1", "actor")
+    manifest_path = os.path.join(step, "manifest.json")
+    with open(manifest_path) as file:
+        manifest = json.load(file)
+    assert manifest["bridge"] == {"name": "mbridge", "layer_spec": "local"}
+    manifest["bridge"] = {"name": "Megatron-Bridge", "layer_spec": "transformer_engine"}
+    with open(manifest_path, "w") as file:
+        json.dump(manifest, file)
+    for message in run_on_ranks(_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step, None)):
+        assert message.startswith(f"CheckpointError: cannot load {step}; nothing was loaded. "), message
+        assert (
+            f"{step} was written through Megatron-Bridge (transformer_engine layer spec), this run builds through mbridge "
+            "(local layer spec)" in message
+        ), message
+        assert "vanilla_mbridge=False (the bridge it was written with)" in message and "\n" not in message, message
+        assert message.endswith("untouched=True"), message
