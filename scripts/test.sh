@@ -7,6 +7,7 @@
 # .venv-py312, running PY312_TESTS. With arguments (pytest's), only the main leg runs, on them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+main_started=$SECONDS  # each leg's time, installs included, is printed at the end
 source scripts/venv.sh
 python -m pip install -q -r requirements.txt -e ".[test]"
 ruff check verl tests scripts
@@ -39,6 +40,8 @@ TRANSFORMERS4_TESTS=(
   tests/test_parallel_hf_export.py
   "tests/test_resume_schedules_cli.py::test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one[cosine-1rank]"
 )
+main_seconds=$((SECONDS - main_started))
+tf4_started=$SECONDS
 echo "[test.sh] transformers 4.57 leg (.venv-transformers4): ${#TRANSFORMERS4_TESTS[@]} test files/cases"
 deactivate
 if [ ! -x .venv-transformers4/bin/python ]; then
@@ -68,6 +71,8 @@ PY312_TESTS=(
   tests/test_gpu_check.py::test_each_run_installs_one_wheel_of_each_name
   tests/test_gpu_check.py::test_the_check_passes_on_cpu_from_the_bundle
 )
+tf4_seconds=$((SECONDS - tf4_started))
+py312_started=$SECONDS
 echo "[test.sh] Python 3.12 leg (.venv-py312): ${#PY312_TESTS[@]} test files/cases"
 if [ ! -x .venv-py312/bin/python ]; then
   # pyenv's 3.12 where there is one (these machines), else python3.12 on PATH
@@ -90,5 +95,7 @@ PY312_DESELECT=(
   "tests/test_megatron_utils.py::test_offload_reload_is_bit_exact_and_training_continues[DO=False-tp2pp2ep2etp2]"
 )
 run_pytest "${PY312_TESTS[@]}" "${PY312_DESELECT[@]/#/--deselect=}" || py312_status=$?
-echo "[test.sh] main leg (transformers 5.10): status $main_status; transformers 4.57 leg: status $tf4_status; Python 3.12 leg: status $py312_status"
+py312_seconds=$((SECONDS - py312_started))
+echo "[test.sh] main leg (transformers 5.10): status $main_status, ${main_seconds} s; transformers 4.57 leg: status $tf4_status, ${tf4_seconds} s;" \
+  "Python 3.12 leg: status $py312_status, ${py312_seconds} s (each with its installs)"
 [ "$main_status" -eq 0 ] && [ "$tf4_status" -eq 0 ] && [ "$py312_status" -eq 0 ]
