@@ -22,18 +22,28 @@ def test_a_rank_seals_what_its_writer_reported_and_rank_zero_what_a_writer_that_
     assert [own_files(str(folder), None, rank) for rank in (0, 1)] == [everything, []]
 
 
-def test_sealed_checksums_are_the_files_and_an_unreadable_file_is_left_to_the_commit(tmp_path):
+def test_sealed_checksums_are_the_files_and_the_manifest_hashes_only_what_no_writer_sealed(tmp_path):
     data = {"a.bin": os.urandom(3 << 20), "b.bin": b"", "c.bin": b"xyz"}
     for name, payload in data.items():
         (tmp_path / name).write_bytes(payload)
     sealer = Sealer(str(tmp_path))
-    sealer.seal(["a.bin", "b.bin", "gone.bin"])
+    sealer.seal(["a.bin", "b.bin"])
     sealed = sealer.results()
     assert sealed == {"a.bin": f"crc32:{zlib.crc32(data['a.bin']):08x}", "b.bin": "crc32:00000000"}
     manifest = build_manifest(str(tmp_path), known_checksums=sealed)
     assert {name: entry["checksum"] for name, entry in manifest["files"].items()} == {
         name: f"crc32:{zlib.crc32(payload):08x}" for name, payload in data.items()
     }
+
+
+def test_a_reported_file_that_is_gone_fails_the_seal_naming_it(tmp_path):
+    """A file the writer said it wrote and that is gone is part of the step lost: the commit must not go on."""
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    sealer = Sealer(str(tmp_path))
+    sealer.seal(["a.bin", "sub/gone.bin"])
+    with pytest.raises(FileNotFoundError, match=r"sub/gone.bin was reported written by this rank's writer but is gone") as caught:
+        sealer.results()
+    assert caught.value.filename == str(tmp_path / "sub" / "gone.bin")
 
 
 def test_an_fsync_that_fails_is_raised_naming_the_file_not_left_to_another_rank(tmp_path):

@@ -103,17 +103,23 @@ class Sealer:
             self._pending[os.path.relpath(path, self.step_path)] = self._pool.submit(_checksum_and_sync, path)
 
     def results(self) -> dict[str, str]:
-        """Relative path -> checksum of every sealed file, once each is durable with its directory; a file gone
-        is left out (the step transaction reports it); any other error (an fsync's EIO: pages this host held
-        may be lost) is raised, and the step commit fails on every rank. Asked again, the same answer."""
+        """Relative path -> checksum of every sealed file, once each is durable with its directory. Any error is
+        raised and the step commit fails on every rank: an fsync's EIO (pages this host held may be lost), or a
+        file its writer reported that is gone (something removed part of the step while it was being saved).
+        Asked again, the same answer."""
         if self._sealed is not None:
             return self._sealed
         self._pool.shutdown(wait=True)
-        failed = [f.exception() for f in self._pending.values() if f.exception() is not None]
-        for error in failed:
-            if not isinstance(error, FileNotFoundError):
+        for relpath, future in self._pending.items():
+            error = future.exception()
+            if isinstance(error, FileNotFoundError):
+                raise FileNotFoundError(
+                    error.errno, f"{relpath} was reported written by this rank's writer but is gone before it was made durable "
+                    "(was the staging directory changed during the save?)", os.path.join(self.step_path, relpath),
+                ) from error
+            if error is not None:
                 raise error
-        sealed = {relpath: future.result() for relpath, future in self._pending.items() if future.exception() is None}
+        sealed = {relpath: future.result() for relpath, future in self._pending.items()}
         written = [os.path.join(self.step_path, relpath) for relpath in sealed]
         for directory in _directories_up_to(
             self.step_path, [*written, *(d for d in self.directories if os.path.isdir(d))]
