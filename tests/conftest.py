@@ -1,9 +1,10 @@
-"""Shared fixtures: tiny HF models made locally (no hub)."""
+"""Shared fixtures: tiny HF models made locally (no hub); the CLI runs' environment."""
 
 import sys
 
 import pytest
 
+from tests.cli_runs import cli_env
 from verl.models.tiny import make_tiny_hf_model
 
 # tests/py312: Megatron-Bridge 0.6 and the megatron-core 0.18 it runs on declare Python 3.12; scripts/test.sh's
@@ -21,3 +22,9 @@ def tiny_moe_path(tmp_path_factory) -> str:
 def tiny_dense_path(tmp_path_factory) -> str:
     """Dense Qwen3, 4 layers, sharded safetensors + index, tokenizer."""
     return make_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_dense")), kind="dense")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    """The environment of a CLI run (``tests.cli_runs``): the embedded default model made once per module."""
+    return cli_env(tmp_path_factory.mktemp("tiny_cache"))

@@ -11,10 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests.cli_runs import MEGATRON, TRACKER, comparable_by_step, read_metrics, run_trainer, stop_after_a_save
 from tests.test_bf16_checkpoint import as_bf16, master_weights
-from tests.test_resume_schedules_cli import _comparable, _stop_after_a_save
-from tests.test_trainer_cli import MEGATRON, TRACKER, _metrics, _run
-from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
 
 STEPS = 4
 OPTIM = "actor_rollout_ref.actor.optim."
@@ -54,21 +52,21 @@ def test_a_bf16_run_stopped_by_sigterm_and_resumed_equals_the_uninterrupted_one(
         ]  # fmt: skip
 
     whole_dir, stopped_dir = tmp_path / "uninterrupted", tmp_path / "stopped"
-    code, out = _run(command(whole_dir), tmp_path, env)
+    code, out = run_trainer(command(whole_dir), tmp_path, env)
     assert code == 0, out[-6000:]
-    whole = _comparable(_metrics(whole_dir))
+    whole = comparable_by_step(read_metrics(whole_dir))
     lrs = [whole[step]["actor/lr"] for step in range(1, STEPS + 1)]
     assert len(set(lrs)) == STEPS, lrs  # the schedule moves at every step
     # the rollout and the actor both run in bf16: their first-batch gap is bf16's, within the bf16 tolerance
     assert 1e-4 < whole[1]["rollout/log_prob_diff_max"] <= 1e-1, whole[1]["rollout/log_prob_diff_max"]
 
-    tracked = _stop_after_a_save(command(stopped_dir), tmp_path, env, stopped_dir)
+    tracked = stop_after_a_save(command(stopped_dir), tmp_path, env, stopped_dir, step=2, last=STEPS)
     assert tracked == 2
-    before = len(_metrics(stopped_dir))
-    code, out = _run(command(stopped_dir), tmp_path, env)  # the same command, resume_mode=auto
+    before = len(read_metrics(stopped_dir))
+    code, out = run_trainer(command(stopped_dir), tmp_path, env)  # the same command, resume_mode=auto
     assert code == 0, out[-6000:]
     assert f"resumed from {stopped_dir}/global_step_2 (step 2)" in out
-    first, resumed = _comparable(_metrics(stopped_dir)[:before]), _comparable(_metrics(stopped_dir)[before:])
+    first, resumed = comparable_by_step(read_metrics(stopped_dir)[:before]), comparable_by_step(read_metrics(stopped_dir)[before:])
     assert sorted(resumed) == [3, 4]
     combined = {1: first[1], 2: first[2], **resumed}
     assert [combined[step]["actor/lr"] for step in range(1, STEPS + 1)] == lrs
@@ -87,19 +85,19 @@ def test_a_bf16_run_stopped_by_sigterm_and_resumed_equals_the_uninterrupted_one(
 def test_a_bf16_step_saved_at_tp2_resumes_at_one_rank_with_the_same_master_weights(tmp_path, env, tiny_moe_path):  # noqa: F811
     ckpt = tmp_path / "ckpt"
     common = [f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={ckpt}", "trainer.save_freq=2"]
-    code, out = _run([*common, *_layout(2, 2), BF16, "trainer.total_training_steps=2"], tmp_path, env)
+    code, out = run_trainer([*common, *_layout(2, 2), BF16, "trainer.total_training_steps=2"], tmp_path, env)
     assert code == 0, out[-6000:]
     saved = master_weights(str(_step(ckpt, 2)))
 
     # lr 0 for the resumed step: Adam leaves every master weight as loaded, so step 3 saves exactly what was loaded
-    code, out = _run([*common, *_layout(1, 1), BF16, "trainer.total_training_steps=3", f"{OPTIM}lr=0"], tmp_path, env)
+    code, out = run_trainer([*common, *_layout(1, 1), BF16, "trainer.total_training_steps=3", f"{OPTIM}lr=0"], tmp_path, env)
     assert code == 0, out[-6000:]
     assert f"resumed from {ckpt}/global_step_2 (step 2)" in out
     assert _unequal(saved, master_weights(str(_step(ckpt, 3)))) == []
     assert _unequal(_hf_weights(_step(ckpt, 2)), _hf_weights(_step(ckpt, 3))) == []
     assert (ckpt / TRACKER).read_text() == "3"
 
-    code, out = _run([*common, *_layout(1, 1), "trainer.total_training_steps=4"], tmp_path, env)  # float32, the default
+    code, out = run_trainer([*common, *_layout(1, 1), "trainer.total_training_steps=4"], tmp_path, env)  # float32, the default
     assert code == 2, out[-6000:]
     assert f"{ckpt}/global_step_3/actor optimizer state was saved with {MEGATRON}dtype=bfloat16" in out
     assert "this run uses float32" in out

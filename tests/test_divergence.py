@@ -10,8 +10,7 @@ import re
 import pytest
 import torch
 
-from tests.test_trainer_cli import TRACKER, _run, _two_ranks_ep2
-from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
+from tests.cli_runs import TRACKER, run_trainer, two_ranks_ep2
 from verl.utils.checkpoint.finite import DivergedError, check_step_is_finite, first_non_finite_quantity
 
 
@@ -39,8 +38,8 @@ def test_the_first_non_finite_quantity_is_named_with_the_checkpoint_to_resume(tm
 
 def test_a_learning_rate_of_1e30_is_reported_as_divergence_through_the_cli(tmp_path, env, tiny_moe_path):  # noqa: F811
     ckpt = tmp_path / "ckpt"
-    code, out = _run(
-        [*_two_ranks_ep2(tiny_moe_path, ckpt), "actor_rollout_ref.actor.optim.lr=1e30", "trainer.total_training_steps=4"],
+    code, out = run_trainer(
+        [*two_ranks_ep2(tiny_moe_path, ckpt), "actor_rollout_ref.actor.optim.lr=1e30", "trainer.total_training_steps=4"],
         tmp_path, env, timeout_s=540,
     )  # fmt: skip
     assert code == 1, out[-5000:]

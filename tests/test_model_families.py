@@ -170,12 +170,12 @@ def test_mixtral_through_the_cli_on_8_ranks(tmp_path):
     """``python -m verl.trainer.main_ppo`` as a user runs it on a Mixtral (head_dim unset, top-k
     renormalised): 8 ranks at TP2 PP2 EP2 ETP2, use_distributed_optimizer=False, 2 GRPO steps, a save at
     step 2 whose HF export the commit step verifies complete; the actor's log-probs equal the rollout's."""
-    from tests.test_trainer_cli import MEGATRON, TRACKER, _metrics, _run
+    from tests.cli_runs import MEGATRON, TRACKER, read_metrics, run_trainer
 
     src = make_tiny_hf_model(str(tmp_path / "mixtral"), kind="mixtral")
     ckpt = tmp_path / "ckpt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    code, out = _run(
+    code, out = run_trainer(
         [
             f"actor_rollout_ref.model.path={src}",
             f"{MEGATRON}tensor_model_parallel_size=2",
@@ -193,7 +193,7 @@ def test_mixtral_through_the_cli_on_8_ranks(tmp_path):
     assert code == 0, out[-6000:]
     assert "8 ranks on cpu" in out and "TP2 PP2 EP2 ETP2 CP1" in out
     assert (ckpt / TRACKER).read_text() == "2"
-    metrics = _metrics(ckpt)
+    metrics = read_metrics(ckpt)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["rollout/log_prob_diff_max"] <= 1e-4 for m in metrics), [m["rollout/log_prob_diff_max"] for m in metrics]
     tensors = len(hf_state(src))

@@ -6,8 +6,6 @@ The embedded task has 9 prompts for a batch of 8, so every step is a new epoch: 
 crossed at every step, including the one after the resume. Validation every 2 steps crosses its cadence."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,9 +14,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests.cli_runs import MEGATRON, REPO, TRACKER, comparable_by_step, read_metrics, run_trainer, stop_after_a_save
 from tests.main_leg import MBRIDGE
-from tests.test_trainer_cli import MEGATRON, REPO, TRACKER, _kill_session, _metrics, _run, _start
-from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
 
 STEPS = 5
 OPTIM = "actor_rollout_ref.actor.optim."
@@ -35,7 +32,6 @@ LAYOUTS = {
     "1_rank": ["trainer.n_gpus_per_node=1", f"{MEGATRON}expert_model_parallel_size=1"],
     "2_ranks_ep2": ["trainer.n_gpus_per_node=2", f"{MEGATRON}expert_model_parallel_size=2"],
 }
-CLOCKS = ("time", "checkpoint", "checkpoint_committed", "resume")  # what may differ between runs: times, save and resume records
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +53,6 @@ def _command(model_path: str, ckpt: Path, val_parquet: str, schedule: str, layou
     ]  # fmt: skip
 
 
-def _comparable(metrics: list[dict]) -> dict[int, dict]:
-    return {m["step"]: {k: v for k, v in m.items() if not k.startswith("timing_s/") and k not in CLOCKS} for m in metrics}
-
-
 def _final_weights(ckpt: Path) -> dict:
     hf = ckpt / f"global_step_{STEPS}" / "actor" / "model" / "huggingface"
     weights = {}
@@ -69,49 +61,26 @@ def _final_weights(ckpt: Path) -> dict:
     return weights
 
 
-def _stop_after_a_save(
-    command: list[str], cwd: Path, env: dict, ckpt: Path, step: int = 2, last: int = STEPS, bridge: str | None = MBRIDGE  # noqa: F811
-) -> int:
-    """Start the run (through ``bridge``, as ``_start``), SIGTERM its driver once ``step`` is tracked; the step
-    it can resume from, before ``last``."""
-    log = cwd / "stopped.log"
-    proc = _start(command, cwd, env, log, bridge)
-    try:
-        deadline = time.monotonic() + 480
-        while not ((ckpt / TRACKER).is_file() and (ckpt / TRACKER).read_text() == str(step)):
-            assert proc.poll() is None, f"exited early:\n{log.read_text()[-5000:]}"
-            assert time.monotonic() < deadline, f"no save of step {step} in time:\n{log.read_text()[-5000:]}"
-            time.sleep(0.1)
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        _kill_session(proc)
-    assert proc.returncode == 143, log.read_text()[-5000:]
-    tracked = int((ckpt / TRACKER).read_text())
-    assert tracked < last, f"the run finished before the stop (tracked step {tracked})"
-    return tracked
-
-
 @pytest.mark.parametrize(
     ("schedule", "layout"), [("cosine_warmup", "1_rank"), ("inverse_sqrt", "2_ranks_ep2")], ids=["cosine-1rank", "invsqrt-2ranks"]
 )
 def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, env, tiny_moe_path, val_parquet, schedule, layout):  # noqa: F811
     whole_dir, stopped_dir = tmp_path / "uninterrupted", tmp_path / "stopped"
-    code, out = _run(_command(tiny_moe_path, whole_dir, val_parquet, schedule, layout), tmp_path, env)
+    code, out = run_trainer(_command(tiny_moe_path, whole_dir, val_parquet, schedule, layout), tmp_path, env)
     assert code == 0, out[-6000:]
-    whole = _comparable(_metrics(whole_dir))
+    whole = comparable_by_step(read_metrics(whole_dir))
     lrs = [whole[step]["actor/lr"] for step in range(1, STEPS + 1)]
     assert len(set(lrs)) == STEPS, lrs  # the schedule moves at every step
     assert "val-core/arithmetic/reward/mean@1" in whole[2] and "val-core/arithmetic/reward/mean@1" not in whole[3]
 
     command = _command(tiny_moe_path, stopped_dir, val_parquet, schedule, layout)
-    tracked = _stop_after_a_save(command, tmp_path, env, stopped_dir)
-    before = len(_metrics(stopped_dir))
-    code, out = _run(command, tmp_path, env)  # the same command, resume_mode=auto
+    tracked = stop_after_a_save(command, tmp_path, env, stopped_dir, step=2, last=STEPS)
+    before = len(read_metrics(stopped_dir))
+    code, out = run_trainer(command, tmp_path, env)  # the same command, resume_mode=auto
     assert code == 0, out[-6000:]
     assert f"resumed from {stopped_dir}/global_step_{tracked} (step {tracked})" in out
     assert "warning: resuming" not in out  # the same length: nothing to warn about
-    first, resumed = _comparable(_metrics(stopped_dir)[:before]), _comparable(_metrics(stopped_dir)[before:])
+    first, resumed = comparable_by_step(read_metrics(stopped_dir)[:before]), comparable_by_step(read_metrics(stopped_dir)[before:])
     assert sorted(resumed) == list(range(tracked + 1, STEPS + 1))
     assert sorted(first) == list(range(1, tracked + 1)), "a committed step's metrics line is written before the stop"
     combined = {**{step: first[step] for step in range(1, tracked + 1)}, **resumed}
@@ -136,9 +105,9 @@ def test_a_near_capacity_block_end_saves_outside_save_freq(tmp_path, env, tiny_m
         "trainer.total_training_steps=3", "trainer.save_freq=100", "trainer.esi_redundant_time=100000",
     ]  # fmt: skip
     end = {"MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP": str(time.time() + 50000)}
-    code, out = _run(command, tmp_path, {**env, **end})
+    code, out = run_trainer(command, tmp_path, {**env, **end})
     assert code == 0, out[-6000:]
-    assert [m["step"] for m in _metrics(ckpt) if "checkpoint" in m] == [2, 3]
+    assert [m["step"] for m in read_metrics(ckpt) if "checkpoint" in m] == [2, 3]
     assert "[trainer] saving step 2 outside save_freq: the capacity block ends within the next step and a save" in out
     assert (ckpt / TRACKER).read_text() == "3"
 

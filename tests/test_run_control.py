@@ -16,11 +16,10 @@ import pytest
 import ray
 from hydra import compose, initialize_config_dir
 
+from tests.cli_runs import MEGATRON, TRACKER, kill_session, read_metrics, run_trainer, start_trainer, two_ranks_ep2
 from tests.main_leg import MBRIDGE
 from tests.test_ray_worker_group import REPO as WORKER_PYTHONPATH
 from tests.test_ray_worker_group import ProbeWorker
-from tests.test_trainer_cli import MEGATRON, TRACKER, _kill_session, _metrics, _run, _start, _two_ranks_ep2
-from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool, WorkerGroupError
 from verl.trainer.run_control import resume_command
@@ -213,7 +212,7 @@ def _stop(proc: subprocess.Popen, log: Path, send, expected_code: int) -> tuple[
         proc.wait(timeout=60)
         seconds = time.monotonic() - start
     finally:
-        _kill_session(proc)
+        kill_session(proc)
     out = log.read_text()
     assert proc.returncode == expected_code, out[-5000:]
     assert seconds < 30, f"took {seconds:.0f}s to stop"
@@ -225,18 +224,18 @@ def test_one_writer_and_clean_stops_through_the_cli(tmp_path, env, tiny_moe_path
     with one line naming the committed step and the resume command; resuming another model is refused before
     Ray; that resume command continues from the committed step; Ctrl-C (SIGINT to the process group) stops it."""
     ckpt = tmp_path / "ckpt"
-    common = [*_two_ranks_ep2(tiny_moe_path, ckpt), f"{MEGATRON}use_distributed_optimizer=False"]
+    common = [*two_ranks_ep2(tiny_moe_path, ckpt), f"{MEGATRON}use_distributed_optimizer=False"]
     first_log = tmp_path / "first.log"
-    first = _start([*common, "trainer.total_training_steps=50"], tmp_path, env, first_log)
+    first = start_trainer([*common, "trainer.total_training_steps=50"], tmp_path, env, first_log)
     try:
         _wait_for(r"\[trainer\] step 1/50", first_log, first)
 
-        code, out = _run([*common, "trainer.total_training_steps=50"], tmp_path, env, timeout_s=120)
+        code, out = run_trainer([*common, "trainer.total_training_steps=50"], tmp_path, env, timeout_s=120)
         assert code == 2, out[-3000:]
         assert f"is being written by another run (pid {first.pid} on host {os.uname().nodename}" in out
         assert "Ray instance" not in out and "ranks up" not in out
     except BaseException:
-        _kill_session(first)
+        kill_session(first)
         raise
     # The driver only, as `kill <pid>` or a scheduler does.
     out, last = _stop(first, first_log, lambda: os.kill(first.pid, signal.SIGTERM), 143)
@@ -246,31 +245,31 @@ def test_one_writer_and_clean_stops_through_the_cli(tmp_path, env, tiny_moe_path
     resume = last.split("; resume with: ")[1]
     assert resume == resume_command([MBRIDGE, *common, "trainer.total_training_steps=50"])  # the bridge it ran with, too
 
-    code, out = _run([*common, "trainer.save_freq=abc"], tmp_path, env, timeout_s=120)
+    code, out = run_trainer([*common, "trainer.save_freq=abc"], tmp_path, env, timeout_s=120)
     assert code == 2 and "trainer.save_freq=abc must be an integer; set trainer.save_freq=<n>" in out and "Traceback" not in out, out[-3000:]
 
     from verl.models.tiny import make_tiny_hf_model
 
     other = make_tiny_hf_model(str(tmp_path / "four_experts"), kind="moe", num_experts=4)
     start = time.monotonic()
-    code, out = _run([*common, f"actor_rollout_ref.model.path={other}", "trainer.total_training_steps=50"], tmp_path, env, timeout_s=120)
+    code, out = run_trainer([*common, f"actor_rollout_ref.model.path={other}", "trainer.total_training_steps=50"], tmp_path, env, timeout_s=120)
     assert code == 2 and "is of a different model" in out and "num_moe_experts: checkpoint 8, this model 4" in out, out[-3000:]
     assert "Ray instance" not in out and "ranks up" not in out and time.monotonic() - start < 90
 
     # The printed command, as a user would paste it, resumes from the committed step; then Ctrl-C.
     second_log = tmp_path / "second.log"
-    second = _start(shlex.split(resume)[3:], tmp_path, env, second_log, bridge=None)  # the command names it
+    second = start_trainer(shlex.split(resume)[3:], tmp_path, env, second_log, bridge=None)  # the command names it
     try:
         _wait_for(rf"resumed from {ckpt}/global_step_{committed} \(step {committed}\)", second_log, second)
         _wait_for(rf"\[trainer\] step {committed + 1}/50", second_log, second)
     except BaseException:
-        _kill_session(second)
+        kill_session(second)
         raise
     # What a terminal sends to the foreground process group.
     out, last = _stop(second, second_log, lambda: os.killpg(second.pid, signal.SIGINT), 130)
     assert last.startswith("[main_ppo] stopped by SIGINT at step ") and "resume with: python -m verl.trainer.main_ppo" in last, last
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-5000:]
-    assert [m["step"] for m in _metrics(ckpt)][-1] > committed
+    assert [m["step"] for m in read_metrics(ckpt)][-1] > committed
 
 
 def test_a_local_ray_instance_gets_a_temp_dir_private_to_the_user(tmp_path, monkeypatch):

@@ -11,10 +11,9 @@ import sys
 
 import pytest
 
+from tests.cli_runs import run_trainer, two_ranks_ep2
 from tests.save_points.points import ACTION, DIR, POINT, RANKS
 from tests.test_save_process_lifetime import POINTS_DIR
-from tests.test_trainer_cli import _run, _two_ranks_ep2
-from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
 from verl.utils.checkpoint import snapshot_save
 from verl.utils.checkpoint.os_errors import find_os_error, writing
 
@@ -150,8 +149,8 @@ def test_a_run_whose_save_fills_the_disk_leaves_no_staging_behind(tmp_path, env,
     held = {"PYTHONPATH": os.pathsep.join([POINTS_DIR, env["PYTHONPATH"]]), POINT: "discard", RANKS: "0", ACTION: "pause", DIR: str(reached)}
     with small_tmpfs(str(tmp_path / "disk"), "6m") as disk:  # a step of this run takes about 4 MB
         ckpt = os.path.join(disk, "ckpt")
-        overrides = [*_two_ranks_ep2(tiny_moe_path, ckpt), "trainer.total_training_steps=2", f"actor_rollout_ref.actor.checkpoint.async_save={async_save}"]
-        code, out = _run(overrides, tmp_path, {**env, **held}, timeout_s=300)
+        overrides = [*two_ranks_ep2(tiny_moe_path, ckpt), "trainer.total_training_steps=2", f"actor_rollout_ref.actor.checkpoint.async_save={async_save}"]
+        code, out = run_trainer(overrides, tmp_path, {**env, **held}, timeout_s=300)
         assert code == 1, out[-6000:]
         assert [f.split(".")[:2] for f in os.listdir(reached)] == [["discard", "0"]], out[-6000:]  # rank 0 was held
         line = next(line for line in out.splitlines() if "The save needed about" in line)

@@ -19,10 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.cli_runs import TRACKER, kill_session, start_trainer, two_ranks_ep2
 from tests.process_marker import MARKER
 from tests.save_points.points import ACTION, DIR, POINT, RANKS
-from tests.test_trainer_cli import TRACKER, _kill_session, _start, _two_ranks_ep2
-from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
 
 POINTS_DIR = str(Path(__file__).resolve().parent / "save_points")
 ASYNC = "actor_rollout_ref.actor.checkpoint.async_save=True"
@@ -35,9 +34,9 @@ def _start_at(env: dict, tmp_path: Path, model: str, point: str, ranks: str, act
     reached.mkdir()
     run_env = {**env, "PYTHONPATH": os.pathsep.join([POINTS_DIR, env["PYTHONPATH"]]), POINT: point, RANKS: ranks, ACTION: action, DIR: str(reached)}
     writer = [ASYNC, f"{MODE}={async_mode}"] if async_mode else []
-    overrides = [*_two_ranks_ep2(model, tmp_path / "ckpt"), "trainer.total_training_steps=1", *writer]
+    overrides = [*two_ranks_ep2(model, tmp_path / "ckpt"), "trainer.total_training_steps=1", *writer]
     log = tmp_path / "run.log"
-    return _start(overrides, tmp_path, run_env, log), reached, log
+    return start_trainer(overrides, tmp_path, run_env, log), reached, log
 
 
 def _wait_until_reached(proc, reached: Path, ranks: str, log: Path, timeout_s: float = 480) -> None:
@@ -118,7 +117,7 @@ def test_sigkill_of_the_whole_run_mid_save_leaves_no_process(tmp_path, env, tiny
             time.sleep(0.2)
         survivors = _marked(proc.marker)
     finally:
-        _kill_session(proc)
+        kill_session(proc)
     assert not survivors, f"{len(survivors)} of the {len(saves)} processes of the save outlived the run by 10 s: {_describe(survivors)}"
 
 
@@ -137,7 +136,7 @@ def test_a_killed_save_process_fails_the_run_within_seconds_blaming_its_rank(tmp
         proc.wait(timeout=300)
         seconds = time.monotonic() - killed
     finally:
-        _kill_session(proc)
+        kill_session(proc)
     out = log.read_text()
     assert proc.returncode == 1, out[-5000:]
     assert re.search(r"rank\(s\) failed; rank 1 failed first", out), out[-5000:]

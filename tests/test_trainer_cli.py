@@ -14,71 +14,23 @@
 """
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.main_leg import MBRIDGE
-from tests.process_marker import MARKER, kill_marked
-
-REPO = Path(__file__).resolve().parents[1]
-MEGATRON = "actor_rollout_ref.actor.megatron."
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict:
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-        # The embedded default model is made here once (not in the user's ~/.cache).
-        "VERL_TINY_MODEL_CACHE": str(tmp_path_factory.mktemp("tiny_cache")),
-    }
-
-
-def _start(overrides: list[str], cwd: Path, env: dict, log: Path, bridge: str | None = MBRIDGE) -> subprocess.Popen:
-    """The trainer in its own session, so it can be stopped with everything it started (Ray included).
-    Every process of the run inherits a marker in its environment (see ``_kill_session``). ``bridge``: the
-    override naming the bridge (None: the config's default, Megatron-Bridge)."""
-    handle = open(log, "w")
-    marker = uuid.uuid4().hex
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "verl.trainer.main_ppo", *([bridge] if bridge else []), *overrides],
-        cwd=cwd, env={**env, MARKER: marker}, stdout=handle, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
-    proc.marker = marker
-    return proc
-
-
-def _kill_session(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=60)
-    kill_marked(proc.marker)
-
-
-def _run(overrides: list[str], cwd: Path, env: dict, timeout_s: float = 540, bridge: str | None = MBRIDGE) -> tuple[int, str]:
-    log = cwd / f"run_{time.monotonic_ns()}.log"
-    proc = _start(overrides, cwd, env, log, bridge)
-    try:
-        proc.wait(timeout=timeout_s)
-    finally:
-        _kill_session(proc)  # nothing may outlive the run
-    return proc.returncode, log.read_text()
-
-
-def _metrics(ckpt: Path) -> list[dict]:
-    path = ckpt / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+from tests.cli_runs import (
+    MEGATRON,
+    REPO,
+    TRACKER,
+    kill_session,
+    read_metrics,
+    run_trainer,
+    start_trainer,
+    two_ranks_ep2,
+)
 
 
 def test_kill_and_resume_auto_continues_from_last_save(tmp_path, env):
@@ -100,24 +52,24 @@ def test_kill_and_resume_auto_continues_from_last_save(tmp_path, env):
         "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.ref.megatron.param_offload=True",
     ]  # fmt: skip
     log = tmp_path / "first.log"
-    first = _start([*common, "trainer.total_training_steps=8"], tmp_path, env, log)
+    first = start_trainer([*common, "trainer.total_training_steps=8"], tmp_path, env, log)
     try:
         deadline = time.monotonic() + 480
-        while not any(m["step"] == 5 for m in _metrics(ckpt)):
+        while not any(m["step"] == 5 for m in read_metrics(ckpt)):
             assert first.poll() is None, f"first run exited early:\n{log.read_text()[-5000:]}"
             assert time.monotonic() < deadline, f"no step 5 in time:\n{log.read_text()[-5000:]}"
             time.sleep(0.2)
     finally:
-        _kill_session(first)  # killed between saves: step 5 trained, step 6 not saved
+        kill_session(first)  # killed between saves: step 5 trained, step 6 not saved
     assert (ckpt / TRACKER).read_text() == "3"
     assert (ckpt / "global_step_3" / "data.pt").is_file()
-    first_run = {m["step"]: m for m in _metrics(ckpt)}
+    first_run = {m["step"]: m for m in read_metrics(ckpt)}
     assert "checkpoint" in first_run[3] and "checkpoint" not in first_run[5]
 
-    code, out = _run([*common, "trainer.total_training_steps=5", "trainer.resume_mode=auto"], tmp_path, env)
+    code, out = run_trainer([*common, "trainer.total_training_steps=5", "trainer.resume_mode=auto"], tmp_path, env)
     assert code == 0, out[-6000:]
     assert f"resumed from {ckpt}/global_step_3 (step 3)" in out and "data: epoch 2, position 6" in out
-    second_run = _metrics(ckpt)[len(first_run):]
+    second_run = read_metrics(ckpt)[len(first_run):]
     assert [m["step"] for m in second_run] == [4, 5]
     # One check per resume, across the driver and the 8 ranks: the driver hashed no shard or weights file, every
     # process hashed each it loaded once, as it loaded it; the ranks took the driver's record; one HF export check.
@@ -148,14 +100,14 @@ def test_kill_and_resume_auto_continues_from_last_save(tmp_path, env):
     assert (ckpt / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Once more: the tracked step is already the last one, so nothing starts.
-    code, out = _run([*common, "trainer.total_training_steps=5"], tmp_path, env)
+    code, out = run_trainer([*common, "trainer.total_training_steps=5"], tmp_path, env)
     assert code == 0, out[-3000:]
     assert "is already at trainer.total_training_steps=5: nothing to train" in out and "Ray instance" not in out
 
 
 def test_pp4_ep2_tp2_etp2_16_ranks_one_verified_save(tmp_path, env, tiny_moe_path):
     ckpt = tmp_path / "ckpt"
-    code, out = _run(
+    code, out = run_trainer(
         [
             f"actor_rollout_ref.model.path={tiny_moe_path}",
             "trainer.n_gpus_per_node=16",
@@ -176,7 +128,7 @@ def test_pp4_ep2_tp2_etp2_16_ranks_one_verified_save(tmp_path, env, tiny_moe_pat
     assert (ckpt / TRACKER).read_text() == "1"
     manifest = json.loads((ckpt / "global_step_1/actor/manifest.json").read_text())
     assert manifest["parallel"] == {"world_size": 16, "tp": 2, "pp": 4, "ep": 2, "etp": 2, "cp": 1}
-    record = _metrics(ckpt)[0]["checkpoint"]
+    record = read_metrics(ckpt)[0]["checkpoint"]
     assert record["hf"] == "all 135 tensors present with the expected shapes" and record["files"] > 0
 
 
@@ -192,17 +144,17 @@ def test_vpp2_trains_with_the_reference_and_resumes_exactly(tmp_path, env, tiny_
         "actor_rollout_ref.actor.kl_loss_coef=0.05", "trainer.save_freq=1", "trainer.total_training_steps=2",
         f"trainer.default_local_dir={ckpt}",
     ]  # fmt: skip
-    code, out = _run(common, tmp_path, env)
+    code, out = run_trainer(common, tmp_path, env)
     assert code == 0, out[-6000:]
     assert "TP1 PP2 VPP2 EP1 ETP1 CP1" in out
-    first_run = {m["step"]: m for m in _metrics(ckpt)}
+    first_run = {m["step"]: m for m in read_metrics(ckpt)}
     manifest = json.loads((ckpt / "global_step_2/actor/manifest.json").read_text())
     assert manifest["parallel"] == {"world_size": 2, "tp": 1, "pp": 2, "ep": 1, "etp": 1, "cp": 1, "vpp": 2}
     assert first_run[2]["checkpoint"]["hf"] == "all 135 tensors present with the expected shapes"
 
-    code, out = _run([*common, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt}/global_step_1"], tmp_path, env)
+    code, out = run_trainer([*common, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt}/global_step_1"], tmp_path, env)
     assert code == 0, out[-6000:]
-    resumed = _metrics(ckpt)[len(first_run):]
+    resumed = read_metrics(ckpt)[len(first_run):]
     assert [m["step"] for m in resumed] == [2]
     keys = [key for key in first_run[2] if not key.startswith("timing_s/") and key not in ("time", "checkpoint", "checkpoint_committed")]
     assert {"actor/kl_loss", "actor/grad_norm", "actor/entropy"} <= set(keys)
@@ -210,24 +162,11 @@ def test_vpp2_trains_with_the_reference_and_resumes_exactly(tmp_path, env, tiny_
     assert {key: resumed[0].get(key) for key in keys} == {key: first_run[2][key] for key in keys}
 
 
-def _two_ranks_ep2(model_path: str, ckpt: Path) -> list[str]:
-    """2 ranks, EP2 only (the cheapest MoE layout), a save every step into ``ckpt``."""
-    return [
-        f"actor_rollout_ref.model.path={model_path}",
-        "trainer.n_gpus_per_node=2",
-        f"{MEGATRON}tensor_model_parallel_size=1",
-        f"{MEGATRON}pipeline_model_parallel_size=1",
-        f"{MEGATRON}expert_model_parallel_size=2",
-        "trainer.save_freq=1",
-        f"trainer.default_local_dir={ckpt}",
-    ]
-
-
 def test_param_offload_saves_without_distributed_optimizer(tmp_path, env, tiny_moe_path):
     ckpt = tmp_path / "ckpt"
-    code, out = _run(
+    code, out = run_trainer(
         [
-            *_two_ranks_ep2(tiny_moe_path, ckpt),
+            *two_ranks_ep2(tiny_moe_path, ckpt),
             f"{MEGATRON}use_distributed_optimizer=False",
             f"{MEGATRON}param_offload=True",
             f"{MEGATRON}grad_offload=True",
@@ -238,7 +177,7 @@ def test_param_offload_saves_without_distributed_optimizer(tmp_path, env, tiny_m
         env,
     )
     assert code == 0, out[-6000:]
-    records = [m["checkpoint"] for m in _metrics(ckpt)]
+    records = [m["checkpoint"] for m in read_metrics(ckpt)]
     assert len(records) == 2
     for record in records:
         # Fix 1: with param_data None the worker's residence check falls back to the module's own parameters
@@ -254,8 +193,8 @@ def test_async_save_commits_every_step_and_tracks_it_last(tmp_path, env, tiny_mo
     """checkpoint.async_save=True through the trainer: training goes on while the dist checkpoint is written;
     each step is committed, verified and tracked once durable (the last one before the run ends)."""
     ckpt = tmp_path / "ckpt"
-    code, out = _run(
-        [*_two_ranks_ep2(tiny_moe_path, ckpt), "actor_rollout_ref.actor.checkpoint.async_save=True", "trainer.total_training_steps=3"],
+    code, out = run_trainer(
+        [*two_ranks_ep2(tiny_moe_path, ckpt), "actor_rollout_ref.actor.checkpoint.async_save=True", "trainer.total_training_steps=3"],
         tmp_path,
         env,
     )
@@ -266,7 +205,7 @@ def test_async_save_commits_every_step_and_tracks_it_last(tmp_path, env, tiny_mo
     for step in (1, 2, 3):
         assert (ckpt / f"global_step_{step}" / "data.pt").is_file()
         assert not (ckpt / f"global_step_{step}" / "actor.incomplete").exists()
-    assert all(m["checkpoint"]["pending"] for m in _metrics(ckpt))
+    assert all(m["checkpoint"]["pending"] for m in read_metrics(ckpt))
 
 
 BAD_CONFIGS = {
@@ -309,14 +248,14 @@ def test_bad_configs_fail_fast_before_any_rank(tmp_path, env, tiny_moe_path):
         model = [] if any(o.startswith("actor_rollout_ref.model.path=") for o in overrides) else [f"actor_rollout_ref.model.path={tiny_moe_path}"]
         args = [*model, *overrides, f"trainer.default_local_dir={tmp_path / name / 'ckpt'}"]
         (tmp_path / name).mkdir()
-        procs[name] = (_start(args, tmp_path / name, env, tmp_path / f"{name}.log"), time.monotonic())
+        procs[name] = (start_trainer(args, tmp_path / name, env, tmp_path / f"{name}.log"), time.monotonic())
     try:
         for name, (proc, started) in procs.items():
             proc.wait(timeout=120)
             procs[name] = (proc, time.monotonic() - started)
     finally:
         for proc, _ in procs.values():
-            _kill_session(proc)
+            kill_session(proc)
     for name, (proc, seconds) in procs.items():
         out = (tmp_path / f"{name}.log").read_text()
         expected = BAD_CONFIGS[name][1]
@@ -382,7 +321,7 @@ def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env, tiny
     write_rlhf_parquet(rows(6, "train"), str(tmp_path / "train.parquet"))
     write_rlhf_parquet(rows(3, "test"), str(tmp_path / "test.parquet"))
     ckpt = tmp_path / "ckpt"
-    code, out = _run(
+    code, out = run_trainer(
         [
             f"actor_rollout_ref.model.path={tiny_moe_path}",
             "trainer.n_gpus_per_node=8",
@@ -410,7 +349,7 @@ def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env, tiny
     assert "actor_rollout_ref.rollout.gpu_memory_utilization=0.9: an inference-engine setting" in out
     assert "data: 6 train prompt(s), 3 validation prompt(s)" in out and "3 steps (trainer.total_epochs=1 x 3 per epoch)" in out
     assert "[trainer] val sample: " in out
-    lines = _metrics(ckpt)
+    lines = read_metrics(ckpt)
     val_key = "val-core/openai/gsm8k/reward/mean@1"
     assert [m["step"] for m in lines] == [0, 1, 2, 3]  # val_before_train, then the 3 steps of one epoch
     assert val_key in lines[0] and val_key in lines[2] and val_key in lines[3] and val_key not in lines[1]
@@ -454,13 +393,13 @@ def test_parity_gate_stops_a_model_the_bridge_maps_differently(tmp_path, env):
         "trainer.total_training_steps=1", "trainer.save_freq=-1", f"trainer.default_local_dir={ckpt}",
         "actor_rollout_ref.rollout.log_prob_parity_check.tolerance.float32=1e-12",
     ]  # fmt: skip
-    code, out = _run(one_rank, tmp_path, env)
+    code, out = run_trainer(one_rank, tmp_path, env)
     assert code == 1, out[-6000:]
     gate = "actor_rollout_ref.rollout.log_prob_parity_check"
     assert "log-prob parity gate: on the first batch the actor's log-probs differ from the rollout's by up to" in out, out[-6000:]
     assert f"over the float32 tolerance 1.0e-12 ({gate}.tolerance.float32)" in out and f"set {gate}.enable=False" in out
-    assert not _metrics(ckpt)  # stopped before the first step was logged
+    assert not read_metrics(ckpt)  # stopped before the first step was logged
 
-    code, out = _run([*one_rank, f"{gate}.enable=False"], tmp_path, env)
+    code, out = run_trainer([*one_rank, f"{gate}.enable=False"], tmp_path, env)
     assert code == 0, out[-6000:]
-    assert 1e-12 < _metrics(ckpt)[0]["rollout/log_prob_diff_max"] <= 1e-4  # a correct run's gap, above the tolerance set
+    assert 1e-12 < read_metrics(ckpt)[0]["rollout/log_prob_diff_max"] <= 1e-4  # a correct run's gap, above the tolerance set

@@ -18,12 +18,8 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
+from tests.cli_runs import MEGATRON, REPO, comparable, read_metrics, run_trainer, stop_after_a_save
 from tests.main_leg import MBRIDGE
-from tests.test_resume_schedules_cli import _stop_after_a_save
-from tests.test_trainer_cli import MEGATRON, REPO, _metrics, _run
-from tests.test_trainer_cli import env as env  # noqa: F401 - the CLI tests' fixture
-
-CLOCKS = ("time", "checkpoint", "checkpoint_committed", "resume")  # what may differ between runs: times, save and resume records
 
 
 def _command(model_path: str, ckpt, steps: int) -> list[str]:
@@ -34,10 +30,6 @@ def _command(model_path: str, ckpt, steps: int) -> list[str]:
         f"{MEGATRON}use_distributed_optimizer=False", f"trainer.total_training_steps={steps}", "trainer.save_freq=1",
         f"trainer.default_local_dir={ckpt}", "actor_rollout_ref.actor.use_kl_loss=True",
     ]  # fmt: skip
-
-
-def _comparable(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.startswith("timing_s/") and k not in CLOCKS}
 
 
 def _hf_weights(folder) -> dict[str, torch.Tensor]:
@@ -88,9 +80,9 @@ def test_grpo_through_megatron_bridge_trains_saves_stops_on_sigterm_resumes_exac
 
     stopped, resumed = tmp_path / "stopped", tmp_path / "resumed"
     # the config's default bridge; stopped once step 2 is committed, in step 3
-    assert _stop_after_a_save(_command(tiny_moe_path, stopped, 3), tmp_path, env, stopped, step=2, last=3, bridge=None) == 2
+    assert stop_after_a_save(_command(tiny_moe_path, stopped, 3), tmp_path, env, stopped, step=2, last=3, bridge=None) == 2
     assert not (stopped / "global_step_3" / "actor").exists()  # step 3 was cut short: nothing of it committed
-    first = {m["step"]: m for m in _metrics(stopped)}
+    first = {m["step"]: m for m in read_metrics(stopped)}
     assert sorted(first) == [1, 2]
     assert first[2]["checkpoint"]["hf"] == "all 135 tensors present with the expected shapes"  # the save's verification
     # the actor and the KL term's reference, each built through the config's default bridge
@@ -101,16 +93,16 @@ def test_grpo_through_megatron_bridge_trains_saves_stops_on_sigterm_resumes_exac
     assert manifest["use_distributed_optimizer"] is False
     _check_cross_bridge_resume(stopped / "global_step_1", tmp_path, tiny_moe_path, _command(tiny_moe_path, stopped, 3))
 
-    code, out = _run(
+    code, out = run_trainer(
         [*_command(tiny_moe_path, resumed, 2), "trainer.resume_mode=resume_path", f"trainer.resume_from_path={stopped}/global_step_1"],
         tmp_path, env, bridge=None,
     )  # fmt: skip
     assert code == 0, out[-6000:]
     assert f"resumed from {stopped}/global_step_1 (step 1)" in out
-    again = {m["step"]: m for m in _metrics(resumed)}
+    again = {m["step"]: m for m in read_metrics(resumed)}
     assert sorted(again) == [2] and again[2]["bridge"] == first[2]["bridge"]
-    assert {"actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "critic/score/mean"} <= set(_comparable(first[2]))
-    assert _comparable(again[2]) == _comparable(first[2])
+    assert {"actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "critic/score/mean"} <= set(comparable(first[2]))
+    assert comparable(again[2]) == comparable(first[2])
     hf = stopped / "global_step_2/actor/model/huggingface"
     expected, actual = _hf_weights(hf), _hf_weights(resumed / "global_step_2/actor/model/huggingface")
     assert len(expected) == 135 and sorted(actual) == sorted(expected)
