@@ -1005,7 +1005,8 @@ def _resume_config(root: str):
 def test_the_data_position_is_checked_before_any_rank_starts(base_root, tmp_path, damage):
     """``global_step_N/data.pt`` lies outside the actor's manifest: the pre-start check reads it whole, or a
     truncated one would fail only after every rank had loaded the step."""
-    from verl.trainer.validation import ConfigError, check_resume_step
+    from verl.trainer.resume_step import check_resume_step
+    from verl.trainer.validation import ConfigError
 
     root = _copy_run(base_root, tmp_path)
     data = os.path.join(root, "global_step_1", "data.pt")
@@ -1030,7 +1031,7 @@ def test_a_data_position_of_other_data_is_refused_before_ray(tiny_moe_path, base
     import subprocess
     import sys
 
-    from verl.trainer.validation import data_position_problems
+    from verl.trainer.resume_step import data_position_problems
 
     root = _copy_run(base_root, tmp_path)
     step_dir = os.path.join(root, "global_step_1")
@@ -1115,7 +1116,8 @@ def test_a_step_of_ours_stripped_of_every_mark_is_not_taken_for_upstreams(base_r
     upstream verl's (verify OK, resume accepted), a flipped shard and all. Its contents file still says whose
     it is: verify and the pre-start check refuse it in one line naming the missing files and the fix."""
     from verl.model_merger.__main__ import main as merger
-    from verl.trainer.validation import ConfigError, check_resume_step
+    from verl.trainer.resume_step import check_resume_step
+    from verl.trainer.validation import ConfigError
 
     root = _copy_run(base_root, tmp_path)
     step = _step_path(root, 1)
@@ -1221,7 +1223,8 @@ def test_a_crafted_pickled_step_file_is_refused_in_one_line_before_ray(base_root
     nothing, but it used to pass ``verify`` and the pre-start check and fail only once every rank had started,
     in torch's traceback. Both now refuse it in one line naming the file and the global it names."""
     from verl.model_merger.__main__ import main as merger
-    from verl.trainer.validation import ConfigError, check_resume_step, data_position_problems
+    from verl.trainer.resume_step import check_resume_step, data_position_problems
+    from verl.trainer.validation import ConfigError
 
     root = _copy_run(base_root, tmp_path)
     marker = str(tmp_path / "ran")

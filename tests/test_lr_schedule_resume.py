@@ -91,7 +91,7 @@ UPSTREAM_STEP = os.path.join(os.path.dirname(__file__), "fixtures", "verl091", "
 
 
 def test_a_resume_that_changes_the_schedule_length_is_warned_about_naming_both_keys():
-    from verl.trainer.validation import schedule_length_warning
+    from verl.trainer.resume_step import schedule_length_warning
 
     # verl 0.9.1 saved this step from a 10-step cosine schedule with lr_decay_steps unset
     def optim(**changes) -> McoreOptimizerConfig:

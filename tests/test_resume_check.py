@@ -97,7 +97,7 @@ def _driver_check(root: str, *overrides: str):
     """What main_ppo runs before Ray for ``trainer.resume_mode=auto`` on ``root``."""
     from hydra import compose, initialize_config_dir
 
-    from verl.trainer.validation import check_resume_step
+    from verl.trainer.resume_step import check_resume_step
 
     config_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "verl", "trainer", "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):

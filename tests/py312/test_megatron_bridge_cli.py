@@ -43,7 +43,8 @@ def _pre_start_resume_problems(overrides: list[str], model_path: str) -> list[st
     """What the driver's pre-start check of the resume step (before Ray or any rank) refuses, one line each."""
     from hydra import compose, initialize_config_dir
 
-    from verl.trainer.validation import ConfigError, check_resume_step
+    from verl.trainer.resume_step import check_resume_step
+    from verl.trainer.validation import ConfigError
 
     with initialize_config_dir(config_dir=str(REPO / "verl" / "trainer" / "config"), version_base=None):
         config = compose(config_name="ppo_megatron_trainer", overrides=overrides)

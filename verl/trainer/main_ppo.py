@@ -30,7 +30,9 @@ import hydra
 from omegaconf import OmegaConf
 
 from verl.trainer.data_plan import RunData, load_run_data, load_tokenizer
+from verl.trainer.resume_step import check_resume_step, data_position_problems, schedule_length_warning
 from verl.trainer.run_control import StopSignals, output_dir, stop_message, take_writer_lock
+from verl.trainer.upstream_keys import ignored_settings
 from verl.trainer.validation import (
     ConfigError,
     check_async_mode,
@@ -38,11 +40,7 @@ from verl.trainer.validation import (
     check_config,
     check_device,
     check_model_build,
-    check_resume_step,
-    data_position_problems,
-    ignored_settings,
     parallel_sizes,
-    schedule_length_warning,
     world_size,
 )
 from verl.utils.checkpoint.dir_lock import DirLock, DirLockError

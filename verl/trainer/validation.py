@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from verl.models.support import hf_config_problems, hf_layout_problems
 from verl.trainer.config.config import CHECKPOINT_CONTENTS  # noqa: F401 (the contents the trainer accepts)
-from verl.utils.checkpoint.layout import CONTENTS_FILENAME, DATA_STATE_FILENAME, STEP_DIR_RE
+from verl.trainer.config.keys import ACTOR as _ACTOR
+from verl.trainer.config.keys import CHECKPOINT as _CHECKPOINT
+from verl.trainer.config.keys import MEGATRON as _MEGATRON
+from verl.trainer.config.keys import PARITY as PARITY_KEY
+from verl.trainer.config.keys import REF as _REF
+from verl.trainer.upstream_keys import check_upstream_keys
+from verl.utils.checkpoint.layout import CONTENTS_FILENAME, STEP_DIR_RE
 from verl.utils.custom_code import oversized_file_problem, read_json
 from verl.utils.internals.megatron_bridge import megatron_bridge_install_problem
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
@@ -27,12 +30,7 @@ from verl.utils.tracking import BACKEND_PACKAGES
 from verl.utils.tracking import BACKENDS as LOGGER_BACKENDS
 from verl.workers.config import build_megatron_actor_configs, megatron_param_dtype
 
-_ACTOR = "actor_rollout_ref.actor"
-_MEGATRON = f"{_ACTOR}.megatron."
-_CHECKPOINT = f"{_ACTOR}.checkpoint."
-_REF = "actor_rollout_ref.ref"
 RESUME_MODES = ("auto", "disable", "resume_path")
-PARITY_KEY = "actor_rollout_ref.rollout.log_prob_parity_check"  # verl.trainer.ppo.log_prob_parity.GATE_KEY
 DEVICES = ("auto", "cpu", "cuda", "npu")
 # "a+b=" with single-digit operands (verl.utils.dataset.arithmetic; not imported: it pulls in torch).
 TASK_PROMPT_TOKENS = 4
@@ -90,7 +88,7 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
     problems += _guarded(typed, _check_grpo, config)
     problems += _guarded(typed, _check_parity_gate, config)
     problems += _guarded(typed, _check_data, config, model)
-    problems += _guarded(typed, _check_upstream_keys, config)
+    problems += _guarded(typed, check_upstream_keys, config)
     return problems
 
 
@@ -456,6 +454,8 @@ def _check_grpo(config: Any) -> list[str]:
         problems.append(f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0")
     if not 0 < float(rollout.top_p) <= 1:
         problems.append(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    if not _positive_int(rollout.val_kwargs.n):
+        problems.append(f"actor_rollout_ref.rollout.val_kwargs.n={rollout.val_kwargs.n} must be an integer >= 1")
     for key in ("ppo_mini_batch_size", "ppo_epochs"):
         if not _positive_int(actor[key]):
             problems.append(f"actor_rollout_ref.actor.{key}={actor[key]} must be an integer >= 1")
@@ -605,350 +605,3 @@ def _check_mbridge_config(model_path: str, config: Any) -> list[str]:
     except ValueError as exc:
         return [str(exc)]
     return []
-
-
-@dataclass(frozen=True)
-class ResumeStep:
-    """The step a run resumes from, and what the pre-start check proved of it (handed to the ranks' load)."""
-
-    step: int
-    step_dir: str  # ``.../global_step_N``
-    checked: Any  # ``verl.utils.checkpoint.resume_check.CheckedStep`` (torch: not imported at this module's top)
-
-
-def check_resume_step(config: Any, model_path: str | None = None) -> ResumeStep | None:
-    """The step the run resumes from (the tracker's, or ``trainer.resume_from_path``), checked once before any
-    rank starts as a load would check it (``resume_check.check_step``: every file at its size, the small files' checksums, the data-only
-    metadata, HF export, contents, optimizer flag, dtype; with ``model_path`` also that it was saved from this
-    model), plus the data position ``data.pt``; None to start fresh. Raises ConfigError, one line per problem."""
-    from verl.models.mcore.bridge import checkpoint_bridge
-    from verl.utils.checkpoint.errors import CheckpointError
-    from verl.utils.checkpoint.integrity import tracked_step
-    from verl.utils.checkpoint.resume_check import LoadTarget, StepDoesNotFitError, check_step
-
-    trainer = config.trainer
-    if trainer.resume_mode == "disable":
-        return None
-    megatron = config.actor_rollout_ref.actor.megatron
-    target = LoadTarget(
-        load_contents=tuple(build_megatron_actor_configs(config.actor_rollout_ref.actor).checkpoint.load_contents),
-        use_distributed_optimizer=bool(megatron.use_distributed_optimizer),
-        param_dtype=megatron_param_dtype(megatron.get("dtype", "float32")),
-        bridge=checkpoint_bridge(bool(megatron.vanilla_mbridge)),
-    )
-    problems = []
-    try:
-        if trainer.resume_mode == "resume_path":
-            step_dir = os.path.abspath(os.path.expanduser(str(trainer.resume_from_path))).rstrip("/")
-        else:
-            actor_path, notes = tracked_step(os.path.abspath(os.path.expanduser(str(trainer.default_local_dir))), role="actor")
-            for note in notes:
-                print(f"[main_ppo] note: {note}", flush=True)
-            if actor_path is None:
-                return None
-            step_dir = os.path.dirname(actor_path)
-        identity = model_identity(model_path, bool(megatron.vanilla_mbridge)) if model_path else (None, None)
-        checked = check_step(os.path.join(step_dir, "actor"), target, *identity)
-    except StepDoesNotFitError as exc:
-        problems, checked = list(exc.problems), None
-    except (CheckpointError, OSError) as exc:
-        raise ConfigError([f"trainer.resume_mode={trainer.resume_mode}: {exc}"]) from exc
-    problems += _data_state_problems(step_dir)
-    if problems:
-        raise ConfigError(problems)
-    step = int(STEP_DIR_RE.match(os.path.basename(step_dir)).group(1))
-    return ResumeStep(step, step_dir, checked)
-
-
-def _data_state_problems(step_dir: str) -> list[str]:
-    """``data.pt`` (the data position) exists and is whole. It lies outside the actor's manifest, so without
-    this a truncated or flipped one would fail only after every rank had loaded, with a zip traceback: torch
-    saves it as a zip archive, whose per-member CRC-32 ``testzip`` checks without importing torch."""
-    path = os.path.join(step_dir, DATA_STATE_FILENAME)
-    if not os.path.isfile(path):
-        return [f"{step_dir} has no {DATA_STATE_FILENAME} (the data position; written by the GRPO trainer before the tracker): it was not saved by this trainer; set trainer.resume_mode=disable or choose another step"]
-    try:
-        with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()
-    except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as exc:
-        damaged = f"unreadable ({exc})"
-    if damaged is None:
-        return []
-    return [f"{path} is damaged (truncated or changed since the save: {damaged}); restore it, or resume an earlier step with trainer.resume_mode=resume_path trainer.resume_from_path=<its global_step_N>"]
-
-
-def data_position_problems(step_dir: str, data: Any, train_prompts: int) -> list[str]:
-    """The resumed step's data position was written for this run's data: the same ``data.seed``, ``data.shuffle``
-    and number of training prompts. The sampler refuses other ones too, but only once every rank has loaded the
-    step; a step saved before ``shuffle`` was recorded is checked on the other two."""
-    from verl.utils.checkpoint.data_only import UntrustedContentError, load_weights_only
-
-    path = os.path.join(step_dir, DATA_STATE_FILENAME)
-    try:  # whole (checked by _data_state_problems before); data only, as the trainer's own load
-        saved = load_weights_only(path, path)
-    except UntrustedContentError as exc:
-        return [str(exc)]
-    if not isinstance(saved, dict):
-        return [f"{path} holds a {type(saved).__name__}, not the data position a save writes (a dict): restore it, or set trainer.resume_mode=disable"]
-    now = {"seed": int(data.seed), "shuffle": bool(data.shuffle), "num_rows": train_prompts}
-    differ = [key for key in now if key in saved and saved[key] != now[key]]
-    if not differ:
-        return []
-    names = {"seed": "data.seed", "shuffle": "data.shuffle", "num_rows": "training prompts"}
-    then = ", ".join(f"{names[key]}={saved[key]}" for key in differ)
-    here = ", ".join(f"{names[key]}={now[key]}" for key in differ)
-    return [f"{path} is the data position of a run with {then}; this run has {here}: resume with the data config the step was saved with, or set trainer.resume_mode=disable"]
-
-
-def schedule_length_warning(step_dir: str, optim: Any) -> str | None:
-    """One line when resuming ``step_dir`` would change the LR schedule's length unasked, else None.
-
-    With ``optim.lr_decay_steps`` unset the decay runs over ``trainer.total_training_steps`` (the weight-decay
-    increment always does), and a resume keeps this run's settings (``use_checkpoint_opt_param_scheduler`` False):
-    a resume that changes the step count stretches or shrinks the rest of the schedule (a constant one, with a
-    fixed warmup, has no length). The saved scheduler's own
-    ``lr_decay_steps`` (upstream's too) is the length the interrupted run had. ``optim`` is the typed config,
-    its ``total_training_steps`` filled in."""
-    if optim.lr_decay_steps is not None or optim.use_checkpoint_opt_param_scheduler:
-        return None
-    warmup_from_ratio = optim.lr_warmup_steps_ratio and (optim.lr_warmup_steps is None or optim.lr_warmup_steps <= 0)
-    if optim.lr_decay_style == "constant" and optim.weight_decay_incr_style == "constant" and not warmup_from_ratio:
-        return None  # nothing of the schedule depends on its length
-    path = os.path.join(step_dir, "actor", "optimizer", "dist_ckpt")
-    if not os.path.isfile(os.path.join(path, "common.pt")):
-        return None
-    from megatron.core import dist_checkpointing
-
-    saved = dist_checkpointing.load_common_state_dict(path).get("lr_scheduler") or {}
-    before, now = saved.get("lr_decay_steps"), int(optim.total_training_steps)
-    if before is None or int(before) == now:
-        return None
-    also = " and the weight-decay increment" if optim.weight_decay_incr_style != "constant" else ""
-    return (
-        f"resuming {step_dir}, whose LR schedule decays over {before} steps, with trainer.total_training_steps={now} "
-        f"and {_ACTOR}.optim.lr_decay_steps unset: the LR decay{also} from here on runs over {now} steps; "
-        f"set {_ACTOR}.optim.lr_decay_steps={before} to keep the saved schedule"
-    )
-
-
-def model_identity(model_path: str, vanilla_mbridge: bool = False) -> tuple[Any, Any]:
-    """(TransformerConfig, HF config) of ``model_path`` for the pre-start identity check of a resumed step, or
-    (None, None) when it cannot be built here (the ranks then make the check after they start, as before).
-
-    The mapping of the bridge the ranks build through (``vanilla_mbridge``), made without process groups (the
-    compared fields do not depend on the layout).
-    """
-    from verl.models.mcore import load_hf_config
-    from verl.models.mcore.bridge import transformer_config_without_ranks
-
-    hf_config = load_hf_config(model_path)
-    transformer_config = transformer_config_without_ranks(hf_config, vanilla_mbridge)
-    return (None, None) if transformer_config is None else (transformer_config, hf_config)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Upstream's keys: each one is honoured, refused here with its reason, or (no effect here) listed at start.
-
-_YAML = os.path.join(os.path.dirname(__file__), "config", "ppo_megatron_trainer.yaml")
-_ROLLOUT = "actor_rollout_ref.rollout."
-_ENGINE_WHY = "an inference-engine setting (vLLM / SGLang / TensorRT-LLM); the hf rollout (transformers generate on each data-parallel group's output rank) has none"
-_NO_REF_WHY = "no reference model is built: actor.use_kl_loss is off"
-_PROFILER_WHY = "no profiler (nsys, npu, torch) is wired into this trainer; the run is not profiled"
-_REF_BUILD_WHY = "the reference is built like the actor, through the actor's bridge (actor.megatron.vanilla_mbridge) from the HF actor_rollout_ref.model.path (its weights, not a seed)"
-_TRANSFORMER_WHY = "a memory / speed setting of Megatron's TransformerConfig; not applied here (the model is built from its HF config through the bridge) and the model computes the same function without it"
-# override_transformer_config fields that change memory or speed only; any other field would change the model.
-PERF_ONLY_TRANSFORMER_FIELDS = (
-    "recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers", "attention_backend",
-    "apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
-    "gradient_accumulation_fusion", "deallocate_pipeline_outputs", "persist_layer_norm", "moe_grouped_gemm",
-    "moe_permute_fusion", "cross_entropy_loss_fusion", "moe_token_dispatcher_type",
-)  # fmt: skip
-# Nodes whose entries are free-form keyword arguments (a `+key=value` below them is not a misspelling).
-_OPEN_NODES = (
-    f"{_MEGATRON}override_transformer_config", f"{_MEGATRON}override_ddp_config", f"{_MEGATRON}override_mcore_model_config",
-    f"{_ACTOR}.optim.override_optimizer_config", f"{_CHECKPOINT}mbridge_config", "reward_model.reward_kwargs",
-    f"{_ROLLOUT}engine_kwargs", "ray_kwargs.ray_init", "data.apply_chat_template_kwargs", "actor_rollout_ref.model.override_config",
-    f"{PARITY_KEY}.tolerance", "actor_rollout_ref.model.lora", "critic.optim.override_optimizer_config",
-)  # fmt: skip
-# Keys upstream's rollout has and this YAML does not list, accepted with `+` (the run script adds some).
-_EXTRA_ENGINE_KEYS = ("moe_tensor_parallel_size", "quantization", "quantization_config_file", "cudagraph_capture_sizes", "layered_summon")
-
-
-def _inert_rules(config: Any) -> list[tuple[str, str]]:
-    """(key, why) of every key that has no effect in this config; a key set away from its default is listed at start."""
-    rules = [(f"{_ROLLOUT}{key}", _ENGINE_WHY) for key in (
-        "mode", "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size",
-        "gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "max_num_seqs", "enable_chunked_prefill",
-        "enable_prefix_caching", "enforce_eager", "free_cache_engine", "load_format", "dtype", "engine_kwargs",
-        "checkpoint_engine", *_EXTRA_ENGINE_KEYS)]  # fmt: skip
-    rules += [
-        (f"{_ROLLOUT}calculate_log_probs", "the hf rollout always returns its log-probs (logged as rollout/log_prob_diff_*)"),
-        ("actor_rollout_ref.hybrid_engine", "the actor and the rollout always share the ranks here"),
-        ("actor_rollout_ref.model.enable_gradient_checkpointing", "activation memory only; the actor does not recompute here"),
-        ("actor_rollout_ref.model.enable_activation_offload", "activation memory only; not implemented here"),
-        ("actor_rollout_ref.model.use_fused_kernels", "fused loss kernels change speed only; the actor computes log-probs from vocab-parallel logits"),
-        ("actor_rollout_ref.model.use_liger", "Liger kernels are for the FSDP backend"),
-        ("actor_rollout_ref.model.use_remove_padding", "no sequence packing here: a run's prompts are left-padded to one length, the padding masked (docs/trainer.md)"),
-        ("actor_rollout_ref.model.trust_remote_code", "no folder's code is ever run here: built-in transformers families only (docs/models.md), and a model folder naming custom code is refused (docs/operations.md)"),
-        (f"{_ACTOR}.use_torch_compile", "no torch.compile on this path"),
-        ("algorithm.gamma", "GAE's discount; GRPO's advantages do not read it"),
-        ("algorithm.lam", "GAE's lambda; GRPO's advantages do not read it"),
-        ("trainer.balance_batch", "balancing reorders sequences by length across data-parallel ranks; here every sequence has one length"),
-        ("trainer.critic_warmup", "GRPO has no critic"),
-        ("data.return_raw_input_ids", "the trainer tokenizes prompts itself"),
-        ("data.return_raw_chat", "the trainer tokenizes prompts itself"),
-        ("data.return_full_prompt", "the trainer tokenizes prompts itself"),
-        ("data.dataloader_num_workers", "prompts are tokenized once on the driver"),
-        ("data.filter_overlong_prompts_workers", "prompts are tokenized once on the driver"),
-        ("data.validation_shuffle", "validation scores every prompt; the order changes nothing"),
-        ("ray_kwargs.timeline_json_file", "no Ray timeline is written"),
-        (f"{_MEGATRON}override_transformer_config", _TRANSFORMER_WHY),
-        (f"{_REF}.megatron.dist_checkpointing_path", "read by upstream only with use_dist_checkpointing, which the reference does not take here"),
-    ]
-    if not config.actor_rollout_ref.actor.megatron.use_dist_checkpointing:
-        rules.append((f"{_MEGATRON}dist_checkpointing_path", "read by upstream only with use_dist_checkpointing (initial weights from a dist checkpoint)"))
-    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
-    if not actor.use_kl_loss:
-        rules.append(("actor_rollout_ref.ref", _NO_REF_WHY))
-    else:
-        rules += [(f"{_REF}.megatron.{key}", _REF_BUILD_WHY) for key in ("seed", "use_mbridge", "vanilla_mbridge")]
-    if not actor.use_kl_loss:
-        rules += [(f"{_ACTOR}.{key}", "actor.use_kl_loss is off") for key in ("kl_loss_coef", "kl_loss_type")]
-    if not algorithm.use_kl_in_reward:
-        rules += [(f"algorithm.{key}", "algorithm.use_kl_in_reward is off") for key in ("kl_penalty", "kl_ctrl")]
-    if config.reward_model.reward_manager in (None, "naive"):
-        rules.append(("reward_model.reward_kwargs", "read only by other reward managers (dapo, prime, ...); the naive manager calls default_compute_score"))
-    rules += [
-        ("critic", "GRPO trains no critic"),
-        ("reward.num_workers", "rule-based rewards are computed on the driver"),
-        ("reward.reward_model", "no reward model is built (reward.reward_model.enable is off)"),
-        (f"{_ACTOR}.profiler", _PROFILER_WHY),
-        ("global_profiler", _PROFILER_WHY),
-    ]
-    if int(config.actor_rollout_ref.model.lora.rank or 0) == 0:
-        rules.append(("actor_rollout_ref.model.lora", "LoRA is off (lora.rank 0)"))
-    return rules
-
-
-def _raw_yaml() -> dict:
-    raw = OmegaConf.to_container(OmegaConf.load(_YAML), resolve=False)
-    return {key: value for key, value in raw.items() if key not in ("defaults", "hydra")}
-
-
-def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict) and node:
-        out: dict[str, Any] = {}
-        for name, value in node.items():
-            out.update(_leaves(value, f"{prefix}.{name}" if prefix else str(name)))
-        return out
-    return {prefix: node}
-
-
-def ignored_settings(config: Any) -> list[str]:
-    """One line per key that has no effect here and is set to anything but its default: ``key=value: why``.
-
-    A default written as an interpolation (the ``ref`` node follows the actor's) is compared as it resolves in
-    this config, so ``ref.megatron.tensor_model_parallel_size`` set equal to the actor's is not listed.
-    """
-    current = _leaves(OmegaConf.to_container(config, resolve=True))
-    defaults_raw = _leaves(_raw_yaml())
-    probe = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
-    interpolated = [key for key, value in defaults_raw.items() if isinstance(value, str) and value.startswith("${")]
-    for key in interpolated:
-        OmegaConf.update(probe, key, defaults_raw[key], force_add=True)
-    resolved_defaults = {**defaults_raw, **{key: OmegaConf.select(probe, key) for key in interpolated}}
-    lines, seen = [], set()
-    for prefix, why in _inert_rules(config):
-        for key in sorted(k for k in current if k == prefix or k.startswith(prefix + ".")):
-            value, default = current[key], resolved_defaults.get(key)
-            if key in seen or value == default or (value in ({}, None) and key not in resolved_defaults):
-                continue
-            seen.add(key)
-            lines.append(f"{key}={value!r}: {why}")
-    return lines
-
-
-def _check_upstream_keys(config: Any) -> list[str]:
-    """Upstream keys whose value would change what is trained and is not implemented here, and `+key`s that are no key."""
-    actor, rollout, megatron = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor.megatron
-    model, algorithm, reward = config.actor_rollout_ref.model, config.algorithm, config.reward_model
-    problems = []
-    engine = config.get("model_engine", "megatron")
-    if engine != "megatron":
-        problems.append(f"model_engine={engine}: only the Megatron backend trains here; set model_engine=megatron")
-    if megatron.use_dist_checkpointing and megatron.dist_checkpointing_path is not None:
-        problems.append(f"{_MEGATRON}dist_checkpointing_path={megatron.dist_checkpointing_path}: initial weights are read from the HF actor_rollout_ref.model.path only; set it to null")
-    for node in ("override_ddp_config", "override_mcore_model_config"):
-        if megatron[node]:
-            problems.append(f"{_MEGATRON}{node}={OmegaConf.to_container(megatron[node])}: not applied here, and it would change the update or the model; remove it")
-    for name, value in (megatron.override_transformer_config or {}).items():
-        if name not in PERF_ONLY_TRANSFORMER_FIELDS and value is not None:
-            problems.append(f"{_MEGATRON}override_transformer_config.{name}={value}: only memory / speed fields {list(PERF_ONLY_TRANSFORMER_FIELDS[:4])}... are accepted (and ignored) here; a model field is read from the HF config; remove it")
-    if model.override_config:
-        problems.append(f"actor_rollout_ref.model.override_config={OmegaConf.to_container(model.override_config)}: the model is built from its config.json as is; edit a copy of the model's config.json instead")
-    for key, rank in (("lora_rank", model.lora_rank), ("lora.rank", model.lora.rank)):
-        if int(rank or 0) > 0:
-            problems.append(f"actor_rollout_ref.model.{key}={rank}: LoRA is not supported here; set it to 0")
-    for role in (_MEGATRON, *([f"{_REF}.megatron."] if actor.use_kl_loss else [])):  # a reference is built for the KL loss only
-        if OmegaConf.select(config, f"{role}use_megatron_fsdp"):
-            problems.append(f"{role}use_megatron_fsdp=True: Megatron's FSDP is not supported here (its DDP is); set it to False")
-    if megatron.router_replay.mode != "disabled":
-        problems.append(f"{_MEGATRON}router_replay.mode={megatron.router_replay.mode}: MoE routing replay is not implemented; set it to disabled")
-    if rollout.enable_rollout_routing_replay:
-        problems.append(f"{_ROLLOUT}enable_rollout_routing_replay=True: MoE routing replay is not implemented; set it to False")
-    if config.reward.reward_model.enable:
-        problems.append("reward.reward_model.enable=True: a model-based reward is not available here (rule-based rewards only); set it to False")
-    if model.external_lib is not None:
-        problems.append(f"actor_rollout_ref.model.external_lib={model.external_lib}: external model code is not imported here; set it to null")
-    for key, value in ((f"{_ACTOR}.ppo_micro_batch_size", actor.ppo_micro_batch_size), (f"{_ROLLOUT}log_prob_micro_batch_size", rollout.log_prob_micro_batch_size)):
-        if value is not None:
-            problems.append(f"{key}={value}: upstream's deprecated global form; set its *_per_gpu key instead")
-    if actor.shuffle:
-        problems.append(f"{_ACTOR}.shuffle=True: mini-batches are taken in rollout order here; set it to False")
-    if actor.loss_scale_factor is not None:
-        problems.append(f"{_ACTOR}.loss_scale_factor={actor.loss_scale_factor}: the loss is a token mean over the mini-batch here; set it to null")
-    if actor.policy_loss.loss_mode != "vanilla":
-        problems.append(f"{_ACTOR}.policy_loss.loss_mode={actor.policy_loss.loss_mode}: only vanilla (PPO-clip) is implemented; set it to vanilla")
-    for key in ("top_k", "val_kwargs.top_k"):
-        if OmegaConf.select(rollout, key) not in (-1, 0, None):
-            problems.append(f"{_ROLLOUT}{key}={OmegaConf.select(rollout, key)}: the hf rollout samples from the full distribution (top-p only); set it to -1")
-    if rollout.ignore_eos:
-        problems.append(f"{_ROLLOUT}ignore_eos=True: the hf rollout stops at EOS; set it to False")
-    if not _positive_int(rollout.val_kwargs.n):
-        problems.append(f"{_ROLLOUT}val_kwargs.n={rollout.val_kwargs.n} must be an integer >= 1")
-    if algorithm.use_pf_ppo:
-        problems.append("algorithm.use_pf_ppo=True: preference-feedback reweighting is not implemented; set it to False")
-    if reward.enable:
-        problems.append("reward_model.enable=True: a model-based reward is not available here (rule-based rewards only); set it to False")
-    if reward.reward_manager not in (None, "naive"):
-        problems.append(f"reward_model.reward_manager={reward.reward_manager}: only the naive manager (default_compute_score per response) is implemented; set reward_model.reward_manager=naive")
-    custom = config.custom_reward_function
-    if custom.path is not None and not os.path.isfile(os.path.expanduser(str(custom.path))):
-        problems.append(f"custom_reward_function.path={custom.path} does not exist")
-    problems += _check_ray_kwargs(config)
-    return problems + _unknown_keys(config)
-
-
-def _check_ray_kwargs(config: Any) -> list[str]:
-    ray_init = config.ray_kwargs.ray_init
-    python = (ray_init.get("runtime_env") or {}).get("py_executable")
-    if python and shutil.which(str(python).split()[0]) is None:
-        return [f"ray_kwargs.ray_init.runtime_env.py_executable={python}: {str(python).split()[0]!r} is not on PATH on this host; set it to null (this interpreter)"]
-    return []
-
-
-def _unknown_keys(config: Any) -> list[str]:
-    """Keys added with Hydra's `+` that this config does not have (outside the free-form nodes): a misspelling
-    that `+` let through would otherwise be ignored without a word."""
-    known = set(_leaves(_raw_yaml())) | {"model_engine"}
-    extra_engine = tuple(f"{_ROLLOUT}{key}" for key in _EXTRA_ENGINE_KEYS)
-    problems = []
-    for key in _leaves(OmegaConf.to_container(config, resolve=False)):
-        if key.split(".", 1)[0] in ("defaults", "hydra"):  # a config loaded from the YAML file without Hydra
-            continue
-        if key in known or any(key == node or key.startswith(node + ".") for node in (*_OPEN_NODES, *extra_engine)):
-            continue
-        if any(k.startswith(key + ".") for k in known):  # a node emptied by an override
-            continue
-        problems.append(f"{key} is not a key of this trainer's config (added with +?); remove it or check its spelling")
-    return problems
