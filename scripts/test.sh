@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
 python -m pip install -q -r requirements.txt -e ".[test]"
-ruff check verl tests scripts
+ruff check verl tests scripts benchmarks interop probes
 
 # run_pytest ARGS...: pytest's status, but "collected nothing" (5) is a failure.
 run_pytest() {
