@@ -2,6 +2,8 @@
 
     python scripts/make_task_parquet.py --out-dir data/ [--seed 1] [--max-operand 2] [--task first]
 
+It imports the installed verl (scripts/run.sh and scripts/test.sh install it into .venv).
+
 The default run (``data.train_files=null``) writes and reads this same file (verl.trainer.data_plan), so
 ``data.train_files=<the printed path>`` trains on exactly what the default run does. Rows: ``prompt``
 (one user message ``"a+b="``), ``data_source`` ("arithmetic"), ``reward_model.ground_truth``, ``extra_info``.
@@ -11,11 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from verl.utils.dataset.arithmetic import TASKS, write_task_parquet  # noqa: E402
+from verl.utils.dataset.arithmetic import TASKS, write_task_parquet
 
 
 def main(argv: list[str] | None = None) -> int:

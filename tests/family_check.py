@@ -1,6 +1,6 @@
 """Whether Megatron trains the model transformers runs, for one HF model at one parallel layout.
 
-Three checks, run by tests/test_model_families.py (at <= 4 ranks) and scripts/check_model_families.py
+Three checks, run by tests/test_model_families.py (at <= 4 ranks) and tests/checks/check_model_families.py
 (PP4 EP2 TP2 ETP2 and the transformers-5 venv):
 
 - parity: Megatron's next-token log-probs against transformers' in fp32;
@@ -174,7 +174,7 @@ def run_family_checks(
     return checks
 
 
-# ---- The family flag matrix (tests/test_family_flag_matrix.py, scripts/family_matrix.py) -------------------
+# ---- The family flag matrix (tests/test_family_flag_matrix.py, tests/checks/family_matrix.py) -------------------
 #
 # Generated, not listed: for each supported family, every HF config field that mbridge's bridge for it or
 # transformers' modelling code reads (found in their installed sources), each toggled away from the tiny

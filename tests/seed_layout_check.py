@@ -3,7 +3,7 @@ upstream's default contents (the model kept as HF weights only). Each rank build
 saves it; the save's step transaction runs the HF verification (every tensor the config implies, each of its
 shape) before it commits; then the step is checked again from disk and its HF folder loaded in transformers,
 whose logits are compared with the Megatron model's. Shared by tests/test_megatron_checkpoint_manager.py
-(mbridge, the main leg) and scripts/check_seed_layout.py (Megatron-Bridge, the Python 3.12 leg, where 16 ranks
+(mbridge, the main leg) and tests/checks/check_seed_layout.py (Megatron-Bridge, the Python 3.12 leg, where 16 ranks
 are too slow for the suite)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The family flag matrix (``tests.family_check.matrix_cells``; its table in docs/models.md is written by
-scripts/family_matrix.py): per supported family, every HF config field that mbridge's bridge or transformers'
+tests/checks/family_matrix.py): per supported family, every HF config field that mbridge's bridge or transformers'
 modelling code reads, toggled one at a time on the tiny model. Each cell trains (parity with transformers,
 complete and bit-exact HF export, bit-exact resume) or is refused before start naming the field, and every
 refusal is shown to prevent a failure: the same harness with the refusal off fails or crashes.
@@ -38,7 +38,7 @@ def _generated_with() -> str:
 
 
 def test_docs_table_is_the_generated_matrix():
-    # Regenerate with scripts/family_matrix.py --bypass --write-docs when mbridge or transformers changes.
+    # Regenerate with `python -m tests.checks.family_matrix --bypass --write-docs` when mbridge or transformers changes.
     text = Path(DOCS).read_text()
     families = {cell.model_type for cell in CELLS}
     assert families == {"llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}

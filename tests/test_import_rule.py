@@ -240,3 +240,73 @@ def test_a_checkpoint_import_up_the_floors_or_in_a_circle_is_reported(tmp_path):
         "step_commit (4) imports megatron_checkpoint_manager (5)",
     ]
     assert {"errors", "integrity"} <= set().union(*checkpoint_import_circles(tmp_path))
+
+
+# The rooms outside verl/ (docs/design.md, README's layout): which of this repository's top-level packages each
+# may import. verl/ imports none of them; scripts/ (user tools) and probes/ only verl; the benchmarks verl, their
+# shared benchmarks/common.py and the verl 0.9.1 harness they time against; no room imports tests/, and the suite
+# imports no room but the harness, from the harness's own test, and the GPU check's requirement helpers.
+ROOMS: dict[str, set[str]] = {
+    "verl": {"verl"},
+    "scripts": {"verl"},
+    "benchmarks": {"verl", "benchmarks", "interop"},
+    "interop": {"verl", "interop"},
+    "probes": {"verl"},
+    "tests": {"verl", "tests"},
+}
+ROOM_EXCEPTIONS = {  # (importing file, imported room)
+    ("tests/test_verl091_interop.py", "interop"),
+    ("tests/test_gpu_check.py", "scripts"),
+    ("tests/test_declared_ranges.py", "scripts"),
+}
+# The one file that may extend sys.path: every other import goes through the package a room is.
+SYS_PATH_OWNER = "tests/conftest.py"
+
+
+def _sys_path_edits(tree: ast.AST) -> list[int]:
+    """Lines of ``sys.path.<method>(...)`` calls and ``sys.path[...] = ...`` assignments."""
+    def is_sys_path(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) and node.value.id == "sys"
+
+    lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and is_sys_path(n.func.value)]
+    lines += [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assign) and any(isinstance(t, ast.Subscript) and is_sys_path(t.value) for t in n.targets)]
+    return sorted(lines)
+
+
+def room_violations(root: pathlib.Path) -> list[str]:
+    """``path:line: imports room`` for each absolute import of a room that the importing room may not import,
+    and ``path:line: edits sys.path`` for each edit of ``sys.path`` outside ``SYS_PATH_OWNER``."""
+    problems = []
+    for room, allowed in ROOMS.items():
+        for path in sorted((root / room).rglob("*.py")):
+            relative = path.relative_to(root).as_posix()
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+                for imported in {name.split(".")[0] for name in names} & set(ROOMS):
+                    if imported not in allowed and (relative, imported) not in ROOM_EXCEPTIONS:
+                        problems.append(f"{relative}:{node.lineno}: imports {imported}")
+            if relative != SYS_PATH_OWNER:
+                problems += [f"{relative}:{line}: edits sys.path" for line in _sys_path_edits(tree)]
+    return problems
+
+
+def test_every_room_imports_only_what_its_audience_needs_and_nothing_edits_sys_path():
+    assert room_violations(REPO) == []
+
+
+def test_a_room_importing_another_or_editing_sys_path_is_reported(tmp_path):
+    for room in ROOMS:
+        (tmp_path / room).mkdir()
+    (tmp_path / "verl" / "late.py").write_text("def _late():\n    from benchmarks.common import make_model\n")
+    (tmp_path / "scripts" / "tool.py").write_text("import sys\n\nsys.path.insert(0, '..')\nimport tests.main_leg\n")
+    (tmp_path / "tests" / "test_bench.py").write_text("from benchmarks import bench_checkpoint\n")
+    (tmp_path / "tests" / "conftest.py").write_text("import sys\n\nsys.path.append('.')\n")
+    (tmp_path / "benchmarks" / "bench.py").write_text("import sys\n\nfrom benchmarks.common import MiB\nfrom interop import verl091_interop\nsys.path[:0] = ['x']\n")
+    assert sorted(room_violations(tmp_path)) == [
+        "benchmarks/bench.py:5: edits sys.path",
+        "scripts/tool.py:3: edits sys.path",
+        "scripts/tool.py:4: imports tests",
+        "tests/test_bench.py:1: imports benchmarks",
+        "verl/late.py:2: imports benchmarks",
+    ]

@@ -152,7 +152,7 @@ def test_real_bridge_export_is_complete(tiny_moe_path, tmp_path, sizes, world):
 def test_pp4_ep2_tp2_etp2_saves_everything_and_transformers_loads_it(tiny_moe_path, tmp_path):
     """The seed layout through mbridge: one step trained, saved with a verified HF export that transformers
     loads and whose logits are the Megatron model's (tests/seed_layout_check.py; Megatron-Bridge's run of it:
-    scripts/check_seed_layout.py)."""
+    tests/checks/check_seed_layout.py)."""
     report = seed_layout_report(tiny_moe_path, str(tmp_path), vanilla_mbridge=True)
     assert seed_layout_problems(report, "mbridge") == []
     assert report["hf_tensors_verified_from_disk"] == 135

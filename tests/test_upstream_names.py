@@ -1,4 +1,4 @@
-"""Names shared with upstream verl keep upstream's signatures, defaults and behaviour (issue 26)."""
+"""Names shared with upstream verl keep upstream's signatures, defaults and behaviour, so code written against upstream runs here."""
 
 import json
 import os

@@ -1,32 +1,24 @@
 """Checkpoints cross over with verl 0.9.1: what its manager saved resumes here, and ours has its layout.
 
 The fixture under tests/fixtures/verl091 was written by verl 0.9.1's own MegatronCheckpointManager
-(scripts/verl091_interop.py, in a venv of its own; docs/upstream-interop.md), with the values 0.9.1's own load
+(interop/verl091_interop.py, in a venv of its own; docs/upstream-interop.md), with the values 0.9.1's own load
 of it gives. Here this package's manager loads the same step into a fresh model, optimizer and scheduler, and
 every parameter, Adam moment, the Adam step, the LR scheduler, the param groups and the RNG states must equal them.
 """
 
-import importlib
 import json
 import os
 import shutil
-import sys
 import warnings
 
 import pytest
 
+from interop import verl091_interop as interop  # the harness's own test: its ranks import it by name
 from verl.utils.checkpoint.integrity import verify_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "verl091")
 LAYOUTS = {"tp1_pp1_ep1": (1, 1, 1), "pp2_ep2": (4, 2, 2)}  # name -> (world, pp, ep)
-
-
-def _interop():
-    """The interop script as a module its spawned ranks can import by name (spawn passes sys.path on)."""
-    if os.path.join(REPO, "scripts") not in sys.path:
-        sys.path.insert(0, os.path.join(REPO, "scripts"))
-    return importlib.import_module("verl091_interop")
 
 
 def _copy(layout: str, tmp_path) -> str:
@@ -37,7 +29,7 @@ def _copy(layout: str, tmp_path) -> str:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_verl091_checkpoint_resumes_here_with_every_value(layout, tmp_path):
-    interop, (world, pp, ep) = _interop(), LAYOUTS[layout]
+    world, pp, ep = LAYOUTS[layout]
     ckpt = _copy(layout, tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -74,7 +66,6 @@ def _tree(step: str) -> set[str]:
 
 
 def test_our_save_has_verl091s_layout_and_contents_schema(tmp_path):
-    interop = _interop()
     model = str(tmp_path / "model")
     interop.cmd_make_model(type("Args", (), {"out": model})())
     ckpt = str(tmp_path / "ours" / "global_step_2" / "actor")

@@ -3,7 +3,7 @@ trained, saved (dist checkpoint and verified HF export), resumed bit-exactly, an
 
 One module-scoped run saves the VPP2 step the first four tests share; each layout's ranks are started once.
 The distributed optimizer (per-chunk state) is checked on its own: exact resume, another VPP refused.
-scripts/check_vpp.py runs the same checks at PP4 EP2 TP2 ETP2 VPP2 (16 ranks).
+tests/checks/check_vpp.py runs the same checks at PP4 EP2 TP2 ETP2 VPP2 (16 ranks).
 """
 
 import json

@@ -1,4 +1,4 @@
-"""Interleaved-pipeline (VPP) checks shared by tests/test_vpp.py and scripts/check_vpp.py: what the ranks do
+"""Interleaved-pipeline (VPP) checks shared by tests/test_vpp.py and tests/checks/check_vpp.py: what the ranks do
 (train, save every chunk, resume, reshard) and what is then checked on disk and against transformers."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Measure how far Megatron's recomputed log-probs are from the HF rollout's, per dtype (the parity gate's tolerances).
 
-    python scripts/measure_log_prob_parity.py [--world 1] [--tp 1] [--pp 1] [--ep 1] [--etp 1] [--rows 16] [--seeds 3]
+    python -m probes.measure_log_prob_parity [--world 1] [--tp 1] [--pp 1] [--ep 1] [--etp 1] [--rows 16] [--seeds 3]
 
 On the embedded tiny Qwen3-MoE: the actor (Megatron, through mbridge) and the rollout model (transformers) are
 built in the same dtype from the same weights; the rollout samples responses to left-padded prompts of mixed
@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from verl.utils.distributed import run_on_ranks  # noqa: E402
-from verl.utils.megatron.parallel import ParallelSizes  # noqa: E402
+from verl.utils.distributed import run_on_ranks
+from verl.utils.megatron.parallel import ParallelSizes
 
 RESPONSE_LENGTH = 12
 

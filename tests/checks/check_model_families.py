@@ -1,9 +1,9 @@
 """Run tests.family_check (parity with transformers in fp32, bit-exact HF export, bit-exact resume)
 for tiny models of the supported families at a chosen layout, outside the test suite: the PP4 EP2 TP2
-ETP2 runs (16 ranks) and the transformers-5 venv (scripts/check_transformers5.sh). Prints one JSON line
+ETP2 runs (16 ranks) and the transformers-5 venv (tests/checks/check_transformers5.sh). Prints one JSON line
 per family and appends it to --json; exits 1 if any family fails. Results: docs/models.md.
 
-    PYTHONPATH=. .venv/bin/python scripts/check_model_families.py --kinds mixtral --tp 2 --pp 4 --ep 2 --etp 2
+    .venv/bin/python -m tests.checks.check_model_families --kinds mixtral --tp 2 --pp 4 --ep 2 --etp 2
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ import dataclasses
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.family_check
 
 # name -> (tiny model kind, config overrides); the names of tests/test_model_families.py's cases
 FAMILIES = {

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """A sync save against the plainest write of the same bytes, in the same process and run: the honest ratio.
 
-One rank builds the actor of ``scripts/bench_vs_verl091.py`` (its 60M Qwen3-MoE from
-``bench_checkpoint.make_model``, ``use_distributed_optimizer=False``, Adam stepped once on seeded gradients) and
+One rank builds the actor of ``benchmarks/bench_vs_verl091.py`` (its 60M Qwen3-MoE from
+``benchmarks.common.make_model``, ``use_distributed_optimizer=False``, Adam stepped once on seeded gradients) and
 clones its parameters and Adam moments into a dict of tensors: the *plain write* is
 ``safetensors.torch.save_file`` of that dict, padded to the size of our step, then ``fsync`` -- the same bytes
 and contents as our save, with no planning, checksums, verification or commit. Then ``--pairs`` interleaved
@@ -20,8 +20,8 @@ never enforced: warm ratio <= 1.4x, first three <= 1.8x, anonymous rise <= 0.1x 
 
 Usage (this repository's venv)::
 
-    .venv/bin/python scripts/bench_save_vs_plain.py                      # 2 runs of 10 pairs, ~4 min here
-    .venv/bin/python scripts/bench_save_vs_plain.py --runs 1 --pairs 4 --params 10e6   # a quick try
+    .venv/bin/python -m benchmarks.bench_save_vs_plain                      # 2 runs of 10 pairs, ~4 min here
+    .venv/bin/python -m benchmarks.bench_save_vs_plain --runs 1 --pairs 4 --params 10e6   # a quick try
 """
 
 from __future__ import annotations
@@ -38,12 +38,9 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import verl091_interop as interop  # noqa: E402 - standard library only at import
-from bench_checkpoint import make_model, state_bytes, tree_bytes  # noqa: E402
-from bench_vs_verl091 import prime_optimizer  # noqa: E402
+from benchmarks.common import MiB, make_model, prime_optimizer, state_bytes, tree_bytes
+from interop import verl091_interop as interop  # standard library only at import
 
-MiB = 1 << 20
 TARGETS = {"warm_ratio": 1.4, "first_three_ratio": 1.8, "anon_rise_over_state": 0.1}
 FIRST = 3  # a process's first saves, reported apart (an embedded job makes exactly three)
 

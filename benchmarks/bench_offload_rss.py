@@ -11,9 +11,9 @@ allocator noise), trains one step so grads and Adam states exist, then on every 
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench_offload_rss.py                       # 1 rank and TP2 PP2 EP2 ETP2 (8 ranks), DO off/on
-    .venv/bin/python scripts/bench_offload_rss.py --world 1 --do 0      # one configuration
-    .venv/bin/python scripts/bench_offload_rss.py --world 16 --tp 2 --pp 4 --ep 2 --etp 2 --do 0
+    .venv/bin/python -m benchmarks.bench_offload_rss                       # 1 rank and TP2 PP2 EP2 ETP2 (8 ranks), DO off/on
+    .venv/bin/python -m benchmarks.bench_offload_rss --world 1 --do 0      # one configuration
+    .venv/bin/python -m benchmarks.bench_offload_rss --world 16 --tp 2 --pp 4 --ep 2 --etp 2 --do 0
 
 The target (docs/offload.md): peak RSS above baseline during the model offload <= 1.1x the rank's
 param + grad bytes. The script exits non-zero when a rank misses it.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Shared entry of run_upstream_ckpt_tests.sh / run_upstream_cpu_tests.sh: upstream verl's own tests against
-# THIS package, per file (scripts/upstream_tests.py has the suites and the options; docs/upstream-interop.md).
+# THIS package, per file (interop/upstream_tests.py has the suites and the options; docs/upstream-interop.md).
 #
-#   bash scripts/upstream_tests.sh {ckpt,cpu} [UPSTREAM_GIT_DIR] [options] [extra pytest args...]
+#   bash interop/upstream_tests.sh {ckpt,cpu} [UPSTREAM_GIT_DIR] [options] [extra pytest args...]
 #
 # UPSTREAM_GIT_DIR, else $VERL_UPSTREAM_GIT_DIR: a git directory (bare or a checkout) of upstream verl holding
 # the pinned commit; there is no default. Python: $PYTHON, else this repository's .venv. Not part of CI.
@@ -14,4 +14,4 @@ if [ ! -x "$PY" ]; then
   echo "no python at $PY: create the venv first (bash scripts/test.sh does) or set PYTHON=" >&2
   exit 2
 fi
-exec "$PY" "$REPO/scripts/upstream_tests.py" "$@"
+exec "$PY" "$REPO/interop/upstream_tests.py" "$@"

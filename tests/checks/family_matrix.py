@@ -6,22 +6,19 @@ refusal's field; with --bypass it is also run with the refusal switched off, to 
 refusal prevents. Every other cell runs the per-family harness (parity with transformers, complete and
 bit-exact HF export, bit-exact resume) on 1 rank (or --ranks with --tp/--pp/--ep/--etp). Prints one JSON line per cell.
 
-    PYTHONPATH=. .venv/bin/python scripts/family_matrix.py --bypass --write-docs
+    .venv/bin/python -m tests.checks.family_matrix --bypass --write-docs
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.family_check
-
-from tests.family_check import matrix_cells, run_cells, table_rows, write_table  # noqa: E402
-from verl.utils.megatron.parallel import ParallelSizes  # noqa: E402
+from tests.family_check import matrix_cells, run_cells, table_rows, write_table
+from verl.utils.megatron.parallel import ParallelSizes
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """Does the default run learn for every seed? Run the main job once per ``data.seed`` and tabulate it.
 
-    .venv/bin/python scripts/five_seeds.py --out-dir /tmp/five_seeds [--seeds 1,2,3,4,5] [hydra overrides ...]
+    .venv/bin/python -m probes.five_seeds --out-dir /tmp/five_seeds [--seeds 1,2,3,4,5] [hydra overrides ...]
 
 Each seed is one ``python -m verl.trainer.main_ppo actor_rollout_ref.actor.megatron.vanilla_mbridge=True data.seed=S``
 (the defaults but the bridge: mbridge, as on requirements.txt's stack; checkpoints included) in
@@ -25,10 +25,8 @@ import threading
 import time
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from verl.trainer.ppo.ray_trainer import METRICS_FILENAME  # noqa: E402
-from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY  # noqa: E402
+from verl.trainer.ppo.ray_trainer import METRICS_FILENAME
+from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY
 
 # The main job as scripts/run.sh runs it: on requirements.txt's stack, which has no Megatron-Bridge, through mbridge.
 MBRIDGE = f"{VANILLA_MBRIDGE_KEY}=True"

@@ -24,9 +24,9 @@ The disk's sequential write bandwidth is measured in the same run: 512 MiB writt
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench_checkpoint.py                       # ~150M params, both layouts
-    .venv/bin/python scripts/bench_checkpoint.py --params 40e6 --out outputs/bench_40m.json
-    .venv/bin/python scripts/bench_checkpoint.py --layouts 1          # one rank only
+    .venv/bin/python -m benchmarks.bench_checkpoint                       # ~150M params, both layouts
+    .venv/bin/python -m benchmarks.bench_checkpoint --params 40e6 --out outputs/bench_40m.json
+    .venv/bin/python -m benchmarks.bench_checkpoint --layouts 1          # one rank only
 
 Targets (docs/perf.md) are reported, never enforced: the exit status is 0 whatever they say.
 """
@@ -45,14 +45,11 @@ import tempfile
 import threading
 import time
 
-# Only the standard library at the top: megatron's dist-checkpoint writer starts a helper process with
-# "spawn", which imports this file again; torch and megatron are imported where they are used.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Only the standard library and the shared helper at the top: megatron's dist-checkpoint writer starts a helper
+# process with "spawn", which imports this file again; torch and megatron are imported where they are used.
+from benchmarks.common import MiB, machine, make_model, model_overrides, state_bytes, tree_bytes
 
-MiB = 1 << 20
 LAYOUTS = {8: (2, 2, 2, 2), 4: (1, 2, 2, 1), 1: (1, 1, 1, 1)}  # world size -> (TP, PP, EP, ETP)
-# Fixed shape; only the expert FFN width scales with --params.
-HIDDEN, LAYERS, EXPERTS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 512, 8, 32, 8, 4, 64, 256
 TARGETS = {
     "dist_ckpt_vs_disk": 0.5,  # dist-ckpt save throughput >= 0.5x disk write bandwidth
     "hf_export_speedup_8ranks": 2.0,  # HF export >= 2x faster than mbridge's save_weights at 8 ranks
@@ -64,42 +61,6 @@ TARGETS = {
 
 
 # --------------------------------------------------------------------------- model
-
-
-def model_overrides(params: float, experts: int = EXPERTS) -> dict:
-    """HF config overrides for a Qwen3-MoE of about ``params`` parameters with ``experts`` experts per layer."""
-    attention = HIDDEN * HEADS * HEAD_DIM * 2 + HIDDEN * KV_HEADS * HEAD_DIM * 2 + 2 * HEAD_DIM
-    per_layer_fixed = attention + 2 * HIDDEN + experts * HIDDEN
-    fixed = LAYERS * per_layer_fixed + 2 * VOCAB * HIDDEN + HIDDEN
-    per_unit = LAYERS * experts * 3 * HIDDEN  # parameters per unit of moe_intermediate_size
-    intermediate = max(16, int(round((params - fixed) / per_unit / 16)) * 16)
-    return dict(
-        num_layers=LAYERS,
-        num_experts=experts,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        intermediate_size=4 * HIDDEN,
-        moe_intermediate_size=intermediate,
-        num_experts_per_tok=4,
-    )
-
-
-def make_model(path: str, params: float, experts: int = EXPERTS) -> tuple[str, int]:
-    """Write the benchmark's Qwen3-MoE (fp32 HF folder, ~16 source shards) to ``path``; (path, parameter count)."""
-    from verl.models.tiny import make_tiny_hf_model, tiny_hf_config
-
-    overrides = model_overrides(params, experts)
-    config = tiny_hf_config("moe", **overrides)
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    shard_mb = max(1, count * 4 // MiB // 16)  # ~16 source shards: 2 files per rank at 8 ranks
-    make_tiny_hf_model(path, kind="moe", max_shard_size=f"{shard_mb}MB", **overrides)
-    return path, count
 
 
 # --------------------------------------------------------------------------- measuring
@@ -195,10 +156,6 @@ def serialization_bandwidth(directory: str, size: int = 512 * MiB, item: int = 7
     return {"bytes": size // item * item, "torch_save_fsync_Bps": size // item * item / total}
 
 
-def tree_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
-
-
 def folder_digest(path: str) -> dict[str, str]:
     out = {}
     for name in sorted(os.listdir(path)):
@@ -208,35 +165,6 @@ def folder_digest(path: str) -> dict[str, str]:
                 digest.update(chunk)
         out[name] = digest.hexdigest()
     return out
-
-
-def state_bytes(actor) -> dict:
-    """This rank's params, grads (DDP main_grad) and optimizer state tensors, each storage once."""
-    import torch
-
-    seen: set[int] = set()
-
-    def add(tensor) -> int:
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
-            return 0
-        key = tensor.untyped_storage().data_ptr()
-        if key in seen:
-            return 0
-        seen.add(key)
-        return tensor.untyped_storage().nbytes()
-
-    params = grads = optim = 0
-    for chunk in actor.model:
-        for param in chunk.parameters():
-            params += add(param)
-            grads += add(getattr(param, "main_grad", None))
-            grads += add(param.grad)
-    for sub in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-        inner = getattr(sub, "optimizer", sub)
-        for values in inner.state.values():
-            for value in values.values():
-                optim += add(value)
-    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
 
 # --------------------------------------------------------------------------- one rank
@@ -505,28 +433,6 @@ def evaluate(results: dict, disk: dict) -> dict:
             "met": None if target is None else (value >= target if op == ">=" else value <= target),
         }
         for name, (value, op, target) in checks.items()
-    }
-
-
-def machine() -> dict:
-    import platform
-
-    import psutil
-    import torch
-
-    disk = shutil.disk_usage(os.getcwd())
-    return {
-        "cpus": os.cpu_count(),
-        "cpu_model": next(
-            (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-            platform.processor(),
-        ),
-        "memory_GiB": psutil.virtual_memory().total / (1 << 30),
-        "memory_available_GiB": psutil.virtual_memory().available / (1 << 30),
-        "disk_GiB": disk.total / (1 << 30),
-        "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
     }
 
 

@@ -1,9 +1,9 @@
 """Run a frozen list of upstream verl's own tests against THIS package and report per file.
 
-    python scripts/upstream_tests.py {ckpt,cpu} [GIT_DIR | --git-dir DIR] [--json OUT] [--timeout S]
+    python interop/upstream_tests.py {ckpt,cpu} [GIT_DIR | --git-dir DIR] [--json OUT] [--timeout S]
         [--only SUBSTRING ...] [pytest args...]
 
-(``scripts/run_upstream_ckpt_tests.sh`` and ``scripts/run_upstream_cpu_tests.sh`` run it with this repository's
+(``interop/run_upstream_ckpt_tests.sh`` and ``interop/run_upstream_cpu_tests.sh`` run it with this repository's
 ``.venv`` python.) The upstream git directory (bare or a checkout) comes from the argument or
 ``$VERL_UPSTREAM_GIT_DIR``; there is no default, and nothing is fetched. Upstream's ``tests/`` tree at the pinned commit is exported into a
 temporary directory outside this repository (removed afterwards; ``KEEP_UPSTREAM_TESTS=1`` keeps it) and each

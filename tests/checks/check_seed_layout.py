@@ -4,7 +4,7 @@ loaded in transformers. Prints one JSON line; exits 1 if a check fails. On the P
 Megatron-Bridge, upstream's default (too slow for that leg's suite on 2 cores); the main leg's suite runs the
 same check through mbridge. Result: docs/cpu.md.
 
-    PYTHONPATH=. .venv-py312/bin/python scripts/check_seed_layout.py [--bridge megatron-bridge|mbridge]
+    .venv-py312/bin/python -m tests.checks.check_seed_layout [--bridge megatron-bridge|mbridge]
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import json
 import os
 import sys
 import tempfile
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.seed_layout_check
 
 BRIDGES = {"megatron-bridge": ("Megatron-Bridge", False), "mbridge": ("mbridge", True)}  # name, vanilla_mbridge
 

@@ -80,7 +80,7 @@ def install_cpu_shim() -> None:
     This package does the same in ``verl/utils/megatron/cpu_runtime.py`` (see docs/cpu.md for why each
     answer is needed); 0.9.1 cannot import it, so the 0.9.1 side installs this smaller equivalent. It
     covers training at TP1 (no uneven tensor-parallel collectives); at TP2 / ETP2 it covers building, loading
-    and saving (what ``scripts/bench_vs_verl091.py`` does), not the MoE forward.
+    and saving (what ``benchmarks/bench_vs_verl091.py`` does), not the MoE forward.
     """
     import contextlib
     import functools
@@ -728,7 +728,7 @@ def meta(side: str, layout: str, model_path: str) -> dict:
     return {
         "format": RECORD_FORMAT,
         "written_by": f"verl {version('verl')}" if side == "verl091" else "this package (verl overlay)",
-        "script": "scripts/verl091_interop.py",
+        "script": "interop/verl091_interop.py",
         "layout": {"name": layout, "world_size": world, "tp": 1, "pp": pp, "ep": ep, "etp": 1, "dp": world // pp},
         "global_step": TRAIN_STEPS,
         "train": {"steps": TRAIN_STEPS, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "seed": SEED},

@@ -2,11 +2,11 @@
 (the pre-load check hashes them again), against the save itself.
 
 One rank saves a checkpoint of a Qwen3-MoE of about ``--params`` parameters (fp32; the model of
-scripts/bench_checkpoint.py) twice, synchronously (the second save is the one timed: megatron's plan is
+benchmarks/common.py) twice, synchronously (the second save is the one timed: megatron's plan is
 then cached); then the manifest is built (sizes + CRC-32 of every file) and verified, each timed. Numbers go
 to docs/perf.md; nothing is enforced.
 
-Usage: .venv/bin/python scripts/bench_checksums.py [--params 40e6] [--out outputs/bench_checksums.json]
+Usage: .venv/bin/python -m benchmarks.bench_checksums [--params 40e6] [--out outputs/bench_checksums.json]
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -46,9 +45,7 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=40e6)
     parser.add_argument("--out", default="outputs/bench_checksums.json")
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_checkpoint import make_model
-
+    from benchmarks.common import make_model
     from verl.utils.distributed import run_on_ranks
     from verl.utils.megatron.parallel import ParallelSizes
 

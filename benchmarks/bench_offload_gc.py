@@ -4,13 +4,13 @@
 
 Each offload helper runs ``gc.collect()`` per call, as upstream's do; in a process holding torch, megatron,
 transformers and Ray that is a full scan of ~500k objects. One rank builds the actor and the reference
-from a Qwen3-MoE (``scripts/bench_checkpoint.py``'s ``make_model``), then times ``--cycles`` reference
+from a Qwen3-MoE (``benchmarks/common.py``'s ``make_model``), then times ``--cycles`` reference
 reload + offload cycles and one ``gc.collect`` before and after the freeze, and prints a JSON line.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench_offload_gc.py              # ~60M parameters; ~1 min
-    .venv/bin/python scripts/bench_offload_gc.py --params 10e6
+    .venv/bin/python -m benchmarks.bench_offload_gc              # ~60M parameters; ~1 min
+    .venv/bin/python -m benchmarks.bench_offload_gc --params 10e6
 """
 
 from __future__ import annotations
@@ -20,11 +20,8 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def _measure(model_path: str, cycles: int) -> dict:
@@ -66,13 +63,12 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=5)
     args = parser.parse_args()
 
-    import bench_checkpoint
-
+    from benchmarks.common import make_model
     from verl.utils.distributed import run_on_ranks
     from verl.utils.megatron.parallel import ParallelSizes
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_path, count = bench_checkpoint.make_model(os.path.join(tmp, "model"), args.params, 16)
+        model_path, count = make_model(os.path.join(tmp, "model"), args.params, 16)
         result = run_on_ranks(_measure, 1, ParallelSizes(), args=(model_path, args.cycles), timeout_s=1200)[0]
     print(json.dumps({"params": count, **result}))
 

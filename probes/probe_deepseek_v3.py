@@ -6,7 +6,7 @@ sigmoid routing with a score-correction bias, grouped top-k) is taken through th
 needs, one rank, fp32; each stage prints OK or the error that stops it. The adapter refuses ``deepseek_v3`` (verl.models.support), so the probe builds the bridge class
 directly. Results: docs/models.md ("DeepSeek-V3").
 
-    PYTHONPATH=. .venv/bin/python scripts/probe_deepseek_v3.py [--out DIR]
+    .venv/bin/python -m probes.probe_deepseek_v3 [--out DIR]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Upstream verl's own e2e launch script, ``tests/special_e2e/run_ppo_trainer_megatron.sh``, run against THIS package.
 
-    python scripts/upstream_e2e.py [UPSTREAM_GIT_DIR] [--bridge megatron-bridge|mbridge] [--keep DIR]
+    python -m interop.upstream_e2e [UPSTREAM_GIT_DIR] [--bridge megatron-bridge|mbridge] [--keep DIR]
 
 The script is exported from the upstream git dir at the pinned commit (``upstream_tests.PINNED_COMMIT``; nothing
 is copied into this repository) and driven only by its environment variables and its trailing ``$@``:
@@ -28,10 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from interop.upstream_tests import PINNED_COMMIT, resolve_git_dir
 
-from scripts.upstream_tests import PINNED_COMMIT, resolve_git_dir  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = "tests/special_e2e/run_ppo_trainer_megatron.sh"
 CLOCKS = ("time", "checkpoint", "checkpoint_committed", "resume")  # what may differ between runs

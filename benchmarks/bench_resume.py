@@ -1,6 +1,6 @@
 """Resume from a cold page cache vs a plain ``safetensors.load_file`` of the same bytes, interleaved pairs.
 
-One rank, the benchmark's Qwen3-MoE (``bench_checkpoint.make_model``, ``--params``). One step is saved (model as
+One rank, the benchmark's Qwen3-MoE (``benchmarks.common.make_model``, ``--params``). One step is saved (model as
 HF weights, optimizer, extra), and a safetensors file holding the same tensors (the rank's parameters and Adam
 state) is written beside it. Each pair then, for each source tree given (``--tree``: this one, and e.g. a checkout
 of an earlier commit to compare with), in alternating order:
@@ -12,7 +12,7 @@ machine's load. Numbers go in docs/perf.md, never in a test.
 
 Usage (from the repository root, as root)::
 
-    .venv/bin/python scripts/bench_resume.py --pairs 7 --tree . --tree /path/to/older/checkout
+    .venv/bin/python -m benchmarks.bench_resume --pairs 7 --tree . --tree /path/to/older/checkout
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOAD_CONTENTS = ("model", "optimizer", "extra")
 
 
@@ -89,9 +90,10 @@ def _on_one_rank(fn_name: str, *args: str) -> object:
 
 
 def _in_tree(tree: str, fn_name: str, *args: str) -> object:
-    """``fn_name(*args)`` on one rank, in a fresh process importing verl from ``tree``."""
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-    code = f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import bench_resume as b; print('RESULT', json.dumps(b._on_one_rank(*sys.argv[1:])))"
+    """``fn_name(*args)`` on one rank, in a fresh process importing verl from ``tree`` (first on the path) and
+    this file from this repository."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((os.path.abspath(tree), REPO))}
+    code = "import json, sys; from benchmarks import bench_resume as b; print('RESULT', json.dumps(b._on_one_rank(*sys.argv[1:])))"
     out = subprocess.run([sys.executable, "-c", code, fn_name, *args], env=env, capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
@@ -116,8 +118,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     trees = args.tree or ["."]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_checkpoint import make_model  # it puts this repository first on sys.path: the model maker is ours
+    from benchmarks.common import make_model
 
     work = tempfile.mkdtemp(prefix="bench_resume_")
     model_path, count = make_model(os.path.join(work, "model"), args.params)

@@ -4,7 +4,7 @@ A single-process, plain-PyTorch GRPO loop on the embedded tiny Qwen3-MoE (fp32, 
 ``train_batch_size`` prompts from PromptSampler, ``n`` sampled responses each (HF generate), rule reward,
 GRPO advantages, one PPO-clip update (token-mean) with Adam. No Megatron: it sizes the real run's settings.
 
-    .venv/bin/python scripts/grpo_task_probe.py --max-operand 4 --lr 3e-3 --steps 60 --out /tmp/probe.jsonl
+    .venv/bin/python -m probes.grpo_task_probe --max-operand 4 --lr 3e-3 --steps 60 --out /tmp/probe.jsonl
 """
 
 from __future__ import annotations

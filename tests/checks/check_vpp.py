@@ -3,7 +3,7 @@ transformers'; resharding to no VPP and back) at a layout too large for the suit
 PP4 EP2 TP2 ETP2 with VPP2, 16 ranks, on an 8-layer tiny MoE (4 stages x 2 chunks). Prints one JSON line;
 exits 1 if a check fails. Result: docs/checkpoint.md.
 
-    PYTHONPATH=. .venv/bin/python scripts/check_vpp.py --tp 2 --pp 4 --ep 2 --etp 2 --vpp 2 --layers 8 --world-size 16
+    .venv/bin/python -m tests.checks.check_vpp --tp 2 --pp 4 --ep 2 --etp 2 --vpp 2 --layers 8 --world-size 16
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import os
 import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.vpp_check
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Checkpoint save time side by side: this package's worker save vs verl 0.9.1's MegatronCheckpointManager.
 
-The same Qwen3-MoE (``scripts/bench_checkpoint.py``'s ``make_model``: hidden 512, 8 layers, 16 experts, fp32,
+The same Qwen3-MoE (``benchmarks/common.py``'s ``make_model``: hidden 512, 8 layers, 16 experts, fp32,
 ~60M parameters, written once), ``use_distributed_optimizer=False``, save contents model / optimizer / extra /
 hf_model, each side's default ``use_dist_checkpointing`` (False: the model is kept as HF weights), sync mode:
 
@@ -9,7 +9,7 @@ hf_model, each side's default ``use_dist_checkpointing`` (False: the model is ke
   product's defaults: staging directory, the manager's parts, then the commit step (HF folder verified against
   the config, manifest with CRC-32 checksums, fsync of the tree, rename into place); it returns once committed;
 * **verl 0.9.1**: its ``MegatronCheckpointManager.save_checkpoint`` (it returns once its ``ckpt_contents.json``
-  is written; it does not fsync), built with upstream's helpers through ``scripts/verl091_interop.py`` (the
+  is written; it does not fsync), built with upstream's helpers through ``interop/verl091_interop.py`` (the
   0.9.1 venv, its CPU shim and its local-spec bridge, which loads at any TP / ETP).
 
 Per layout (1 rank; 4 ranks PP2 EP2; 4 ranks TP2 PP2 ETP2) both sides run at once as two groups of long-lived
@@ -25,8 +25,8 @@ pages are not written back during the other's save. Our save's phases come from 
 
 Usage (this repository's venv; the 0.9.1 venv as in docs/upstream-interop.md)::
 
-    .venv/bin/python scripts/bench_vs_verl091.py                                # ~10-20 min on 2 vCPUs
-    .venv/bin/python scripts/bench_vs_verl091.py --layouts 1 --params 10e6 --saves 1 --warmup 0   # a quick try
+    .venv/bin/python -m benchmarks.bench_vs_verl091                                # ~10-20 min on 2 vCPUs
+    .venv/bin/python -m benchmarks.bench_vs_verl091 --layouts 1 --params 10e6 --saves 1 --warmup 0   # a quick try
 
 Writes ``--out`` (JSON) and prints markdown tables; targets (ours <= 0.8x at 1 rank, <= 0.5x at 4 ranks) are
 reported, never enforced.
@@ -38,7 +38,7 @@ Ours: ``MegatronEngine.save_checkpoint(..., track=True)``, our CPU runtime left 
 0.9.1: ``MegatronCheckpointManager.save_checkpoint`` (its CPU shim lives in ``verl091_interop.py``, outside
 its package). Writes ``--out`` (default ``outputs/bench_vs_verl091_profile.json``) and prints the listing::
 
-    .venv/bin/python scripts/bench_vs_verl091.py --profile-save --layouts 1rank --params 10e6
+    .venv/bin/python -m benchmarks.bench_vs_verl091 --profile-save --layouts 1rank --params 10e6
 """
 
 from __future__ import annotations
@@ -58,9 +58,13 @@ import threading
 import time
 import traceback
 
-# Only the standard library and verl091_interop (itself standard library at import) at the top: this file
+# Only the standard library, the shared helper and verl091_interop (both standard library at import) at the top: this file
 # runs under both interpreters, and megatron's writer helper process imports it again.
-import verl091_interop as interop
+from benchmarks.common import prime_optimizer
+from interop import verl091_interop as interop
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOMS = ("benchmarks", "interop")  # what this file imports of this repository besides verl
 
 # name -> (world size, TP, PP, EP, ETP)
 LAYOUTS = {
@@ -102,20 +106,6 @@ def entered_functions(found: set):
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-
-
-def prime_optimizer(model: list, optimizer, scheduler, seed: int) -> None:
-    """One optimizer step on seeded gradients, so Adam holds its moments and step as after training."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    for chunk in model:
-        chunk.zero_grad_buffer()
-        for param in chunk.parameters():
-            param.main_grad.copy_(torch.randn(param.shape, generator=generator) * 1e-3)
-    ok, _, _ = optimizer.step()
-    assert ok, "optimizer step skipped"
-    scheduler.step(increment=1)
 
 
 def build_saver(side: str, model_path: str, seed: int):
@@ -271,6 +261,20 @@ def serve(args) -> None:
 # --------------------------------------------------------------------------- the driver (this repository's venv)
 
 
+def side_path(side: str, root: str) -> str:
+    """``PYTHONPATH`` of a side's ``_serve``: this repository for ours (its verl, also where the venv's editable
+    install points at another checkout); for 0.9.1 a folder under ``root`` linking only ``ROOMS``, so that
+    interpreter imports this file and the harness but its own verl."""
+    if side == "ours":
+        return REPO
+    folder = os.path.join(root, "rooms")
+    os.makedirs(folder, exist_ok=True)
+    for room in ROOMS:
+        if not os.path.lexists(os.path.join(folder, room)):
+            os.symlink(os.path.join(REPO, room), os.path.join(folder, room))
+    return folder
+
+
 class Server:
     """One side's ``_serve`` process: send a command, wait for its reply; everything else it prints goes to a log."""
 
@@ -279,11 +283,10 @@ class Server:
     ):
         self.side, self.timeout, self.log_path = side, timeout, log_path
         self._log = open(log_path, "w")
-        argv = [python, os.path.abspath(__file__), "_serve", "--side", side, "--layout", layout, "--model", model]
+        argv = [python, "-m", "benchmarks.bench_vs_verl091", "_serve", "--side", side, "--layout", layout, "--model", model]
         argv += ["--root", root, "--threads", str(threads), "--timeout", str(timeout)]
-        kwargs = interop.side_process_kwargs()  # outside the repository, no PYTHONPATH: each side imports its own verl
-        if side == "ours":  # this checkout's verl, also where the venv's editable install points at another one
-            kwargs["env"]["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        kwargs = interop.side_process_kwargs()  # outside the repository: each side imports its own verl
+        kwargs["env"]["PYTHONPATH"] = side_path(side, root)
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, **kwargs
         )
@@ -562,8 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or f"outputs/bench_vs_verl091{'_profile' if args.profile_save else ''}.json"
 
     interop.check_side("ours")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_checkpoint import machine, make_model, model_overrides
+    from benchmarks.common import machine, make_model, model_overrides
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)

@@ -1,0 +1,119 @@
+"""What the benchmarks share: the benchmark's Qwen3-MoE, the bytes of a rank's state and of a folder, the machine.
+
+Only the standard library at the top: megatron's dist-checkpoint writer starts a helper process with "spawn",
+which imports the benchmark (and so this module) again; torch and megatron are imported where they are used.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+MiB = 1 << 20
+# Fixed shape; only the expert FFN width scales with --params.
+HIDDEN, LAYERS, EXPERTS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 512, 8, 32, 8, 4, 64, 256
+
+
+def model_overrides(params: float, experts: int = EXPERTS) -> dict:
+    """HF config overrides for a Qwen3-MoE of about ``params`` parameters with ``experts`` experts per layer."""
+    attention = HIDDEN * HEADS * HEAD_DIM * 2 + HIDDEN * KV_HEADS * HEAD_DIM * 2 + 2 * HEAD_DIM
+    per_layer_fixed = attention + 2 * HIDDEN + experts * HIDDEN
+    fixed = LAYERS * per_layer_fixed + 2 * VOCAB * HIDDEN + HIDDEN
+    per_unit = LAYERS * experts * 3 * HIDDEN  # parameters per unit of moe_intermediate_size
+    intermediate = max(16, int(round((params - fixed) / per_unit / 16)) * 16)
+    return dict(
+        num_layers=LAYERS,
+        num_experts=experts,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        intermediate_size=4 * HIDDEN,
+        moe_intermediate_size=intermediate,
+        num_experts_per_tok=4,
+    )
+
+
+def make_model(path: str, params: float, experts: int = EXPERTS) -> tuple[str, int]:
+    """Write the benchmark's Qwen3-MoE (fp32 HF folder, ~16 source shards) to ``path``; (path, parameter count)."""
+    from verl.models.tiny import make_tiny_hf_model, tiny_hf_config
+
+    overrides = model_overrides(params, experts)
+    config = tiny_hf_config("moe", **overrides)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    shard_mb = max(1, count * 4 // MiB // 16)  # ~16 source shards: 2 files per rank at 8 ranks
+    make_tiny_hf_model(path, kind="moe", max_shard_size=f"{shard_mb}MB", **overrides)
+    return path, count
+
+
+def tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def state_bytes(actor) -> dict:
+    """This rank's params, grads (DDP main_grad) and optimizer state tensors, each storage once."""
+    import torch
+
+    seen: set[int] = set()
+
+    def add(tensor) -> int:
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            return 0
+        key = tensor.untyped_storage().data_ptr()
+        if key in seen:
+            return 0
+        seen.add(key)
+        return tensor.untyped_storage().nbytes()
+
+    params = grads = optim = 0
+    for chunk in actor.model:
+        for param in chunk.parameters():
+            params += add(param)
+            grads += add(getattr(param, "main_grad", None))
+            grads += add(param.grad)
+    for sub in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        inner = getattr(sub, "optimizer", sub)
+        for values in inner.state.values():
+            for value in values.values():
+                optim += add(value)
+    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+
+def prime_optimizer(model: list, optimizer, scheduler, seed: int) -> None:
+    """One optimizer step on seeded gradients, so Adam holds its moments and step as after training."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    for chunk in model:
+        chunk.zero_grad_buffer()
+        for param in chunk.parameters():
+            param.main_grad.copy_(torch.randn(param.shape, generator=generator) * 1e-3)
+    ok, _, _ = optimizer.step()
+    assert ok, "optimizer step skipped"
+    scheduler.step(increment=1)
+
+
+def machine() -> dict:
+    import platform
+
+    import psutil
+    import torch
+
+    disk = shutil.disk_usage(os.getcwd())
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": next(
+            (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+            platform.processor(),
+        ),
+        "memory_GiB": psutil.virtual_memory().total / (1 << 30),
+        "memory_available_GiB": psutil.virtual_memory().available / (1 << 30),
+        "disk_GiB": disk.total / (1 << 30),
+        "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
