@@ -108,12 +108,29 @@ def _crashing_manager(phase: str, mode: str) -> type:
     return CrashingManager
 
 
-def _resume_then_crash(src: str, root: str, phase: str, mode: str) -> None:
+# Every writer (``save_writers.WRITERS``) and the toy one a test registers (tests/test_save_writers.py): the
+# actor settings that choose it. The snapshot's HF export runs in its fork (the ranks met through a TCP store),
+# where a SIGKILL is the fork's death, not a rank's (tests/test_async_finalize.py).
+WRITERS = {
+    "sync": {},
+    "background_write": {"async_save": True, "async_mode": "background_write"},
+    "snapshot": {"async_save": True, "async_mode": "snapshot"},
+    "toy": {},
+}
+IN_THE_FORK = {"snapshot": ("hf_config", "hf_weights")}
+
+
+def _resume_then_crash(src: str, root: str, phase: str, mode: str, writer: str = "sync") -> None:
+    if writer == "toy":
+        from tests.test_save_writers import register_toy_writer
+
+        register_toy_writer()
     path, _ = find_resume_checkpoint(root)
-    actor = _actor(src, manager_cls=_crashing_manager(phase, mode))
+    actor = _actor(src, manager_cls=_crashing_manager(phase, mode), **WRITERS[writer])
     actor.load_checkpoint(path)
     actor.train_step(_batches(1))
     actor.save_checkpoint(_step_path(root, 2), global_step=2, track=True)  # "tracker": killed as the transaction reaches it
+    actor.finalize_checkpoint()  # an async save's transaction commits here; a no-op after a synchronous one
 
 
 def _resume_and_continue(src: str, root: str, async_save: bool = False) -> tuple[str, list[str], float]:
@@ -126,12 +143,11 @@ def _resume_and_continue(src: str, root: str, async_save: bool = False) -> tuple
     return path, notes, loss
 
 
-@pytest.mark.parametrize("mode", ["one", "all"])
-@pytest.mark.parametrize("phase", PHASES)
-def test_sigkill_in_any_phase_keeps_the_previous_step(tiny_moe_path, base_root, tmp_path, phase, mode):
-    root = _copy_run(base_root, tmp_path)
+def _crash_and_check_what_is_left(src: str, root: str, phase: str, mode: str, writer: str) -> bool:
+    """Kill the save of step 2 at ``phase``; the previous step stays tracked, and step 2 is either not visible or
+    whole. Whether it is visible."""
     with pytest.raises(RankFailure, match="died with exit code -9"):
-        run_on_ranks(_resume_then_crash, WORLD, LAYOUT, args=(tiny_moe_path, root, phase, mode), timeout_s=240)
+        run_on_ranks(_resume_then_crash, WORLD, LAYOUT, args=(src, root, phase, mode, writer), timeout_s=240)
     assert _tracked(root) == "1"
     untracked = os.path.exists(_step_path(root, 2))
     if phase in ("tracker", "commit") and untracked:
@@ -140,6 +156,14 @@ def test_sigkill_in_any_phase_keeps_the_previous_step(tiny_moe_path, base_root, 
         verify_checkpoint(_step_path(root, 2))
     else:
         assert not untracked, "a crashed save must not leave a visible step"
+    return untracked
+
+
+@pytest.mark.parametrize("mode", ["one", "all"])
+@pytest.mark.parametrize("phase", PHASES)
+def test_sigkill_in_any_phase_keeps_the_previous_step(tiny_moe_path, base_root, tmp_path, phase, mode):
+    root = _copy_run(base_root, tmp_path)
+    untracked = _crash_and_check_what_is_left(tiny_moe_path, root, phase, mode, "sync")
     path, notes, loss = run_on_ranks(_resume_and_continue, WORLD, LAYOUT, args=(tiny_moe_path, root))[0]
     assert path == _step_path(root, 1)
     assert any("never tracked" in note for note in notes) == untracked
@@ -147,6 +171,20 @@ def test_sigkill_in_any_phase_keeps_the_previous_step(tiny_moe_path, base_root, 
     assert _tracked(root) == "2"
     verify_checkpoint(_step_path(root, 2))
     assert not os.path.exists(_step_path(root, 2) + ".incomplete")
+
+
+@pytest.mark.parametrize(
+    ("writer", "phase"),
+    [(writer, phase) for writer in WRITERS if writer != "sync" for phase in PHASES if phase not in IN_THE_FORK.get(writer, ())],
+)
+def test_sigkill_in_any_phase_of_every_writer_keeps_the_previous_step(tiny_moe_path, base_root, tmp_path, writer, phase):
+    """The matrix above over every other writer, one rank killed: what the crash leaves is the same, and the
+    resume finds the previous step (training on from it is the sync rows' part: the load takes no writer)."""
+    root = _copy_run(base_root, tmp_path)
+    untracked = _crash_and_check_what_is_left(tiny_moe_path, root, phase, "one", writer)
+    path, notes = find_resume_checkpoint(root)
+    assert path == _step_path(root, 1)
+    assert any("never tracked" in note for note in notes) == untracked
 
 
 # --------------------------------------------------------------------------- async save

@@ -1,7 +1,7 @@
 """MegatronCheckpointManager with upstream verl's constructor, flags, builders, layout and ``ckpt_contents.json``.
 
 ``save_checkpoint(path)`` writes a step's parts into ``path``, upstream's semantics (its retention included);
-``save_checkpoint``'s body lists the phases in order:
+the phases of a save, which its writer runs in its own order (``save_writers``):
 
 1. the async mode, chosen once (``AsyncMode``);
 2. finite check: no parameter or Adam moment holds NaN/Inf (``verl.utils.checkpoint.finite``), checked before
@@ -18,7 +18,7 @@
 A rank saves through the step transaction (``verl.utils.checkpoint.step_commit``), which hands this manager
 its staging directory and then verifies, marks, renames, prunes and tracks the step. The writer, chosen once
 when the manager is built from ``async_save`` and ``async_mode`` (``verl.utils.checkpoint.save_writers``),
-decides where steps 2-6 run; the phases ask it, never the host. ``finalize_async_save`` completes an async
+runs steps 2-6 (``run(job)``) and says what is left; the manager never tests it. ``finalize_async_save`` completes an async
 save. The builders and RNG methods are in ``megatron_state_dicts``, the load in ``megatron_checkpoint_load``.
 """
 
@@ -189,8 +189,8 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         """The writer of every save (``save_writers``), chosen here from the config and this rank's device: a mode
         this host cannot take (``snapshot`` with parameters on an accelerator) is refused in one line."""
         mode = choose_mode(self._async_save, self._async_mode, get_device_name())
-        hf_in_fork = self.should_save_hf_model and getattr(self.bridge, "saves_in_parallel", False) and forked_groups_possible()
-        self._writer = save_writers.make_writer(mode, hf_in_fork)
+        self._hf_in_fork = getattr(self.bridge, "saves_in_parallel", False) and forked_groups_possible()
+        self._writer = save_writers.make_writer(mode)
 
     @property
     def async_save(self) -> bool:
@@ -250,7 +250,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
     ) -> SaveReport:
         """Write this step's parts into ``local_path`` (created if needed; the worker passes its staging directory).
 
-        The body is the pipeline; each phase asks the writer chosen when the manager was built where it runs:
+        The body is the pipeline; the writer chosen when the manager was built runs the rank's part of it:
         all here (``sync``); checked, planned and exported here, the files written by a forked process
         (``background_write``); checked, written and exported by the fork (``snapshot``). Off ``sync`` this
         returns once the fork runs; ``finalize_async_save`` (which a later save or load calls first) writes the
@@ -263,26 +263,15 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             self.finalize_async_save(blocking=True)
         self.previous_global_step = global_step
         os.makedirs(local_path, exist_ok=True)
-        writer = self._writer  # where each phase runs (``save_writers``)
-        if writer.mode is not AsyncMode.SYNC:  # the sync writer writes in the rank, not through megatron's queue
-            # a writer killed with its failed save's fork may have sent its result after that save's drain: with
-            # no call pending in the process, no writer runs now, and whatever the queue holds is stale
-            megatron_core.drain_write_results()
-        save = self.last_save = SaveReport(
-            local_path, global_step, writer.mode, max_ckpt_to_keep,
-            checked_in_background=not writer.checks_in_rank, hf_weights_in_background=self.should_save_hf_model and not writer.exports_hf_in_rank,
-        )  # fmt: skip
+        save = self.last_save = SaveReport(local_path, global_step, self._writer.mode, max_ckpt_to_keep)
         with self._failure_reported(save):
-            # No NaN/Inf is ever saved: checked before anything is written or removed, unless the writer's fork
-            # checks the very state it writes (``snapshot``); a failure there fails the save at its finalize.
-            if writer.checks_in_rank:
-                self._timed("finite_check", finite.check_finite, self.model, self.optimizer, self._refusal(save), announce=True)
-            if save.mode is AsyncMode.SYNC and max_ckpt_to_keep:  # upstream's pre-save retention, with a limit
-                self.ensure_checkpoint_capacity(max_ckpt_to_keep)
-            background = self._save_dist_parts(save)
-            self._export_hf(save)
-            if background is not None:
-                return self._continue_in_background(save, background)
+            # The writer runs this rank's part in its own order (``save_writers``); no NaN/Inf is ever saved:
+            # checked before anything is written or removed, or by the fork on the very state it writes.
+            outcome = self._writer.run(self._save_job(save))
+            save.checked_in_background, save.hf_weights_in_background = outcome.checked_in_background, outcome.hf_weights_in_background
+            save.planned_in_background, save.hf_exported = outcome.planned_in_background, outcome.hf_exported
+            if outcome.background is not None:
+                return self._continue_in_background(save, outcome.background)
         return self._finish_save(save)
 
     def save_mode(self) -> AsyncMode:
@@ -294,39 +283,43 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
     def _refusal(save: SaveReport) -> str:
         return f"refusing to save step {save.global_step}: nothing was written"
 
-    def _save_dist_parts(self, save: SaveReport) -> AsyncRequest | None:
-        """The dist checkpoints (optimizer + scheduler, RNG, model shards if asked), as the writer does them (the
-        sync writer also starts hashing and fsyncing the files this rank wrote while the HF export runs); returns
-        what its forked process is to run, if anything. Their directories are made here, before any, and this
-        rank's sealer, which fsyncs them too (``durability``)."""
+    def _save_job(self, save: SaveReport) -> save_writers.SaveJob:
+        """The save's phases, bound to it, for the writer to run (``save_writers.SaveJob``). This rank's sealer
+        fsyncs the directories ``prepare`` makes too (``durability``)."""
         dist_dirs = [layout.dist_path(save.local_path, content) for content in self._dist_contents()]
         hf_dir = layout.hf_path(save.local_path) if self.should_save_hf_model else None
         made = [*dist_dirs, hf_dir] if hf_dir else dist_dirs
-        for directory in made:
-            os.makedirs(directory, exist_ok=True)
         save.sealer = durability.Sealer(save.local_path, made)
-        hf_beside = None
-        # The HF export the sync writer may run beside the dist write: over a gloo group of its own, made
-        # collectively at the first such save, so no collective of the two threads shares a group. Only a bridge
-        # that saves in parallel takes another group than the default one (the same on every rank).
-        if hf_dir and self._writer.exports_hf_beside and getattr(self.bridge, "saves_in_parallel", False):
-            if self._hf_comm is None:
-                self._hf_comm = GroupRankComm()
-            save.hf_comm = self._hf_comm
-            hf_beside = functools.partial(self._hf_export(save.local_path, in_rank=True).run, self.rank, self._hf_comm, self.wait_for_hf_config)
-        job = save_writers.SaveJob(
+        return save_writers.SaveJob(
             self.rank,
+            save.sealer,
+            check=functools.partial(self._timed, "finite_check", finite.check_finite, self.model, self.optimizer, self._refusal(save), announce=True),
+            prepare=functools.partial(self._prepare, save, made),
             plan_in_rank=functools.partial(self._timed, "dist_checkpoints", self._save_dist_checkpoints, save.local_path),
             plans_reusable=self._plans_are_reusable,
-            fork=lambda: self._forked_save(save),
             dist_written=self._dist_files_written,
-            sealer=save.sealer,
-            hf_beside=hf_beside,
+            fork=functools.partial(self._forked_save, save),
+            export_hf=lambda comm: self._hf_export(save.local_path, in_rank=True).run(self.rank, comm, self.wait_for_hf_config),
+            hf_group=functools.partial(self._hf_group, save),
             hf_dir=hf_dir,
+            hf_parallel=getattr(self.bridge, "saves_in_parallel", False),
+            hf_in_fork=self._hf_in_fork,
         )
-        request = self._writer.save_dist_parts(job)
-        save.planned_in_background, save.hf_exported = job.planned_in_background, job.hf_exported
-        return request
+
+    def _prepare(self, save: SaveReport, directories: list[str], make_room: bool) -> None:
+        """With ``make_room``, upstream's pre-save retention (given a limit); then the save's directories."""
+        if make_room and save.max_ckpt_to_keep:
+            self.ensure_checkpoint_capacity(save.max_ckpt_to_keep)
+        for directory in directories:
+            os.makedirs(directory, exist_ok=True)
+
+    def _hf_group(self, save: SaveReport) -> RankComm:
+        """The HF export's gloo group beside the dist write, made collectively at its first save, so no
+        collective of the two threads shares a group (``wait_for_hf_config`` barriers over it)."""
+        if self._hf_comm is None:
+            self._hf_comm = GroupRankComm()
+        save.hf_comm = self._hf_comm
+        return save.hf_comm
 
     def _dist_files_written(self) -> list[str]:
         """The files this rank's in-rank writers wrote in the sync save just made (``InRankSaveStrategy.last_files``)."""
@@ -350,13 +343,14 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             self._build_extra_state_dict() if self.should_save_extra else None, self.on_save_phase,
         )  # fmt: skip
 
-    def _forked_save(self, save: SaveReport) -> ForkedSave:
-        """What an async writer's fork is given; the RNG state is taken here (a fork reseeds ``random``)."""
+    def _forked_save(self, save: SaveReport, check: bool, export_hf: bool) -> ForkedSave:
+        """What an async writer's fork is given (it runs the NaN/Inf check with ``check``, the HF export with
+        ``export_hf``); the RNG state is taken here (a fork reseeds ``random``)."""
         self._forked_saves += 1
-        hf = self._hf_export(save.local_path, in_rank=False) if save.hf_weights_in_background else None
+        hf = self._hf_export(save.local_path, in_rank=False) if export_hf else None
         group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if hf is not None else None
         parts = self._dist_parts()
-        return ForkedSave(save.local_path, self.rank, self._refusal(save), parts, self._save_strategies, save.checked_in_background, hf, group)
+        return ForkedSave(save.local_path, self.rank, self._refusal(save), parts, self._save_strategies, check, hf, group)
 
     def _hf_export(self, local_path: str, in_rank: bool) -> HFExport:
         """The step's HF export unit; ``in_rank``: its phases announced (``on_save_phase``) and timed here."""
@@ -366,15 +360,6 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         if in_rank:
             export.timed = functools.partial(self._timed, announce=True)
         return export
-
-    def _export_hf(self, save: SaveReport) -> None:
-        """Every rank, over the default group, unless the writer's fork exports (``snapshot``) or the sync writer
-        already did beside the dist write; then the rank seals the HF files it wrote (``durability.own_files``)."""
-        if not self.should_save_hf_model or save.hf_weights_in_background or save.hf_exported:
-            return
-        written = self._hf_export(save.local_path, in_rank=True).run(self.rank, None, self.wait_for_hf_config)
-        save.hf_exported = True
-        save.sealer.seal(durability.own_files(layout.hf_path(save.local_path), written, self.rank))
 
     def _continue_in_background(self, save: SaveReport, request: AsyncRequest) -> SaveReport:
         """Fork the writer's background part and give training back; ``finalize_async_save`` completes the save."""

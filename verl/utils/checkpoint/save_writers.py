@@ -1,8 +1,10 @@
 """One writer object per save mode (``AsyncMode``), chosen once when the checkpoint manager is built.
 
-A save's phases ask the writer where they run; nothing in a save tests the host. Each writer is given a
-``SaveJob`` (what the rank plans and wrote, its sealer, and what a fork would be given: state dicts' sources,
-paths, strategies, the HF export) and returns what a forked process is to run, if anything:
+The writer runs the rank's part of a save (``run(job) -> WriterOutcome``): the NaN/Inf check, the dist
+checkpoints and the HF export, in its own order, each phase a callable of the ``SaveJob`` the manager binds to
+the save; it returns what is left (the request a forked process runs, if any) and where each part ran. The
+manager neither tests the writer nor the host. ``WRITERS`` maps each ``AsyncMode`` to its writer's factory: a
+writer is added here and in ``async_modes`` (its mode), nowhere else:
 
 ================  ============================  ==========================  ============  =============
 writer            dist checkpoints: plan/write  NaN/Inf check               HF export     hosts
@@ -39,101 +41,141 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from verl.utils.checkpoint.async_modes import AsyncMode
 from verl.utils.checkpoint.durability import Sealer, own_files
 from verl.utils.checkpoint.forked_save import ForkedSave, forked_request
+from verl.utils.internals import megatron_core
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
+    from verl.utils.rank_comm import RankComm
+
 
 @dataclasses.dataclass
 class SaveJob:
-    """One save as a writer sees it. ``plan_in_rank(in_background)``: the rank's dist-checkpoint save (written
-    here, or only planned with ``in_background``; the writes still to run); ``plans_reusable``: megatron's plans
-    need no collective any more; ``fork``: what a forked pipeline is given (built when asked); ``dist_written``:
-    the files this rank's in-rank writer wrote into the dist checkpoints (after ``plan_in_rank(False)``);
-    ``sealer``: this rank's, for the files it writes; ``hf_beside``: the rank's HF export over a group of its own,
-    which the sync writer runs beside the dist write (None: the manager exports after it), returning the files it
-    wrote (``HFExport.run``); ``hf_dir``: its folder."""
+    """One save's phases as a writer runs them, each bound to the save by the manager (announced and timed there).
+
+    ``check()``: the rank's NaN/Inf check; ``prepare(make_room)``: with ``make_room`` upstream's pre-save
+    retention, then the save's directories (after the check: a refused save writes and removes nothing);
+    ``plan_in_rank(in_background)``: the dist checkpoints written here, or only planned (returns the writes still
+    to run); ``plans_reusable()``: megatron's plans need no collective any more; ``dist_written()``: the files
+    this rank's in-rank writer wrote (after ``plan_in_rank(False)``); ``fork(check, export_hf)``: what a forked
+    pipeline is given; ``export_hf(comm)``: the rank's HF export (``HFExport.run``) over ``comm`` (None: the
+    default group), the files it wrote; ``hf_group()``: the export's own group beside the dist write, made once
+    (collectively); ``hf_dir``: the HF folder (None: no HF export this save); ``hf_parallel``: the bridge saves
+    in parallel over any group; ``hf_in_fork``: its export can run over the forks' group."""
 
     rank: int
+    sealer: Sealer
+    check: Callable[[], None]
+    prepare: Callable[[bool], None]
     plan_in_rank: Callable[[bool], list[AsyncRequest] | None]
     plans_reusable: Callable[[], bool]
-    fork: Callable[[], ForkedSave]
     dist_written: Callable[[], list[str]]
-    sealer: Sealer
-    hf_beside: Callable[[], list[str] | None] | None = None
+    fork: Callable[[bool, bool], ForkedSave]
+    export_hf: Callable[[RankComm | None], list[str] | None]
+    hf_group: Callable[[], RankComm]
     hf_dir: str | None = None
-    planned_in_background: bool = False  # set by the writer: the fork planned this save's dist checkpoints
-    hf_exported: bool = False  # set by the sync writer: it ran ``hf_beside``
+    hf_parallel: bool = False
+    hf_in_fork: bool = False
+
+    def export_and_seal(self, comm: RankComm | None = None) -> bool:
+        """The HF export in the rank, then the sealing of the files it wrote; whether there was one to run."""
+        if self.hf_dir is None:
+            return False
+        self.sealer.seal(own_files(self.hf_dir, self.export_hf(comm), self.rank))
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterOutcome:
+    """What a writer's ``run`` leaves: ``background``, the request a forked process is to run (None: every part
+    is written), and where each part ran (``SaveReport``'s fields of the same names)."""
+
+    background: AsyncRequest | None = None
+    checked_in_background: bool = False
+    hf_weights_in_background: bool = False
+    planned_in_background: bool = False
+    hf_exported: bool = False
+
+
+class Writer(Protocol):
+    """A save mode's writer: ``run`` performs the rank's part of one save."""
+
+    mode: AsyncMode
+
+    def run(self, job: SaveJob) -> WriterOutcome: ...
 
 
 class SyncWriter:
-    """Everything in the rank before ``save_checkpoint`` returns (the dist checkpoints by ``dist_writer``); with
-    ``hf_beside`` the HF export in a thread of its own while the dist checkpoints are written and sealed."""
+    """Everything in the rank before ``save_checkpoint`` returns (the dist checkpoints by ``dist_writer``); with a
+    bridge that saves in parallel the HF export in a thread of its own while the dist checkpoints are written and
+    sealed, else after them."""
 
     mode = AsyncMode.SYNC
-    checks_in_rank = True
-    exports_hf_in_rank = True
-    exports_hf_beside = True  # see [2]_
 
-    def save_dist_parts(self, job: SaveJob) -> AsyncRequest | None:
-        """Write the dist checkpoints; once they are complete on every rank, start sealing the files this rank
-        wrote. The HF export beside them seals this rank's files as soon as they are complete on every rank (its
-        last barrier), while the dist write may still run. The export thread is always waited for: a save never
+    def run(self, job: SaveJob) -> WriterOutcome:
+        """Once the dist checkpoints are complete on every rank, start sealing the files this rank wrote. The HF
+        export beside them seals this rank's files as soon as they are complete on every rank (its last
+        barrier), while the dist write may still run. The export thread is always waited for: a save never
         returns (or fails) with it still writing."""
+        job.check()
+        job.prepare(True)
+        beside = job.hf_group() if job.hf_dir is not None and job.hf_parallel else None  # see [2]_
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hf") as pool:
-            hf = pool.submit(self._export_and_seal, job) if job.hf_beside is not None else None
+            hf = pool.submit(job.export_and_seal, beside) if beside is not None else None
             job.plan_in_rank(False)
             job.sealer.seal(job.dist_written())
-        if hf is not None:
-            hf.result()
-            job.hf_exported = True
-        return None
-
-    @staticmethod
-    def _export_and_seal(job: SaveJob) -> None:
-        job.sealer.seal(own_files(job.hf_dir, job.hf_beside(), job.rank))
+        exported = hf.result() if hf is not None else job.export_and_seal()
+        return WriterOutcome(hf_exported=exported)
 
 
 class BackgroundWriter:
     """Checked, planned and HF-exported in the rank; megatron's planned file writes run in one forked process."""
 
     mode = AsyncMode.BACKGROUND_WRITE
-    checks_in_rank = True
-    exports_hf_in_rank = True
-    exports_hf_beside = False
 
-    def save_dist_parts(self, job: SaveJob) -> AsyncRequest | None:
-        return forked_request(job.fork(), job.plan_in_rank(True))
+    def run(self, job: SaveJob) -> WriterOutcome:
+        drain_stale_results()
+        job.check()
+        job.prepare(False)
+        request = forked_request(job.fork(False, False), job.plan_in_rank(True))
+        return WriterOutcome(request, hf_exported=job.export_and_seal())
 
 
 class SnapshotWriter:
-    """The forked process checks, writes (and, once the plans are reusable, plans) and exports: the rank is held
-    only for the fork. ``hf_in_fork``: whether the HF export can run over the forks' group (see the table)."""
+    """The forked process checks, writes (and, once the plans are reusable, plans) and exports (when it can, see
+    the table): the rank is held only for the fork."""
 
     mode = AsyncMode.SNAPSHOT
-    checks_in_rank = False
-    exports_hf_beside = False
 
-    def __init__(self, hf_in_fork: bool) -> None:
-        self.exports_hf_in_rank = not hf_in_fork
-
-    def save_dist_parts(self, job: SaveJob) -> AsyncRequest | None:
-        if job.plans_reusable():
-            job.planned_in_background = True
-            return forked_request(job.fork(), None)
-        return forked_request(job.fork(), job.plan_in_rank(True))
-
-
-Writer = SyncWriter | BackgroundWriter | SnapshotWriter
+    def run(self, job: SaveJob) -> WriterOutcome:
+        drain_stale_results()
+        job.prepare(False)
+        hf_in_fork = job.hf_dir is not None and job.hf_in_fork
+        reusable = job.plans_reusable()
+        fork = job.fork(True, hf_in_fork)
+        request = forked_request(fork, None if reusable else job.plan_in_rank(True))
+        exported = False if hf_in_fork else job.export_and_seal()
+        return WriterOutcome(request, True, hf_in_fork, reusable, exported)
 
 
-def make_writer(mode: AsyncMode, hf_in_fork: bool) -> Writer:
-    """The writer of ``mode`` (``async_modes.choose_mode``); ``hf_in_fork`` matters to the snapshot's only."""
-    if mode is AsyncMode.SNAPSHOT:
-        return SnapshotWriter(hf_in_fork)
-    return BackgroundWriter() if mode is AsyncMode.BACKGROUND_WRITE else SyncWriter()
+def drain_stale_results() -> None:
+    """Before an async save: a writer killed with its failed save's fork may have sent its result after that
+    save's drain; with no call pending in the process no writer runs now, and whatever the queue holds is stale."""
+    megatron_core.drain_write_results()
+
+
+WRITERS: dict[AsyncMode, Callable[[], Writer]] = {
+    AsyncMode.SYNC: SyncWriter,
+    AsyncMode.BACKGROUND_WRITE: BackgroundWriter,
+    AsyncMode.SNAPSHOT: SnapshotWriter,
+}
+
+
+def make_writer(mode: AsyncMode) -> Writer:
+    """The writer of ``mode`` (``async_modes.choose_mode``), as registered in ``WRITERS``."""
+    return WRITERS[mode]()
