@@ -43,7 +43,7 @@ def _unequal(expected: dict, actual: dict) -> list[str]:
     return [key for key in expected if not torch.equal(expected[key], actual[key])]
 
 
-def test_a_bf16_run_stopped_by_sigterm_and_resumed_equals_the_uninterrupted_one(tmp_path, env, tiny_moe_path):  # noqa: F811
+def test_a_bf16_run_stopped_by_sigterm_and_resumed_equals_the_uninterrupted_one(tmp_path, env, tiny_moe_path):
     def command(ckpt: Path) -> list[str]:
         return [
             f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={ckpt}", *_layout(1, 1), BF16,
@@ -82,7 +82,7 @@ def test_a_bf16_run_stopped_by_sigterm_and_resumed_equals_the_uninterrupted_one(
     assert sum(int((masters[k] != rounded[k]).sum()) for k in masters) > sum(v.numel() for v in masters.values()) // 2
 
 
-def test_a_bf16_step_saved_at_tp2_resumes_at_one_rank_with_the_same_master_weights(tmp_path, env, tiny_moe_path):  # noqa: F811
+def test_a_bf16_step_saved_at_tp2_resumes_at_one_rank_with_the_same_master_weights(tmp_path, env, tiny_moe_path):
     ckpt = tmp_path / "ckpt"
     common = [f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={ckpt}", "trainer.save_freq=2"]
     code, out = run_trainer([*common, *_layout(2, 2), BF16, "trainer.total_training_steps=2"], tmp_path, env)

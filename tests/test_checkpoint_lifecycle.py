@@ -120,6 +120,13 @@ WRITERS = {
 IN_THE_FORK = {"snapshot": ("hf_config", "hf_weights")}
 
 
+def test_the_crash_matrix_runs_every_registered_writer():
+    """A writer added to ``save_writers.WRITERS`` joins the SIGKILL matrix below, or this fails."""
+    from verl.utils.checkpoint.save_writers import WRITERS as REGISTERED
+
+    assert set(WRITERS) - {"toy"} == {mode.value for mode in REGISTERED}
+
+
 def _resume_then_crash(src: str, root: str, phase: str, mode: str, writer: str = "sync") -> None:
     if writer == "toy":
         from tests.test_save_writers import register_toy_writer

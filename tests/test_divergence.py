@@ -36,7 +36,7 @@ def test_the_first_non_finite_quantity_is_named_with_the_checkpoint_to_resume(tm
     assert f"It came from the weights of step 3's update, which {tmp_path}/global_step_3 holds (do not resume it); the previous checkpoint, {tmp_path}/global_step_2 (step 2), is the one to resume: trainer.resume_mode=resume_path trainer.resume_from_path={tmp_path}/global_step_2, with a lower actor_rollout_ref.actor.optim.lr" in str(diverged.value)
 
 
-def test_a_learning_rate_of_1e30_is_reported_as_divergence_through_the_cli(tmp_path, env, tiny_moe_path):  # noqa: F811
+def test_a_learning_rate_of_1e30_is_reported_as_divergence_through_the_cli(tmp_path, env, tiny_moe_path):
     ckpt = tmp_path / "ckpt"
     code, out = run_trainer(
         [*two_ranks_ep2(tiny_moe_path, ckpt), "actor_rollout_ref.actor.optim.lr=1e30", "trainer.total_training_steps=4"],

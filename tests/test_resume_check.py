@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.checkpoint_builders import craft_metadata
-from tests.main_leg import main_leg_settings
+from tests.main_leg import MBRIDGE, main_leg_settings
 from tests.test_checkpoint_lifecycle import _differing, _params_and_optimizer
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -93,7 +93,7 @@ def _copy_run(saved_root: str, tmp_path) -> str:
     return root
 
 
-def _driver_check(root: str, *overrides: str):
+def _driver_check(root: str, *overrides: str, load_contents: tuple[str, ...] = LOAD_CONTENTS):
     """What main_ppo runs before Ray for ``trainer.resume_mode=auto`` on ``root``."""
     from hydra import compose, initialize_config_dir
 
@@ -103,7 +103,7 @@ def _driver_check(root: str, *overrides: str):
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         config = compose(
             config_name="ppo_megatron_trainer",
-            overrides=[f"trainer.default_local_dir={root}", f"actor_rollout_ref.actor.checkpoint.load_contents=[{','.join(LOAD_CONTENTS)}]", *overrides],
+            overrides=[f"trainer.default_local_dir={root}", f"actor_rollout_ref.actor.checkpoint.load_contents=[{','.join(load_contents)}]", *overrides],
         )
     return check_resume_step(config)
 
@@ -409,7 +409,7 @@ def test_a_step_of_the_other_bridge_loads_where_the_names_it_reads_agree(saved, 
     ]
 
 
-def test_a_step_of_the_other_bridges_te_build_is_refused_by_every_rank_loading_without_the_drivers_record(
+def test_a_step_of_the_other_bridges_te_build_is_refused_by_the_driver_and_by_every_rank_without_its_record(
     tiny_moe_path, saved_root, tmp_path
 ):
     """A rank called directly (no driver, no record) checks the bridge itself: the step, written here through
@@ -426,6 +426,12 @@ def test_a_step_of_the_other_bridges_te_build_is_refused_by_every_rank_loading_w
     manifest["bridge"] = {"name": "Megatron-Bridge", "layer_spec": "transformer_engine"}
     with open(manifest_path, "w") as file:
         json.dump(manifest, file)
+    # the driver refuses it too, and takes it where only the model's HF weights load (HF's names, whichever bridge)
+    from verl.trainer.validation import ConfigError
+
+    with pytest.raises(ConfigError, match="was written through Megatron-Bridge"):
+        _driver_check(root, MBRIDGE)  # the bridge this run builds through, as the ranks below
+    assert _driver_check(root, MBRIDGE, load_contents=("model",)).step == 1
     for message in run_on_ranks(_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, step, None)):
         assert message.startswith(f"CheckpointError: cannot load {step}; nothing was loaded. "), message
         assert (

@@ -35,7 +35,7 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def val_parquet(tmp_path_factory, env) -> str:  # noqa: F811
+def val_parquet(tmp_path_factory, env) -> str:
     script = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "make_task_parquet.py"), "--out-dir", str(tmp_path_factory.mktemp("data"))],
         env=env, capture_output=True, text=True, check=True,
@@ -64,7 +64,7 @@ def _final_weights(ckpt: Path) -> dict:
 @pytest.mark.parametrize(
     ("schedule", "layout"), [("cosine_warmup", "1_rank"), ("inverse_sqrt", "2_ranks_ep2")], ids=["cosine-1rank", "invsqrt-2ranks"]
 )
-def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, env, tiny_moe_path, val_parquet, schedule, layout):  # noqa: F811
+def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, env, tiny_moe_path, val_parquet, schedule, layout):
     whole_dir, stopped_dir = tmp_path / "uninterrupted", tmp_path / "stopped"
     code, out = run_trainer(_command(tiny_moe_path, whole_dir, val_parquet, schedule, layout), tmp_path, env)
     assert code == 0, out[-6000:]
@@ -94,7 +94,7 @@ def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path
     assert manifest["parallel"]["world_size"] == int(LAYOUTS[layout][0].rsplit("=", 1)[1])
 
 
-def test_a_near_capacity_block_end_saves_outside_save_freq(tmp_path, env, tiny_moe_path):  # noqa: F811
+def test_a_near_capacity_block_end_saves_outside_save_freq(tmp_path, env, tiny_moe_path):
     """Upstream's ESI rule through the trainer: with the block's end (MLP's variable) nearer than the longest step
     + 60 s + trainer.esi_redundant_time, every step from the second on is saved (the first has no step duration
     yet), although save_freq would save only the last."""

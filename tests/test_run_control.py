@@ -220,7 +220,7 @@ def _stop(proc: subprocess.Popen, log: Path, send, expected_code: int) -> tuple[
     return out, _stop_line(out)
 
 
-def test_one_writer_and_clean_stops_through_the_cli(tmp_path, env, tiny_moe_path):  # noqa: F811
+def test_one_writer_and_clean_stops_through_the_cli(tmp_path, env, tiny_moe_path):
     """A run that trained a step holds the directory: a second run is refused at once; SIGTERM stops the first
     with one line naming the committed step and the resume command; resuming another model is refused before
     Ray; that resume command continues from the committed step; Ctrl-C (SIGINT to the process group) stops it."""

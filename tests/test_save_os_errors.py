@@ -139,7 +139,7 @@ def test_the_free_space_is_known_when_the_staging_directory_went_meanwhile(tmp_p
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_run_whose_save_fills_the_disk_leaves_no_staging_behind(tmp_path, env, tiny_moe_path, async_save):  # noqa: F811 - env: the CLI tests' fixture
+def test_a_run_whose_save_fills_the_disk_leaves_no_staging_behind(tmp_path, env, tiny_moe_path, async_save):
     """Through the CLI, a tmpfs with room for step 1 and half of step 2: the run fails in one line naming ENOSPC
     and the space the save needed; step 1 stays tracked and verifies, and nothing of step 2 keeps the disk full,
     although rank 0 is held at its own cleanup (``discard``) until the worker group kills it, as a rank still

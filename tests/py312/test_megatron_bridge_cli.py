@@ -76,7 +76,7 @@ def _check_cross_bridge_resume(step_dir, tmp_path, model_path: str, command: lis
     ]  # that loading only the HF weights reads HF's names whichever bridge wrote them: tests/test_resume_check.py
 
 
-def test_grpo_through_megatron_bridge_trains_saves_stops_on_sigterm_resumes_exactly_and_exports(tmp_path, env, tiny_moe_path):  # noqa: F811
+def test_grpo_through_megatron_bridge_trains_saves_stops_on_sigterm_resumes_exactly_and_exports(tmp_path, env, tiny_moe_path):
     from transformers import AutoModelForCausalLM
 
     stopped, resumed = tmp_path / "stopped", tmp_path / "resumed"

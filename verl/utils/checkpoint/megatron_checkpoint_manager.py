@@ -82,7 +82,8 @@ class SaveReport:
     ``staging``, ``hf_verify``, ``commit``, ``retention`` and ``tracker`` are added once it committed); ``blocked_seconds`` how long save_checkpoint
     held training; ``mode`` the manager's writer; ``checked_in_background`` whether the fork ran the NaN/Inf
     check, ``hf_weights_in_background`` whether it wrote the HF config and weights, ``planned_in_background``
-    whether it planned the dist checkpoints (the snapshot writer's, each as its writer decided when built);
+    whether it planned the dist checkpoints (each as the writer's ``run`` reported it; all False when the save failed
+    before the writer returned);
     ``hf_exported`` whether the rank's HF export ran, ``hf_comm`` set when it ran beside the dist write (its group)."""
 
     local_path: str
@@ -189,7 +190,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         """The writer of every save (``save_writers``), chosen here from the config and this rank's device: a mode
         this host cannot take (``snapshot`` with parameters on an accelerator) is refused in one line."""
         mode = choose_mode(self._async_save, self._async_mode, get_device_name())
-        self._hf_in_fork = getattr(self.bridge, "saves_in_parallel", False) and forked_groups_possible()
+        self._hf_in_fork = self.should_save_hf_model and getattr(self.bridge, "saves_in_parallel", False) and forked_groups_possible()
         self._writer = save_writers.make_writer(mode)
 
     @property

@@ -160,7 +160,9 @@ class SnapshotWriter:
         fork = job.fork(True, hf_in_fork)
         request = forked_request(fork, None if reusable else job.plan_in_rank(True))
         exported = False if hf_in_fork else job.export_and_seal()
-        return WriterOutcome(request, True, hf_in_fork, reusable, exported)
+        return WriterOutcome(
+            request, checked_in_background=True, hf_weights_in_background=hf_in_fork, planned_in_background=reusable, hf_exported=exported
+        )
 
 
 def drain_stale_results() -> None:
