@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import json
 import os
 import shutil
 import sys
@@ -412,11 +413,10 @@ def test_a_step_of_the_other_bridge_loads_where_the_names_it_reads_agree(saved, 
 def test_a_step_of_the_other_bridges_te_build_is_refused_by_the_driver_and_by_every_rank_without_its_record(
     tiny_moe_path, saved_root, tmp_path
 ):
-    """A rank called directly (no driver, no record) checks the bridge itself: the step, written here through
-    mbridge's local spec, claims Megatron-Bridge's TransformerEngine build, whose dist-checkpoint names are not
-    proven to be the local spec's; every rank refuses it in one line naming that bridge, nothing applied."""
-    import json
-
+    """The step, written here through mbridge's local spec, claims Megatron-Bridge's TransformerEngine build,
+    whose dist-checkpoint names are not proven to be the local spec's: the driver refuses it (and takes it for an
+    HF-only load), and a rank called directly (no driver, no record) checks the bridge itself: every rank refuses
+    it in one line naming that bridge, nothing applied."""
     root = _copy_run(saved_root, tmp_path)
     step = os.path.join(root, "global_step_1", "actor")
     manifest_path = os.path.join(step, "manifest.json")
@@ -426,7 +426,6 @@ def test_a_step_of_the_other_bridges_te_build_is_refused_by_the_driver_and_by_ev
     manifest["bridge"] = {"name": "Megatron-Bridge", "layer_spec": "transformer_engine"}
     with open(manifest_path, "w") as file:
         json.dump(manifest, file)
-    # the driver refuses it too, and takes it where only the model's HF weights load (HF's names, whichever bridge)
     from verl.trainer.validation import ConfigError
 
     with pytest.raises(ConfigError, match="was written through Megatron-Bridge"):
