@@ -55,10 +55,28 @@ for _ in $(seq 1 120); do
 done
 
 job_id="verl_main_ppo_$(date +%s)_$$"
-ray job submit --address "$address" --submission-id "$job_id" \
-  --runtime-env-json "{\"env_vars\": {\"PYTHONPATH\": \"${repo}\"}}" \
-  -- python -m verl.trainer.main_ppo actor_rollout_ref.actor.megatron.vanilla_mbridge=True \
-  "trainer.default_local_dir=${repo}/checkpoints/verl_megatron_ckpt/ray_job" "$@"
+# The dashboard answers before the head's job agent has registered with it; until then a submission is
+# refused with "No available agent to submit job". Submit without waiting, retrying that for up to 60 s
+# (a submission that reached the head is not repeated: its id is then known), then follow the job's logs.
+submitted=0
+for _ in $(seq 1 30); do
+  if out=$(ray job submit --no-wait --address "$address" --submission-id "$job_id" \
+      --runtime-env-json "{\"env_vars\": {\"PYTHONPATH\": \"${repo}\"}}" \
+      -- python -m verl.trainer.main_ppo actor_rollout_ref.actor.megatron.vanilla_mbridge=True \
+      "trainer.default_local_dir=${repo}/checkpoints/verl_megatron_ckpt/ray_job" "$@" 2>&1); then
+    submitted=1; break
+  fi
+  ray job status --address "$address" "$job_id" >/dev/null 2>&1 && { submitted=1; break; }
+  grep -q "No available agent" <<<"$out" || break
+  sleep 2
+done
+if [ "$submitted" != 1 ]; then
+  echo "$out" >&2
+  echo "[ray_job_submit] the job was not accepted by ${address}: see the error above and ${temp_dir}/head.log" >&2
+  exit 1
+fi
+echo "[ray_job_submit] submitted ${job_id}"
+ray job logs --address "$address" --follow "$job_id"
 
 status=$(python -c 'import sys
 from ray.job_submission import JobSubmissionClient
