@@ -15,11 +15,22 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
-
-from scripts.gpu_bundle import exact_pins
+from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parent.parent
 MAIN_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"  # scripts/test.sh runs this file in the main leg
+
+
+def exact_pins(path: Path) -> dict[str, str]:
+    """name -> version of a requirements file's ``name==version`` lines (comments and options dropped)."""
+    pins = {}
+    for line in (line.split("#")[0].strip() for line in path.read_text().splitlines()):
+        if line and not line.startswith("-"):
+            requirement = Requirement(line)
+            specs = list(requirement.specifier)
+            if len(specs) == 1 and specs[0].operator == "==" and "*" not in specs[0].version:
+                pins[canonicalize_name(requirement.name)] = specs[0].version
+    return pins
 
 
 def _setup_names() -> dict:

@@ -257,7 +257,6 @@ ROOMS: dict[str, set[str]] = {
 ROOM_EXCEPTIONS = {  # (importing file, imported room)
     ("tests/test_verl091_interop.py", "interop"),
     ("tests/test_gpu_check.py", "scripts"),
-    ("tests/test_declared_ranges.py", "scripts"),
 }
 # The one file that may extend sys.path: every other import goes through the package a room is.
 SYS_PATH_OWNER = "tests/conftest.py"
