@@ -11,20 +11,69 @@ from omegaconf import OmegaConf
 
 from verl.base_config import BaseConfig
 from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.config import McoreCheckpointConfig, McoreOptimizerConfig
+from verl.workers.config import (
+    CheckpointEngineConfig,
+    EngineRouterReplayConfig,
+    McoreActorConfig,
+    McoreCheckpointConfig,
+    McoreEngineConfig,
+    McoreOptimizerConfig,
+    PolicyLossConfig,
+    RolloutConfig,
+    SamplingConfig,
+)
 
 # The trainer's YAML node -> the typed config the trainer builds from it.
 NODES: dict[str, type] = {
+    "actor_rollout_ref.actor": McoreActorConfig,
     "actor_rollout_ref.actor.checkpoint": McoreCheckpointConfig,
     "actor_rollout_ref.actor.optim": McoreOptimizerConfig,
+    "actor_rollout_ref.actor.megatron": McoreEngineConfig,
+    "actor_rollout_ref.actor.megatron.router_replay": EngineRouterReplayConfig,
+    "actor_rollout_ref.actor.policy_loss": PolicyLossConfig,
+    "actor_rollout_ref.ref.megatron": McoreEngineConfig,
+    "actor_rollout_ref.rollout": RolloutConfig,
+    "actor_rollout_ref.rollout.val_kwargs": SamplingConfig,
+    "actor_rollout_ref.rollout.checkpoint_engine": CheckpointEngineConfig,
 }
 
 # (node, field) -> why the trainer's YAML sets another value than the class's (upstream's) default.
+_ACTOR, _MEGATRON, _REF, _ROLLOUT = (
+    "actor_rollout_ref.actor", "actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "actor_rollout_ref.rollout",
+)  # fmt: skip
+_LAYOUT = "the embedded default job's layout: TP2 PP2 EP2 ETP2 on 8 ranks"
+_REF_FOLLOWS = "follows the actor's (the reference runs on the actor's ranks and layout)"
+_TINY_TASK = "the embedded tiny task: 8 prompts a step, 16 responses each, 4-token prompts, 2-token answers"
 DIFFERENT: dict[tuple[str, str], str] = {
-    ("actor_rollout_ref.actor.checkpoint", "save_contents"): "the trainer saves the HF weights with every step (verified by fix 2)",
-    ("actor_rollout_ref.actor.checkpoint", "load_contents"): "follows save_contents (${.save_contents}), as upstream's YAML",
-    ("actor_rollout_ref.actor.optim", "weight_decay"): "the embedded tiny task trains without weight decay",
-    ("actor_rollout_ref.actor.optim", "lr_decay_style"): "upstream's YAML says constant too; its class says linear",
+    (f"{_ACTOR}.checkpoint", "save_contents"): "the trainer saves the HF weights with every step (verified by fix 2)",
+    (f"{_ACTOR}.checkpoint", "load_contents"): "follows save_contents (${.save_contents}), as upstream's YAML",
+    (f"{_ACTOR}.optim", "weight_decay"): "the embedded tiny task trains without weight decay",
+    (f"{_ACTOR}.optim", "lr_decay_style"): "upstream's YAML says constant too; its class says linear",
+    (_ACTOR, "ppo_mini_batch_size"): _TINY_TASK,
+    (_ACTOR, "ppo_micro_batch_size_per_gpu"): "a rank's whole share of the tiny task's mini-batch in one micro batch",
+    (_ACTOR, "clip_ratio_low"): "null: clip_ratio, so that one clip_ratio override sets both sides",
+    (_ACTOR, "clip_ratio_high"): "null: clip_ratio, so that one clip_ratio override sets both sides",
+    (_ACTOR, "profiler"): "upstream's profiler keys, so launch scripts that set them compose (no profiler is wired here)",
+    (_MEGATRON, "dtype"): "float32 is this package's default (docs/upstream-differences.md); bfloat16 is upstream's",
+    (_MEGATRON, "tensor_model_parallel_size"): _LAYOUT,
+    (_MEGATRON, "expert_model_parallel_size"): _LAYOUT,
+    (_MEGATRON, "pipeline_model_parallel_size"): _LAYOUT,
+    (_MEGATRON, "use_distributed_optimizer"): "the job fix 1 is about: MoE layouts such as PP4 EP2 TP2 ETP2 run without it",
+    (_MEGATRON, "override_transformer_config"): "upstream's YAML's recompute / attention settings (memory and speed only)",
+    (_REF, "dtype"): _REF_FOLLOWS,
+    (_REF, "tensor_model_parallel_size"): _REF_FOLLOWS,
+    (_REF, "expert_model_parallel_size"): _REF_FOLLOWS,
+    (_REF, "pipeline_model_parallel_size"): _REF_FOLLOWS,
+    (_ROLLOUT, "name"): "hf, the only rollout here (upstream's class has no default)",
+    (_ROLLOUT, "n"): _TINY_TASK,
+    (_ROLLOUT, "prompt_length"): "follows data.max_prompt_length (" + _TINY_TASK + ")",
+    (_ROLLOUT, "response_length"): "follows data.max_response_length (" + _TINY_TASK + ")",
+    (_ROLLOUT, "calculate_log_probs"): "the hf rollout always returns its log-probs (the parity gate and log_prob_diff read them)",
+    (_ROLLOUT, "log_prob_parity_check"): "ours: the gate's settings live in the YAML (docs/trainer.md, the log-prob parity gate)",
+    (_ROLLOUT, "max_num_seqs"): "an inference-engine setting with no effect here; upstream's YAML value",
+    (_ROLLOUT, "engine_kwargs"): "upstream's YAML lists one node per inference engine",
+    (f"{_ROLLOUT}.val_kwargs", "temperature"): "validation decodes greedily, as upstream's YAML",
+    (f"{_ROLLOUT}.val_kwargs", "do_sample"): "validation decodes greedily, as upstream's YAML",
 }
 
 

@@ -264,7 +264,7 @@ def _check_actor(config: Any) -> list[str]:
     if int(megatron.tensor_model_parallel_size) > 1 and not megatron.sequence_parallel:
         problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: both bridges build with sequence parallelism when TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
     try:
-        megatron_param_dtype(megatron.get("dtype", "float32"), key=f"{_MEGATRON}dtype")
+        megatron_param_dtype(megatron.dtype, key=f"{_MEGATRON}dtype")
     except ValueError as exc:
         problems.append(str(exc))
     # checkpoint.* and optim.*: the typed configs check themselves (one problem each, naming the key).
