@@ -14,6 +14,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import (
     CheckpointEngineConfig,
     EngineRouterReplayConfig,
+    HFModelConfig,
     McoreActorConfig,
     McoreCheckpointConfig,
     McoreEngineConfig,
@@ -25,6 +26,7 @@ from verl.workers.config import (
 
 # The trainer's YAML node -> the typed config the trainer builds from it.
 NODES: dict[str, type] = {
+    "actor_rollout_ref.model": HFModelConfig,
     "actor_rollout_ref.actor": McoreActorConfig,
     "actor_rollout_ref.actor.checkpoint": McoreCheckpointConfig,
     "actor_rollout_ref.actor.optim": McoreOptimizerConfig,
@@ -50,7 +52,8 @@ DIFFERENT: dict[tuple[str, str], str] = {
     (f"{_ACTOR}.optim", "weight_decay"): "the embedded tiny task trains without weight decay",
     (f"{_ACTOR}.optim", "lr_decay_style"): "upstream's YAML says constant too; its class says linear",
     (_ACTOR, "ppo_mini_batch_size"): _TINY_TASK,
-    (_ACTOR, "ppo_micro_batch_size_per_gpu"): "a rank's whole share of the tiny task's mini-batch in one micro batch",
+    (_ACTOR, "ppo_micro_batch_size_per_gpu"): "the tiny task's 64 rows per data-parallel rank (8 prompts x 16 over DP 2) in 2 micro batches",
+    ("actor_rollout_ref.model", "lora"): "upstream's LoRA node with rank 0 (off), so launch scripts that set its keys compose",
     (_ACTOR, "clip_ratio_low"): "null: clip_ratio, so that one clip_ratio override sets both sides",
     (_ACTOR, "clip_ratio_high"): "null: clip_ratio, so that one clip_ratio override sets both sides",
     (_ACTOR, "profiler"): "upstream's profiler keys, so launch scripts that set them compose (no profiler is wired here)",

@@ -76,26 +76,16 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
-        import torch
 
         from verl.models.mcore.bridge import bridge_name
         from verl.utils.host_memory import freeze_long_lived_objects
         from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
         from verl.workers.actor.megatron_actor import MegatronPPOActor
-        from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine, MegatronReference
+        from verl.workers.engine.megatron.transformer_impl import MegatronEngine, MegatronReference
 
         actor = self.actor_config
-        settings = ActorSettings(
-            model_path=self.config["model"]["path"],
-            use_distributed_optimizer=actor.megatron.use_distributed_optimizer,
-            dtype=getattr(torch, actor.megatron.dtype),  # the rollout and the reference run in it too
-            use_dist_checkpointing=actor.megatron.use_dist_checkpointing,
-            vanilla_mbridge=actor.megatron.vanilla_mbridge,
-            optim=actor.optim,
-            checkpoint=actor.checkpoint,
-        )
         start = time.monotonic()
-        self.actor = MegatronEngine(settings)
+        self.actor = MegatronEngine(self.config["model"], actor.megatron, actor.optim, actor.checkpoint)
         self.ppo_actor = MegatronPPOActor(self._ppo_settings(), self.actor.model, self.actor.optimizer, self.actor.scheduler)
         self._build_rollout()
         if self._is_offload_param:
@@ -103,7 +93,8 @@ class ActorRolloutRefWorker(MegatronWorker):
         if self._is_offload_optimizer:
             offload_megatron_optimizer(self.actor.optimizer)
         if self._is_ref:
-            self.ref = MegatronReference(settings.model_path, dtype=settings.dtype, vanilla_mbridge=settings.vanilla_mbridge)
+            # the actor's dtype and bridge: the reference runs on the actor's ranks, from the same HF weights
+            self.ref = MegatronReference(self.actor.model_config.path, dtype=self.actor.param_dtype, vanilla_mbridge=actor.megatron.vanilla_mbridge)
             if self._ref_is_offload_param:
                 offload_megatron_model_to_cpu(self.ref.model)
         freeze_long_lived_objects()
@@ -114,7 +105,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             "ref": self.ref is not None,
             # the bridges the models were built through, as the run's metrics report them
             "bridge": {"actor": bridge_name(self.actor.bridge), "ref": bridge_name(self.ref.bridge) if self.ref is not None else None},
-            "dtype": str(self.actor.settings.dtype).removeprefix("torch."),
+            "dtype": actor.megatron.dtype,
             "frozen_objects": gc.get_freeze_count(),
         }
 
@@ -163,7 +154,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             device=get_device_name(),
-            dtype=self.actor.settings.dtype,  # the actor's: the parity gate compares like with like
+            dtype=self.actor.param_dtype,  # the actor's: the parity gate compares like with like
         )
 
     def _ppo_settings(self):

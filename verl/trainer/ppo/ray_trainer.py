@@ -133,10 +133,11 @@ class MegatronGRPOTrainer:
 
     def init_workers(self) -> None:
         trainer = self.config.trainer
-        # The typed configs travel in place of their dict nodes (actor, rollout, ref.megatron); being Mappings,
-        # dict-style reads still work.
-        worker_config = megatron_worker_config(OmegaConf.to_container(self.config.actor_rollout_ref, resolve=True), actor=self.actor_configs)
-        worker_config["model"]["path"] = self.model_path
+        # The typed configs travel in place of their dict nodes (model, actor, rollout, ref.megatron); being
+        # Mappings, dict-style reads still work.
+        node = OmegaConf.to_container(self.config.actor_rollout_ref, resolve=True)
+        node["model"]["path"] = self.model_path
+        worker_config = megatron_worker_config(node, actor=self.actor_configs)
         pool = RayResourcePool(
             [int(trainer.n_gpus_per_node)] * int(trainer.nnodes), use_gpu=self.device == "cuda", name_prefix="actor_rollout"
         )

@@ -15,6 +15,7 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from .actor import McoreActorConfig
 from .engine import McoreEngineConfig
+from .model import HFModelConfig
 from .rollout import RolloutConfig
 
 __all__ = ["build_megatron_actor_configs", "megatron_worker_config"]
@@ -52,11 +53,12 @@ def build_megatron_actor_configs(
 
 
 def megatron_worker_config(node: Mapping, actor: McoreActorConfig | None = None, path: str = "actor_rollout_ref") -> dict:
-    """The ``actor_rollout_ref`` node as the worker reads it: a dict whose ``actor``, ``rollout`` and
-    ``ref.megatron`` are typed configs (``McoreActorConfig``, ``RolloutConfig``, ``McoreEngineConfig``).
+    """The ``actor_rollout_ref`` node as the worker reads it: a dict whose ``model``, ``actor``, ``rollout`` and
+    ``ref.megatron`` are typed configs (``HFModelConfig``, ``McoreActorConfig``, ``RolloutConfig``, ``McoreEngineConfig``).
     ``actor``: the one the trainer built (its schedule's length filled in); nodes already typed pass through,
     so the worker's own call on what the trainer sent builds nothing again. Raises ValueError naming the key."""
     config = dict(node)
+    config["model"] = _build(node["model"], HFModelConfig, f"{path}.model")
     config["actor"] = actor if actor is not None else build_megatron_actor_configs(node["actor"], path=f"{path}.actor")
     config["rollout"] = _build(node["rollout"], RolloutConfig, f"{path}.rollout")
     config["ref"] = {**node["ref"], "megatron": _build(node["ref"].get("megatron"), McoreEngineConfig, f"{path}.ref.megatron")}
