@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import actor_configs
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 from verl.workers.engine import BaseEngine, MegatronEngine
@@ -71,7 +71,7 @@ def test_the_pre_engine_paths_import_the_same_objects():
 
 
 def _refusals_and_upstream_load(model_path: str, root: str) -> dict:
-    engine = MegatronEngine(main_leg_settings(model_path))
+    engine = MegatronEngine(*actor_configs(model_path, total_training_steps=2))  # the worker's form
     path = os.path.join(root, "global_step_1", "actor")
     refused = {}
     for name, call in {

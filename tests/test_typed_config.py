@@ -3,20 +3,27 @@ defined; one builder from the Hydra node that the trainer's checks and the worke
 
 import dataclasses
 import pickle
+import re
 import subprocess
 import sys
 
 import pytest
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 from tests.main_leg import MBRIDGE
 from verl.trainer.config import CheckpointConfig
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import (
+    HFModelConfig,
+    McoreActorConfig,
     McoreCheckpointConfig,
+    McoreEngineConfig,
     McoreOptimizerConfig,
     OptimizerConfig,
+    RolloutConfig,
     build_megatron_actor_configs,
+    megatron_worker_config,
 )
 
 ACTOR = "actor_rollout_ref.actor"
@@ -110,6 +117,39 @@ def test_hydra_node_builds_the_typed_configs_once():
     again = build_megatron_actor_configs({"checkpoint": built.checkpoint, "optim": built.optim})
     assert again.checkpoint is built.checkpoint and again.optim is built.optim
     assert pickle.loads(pickle.dumps(built)) == built  # they travel to the Ray workers
+
+
+def test_the_worker_configs_are_built_once_from_the_hydra_node():
+    node = OmegaConf.to_container(_hydra(f"{ACTOR}.kl_loss_coef=0.05", "actor_rollout_ref.rollout.n=4").actor_rollout_ref, resolve=True)
+    worker = megatron_worker_config(node)
+    actor, rollout = worker["actor"], worker["rollout"]
+    assert (type(actor), type(actor.megatron), type(rollout), type(worker["model"])) == (McoreActorConfig, McoreEngineConfig, RolloutConfig, HFModelConfig)
+    assert type(worker["ref"]["megatron"]) is McoreEngineConfig and worker["ref"]["megatron"].param_offload is False
+    assert (actor.kl_loss_coef, actor.kl_loss_type, rollout.n) == (0.05, "low_var_kl", 4)
+    assert (actor.megatron.tensor_model_parallel_size, actor.megatron.dtype, actor.megatron.use_distributed_optimizer) == (2, "float32", False)
+    # The worker's own call on what the trainer sent rebuilds nothing.
+    again = megatron_worker_config(worker)
+    assert all(again[key] is worker[key] for key in ("model", "actor", "rollout")) and again["ref"]["megatron"] is worker["ref"]["megatron"]
+    assert pickle.loads(pickle.dumps(worker)) == worker  # they travel to the Ray workers
+    with pytest.raises(ValueError, match=re.escape("actor_rollout_ref.rollout.n must be >= 1, got 0")):
+        megatron_worker_config({**node, "rollout": {**node["rollout"], "n": 0}})
+
+
+@pytest.mark.parametrize(
+    "node, message",
+    [
+        ({"megatron": {"tensor_model_parallel_size": 0}}, f"{ACTOR}.megatron.tensor_model_parallel_size must be >= 1, got 0"),
+        ({"megatron": {"dtype": "float16"}}, f"{ACTOR}.megatron.dtype=float16: float16 training needs megatron's loss scaling"),
+        ({"megatron": {"router_replay": {"mode": "R9"}}}, f"{ACTOR}.megatron.router_replay.mode='R9' is not one of"),
+        ({"megatron": {"param_offload": "yes"}}, f"{ACTOR}.megatron.param_offload must be true or false, got 'yes'"),
+        ({"kl_loss_coef": "big"}, f"{ACTOR}.kl_loss_coef must be a number, got 'big'"),
+        ({"ppo_micro_batch_size_per_gpu": 0}, f"{ACTOR}.ppo_micro_batch_size_per_gpu must be >= 1 or null, got 0"),
+        ({"policy_loss": {"loss_mode": "vanilla", "typo": 1}}, f"{ACTOR}.policy_loss: PolicyLossConfig has no field(s) ['typo']"),
+    ],
+)
+def test_the_actor_config_refuses_bad_values_by_hydra_key(node, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_megatron_actor_configs(node)
 
 
 def test_pre_start_validation_reports_typed_config_errors_by_hydra_key():

@@ -45,7 +45,7 @@ from verl.trainer.validation import (
 )
 from verl.utils.checkpoint.dir_lock import DirLock, DirLockError
 from verl.utils.logging_utils import silence_library_notices
-from verl.workers.config import MegatronActorConfigs, build_megatron_actor_configs
+from verl.workers.config import McoreActorConfig, build_megatron_actor_configs
 
 EXIT_CONFIG_ERROR = 2
 EMBEDDED_MODEL_NAME = "tiny_qwen3_moe_l4_e8_v1"
@@ -64,8 +64,8 @@ class RunPlan:
     resume: tuple[int, str] | None
     # What the pre-start check proved of the resumed step (``resume_check.CheckedStep``): the ranks do not repeat it.
     resume_checked: Any = None
-    # The actor's typed checkpoint / optim configs, built once here and handed to the trainer and workers.
-    actor_configs: MegatronActorConfigs | None = None
+    # The actor's typed config (McoreActorConfig), built once here and handed to the trainer and workers.
+    actor_configs: McoreActorConfig | None = None
     # trainer.default_local_dir's writer lock, held until the process exits (None: the run writes nothing there).
     dir_lock: DirLock | None = None
     # The prompts (tokenized), the run's prompt length and step count (verl.trainer.data_plan).

@@ -12,7 +12,7 @@ from typing import Any
 from verl.trainer.config.keys import ACTOR as _ACTOR
 from verl.trainer.validation import ConfigError
 from verl.utils.checkpoint.layout import DATA_STATE_FILENAME, STEP_DIR_RE
-from verl.workers.config import build_megatron_actor_configs, megatron_param_dtype
+from verl.workers.config import build_megatron_actor_configs
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,12 @@ def check_resume_step(config: Any, model_path: str | None = None) -> ResumeStep 
     trainer = config.trainer
     if trainer.resume_mode == "disable":
         return None
-    megatron = config.actor_rollout_ref.actor.megatron
+    actor = build_megatron_actor_configs(config.actor_rollout_ref.actor)
     target = LoadTarget(
-        load_contents=tuple(build_megatron_actor_configs(config.actor_rollout_ref.actor).checkpoint.load_contents),
-        use_distributed_optimizer=bool(megatron.use_distributed_optimizer),
-        param_dtype=megatron_param_dtype(megatron.get("dtype", "float32")),
-        bridge=checkpoint_bridge(bool(megatron.vanilla_mbridge)),
+        load_contents=tuple(actor.checkpoint.load_contents),
+        use_distributed_optimizer=actor.megatron.use_distributed_optimizer,
+        param_dtype=actor.megatron.dtype,
+        bridge=checkpoint_bridge(actor.megatron.vanilla_mbridge),
     )
     problems = []
     try:
@@ -55,7 +55,7 @@ def check_resume_step(config: Any, model_path: str | None = None) -> ResumeStep 
             if actor_path is None:
                 return None
             step_dir = os.path.dirname(actor_path)
-        identity = model_identity(model_path, bool(megatron.vanilla_mbridge)) if model_path else (None, None)
+        identity = model_identity(model_path, actor.megatron.vanilla_mbridge) if model_path else (None, None)
         checked = check_step(os.path.join(step_dir, "actor"), target, *identity)
     except StepDoesNotFitError as exc:
         problems, checked = list(exc.problems), None

@@ -264,7 +264,7 @@ def _check_actor(config: Any) -> list[str]:
     if int(megatron.tensor_model_parallel_size) > 1 and not megatron.sequence_parallel:
         problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: both bridges build with sequence parallelism when TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
     try:
-        megatron_param_dtype(megatron.get("dtype", "float32"), key=f"{_MEGATRON}dtype")
+        megatron_param_dtype(megatron.dtype, key=f"{_MEGATRON}dtype")
     except ValueError as exc:
         problems.append(str(exc))
     # checkpoint.* and optim.*: the typed configs check themselves (one problem each, naming the key).
@@ -487,7 +487,7 @@ def _check_kl_loss(config: Any) -> list[str]:
             ours = megatron.tensor_model_parallel_size if ours is None else ours
         if theirs != ours:
             problems.append(f"{_REF}.megatron.{key}={ref.megatron[key]} differs from the actor's ({megatron[key]}): the reference runs on the actor's ranks in the actor's layout here; set it to {megatron[key]} (its default follows the actor)")
-    if not _same_dtype(ref.megatron.get("dtype", "float32"), megatron.get("dtype", "float32")):
+    if not _same_dtype(ref.megatron.dtype, megatron.dtype):
         problems.append(f"{_REF}.megatron.dtype={ref.megatron.dtype} differs from the actor's ({megatron.dtype}): the reference runs in the actor's dtype here; set it to {megatron.dtype} (its default follows the actor)")
     if ref.megatron.use_dist_checkpointing:
         problems.append(f"{_REF}.megatron.use_dist_checkpointing=True: the reference is built from the HF actor_rollout_ref.model.path only; set it to False")

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import gc
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from verl.single_controller.base.decorator import Dispatch, register
@@ -26,6 +27,7 @@ from verl.single_controller.base.megatron.worker import MegatronWorker
 from verl.utils.checkpoint import check_audit
 from verl.utils.logging_utils import silence_library_notices
 from verl.utils.megatron.parallel import ParallelSizes
+from verl.workers.config import megatron_worker_config
 
 if TYPE_CHECKING:  # a type only: megatron-core is imported after silence_library_notices below
     from verl.utils.checkpoint.resume_check import CheckedStep
@@ -34,7 +36,10 @@ silence_library_notices()  # before megatron-core / mbridge are imported on this
 
 
 class ActorRolloutRefWorker(MegatronWorker):
-    """``config`` is the plain-dict ``actor_rollout_ref`` section, with ``model.path`` already resolved."""
+    """``config`` is the plain-dict ``actor_rollout_ref`` section, with ``model.path`` already resolved; its
+    ``actor``, ``rollout`` and ``ref.megatron`` nodes are the typed configs the trainer built
+    (``verl.workers.config.megatron_worker_config``), or plain nodes that are built here. Every setting is read
+    from them, never with a default of its own."""
 
     ROLES = ("actor", "actor_rollout_ref")
 
@@ -42,23 +47,25 @@ class ActorRolloutRefWorker(MegatronWorker):
         super().__init__()
         if role not in self.ROLES:
             raise ValueError(f"role={role!r}: this worker implements the roles {list(self.ROLES)}")
-        self.config = config
+        self.config = config = megatron_worker_config(config)
+        self.actor_config = config["actor"]  # McoreActorConfig
+        self.rollout_config = config["rollout"]  # RolloutConfig
         self.role = role
         self._is_ref = role == "actor_rollout_ref"
-        self._ref_is_offload_param = self._is_ref and bool(config["ref"]["megatron"].get("param_offload", False))
-        megatron = config["actor"]["megatron"]
+        self._ref_is_offload_param = self._is_ref and config["ref"]["megatron"].param_offload
+        megatron = self.actor_config.megatron
         self.sizes = ParallelSizes(
-            tp=int(megatron["tensor_model_parallel_size"]),
-            pp=int(megatron["pipeline_model_parallel_size"]),
-            ep=int(megatron["expert_model_parallel_size"]),
-            etp=None if megatron.get("expert_tensor_parallel_size") is None else int(megatron["expert_tensor_parallel_size"]),
-            cp=int(megatron["context_parallel_size"]),
-            vpp=None if megatron.get("virtual_pipeline_model_parallel_size") is None else int(megatron["virtual_pipeline_model_parallel_size"]),
+            tp=megatron.tensor_model_parallel_size,
+            pp=megatron.pipeline_model_parallel_size,
+            ep=megatron.expert_model_parallel_size,
+            etp=megatron.expert_tensor_parallel_size,
+            cp=megatron.context_parallel_size,
+            vpp=megatron.virtual_pipeline_model_parallel_size,
         )
-        self._is_offload_param = bool(megatron.get("param_offload", False))
-        self._is_offload_grad = bool(megatron.get("grad_offload", False))
-        self._is_offload_optimizer = bool(megatron.get("optimizer_offload", False))
-        self.init_megatron(self.sizes, seed=int(megatron["seed"]), timeout_s=float(config.get("nccl_timeout", 600)))
+        self._is_offload_param = megatron.param_offload
+        self._is_offload_grad = megatron.grad_offload
+        self._is_offload_optimizer = megatron.optimizer_offload
+        self.init_megatron(self.sizes, seed=megatron.seed, timeout_s=float(config["nccl_timeout"]))
         self.actor = None
         self.ref = None
         self.ppo_actor = None
@@ -69,29 +76,16 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
-        import torch
 
         from verl.models.mcore.bridge import bridge_name
         from verl.utils.host_memory import freeze_long_lived_objects
         from verl.utils.megatron_utils import offload_megatron_model_to_cpu, offload_megatron_optimizer
         from verl.workers.actor.megatron_actor import MegatronPPOActor
-        from verl.workers.config import build_megatron_actor_configs, megatron_param_dtype
-        from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine, MegatronReference
+        from verl.workers.engine.megatron.transformer_impl import MegatronEngine, MegatronReference
 
-        actor = self.config["actor"]
-        configs = build_megatron_actor_configs(actor)  # the trainer's typed configs, passed through as they are
-        settings = ActorSettings(
-            model_path=self.config["model"]["path"],
-            use_distributed_optimizer=bool(actor["megatron"]["use_distributed_optimizer"]),
-            # upstream's megatron.dtype (ours defaults to float32); the rollout and the reference run in it too
-            dtype=getattr(torch, megatron_param_dtype(actor["megatron"].get("dtype", "float32"))),
-            use_dist_checkpointing=bool(actor["megatron"].get("use_dist_checkpointing", False)),
-            vanilla_mbridge=bool(actor["megatron"]["vanilla_mbridge"]),  # no default: a run's bridge is the one its config names
-            optim=configs.optim,
-            checkpoint=configs.checkpoint,
-        )
+        actor = self.actor_config
         start = time.monotonic()
-        self.actor = MegatronEngine(settings)
+        self.actor = MegatronEngine(self.config["model"], actor.megatron, actor.optim, actor.checkpoint)
         self.ppo_actor = MegatronPPOActor(self._ppo_settings(), self.actor.model, self.actor.optimizer, self.actor.scheduler)
         self._build_rollout()
         if self._is_offload_param:
@@ -99,7 +93,8 @@ class ActorRolloutRefWorker(MegatronWorker):
         if self._is_offload_optimizer:
             offload_megatron_optimizer(self.actor.optimizer)
         if self._is_ref:
-            self.ref = MegatronReference(settings.model_path, dtype=settings.dtype, vanilla_mbridge=settings.vanilla_mbridge)
+            # the actor's dtype and bridge: the reference runs on the actor's ranks, from the same HF weights
+            self.ref = MegatronReference(self.actor.model_config.path, dtype=self.actor.param_dtype, vanilla_mbridge=actor.megatron.vanilla_mbridge)
             if self._ref_is_offload_param:
                 offload_megatron_model_to_cpu(self.ref.model)
         freeze_long_lived_objects()
@@ -110,7 +105,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             "ref": self.ref is not None,
             # the bridges the models were built through, as the run's metrics report them
             "bridge": {"actor": bridge_name(self.actor.bridge), "ref": bridge_name(self.ref.bridge) if self.ref is not None else None},
-            "dtype": str(self.actor.settings.dtype).removeprefix("torch."),
+            "dtype": actor.megatron.dtype,
             "frozen_objects": gc.get_freeze_count(),
         }
 
@@ -150,19 +145,16 @@ class ActorRolloutRefWorker(MegatronWorker):
         self._rollout_ranks = [rank for rank, flag in enumerate(flags) if flag]
         if not self._is_output_rank():
             return
-        rollout, tokenizer = self.config["rollout"], self.actor.tokenizer
+        rollout, tokenizer = self.rollout_config, self.actor.tokenizer
         self.rollout = InMemoryHFRollout(
             self.actor.hf_config,
             RolloutSettings(
-                response_length=int(rollout["response_length"]),
-                temperature=float(rollout["temperature"]),
-                top_p=float(rollout["top_p"]),
-                do_sample=bool(rollout.get("do_sample", True)),
+                response_length=rollout.response_length, temperature=rollout.temperature, top_p=rollout.top_p, do_sample=rollout.do_sample
             ),
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             device=get_device_name(),
-            dtype=self.actor.settings.dtype,  # the actor's: the parity gate compares like with like
+            dtype=self.actor.param_dtype,  # the actor's: the parity gate compares like with like
         )
 
     def _ppo_settings(self):
@@ -170,23 +162,22 @@ class ActorRolloutRefWorker(MegatronWorker):
 
         from verl.workers.actor.megatron_actor import PPOActorSettings
 
-        actor, rollout = self.config["actor"], self.config["rollout"]
-        clip = float(actor["clip_ratio"])
-        low, high = actor.get("clip_ratio_low"), actor.get("clip_ratio_high")
+        actor, rollout = self.actor_config, self.rollout_config
         return PPOActorSettings(
-            response_length=int(rollout["response_length"]),
-            temperature=float(rollout["temperature"]),
-            micro_batch_size=int(actor["ppo_micro_batch_size_per_gpu"]),
+            response_length=rollout.response_length,
+            temperature=rollout.temperature,
+            micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
             # upstream's normalisation: ppo_mini_batch_size prompts x n responses, split over data parallel
-            mini_batch_rows=int(actor["ppo_mini_batch_size"]) * int(rollout["n"]) // mpu.get_data_parallel_world_size(),
-            ppo_epochs=int(actor["ppo_epochs"]),
-            clip_ratio_low=clip if low is None else float(low),
-            clip_ratio_high=clip if high is None else float(high),
-            clip_ratio_c=float(actor["clip_ratio_c"]),
-            use_kl_loss=bool(actor.get("use_kl_loss", False)),
-            kl_loss_coef=float(actor.get("kl_loss_coef", 0.001)),
-            kl_loss_type=str(actor.get("kl_loss_type", "low_var_kl")),
-            entropy_coeff=float(actor.get("entropy_coeff", 0.0)),
+            mini_batch_rows=actor.ppo_mini_batch_size * rollout.n // mpu.get_data_parallel_world_size(),
+            ppo_epochs=actor.ppo_epochs,
+            # None: clip_ratio (the YAML's null)
+            clip_ratio_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
+            clip_ratio_high=actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
+            clip_ratio_c=actor.clip_ratio_c,
+            use_kl_loss=actor.use_kl_loss,
+            kl_loss_coef=actor.kl_loss_coef,
+            kl_loss_type=actor.kl_loss_type,
+            entropy_coeff=actor.entropy_coeff,
         )
 
     # ------------------------------------------------------------------ rollout and train
@@ -261,7 +252,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         or ``log_prob_micro_batch_size_per_gpu``, else ``actor.ppo_micro_batch_size_per_gpu``.
         """
         self._check_built()
-        size = self._log_prob_micro_batch_size(self.config["rollout"], batch["input_ids"])
+        size = self._log_prob_micro_batch_size(self.rollout_config, batch["input_ids"])
         settings = self.ppo_actor.settings
         with self._resident(optimizer=False):
             kept, settings.micro_batch_size = settings.micro_batch_size, size
@@ -271,14 +262,13 @@ class ActorRolloutRefWorker(MegatronWorker):
                 settings.micro_batch_size = kept
         return {"old_log_probs": log_probs, "entropys": entropys}
 
-    def _log_prob_micro_batch_size(self, node: dict, input_ids) -> int:
+    def _log_prob_micro_batch_size(self, node: Mapping, input_ids) -> int:
         """Rows per micro batch of a forward-only pass from ``node``'s ``log_prob_*`` keys (the rollout's or the ref's)."""
         rows, seq_len = input_ids.shape
-        fixed = node.get("log_prob_micro_batch_size_per_gpu") or self.config["actor"]["ppo_micro_batch_size_per_gpu"]
+        fixed = node["log_prob_micro_batch_size_per_gpu"] or self.actor_config.ppo_micro_batch_size_per_gpu
         return self._micro_batch_size(
-            rows, seq_len, bool(node.get("log_prob_use_dynamic_bsz", False)),
-            int(node.get("log_prob_max_token_len_per_gpu") or 0), int(fixed),
-        )  # fmt: skip
+            rows, seq_len, bool(node["log_prob_use_dynamic_bsz"]), int(node["log_prob_max_token_len_per_gpu"] or 0), int(fixed)
+        )
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE)
     def compute_ref_log_prob(self, batch: dict) -> dict:
@@ -324,11 +314,10 @@ class ActorRolloutRefWorker(MegatronWorker):
         is a token mean over the whole mini-batch either way, so only memory and speed change.
         """
         self._check_built()
-        actor, settings = self.config["actor"], self.ppo_actor.settings
+        actor, settings = self.actor_config, self.ppo_actor.settings
         settings.micro_batch_size = self._micro_batch_size(
             settings.mini_batch_rows or batch["input_ids"].shape[0], batch["input_ids"].shape[1],
-            bool(actor.get("use_dynamic_bsz", False)), int(actor.get("ppo_max_token_len_per_gpu") or 0),
-            int(actor["ppo_micro_batch_size_per_gpu"]),
+            actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu or 0, actor.ppo_micro_batch_size_per_gpu,
         )  # fmt: skip
         start = time.monotonic()
         with self._resident(optimizer=True):

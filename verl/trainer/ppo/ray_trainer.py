@@ -61,7 +61,7 @@ from verl.utils.dataset.arithmetic import PromptSampler
 from verl.utils.dataset.rl_dataset import left_pad, left_pad_attention_mask
 from verl.utils.reward_score import default_compute_score
 from verl.utils.tracking import Tracking
-from verl.workers.config import MegatronActorConfigs, build_megatron_actor_configs
+from verl.workers.config import McoreActorConfig, build_megatron_actor_configs, megatron_worker_config
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 METRICS_FILENAME = "metrics.jsonl"
@@ -84,12 +84,12 @@ class MegatronGRPOTrainer:
         model_path: str,
         device: str,
         resume: tuple[int, str] | None,
-        actor_configs: MegatronActorConfigs | None = None,
+        actor_configs: McoreActorConfig | None = None,
         data: Any = None,
         tokenizer: Any = None,
         resume_checked: CheckedStep | None = None,
     ) -> None:
-        """``actor_configs``: the actor's typed checkpoint / optim configs (main_ppo builds them once while
+        """``actor_configs``: the actor's typed config, its optim and checkpoint included (main_ppo builds it once while
         validating); ``data``: the run's prompts (``verl.trainer.data_plan.RunData``). Both are built here from
         ``config`` when not given. ``resume_checked``: main_ppo's record of its check of the resumed step, handed to
         the ranks' load so that they do not repeat it (None: the ranks check the step themselves)."""
@@ -133,11 +133,11 @@ class MegatronGRPOTrainer:
 
     def init_workers(self) -> None:
         trainer = self.config.trainer
-        worker_config = OmegaConf.to_container(self.config.actor_rollout_ref, resolve=True)
-        worker_config["model"]["path"] = self.model_path
-        # The typed configs travel in place of their dict nodes; being Mappings, dict-style reads still work.
-        worker_config["actor"]["checkpoint"] = self.actor_configs.checkpoint
-        worker_config["actor"]["optim"] = self.actor_configs.optim
+        # The typed configs travel in place of their dict nodes (model, actor, rollout, ref.megatron); being
+        # Mappings, dict-style reads still work.
+        node = OmegaConf.to_container(self.config.actor_rollout_ref, resolve=True)
+        node["model"]["path"] = self.model_path
+        worker_config = megatron_worker_config(node, actor=self.actor_configs)
         pool = RayResourcePool(
             [int(trainer.n_gpus_per_node)] * int(trainer.nnodes), use_gpu=self.device == "cuda", name_prefix="actor_rollout"
         )

@@ -52,6 +52,12 @@ def _choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -> None
         raise ValueError(f"{owner}.{name}={value!r} is not one of {list(choices)}")
 
 
+def _boolean(owner: str, name: str, value: Any) -> None:
+    # bool("false") is True: a string that reached here would silently mean the opposite.
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.{name} must be true or false, got {value!r}")
+
+
 @dataclasses.dataclass
 class OptimizerConfig(BaseConfig):
     """What every optimizer shares.
@@ -178,5 +184,4 @@ class McoreOptimizerConfig(OptimizerConfig):
         if self.override_optimizer_config is not None and not isinstance(self.override_optimizer_config, dict):
             raise ValueError(f"{owner}.override_optimizer_config must be a mapping, got {self.override_optimizer_config!r}")
         for name in ("use_checkpoint_opt_param_scheduler", "use_precision_aware_optimizer"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{owner}.{name} must be true or false, got {getattr(self, name)!r}")
+            _boolean(owner, name, getattr(self, name))

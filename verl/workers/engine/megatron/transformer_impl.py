@@ -4,8 +4,9 @@ constructor; its ``save_checkpoint`` runs the step transaction around the manage
 ``load_checkpoint`` checks the step before the manager loads it. ``MegatronReference``: the reference policy,
 the same HF model -> bridge -> a frozen model that is never trained or saved.
 
-The Ray worker (``verl.workers.engine_workers``) and the tests both drive a rank through these classes;
-parallel state must already be initialised on the rank (``ParallelSizes.initialize_megatron``).
+The Ray worker (``verl.workers.engine_workers``) builds the engine from upstream's typed configs
+(``verl.workers.config``); tests and benchmarks still pass an ``ActorSettings`` in their place. Parallel state
+must already be initialised on the rank (``ParallelSizes.initialize_megatron``).
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ from verl.utils.megatron.optimizer import (
     get_megatron_optimizer_param_scheduler,
     init_megatron_optim_config,
 )
+from verl.workers.config import HFModelConfig, McoreCheckpointConfig, McoreEngineConfig, McoreOptimizerConfig
 from verl.workers.engine.base import BaseEngine
 
 
 @dataclasses.dataclass
 class ActorSettings:
-    """One rank's actor. ``optim`` / ``checkpoint``: the typed configs the worker builds from the Hydra node
-    (``verl.workers.config.build_megatron_actor_configs``); when given they are used whole and the plain
-    fields they cover (lr .. weight_decay, save_contents .. async_mode) are ignored."""
+    """One rank's actor, as tests and benchmarks describe it in place of the typed configs the worker passes
+    (``typed`` turns it into them). ``optim`` / ``checkpoint``: typed configs; when given they are used whole
+    and the plain fields they cover (lr .. weight_decay, save_contents .. async_mode) are ignored."""
 
     model_path: str
     use_distributed_optimizer: bool = False
@@ -70,71 +72,97 @@ class ActorSettings:
             "async_mode": self.async_mode,
         }
 
-    def schedule_from_checkpoint(self) -> bool:
-        """Where a load takes the LR schedule's settings from (its position is always restored): upstream's
-        ``optim.use_checkpoint_opt_param_scheduler`` (default False: this config) when the typed config is
-        given; the plain settings' schedule is the checkpoint's, as their scheduler is built."""
-        return bool(self.optim.use_checkpoint_opt_param_scheduler) if self.optim is not None else True
+    def typed(self) -> tuple[HFModelConfig, McoreEngineConfig, McoreOptimizerConfig | None, Any]:
+        """The engine's four configs; the optimizer's is None for the plain lr / clip_grad / weight_decay."""
+        engine = McoreEngineConfig(
+            dtype=str(self.dtype).removeprefix("torch."),
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            use_dist_checkpointing=self.use_dist_checkpointing,
+            vanilla_mbridge=self.vanilla_mbridge,
+        )
+        return HFModelConfig(path=self.model_path), engine, self.optim, self.checkpoint_config()
 
 
 class MegatronEngine(BaseEngine):
     """One rank's actor, built whole by the constructor (upstream builds it in ``initialize``, which this
     engine has not: nothing is half-built here). ``verl.workers.megatron_rank.MegatronActor`` is this class."""
 
-    def __init__(self, settings: ActorSettings, wrap_bridge=None, manager_cls: type = MegatronCheckpointManager):
-        """``wrap_bridge(bridge)`` gives the object the manager saves HF weights through (tests observe
+    def __init__(
+        self,
+        model_config: HFModelConfig | ActorSettings,
+        engine_config: McoreEngineConfig | None = None,
+        optimizer_config: McoreOptimizerConfig | None = None,
+        checkpoint_config: McoreCheckpointConfig | None = None,
+        wrap_bridge=None,
+        manager_cls: type = MegatronCheckpointManager,
+    ):
+        """Upstream's four configs (``verl.workers.config``): the HF model (its ``path``), the Megatron engine
+        (``dtype``, ``use_distributed_optimizer``, ``use_dist_checkpointing``, ``vanilla_mbridge``), the optimizer and
+        the checkpoint. An ``ActorSettings`` in place of the four: tests' and benchmarks' form (``settings`` keeps it;
+        None otherwise). ``wrap_bridge(bridge)`` gives the object the manager saves HF weights through (tests observe
         the real bridge with it); ``manager_cls`` replaces the checkpoint manager class."""
-        self.settings = settings
-        self.hf_config = load_hf_config(settings.model_path)
-        self.tokenizer = load_tokenizer(settings.model_path, f"actor_rollout_ref.model.path={settings.model_path}")
-        self.bridge = make_model_bridge(
-            settings.model_path, self.hf_config, settings.dtype, settings.vanilla_mbridge, settings.refuse_unsupported
-        )
-        self.model = build_megatron_model(self.bridge, use_distributed_optimizer=settings.use_distributed_optimizer)
-        self.bridge.load_weights(self.model, settings.model_path)
+        self.settings = model_config if isinstance(model_config, ActorSettings) else None
+        if self.settings is not None:
+            model_config, engine_config, optimizer_config, checkpoint_config = self.settings.typed()
+        elif engine_config is None or optimizer_config is None or checkpoint_config is None:
+            raise TypeError("MegatronEngine takes an ActorSettings, or upstream's model, engine, optimizer and checkpoint configs")
+        self.model_config, self.engine_config = model_config, engine_config
+        self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
+        model_path = model_config.path
+        self.param_dtype = getattr(torch, engine_config.dtype)
+        self.hf_config = load_hf_config(model_path)
+        self.tokenizer = load_tokenizer(model_path, f"actor_rollout_ref.model.path={model_path}")
+        refuse_unsupported = self.settings.refuse_unsupported if self.settings is not None else True
+        self.bridge = make_model_bridge(model_path, self.hf_config, self.param_dtype, engine_config.vanilla_mbridge, refuse_unsupported)
+        self.model = build_megatron_model(self.bridge, use_distributed_optimizer=engine_config.use_distributed_optimizer)
+        self.bridge.load_weights(self.model, model_path)
         release_free_heap()  # the load's temporary tensors, ~the model's size, would stay resident
-        self.optimizer, self.scheduler = self._build_optimizer(settings)
+        self.optimizer, self.scheduler = self._build_optimizer()
+        # Where a load takes the LR schedule's settings from (its position is always restored): upstream's
+        # optim.use_checkpoint_opt_param_scheduler; the plain settings' schedule is the checkpoint's.
+        schedule_from_checkpoint = optimizer_config.use_checkpoint_opt_param_scheduler if optimizer_config is not None else True
         self.checkpoint_manager = manager_cls(
-            config={"model": {"path": settings.model_path}},
-            checkpoint_config=settings.checkpoint_config(),
+            config={"model": {"path": model_path}},
+            checkpoint_config=checkpoint_config,
             model_config=self.hf_config,
             transformer_config=self.bridge.config,
             role="actor",
             model=self.model,
             arch=self.hf_config.architectures[0] if getattr(self.hf_config, "architectures", None) else None,
             hf_config=self.hf_config,
-            param_dtype=settings.dtype,
+            param_dtype=self.param_dtype,
             share_embeddings_and_output_weights=bool(getattr(self.hf_config, "tie_word_embeddings", False)),
             processing_class=self.tokenizer,
             optimizer=self.optimizer,
             optimizer_scheduler=self.scheduler,
-            use_distributed_optimizer=settings.use_distributed_optimizer,
-            use_checkpoint_opt_param_scheduler=settings.schedule_from_checkpoint(),
-            use_dist_checkpointing=settings.use_dist_checkpointing,
+            use_distributed_optimizer=engine_config.use_distributed_optimizer,
+            use_checkpoint_opt_param_scheduler=schedule_from_checkpoint,
+            use_dist_checkpointing=engine_config.use_dist_checkpointing,
             bridge=wrap_bridge(self.bridge) if wrap_bridge is not None else self.bridge,
         )
         self._save_spec = self._step_spec()  # the step transaction's spec, but for what each save adds
         self._pending: StepCommit | None = None  # the async save's transaction, until finalize_checkpoint commits it
         self.last_committed: CommittedStep | None = None  # the record of the latest committed save
 
-    def _build_optimizer(self, settings: ActorSettings) -> tuple:
-        """Through upstream's three helpers from the typed optim config, or from the plain settings."""
-        if settings.optim is None:
+    def _build_optimizer(self) -> tuple:
+        """Through upstream's three helpers from the typed optim config, or from an ``ActorSettings``' plain fields."""
+        use_distributed_optimizer = self.engine_config.use_distributed_optimizer
+        if self.optimizer_config is None:
             return get_megatron_optimizer_and_scheduler(
                 self.model,
-                lr=settings.lr,
-                clip_grad=settings.clip_grad,
-                weight_decay=settings.weight_decay,
-                use_distributed_optimizer=settings.use_distributed_optimizer,
+                lr=self.settings.lr,
+                clip_grad=self.settings.clip_grad,
+                weight_decay=self.settings.weight_decay,
+                use_distributed_optimizer=use_distributed_optimizer,
             )
         megatron_config = init_megatron_optim_config(
-            settings.optim,
-            use_distributed_optimizer=settings.use_distributed_optimizer,
-            fp16=settings.dtype is torch.float16,
-            bf16=settings.dtype is torch.bfloat16,
+            self.optimizer_config,
+            use_distributed_optimizer=use_distributed_optimizer,
+            fp16=self.param_dtype is torch.float16,
+            bf16=self.param_dtype is torch.bfloat16,
         )
         optimizer = get_megatron_optimizer(self.model, megatron_config)
-        return optimizer, get_megatron_optimizer_param_scheduler(optimizer, settings.optim)
+        return optimizer, get_megatron_optimizer_param_scheduler(optimizer, self.optimizer_config)
 
     def train_step(self, microbatches: list[torch.Tensor]) -> dict:
         return train_step(self.model, self.optimizer, self.scheduler, microbatches)
@@ -222,7 +250,7 @@ class MegatronEngine(BaseEngine):
             strict_hf_verify=bool(config_get(manager.checkpoint_config, "strict_hf_verify", True)),
             parallel=current_parallel_layout(),
             use_distributed_optimizer=manager.use_distributed_optimizer,
-            bridge=checkpoint_bridge(self.settings.vanilla_mbridge),
+            bridge=checkpoint_bridge(self.engine_config.vanilla_mbridge),
             sealed=sealed,
             retention=manager,
             on_phase=manager.on_save_phase,
@@ -258,7 +286,7 @@ class MegatronEngine(BaseEngine):
             raise _unsupported("load_checkpoint", hdfs_path, kwargs)
         self.finalize_checkpoint(blocking=True)
         manager = self.checkpoint_manager
-        check_before_load(manager, local_path, checked, checkpoint_bridge(self.settings.vanilla_mbridge))
+        check_before_load(manager, local_path, checked, checkpoint_bridge(self.engine_config.vanilla_mbridge))
         manager.load_checkpoint(local_path)
         if (manager.should_load_hf_model or manager.should_load_dist_ckpt_model) and not manager.should_load_optimizer:
             self.optimizer.reload_model_params()

@@ -1,0 +1,51 @@
+"""``HFModelConfig`` with upstream verl's name and defaults: the ``actor_rollout_ref.model`` node.
+
+Only the fields this trainer's YAML has are here; upstream's others (tokenizer and config paths, LoRA
+details beyond the ``lora`` node, ...) are set by no key of this trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from verl.base_config import BaseConfig
+
+from .optimizer import _boolean, _integer
+
+__all__ = ["HFModelConfig"]
+
+
+@dataclasses.dataclass
+class HFModelConfig(BaseConfig):
+    """The HF model a run trains.
+
+    Args:
+        path: a local HF model directory (the trainer resolves null to the embedded tiny model).
+        custom_chat_template: a Jinja chat template used instead of the tokenizer's.
+        override_config: HF config overrides.
+        trust_remote_code / external_lib: upstream's switches for a model's own code.
+        lora_rank / lora: LoRA adapters (rank 0: none).
+        the rest: upstream's memory and kernel switches.
+    """
+
+    path: str | None = None
+    custom_chat_template: str | None = None
+    override_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    enable_gradient_checkpointing: bool = True
+    enable_activation_offload: bool = False
+    use_remove_padding: bool = True
+    use_fused_kernels: bool = False
+    use_liger: bool = False
+    trust_remote_code: bool = False
+    external_lib: Any = None
+    lora_rank: int = 0
+    lora: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        if self.path is not None and not isinstance(self.path, str):
+            raise ValueError(f"{owner}.path must be a directory path or null, got {self.path!r}")
+        for name in ("enable_gradient_checkpointing", "enable_activation_offload", "use_remove_padding", "use_fused_kernels", "use_liger", "trust_remote_code"):
+            _boolean(owner, name, getattr(self, name))
+        _integer(owner, "lora_rank", self.lora_rank)

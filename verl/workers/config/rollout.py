@@ -1,0 +1,119 @@
+"""Rollout configs with upstream verl's names and defaults: ``SamplingConfig``, ``CheckpointEngineConfig``
+and ``RolloutConfig`` (the ``actor_rollout_ref.rollout`` node).
+
+The rollout here is transformers' generate on the ranks; the inference-engine fields (vLLM / SGLang /
+TensorRT-LLM) are accepted, unchecked, so upstream's launch scripts compose (the trainer lists them at start
+as having no effect). Only the fields this trainer's YAML has, and the engine keys it accepts with ``+``, are here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from verl.base_config import BaseConfig
+
+from .engine import _positive, nested_config
+from .optimizer import _boolean, _integer, _number
+
+__all__ = ["SamplingConfig", "CheckpointEngineConfig", "RolloutConfig"]
+
+
+def _check_sampling(config: Any) -> None:
+    owner = type(config).__name__
+    config._normalize("temperature", _number(owner, "temperature", config.temperature, minimum=0.0))
+    config._normalize("top_p", _number(owner, "top_p", config.top_p, minimum=0.0))
+    _integer(owner, "top_k", config.top_k)
+    _boolean(owner, "do_sample", config.do_sample)
+    _positive(owner, "n", config.n)
+
+
+@dataclasses.dataclass
+class SamplingConfig(BaseConfig):
+    """How responses are sampled (the validation's ``val_kwargs``): n responses per prompt."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        _check_sampling(self)
+
+
+@dataclasses.dataclass
+class CheckpointEngineConfig(BaseConfig):
+    """How an inference engine receives the actor's weights (none here: the hf rollout loads them in memory)."""
+
+    backend: str | None = "naive"
+    update_weights_bucket_megabytes: int = 2048
+
+
+@dataclasses.dataclass
+class RolloutConfig(BaseConfig):
+    """The rollout.
+
+    Args:
+        name: the rollout ("hf" here); n: responses per prompt; temperature / top_k / top_p / do_sample: sampling.
+        prompt_length / response_length: tokens of a prompt and of a response.
+        log_prob_micro_batch_size(_per_gpu), log_prob_use_dynamic_bsz, log_prob_max_token_len_per_gpu: micro
+            batches of the old-log-prob pass (None per gpu: the actor's ppo_micro_batch_size_per_gpu).
+        calculate_log_probs: the rollout returns its log-probs; enable_rollout_routing_replay: MoE routing replay.
+        val_kwargs: the validation's sampling.
+        log_prob_parity_check: ours, the first batch's gate on the actor's against the rollout's log-probs
+            (``enable`` and ``tolerance`` by dtype; read by the trainer).
+        the rest: inference-engine settings.
+    """
+
+    name: str | None = None
+    mode: str = "async"
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    prompt_length: int = 512
+    response_length: int = 512
+    calculate_log_probs: bool = False
+    enable_rollout_routing_replay: bool = False
+    log_prob_parity_check: dict[str, Any] = dataclasses.field(default_factory=dict)
+    log_prob_micro_batch_size: int | None = None
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    val_kwargs: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    tensor_model_parallel_size: int = 2
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    moe_tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    max_num_seqs: int = 1024
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    free_cache_engine: bool = True
+    load_format: str = "dummy"
+    dtype: str = "bfloat16"
+    ignore_eos: bool = False
+    engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    checkpoint_engine: CheckpointEngineConfig = dataclasses.field(default_factory=CheckpointEngineConfig)
+    quantization: str | None = None
+    quantization_config_file: str | None = None
+    cudagraph_capture_sizes: list | None = None
+    layered_summon: bool = False
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_sampling(self)
+        for name in ("prompt_length", "response_length"):
+            _positive(owner, name, getattr(self, name))
+        for name in ("log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"):
+            _positive(owner, name, getattr(self, name), optional=True)
+        for name in ("calculate_log_probs", "enable_rollout_routing_replay", "log_prob_use_dynamic_bsz"):
+            _boolean(owner, name, getattr(self, name))
+        self._normalize("val_kwargs", nested_config(owner, "val_kwargs", self.val_kwargs, SamplingConfig))
+        self._normalize("checkpoint_engine", nested_config(owner, "checkpoint_engine", self.checkpoint_engine, CheckpointEngineConfig))
