@@ -3,7 +3,12 @@ save and resumed with the same command logs the uninterrupted run's metrics at e
 other metric: rollout samples, rewards, losses, validation) and ends with its weights, bit for bit.
 
 The embedded task has 9 prompts for a batch of 8, so every step is a new epoch: the sampler's reshuffle is
-crossed at every step, including the one after the resume. Validation every 2 steps crosses its cadence."""
+crossed at every step, including the one after the resume. Validation every 2 steps crosses its cadence.
+
+The 1-rank case runs in bf16 (``actor_rollout_ref.actor.megatron.dtype=bfloat16``): bf16 parameters, rollout and
+parity gate, and its fp32 master weights, saved in ``optimizer/dist_ckpt`` and loaded back from it, end equal to
+the uninterrupted run's too; the 2-rank case runs in float32, the default. tests/test_bf16_resume_cli.py holds the
+rest of bf16 through the CLI (a TP2 save resumed at 1 rank; a float32 run refusing a bf16 step)."""
 
 import json
 import subprocess
@@ -12,10 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.cli_runs import MEGATRON, REPO, TRACKER, comparable_by_step, read_metrics, run_trainer, stop_after_a_save
 from tests.main_leg import MBRIDGE
+from tests.test_bf16_checkpoint import as_bf16, master_weights
 
 STEPS = 5
 OPTIM = "actor_rollout_ref.actor.optim."
@@ -32,6 +39,7 @@ LAYOUTS = {
     "1_rank": ["trainer.n_gpus_per_node=1", f"{MEGATRON}expert_model_parallel_size=1"],
     "2_ranks_ep2": ["trainer.n_gpus_per_node=2", f"{MEGATRON}expert_model_parallel_size=2"],
 }
+BF16 = f"{MEGATRON}dtype=bfloat16"
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +51,22 @@ def val_parquet(tmp_path_factory, env) -> str:
     return script.stdout.strip().splitlines()[-1]
 
 
-def _command(model_path: str, ckpt: Path, val_parquet: str, schedule: str, layout: str) -> list[str]:
+def _command(model_path: str, ckpt: Path, val_parquet: str, schedule: str, layout: str, bf16: bool) -> list[str]:
     return [
         f"actor_rollout_ref.model.path={model_path}", f"trainer.default_local_dir={ckpt}", *LAYOUTS[layout],
         f"{MEGATRON}tensor_model_parallel_size=1", f"{MEGATRON}pipeline_model_parallel_size=1",
         f"{MEGATRON}use_distributed_optimizer=False", f"trainer.total_training_steps={STEPS}", "trainer.save_freq=2",
         f"data.val_files={val_parquet}", "trainer.val_before_train=False", "trainer.test_freq=2",
-        "trainer.logger=[console,file]", *SCHEDULES[schedule],
+        "trainer.logger=[console,file]", *SCHEDULES[schedule], *([BF16] if bf16 else []),
     ]  # fmt: skip
 
 
+def _final_step(ckpt: Path) -> Path:
+    return ckpt / f"global_step_{STEPS}" / "actor"
+
+
 def _final_weights(ckpt: Path) -> dict:
-    hf = ckpt / f"global_step_{STEPS}" / "actor" / "model" / "huggingface"
+    hf = _final_step(ckpt) / "model" / "huggingface"
     weights = {}
     for file in sorted(hf.glob("*.safetensors")):
         weights.update(load_file(str(file)))
@@ -62,19 +74,24 @@ def _final_weights(ckpt: Path) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("schedule", "layout"), [("cosine_warmup", "1_rank"), ("inverse_sqrt", "2_ranks_ep2")], ids=["cosine-1rank", "invsqrt-2ranks"]
+    ("schedule", "layout", "bf16"),
+    [("cosine_warmup", "1_rank", True), ("inverse_sqrt", "2_ranks_ep2", False)],
+    ids=["cosine-bf16-1rank", "invsqrt-2ranks"],
 )
-def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, env, tiny_moe_path, val_parquet, schedule, layout):
+def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, env, tiny_moe_path, val_parquet, schedule, layout, bf16):
     whole_dir, stopped_dir = tmp_path / "uninterrupted", tmp_path / "stopped"
-    code, out = run_trainer(_command(tiny_moe_path, whole_dir, val_parquet, schedule, layout), tmp_path, env)
+    code, out = run_trainer(_command(tiny_moe_path, whole_dir, val_parquet, schedule, layout, bf16), tmp_path, env)
     assert code == 0, out[-6000:]
     whole = comparable_by_step(read_metrics(whole_dir))
     lrs = [whole[step]["actor/lr"] for step in range(1, STEPS + 1)]
     assert len(set(lrs)) == STEPS, lrs  # the schedule moves at every step
     assert "val-core/arithmetic/reward/mean@1" in whole[2] and "val-core/arithmetic/reward/mean@1" not in whole[3]
+    if bf16:  # the rollout and the actor both run in bf16: their first-batch gap is bf16's, within the bf16 tolerance
+        assert 1e-4 < whole[1]["rollout/log_prob_diff_max"] <= 1e-1, whole[1]["rollout/log_prob_diff_max"]
 
-    command = _command(tiny_moe_path, stopped_dir, val_parquet, schedule, layout)
+    command = _command(tiny_moe_path, stopped_dir, val_parquet, schedule, layout, bf16)
     tracked = stop_after_a_save(command, tmp_path, env, stopped_dir, step=2, last=STEPS)
+    assert tracked == 2  # stopped before the next save, step 4's
     before = len(read_metrics(stopped_dir))
     code, out = run_trainer(command, tmp_path, env)  # the same command, resume_mode=auto
     assert code == 0, out[-6000:]
@@ -90,7 +107,15 @@ def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path
     expected, actual = _final_weights(whole_dir), _final_weights(stopped_dir)
     assert sorted(actual) == sorted(expected)
     assert [name for name in expected if not expected[name].equal(actual[name])] == []
-    manifest = json.loads((stopped_dir / f"global_step_{STEPS}" / "actor" / "manifest.json").read_text())
+    if bf16:
+        assert {value.dtype for value in actual.values()} == {torch.bfloat16}  # the HF export holds the bf16 parameters
+        masters = master_weights(str(_final_step(stopped_dir)))
+        expected_masters = master_weights(str(_final_step(whole_dir)))
+        assert sorted(masters) == sorted(expected_masters)
+        assert [key for key in masters if not torch.equal(masters[key], expected_masters[key])] == []
+        rounded = as_bf16(masters)  # fp32 masters, not bf16 numbers: they were never rebuilt from the parameters
+        assert sum(int((masters[k] != rounded[k]).sum()) for k in masters) > sum(v.numel() for v in masters.values()) // 2
+    manifest = json.loads((_final_step(stopped_dir) / "manifest.json").read_text())
     assert manifest["parallel"]["world_size"] == int(LAYOUTS[layout][0].rsplit("=", 1)[1])
 
 
