@@ -4,8 +4,9 @@
   scripts/make_task_parquet.py, validated on it, with the KL loss to an offloaded reference model and the
   entropy bonus: step checkpoints; the run is killed mid-way and a restart with resume_mode=auto continues
   from the last saved step with the metrics of the uninterrupted run;
-- the same layout on a hand-made gsm8k-format parquet file with mixed-length prompts, validation metrics and
-  tensorboard event files that hold what metrics.jsonl holds;
+- the same layout on a Mixtral (the model family's run through the CLI) and a hand-made gsm8k-format parquet
+  file with mixed-length prompts, validation metrics, saves whose HF export is verified complete and tensorboard
+  event files that hold what metrics.jsonl holds;
 - the log-prob parity gate stops a run whose model the bridge maps differently from transformers;
 - PP4 EP2 TP2 ETP2 on 16 ranks completes one verified save;
 - PP2 VPP2 (interleaved pipeline) with the KL loss trains, saves and resumes exactly;
@@ -297,13 +298,19 @@ def test_reward_reads_responses_character_by_character():
     assert response_text(tok, [seven, unknown, seven]) == "7\ufffd7"
 
 
-def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env, tiny_moe_path):
+def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env):
     """A hand-made parquet file in upstream's RLHFDataset format (chat messages of different lengths,
     data_source openai/gsm8k, reward_model.ground_truth) trains 3 steps and validates before, at step 2
     (test_freq) and at the last, with upstream's metric name. 8 ranks at TP2 PP2 EP2 ETP2, DO=False: prompts are
     left-padded to one length that makes prompt + response a multiple of TP, the padding masked on both sides,
     so Megatron's log-probs match the rollout's (the parity gate, on by default, passes). The tensorboard logger
-    writes event files under tensorboard_log/<project>/<experiment> holding every scalar of metrics.jsonl."""
+    writes event files under tensorboard_log/<project>/<experiment> holding every scalar of metrics.jsonl.
+
+    The model is the tiny Mixtral (head_dim unset, top-k renormalised): the one run is also that family's run
+    through the CLI, its saves at steps 2 and 3 verified complete by the commit step (docs/models.md); the
+    families' rank-level parity, export and resume are tests/test_model_families.py's."""
+    from tests.family_check import hf_state
+    from verl.models.tiny import make_tiny_hf_model
     from verl.utils.dataset.rl_dataset import write_rlhf_parquet
 
     def rows(count: int, split: str) -> list[dict]:
@@ -320,10 +327,11 @@ def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env, tiny
 
     write_rlhf_parquet(rows(6, "train"), str(tmp_path / "train.parquet"))
     write_rlhf_parquet(rows(3, "test"), str(tmp_path / "test.parquet"))
+    mixtral = make_tiny_hf_model(str(tmp_path / "mixtral"), kind="mixtral")
     ckpt = tmp_path / "ckpt"
     code, out = run_trainer(
         [
-            f"actor_rollout_ref.model.path={tiny_moe_path}",
+            f"actor_rollout_ref.model.path={mixtral}",
             "trainer.n_gpus_per_node=8",
             f"{MEGATRON}tensor_model_parallel_size=2",
             f"{MEGATRON}pipeline_model_parallel_size=2",
@@ -337,7 +345,7 @@ def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env, tiny
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_dynamic_bsz=True",
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=200", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
             "data.max_prompt_length=64", "data.max_response_length=3",
-            "trainer.total_epochs=1", "trainer.total_training_steps=null", "trainer.test_freq=2", "trainer.save_freq=-1",
+            "trainer.total_epochs=1", "trainer.total_training_steps=null", "trainer.test_freq=2", "trainer.save_freq=2",
             "trainer.log_val_generations=1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.9",
             f"trainer.default_local_dir={ckpt}",
         ],
@@ -345,6 +353,7 @@ def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env, tiny
         env,
     )  # fmt: skip
     assert code == 0, out[-6000:]
+    assert "8 ranks on cpu" in out and "TP2 PP2 EP2 ETP2 CP1" in out
     assert "bridge: mbridge (use_mbridge=True, vanilla_mbridge=True;" in out
     assert "actor_rollout_ref.rollout.gpu_memory_utilization=0.9: an inference-engine setting" in out
     assert "data: 6 train prompt(s), 3 validation prompt(s)" in out and "3 steps (trainer.total_epochs=1 x 3 per epoch)" in out
@@ -357,6 +366,9 @@ def test_grpo_on_a_gsm8k_format_parquet_file_with_validation(tmp_path, env, tiny
     for m in lines[1:]:
         assert m["critic/score/mean"] in (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # 0/1 rewards of 8 responses
         assert m["rollout/log_prob_diff_max"] <= 1e-5, m  # mixed-length, left-padded prompts: rollout and Megatron agree
+    tensors = len(hf_state(mixtral))
+    assert [m["step"] for m in lines if "checkpoint" in m] == [2, 3] and (ckpt / TRACKER).read_text() == "3"
+    assert all(m["checkpoint"]["hf"] == f"all {tensors} tensors present with the expected shapes" for m in lines if "checkpoint" in m)
     assert _tensorboard_scalars(tmp_path / "tensorboard_log" / "gsm8k_proj" / "tp2_pp2") == _jsonl_scalars(lines)
 
 
