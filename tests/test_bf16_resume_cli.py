@@ -49,8 +49,10 @@ def test_a_bf16_step_saved_at_tp2_resumes_at_one_rank_with_the_same_master_weigh
     assert code == 0, out[-6000:]
     saved = master_weights(str(_step(ckpt, 2)))
 
-    # lr 0 for the resumed step: Adam leaves every master weight as loaded, so step 3 saves exactly what was loaded
-    code, out = run_trainer([*common, *_layout(1, 1), BF16, "trainer.total_training_steps=3", f"{OPTIM}lr=0"], tmp_path, env)
+    # lr 0 for the resumed step: Adam leaves every master weight as loaded, so step 3 saves exactly what was loaded;
+    # the step named by trainer.resume_mode=resume_path, as a user resumes a chosen step
+    resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt}/global_step_2"]
+    code, out = run_trainer([*common, *_layout(1, 1), BF16, *resume, "trainer.total_training_steps=3", f"{OPTIM}lr=0"], tmp_path, env)
     assert code == 0, out[-6000:]
     assert f"resumed from {ckpt}/global_step_2 (step 2)" in out
     assert _unequal(saved, master_weights(str(_step(ckpt, 3)))) == []
