@@ -19,6 +19,7 @@ from tests.process_marker import MARKER, kill_marked
 REPO = Path(__file__).resolve().parents[1]
 MEGATRON = "actor_rollout_ref.actor.megatron."
 TRACKER = "latest_checkpointed_iteration.txt"
+PARITY_GATE = "actor_rollout_ref.rollout.log_prob_parity_check"
 CLOCKS = ("time", "checkpoint", "checkpoint_committed", "resume")  # what may differ between runs: times, save and resume records
 
 

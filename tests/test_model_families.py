@@ -1,16 +1,15 @@
 """Every supported family trains the model transformers runs (tests.family_check): Megatron's log-probs
 equal transformers' in fp32, the HF export is complete and bit-exact, and a saved step resumes bit-exactly;
 at TP2 with EP2 for the MoE families (2 ranks), Qwen3-MoE with dense layers mixed in at TP2 PP2 EP2 (4
-ranks), Mixtral through the CLI on 8 ranks. The refused configs fail before anything is built, naming the
-field."""
+ranks). The refused configs fail before anything is built, naming the field. Mixtral through the CLI on 8 ranks
+is the run of tests/test_trainer_cli.py::test_grpo_on_a_gsm8k_format_parquet_file_with_validation."""
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.family_check import FP32_LOG_PROB_TOLERANCE, hf_state, run_family_check
+from tests.family_check import FP32_LOG_PROB_TOLERANCE, run_family_check
 from verl.models.support import SUPPORTED_MODEL_TYPES, hf_config_problems, moe_layer_pattern, rope_theta
 from verl.models.tiny import make_tiny_hf_model, tiny_hf_config
 from verl.utils.megatron.parallel import ParallelSizes, num_routed_experts
@@ -164,37 +163,3 @@ def test_deepseek_v3_refusal_names_each_feature_the_probe_shows_unbuildable():
     (problem,) = hf_config_problems({"model_type": "deepseek_v3"})
     for feature in ("max_position_embeddings", "MLA attention", "n_group, topk_group", "fp32", "probes/probe_deepseek_v3.py"):
         assert feature in problem, feature
-
-
-def test_mixtral_through_the_cli_on_8_ranks(tmp_path):
-    """``python -m verl.trainer.main_ppo`` as a user runs it on a Mixtral (head_dim unset, top-k
-    renormalised): 8 ranks at TP2 PP2 EP2 ETP2, use_distributed_optimizer=False, 2 GRPO steps, a save at
-    step 2 whose HF export the commit step verifies complete; the actor's log-probs equal the rollout's."""
-    from tests.cli_runs import MEGATRON, TRACKER, read_metrics, run_trainer
-
-    src = make_tiny_hf_model(str(tmp_path / "mixtral"), kind="mixtral")
-    ckpt = tmp_path / "ckpt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    code, out = run_trainer(
-        [
-            f"actor_rollout_ref.model.path={src}",
-            f"{MEGATRON}tensor_model_parallel_size=2",
-            f"{MEGATRON}pipeline_model_parallel_size=2",
-            f"{MEGATRON}expert_model_parallel_size=2",
-            f"{MEGATRON}expert_tensor_parallel_size=2",
-            f"{MEGATRON}use_distributed_optimizer=False",
-            "trainer.total_training_steps=2",
-            "trainer.save_freq=2",
-            f"trainer.default_local_dir={ckpt}",
-        ],
-        tmp_path,
-        env,
-    )
-    assert code == 0, out[-6000:]
-    assert "8 ranks on cpu" in out and "TP2 PP2 EP2 ETP2 CP1" in out
-    assert (ckpt / TRACKER).read_text() == "2"
-    metrics = read_metrics(ckpt)
-    assert [m["step"] for m in metrics] == [1, 2]
-    assert all(m["rollout/log_prob_diff_max"] <= 1e-4 for m in metrics), [m["rollout/log_prob_diff_max"] for m in metrics]
-    tensors = len(hf_state(src))
-    assert metrics[1]["checkpoint"]["hf"] == f"all {tensors} tensors present with the expected shapes"
