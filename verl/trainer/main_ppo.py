@@ -98,13 +98,15 @@ def prepare(config) -> RunPlan:
         for note in put_back_superseded(output_dir(config)):
             print(f"[main_ppo] note: {note}", flush=True)
     try:
+        # The tokenizer and the data first: a bad data file or template is refused in seconds, before the model
+        # build check imports Megatron.
+        tokenizer = load_tokenizer(config, model_path)
+        data = load_run_data(config, tokenizer)
         problems = check_model_build(model_path, config)
         if problems:
             raise ConfigError(problems)
         found = check_resume_step(config, model_path)
         resume, resume_checked = (None, None) if found is None else ((found.step, found.step_dir), found.checked)
-        tokenizer = load_tokenizer(config, model_path)
-        data = load_run_data(config, tokenizer)
         if resume is not None:
             problems = data_position_problems(resume[1], config.data, len(data.train))
             if problems:
