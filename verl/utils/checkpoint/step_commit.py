@@ -238,7 +238,11 @@ class StepCommit:
         a report whose ``local_path`` is the staging directory and whose ``completed`` is true (the manager's
         ``completed_save(staging)``); None while it is still writing. Any other answer (a ``FinalizeState``,
         True, another directory's report) is a caller's mistake: ``TypeError``, and the step stays pending,
-        nothing discarded. A failure of the writer or of the commit discards the step and raises."""
+        nothing discarded. A failure of the writer or of the commit discards the step and raises. Once committed,
+        every later call returns the same record without asking ``wait``: each caller that follows the recipe
+        (docs/checkpoint.md) gets the step, whichever of them committed it."""
+        if self.committed is not None:
+            return self.committed
         start = time.monotonic()
         try:
             proof = wait(blocking)
