@@ -144,7 +144,8 @@ def _finalize_as_another_caller(manager) -> str:
 
 def _recipe_with_a_second_caller(src: str, root: str, second_first: bool, fork_dies: bool) -> dict:
     """The recipe as written, on a save that another caller finalizes too: before the recipe's first call
-    (``second_first``) or after it; ``fork_dies``: rank 1's fork killed, the failure then the other caller's."""
+    (``second_first``) or after it; ``fork_dies``: rank 1's fork killed, the failure then the other caller's.
+    Once committed, a second caller that only follows the recipe runs it too (``again``)."""
     from verl.utils.checkpoint.megatron_state_dicts import current_parallel_layout
     from verl.utils.checkpoint.step_commit import StepCommit, StepSpec
 
@@ -177,12 +178,17 @@ def _recipe_with_a_second_caller(src: str, root: str, second_first: bool, fork_d
         error = str(exc)
     if not second_first:
         answers.append(_finalize_as_another_caller(manager))
+    again = None
+    if record is not None:  # a second caller that only follows the recipe, once the save is committed
+        follower = {"manager": manager, "transaction": transaction}
+        exec(_recipe(), follower)
+        again = follower["record"].path
     try:
         manager.completed_save(os.path.join(root, "elsewhere"))
         not_latest = None
     except CheckpointError as exc:
         not_latest = str(exc)
-    return {"other_caller": answers, "record": record, "error": error, "not_latest": not_latest}
+    return {"other_caller": answers, "record": record, "again": again, "error": error, "not_latest": not_latest}
 
 
 def test_the_documented_async_recipe_commits_whoever_else_finalizes(tiny_moe_path, tmp_path):
@@ -193,7 +199,7 @@ def test_the_documented_async_recipe_commits_whoever_else_finalizes(tiny_moe_pat
         results = run_on_ranks(_recipe_with_a_second_caller, WORLD, LAYOUT, args=(tiny_moe_path, root, second_first, False), timeout_s=300)
         for result in results:
             assert result["error"] is None, result["error"]
-            assert result["record"] == _step_path(root, 1)
+            assert result["record"] == _step_path(root, 1) == result["again"]  # the follower gets the same step
             assert result["other_caller"] == ["done" if second_first else "nothing_pending"]
             assert result["not_latest"].endswith("call engine.finalize_checkpoint() before saving through the manager directly")
         assert _tracked(root) == "1"

@@ -17,7 +17,7 @@ from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, read_tracker
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError
 from verl.utils.checkpoint.integrity import CheckpointError, verify_manifest
-from verl.utils.checkpoint.step_commit import StepCommit, StepSpec
+from verl.utils.checkpoint.step_commit import StepCommit, StepSpec, stale_steps
 from verl.utils.distributed import RankFailure, run_on_ranks
 
 WORLD = 2
@@ -63,7 +63,8 @@ def _commit_three_steps(root: str) -> dict:
     for step in (1, 2, 3):
         record = _save(root, step, retention=retention, max_ckpt_to_keep=1, phases=phases, step_files={"data.pt": b"pos%d" % step}, track=True).committed
         seen.append([s for s in (1, 2, 3) if os.path.isdir(layout.role_dir(root, s, "actor"))])
-    return {"record": record, "phases": phases[:5], "seen": seen, "kept": retention.previous_saved_paths}
+    kept = [layout.role_dir(root, s, "actor") for s in (1, 2, 3) if os.path.isdir(layout.role_dir(root, s, "actor"))]
+    return {"record": record, "phases": phases[:5], "seen": seen, "kept": kept}
 
 
 def test_a_step_commits_its_parts_files_and_tracker_in_one_owner(tmp_path):
@@ -86,6 +87,10 @@ def test_a_step_commits_its_parts_files_and_tracker_in_one_owner(tmp_path):
     # data.pt stays, as upstream's retention removes only the role's directory)
     assert results[0]["seen"] == [[1], [1, 2], [2, 3]]
     assert results[0]["kept"] == [layout.role_dir(root, 2, "actor"), path]
+    # the list is the disk's: the next commit drops step 2 (step 3 is tracked); one that re-saves step 2 drops
+    # nothing (step 3 lies past it, for the run's later saves to replace)
+    assert stale_steps(root, "actor", 4, 1) == [layout.role_dir(root, 2, "actor")]
+    assert stale_steps(root, "actor", 2, 1) == [] == stale_steps(root, "actor", 4, None)
     assert not os.path.exists(layout.staging_path(path))
 
 
@@ -196,10 +201,10 @@ def test_a_rank_whose_fsync_failed_fails_the_commit_on_every_rank_before_the_ren
 
 
 class FailingRetention(BaseCheckpointManager):
-    """Upstream's retention whose rule fails on every rank (a step was already renamed into place)."""
+    """Upstream's retention whose removal fails on every rank (a step was already renamed into place)."""
 
-    def register_checkpoint(self, new_path: str, max_ckpt_to_keep: int | None) -> None:
-        raise CheckpointError(f"retention could not remove an older step than {new_path}")
+    def remove_previous_save_local_path(self, path: str | list[str]) -> None:
+        raise CheckpointError(f"retention could not remove the older steps {path}")
 
 
 def _re_save_the_tracked_step_failing_in(root: str, phase: str) -> dict:

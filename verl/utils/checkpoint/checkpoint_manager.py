@@ -236,15 +236,3 @@ def find_latest_ckpt_path(path: str | None, directory_format: str = STEP_DIR_FOR
         warnings.warn(f"checkpoint tracker {tracker} names {step_dir}, which does not exist", stacklevel=2)
         return None
     return step_dir
-
-
-def list_step_dirs(root_path: str) -> list[tuple[int, str]]:
-    """All ``global_step_N`` directories under ``root_path``, oldest first."""
-    if not os.path.isdir(root_path):
-        return []
-    steps = []
-    for name in os.listdir(root_path):
-        match = STEP_DIR_RE.match(name)
-        if match and os.path.isdir(os.path.join(root_path, name)):
-            steps.append((int(match.group(1)), os.path.join(root_path, name)))
-    return sorted(steps)

@@ -114,8 +114,9 @@ def check_step_is_finite(step: int, quantities: dict[str, Any], checkpoint_dir: 
 
 def _resume_advice(checkpoint_dir: str, role: str, step: int) -> str:
     """Which committed step to resume after a divergence found at ``step`` (see ``check_step_is_finite``)."""
-    from verl.utils.checkpoint.checkpoint_manager import list_step_dirs, read_tracker
+    from verl.utils.checkpoint.checkpoint_manager import read_tracker
     from verl.utils.checkpoint.integrity import is_complete
+    from verl.utils.checkpoint.layout import list_step_dirs
 
     tracked = read_tracker(checkpoint_dir)
     committed = [] if tracked is None else [s for s, path in list_step_dirs(checkpoint_dir) if s <= tracked and is_complete(os.path.join(path, role))]

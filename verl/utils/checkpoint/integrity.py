@@ -21,7 +21,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, list_step_dirs
+from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
 from verl.utils.checkpoint.checksum import crc32, file_checksum, is_bulk  # noqa: F401 (crc32, file_checksum: also imported from here)
 from verl.utils.checkpoint.errors import (  # CheckpointError: this import path kept for callers
     CheckpointError,
@@ -41,6 +41,7 @@ from verl.utils.checkpoint.layout import (  # the manifest, mark and staging nam
     STEP_DIR_RE,
     TRANSFORMER_CONFIG_FILENAME,
     hf_path,
+    list_step_dirs,
     superseded_path,
 )
 from verl.utils.checkpoint.tracker import read_tracker

@@ -115,3 +115,15 @@ def hf_path(role_path: str) -> str:
 def dist_path(role_path: str, content: str) -> str:
     """``<role_path>/<content>/dist_ckpt`` for content ``model``, ``optimizer`` or ``extra``."""
     return os.path.join(role_path, DIST_CKPT_DIRS[content])
+
+
+def list_step_dirs(root_path: str) -> list[tuple[int, str]]:
+    """All ``global_step_N`` directories under ``root_path``, oldest first (step number, path); reads, creates nothing."""
+    if not os.path.isdir(root_path):
+        return []
+    steps = []
+    for name in os.listdir(root_path):
+        match = STEP_DIR_RE.match(name)
+        if match and os.path.isdir(os.path.join(root_path, name)):
+            steps.append((int(match.group(1)), os.path.join(root_path, name)))
+    return sorted(steps)

@@ -61,7 +61,7 @@ from verl.utils.rank_comm import GroupRankComm, RankComm, forked_groups_possible
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-__all__ = ["AsyncMode", "FinalizeState", "MegatronCheckpointManager", "SaveReport"]
+__all__ = ["AsyncMode", "FinalizeState", "MegatronCheckpointManager", "SaveReport", "SaveState"]
 
 
 class FinalizeState(enum.Enum):
@@ -72,6 +72,16 @@ class FinalizeState(enum.Enum):
     WRITING = "writing"  # the background write still runs (``blocking=False`` only): call again
     DONE = "done"  # this call completed the pending save: every part is on disk
     NOTHING_PENDING = "nothing_pending"  # no save waited for a finalize
+
+
+class SaveState(enum.Enum):
+    """Where one save stands (``SaveReport.state``): the manager's one marker of a pending save, set only in its
+    module. A plain enum: compare with ``is``."""
+
+    RUNNING = "running"  # ``save_checkpoint`` is at work in the rank (or stopped there by a signal)
+    WRITING = "writing"  # its background write goes on: pending until ``finalize_async_save`` completes it
+    COMPLETED = "completed"  # every part on disk, the metadata written
+    FAILED = "failed"  # it raised; ``failure`` says why
 
 
 @dataclasses.dataclass
@@ -99,8 +109,13 @@ class SaveReport:
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     blocked_seconds: float | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
-    completed: bool = False  # every part on disk: False while an async save's background write runs
+    state: SaveState = SaveState.RUNNING
     failure: str | None = None  # why the save failed ("<class>: <cause>"), as the caller who met the failure was told
+
+    @property
+    def completed(self) -> bool:
+        """Every part on disk (``state`` is ``COMPLETED``): what a commit needs."""
+        return self.state is SaveState.COMPLETED
 
 
 
@@ -176,8 +191,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         # writer, whose copy-on-write image of this process is the snapshot of the tensors (on CPU megatron's
         # "copy to host" returns the live tensors themselves).
         self._async_queue = None
-        self._pending: SaveReport | None = None
-        self.last_save: SaveReport | None = None  # the latest save's report (public: tests and the benchmark read it)
+        self.last_save: SaveReport | None = None  # the latest save's report, its ``state`` the one pending marker
         self._save_strategies: dict[str, tuple[tuple, TorchDistSaveShardedStrategy]] = {}
         self._planned_optimizer_layout: tuple | None = None  # at the optimizer checkpoint's last planning here
         self._forked_saves = 0
@@ -260,7 +274,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         """
         if hdfs_path is not None:
             not_implemented_unless_default(hdfs_path=hdfs_path)
-        if self._pending is not None:  # one save in flight at a time
+        if self.async_save_pending:  # one save in flight at a time
             self.finalize_async_save(blocking=True)
         self.previous_global_step = global_step
         os.makedirs(local_path, exist_ok=True)
@@ -367,7 +381,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         if self._async_queue is None:
             self._async_queue = megatron_core.async_calls_queue()
         self._timed("fork", snapshot_save.fork, self._async_queue, request)
-        self._pending = save
+        save.state = SaveState.WRITING
         save.blocked_seconds = time.monotonic() - save.started
         self._log(f"step {save.global_step}: returned after {save.blocked_seconds:.2f}s; {save.mode.value} runs in the background")
         return save
@@ -376,7 +390,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         """Every part is on disk: rank 0 writes the metadata (``transformer_config.json``, ``ckpt_contents.json``
         last), then upstream's retention."""
         self._timed("metadata", self._write_metadata, save, announce=True)
-        save.completed = True
+        save.state = SaveState.COMPLETED
         self._log(f"wrote step {save.global_step} to {save.local_path} in {time.monotonic() - save.started:.1f}s ({save.mode.value})")
         self.register_checkpoint(save.local_path, save.max_ckpt_to_keep)
         if save.blocked_seconds is None:  # a sync save held training throughout
@@ -393,8 +407,8 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
 
     @property
     def async_save_pending(self) -> bool:
-        """Whether a save's background write is still waiting for ``finalize_async_save``."""
-        return self._pending is not None
+        """Whether a save's background write is still waiting for ``finalize_async_save`` (its state ``WRITING``)."""
+        return self.last_save is not None and self.last_save.state is SaveState.WRITING
 
     def finalize_async_save(self, blocking: bool = True) -> FinalizeState:
         """Complete the pending async save once its background write is durable; all ranks call this.
@@ -405,20 +419,17 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         made from its own writes. Whoever commits a save asks ``completed_save`` once this stops answering
         ``WRITING``: a second caller may have taken the ``DONE``, or the failure.
         """
-        save = self._pending
-        if save is None:
+        save = self.last_save
+        if not self.async_save_pending:
             return FinalizeState.NOTHING_PENDING
-        with self._failure_reported(save):
+        with self._failure_reported(save):  # a failure of the write or of the metadata after it: FAILED
             try:
                 if not self._timed("background_wait", self._async_queue.maybe_finalize_async_calls, blocking):
                     return FinalizeState.WRITING
             except BaseException:
                 megatron_core.drain_write_results()  # megatron's finalize of each write, which reads them, never ran
                 raise
-            finally:
-                if not self._async_queue.get_num_unfinalized_calls():
-                    self._pending = None
-        self._finish_save(save)
+            self._finish_save(save)
         return FinalizeState.DONE
 
     def completed_save(self, local_path: str) -> SaveReport:
@@ -431,7 +442,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
                 f"{local_path} is not the latest save of this manager, which cannot say whether it completed: "
                 "call engine.finalize_checkpoint() before saving through the manager directly"
             )
-        if save is self._pending:
+        if save.state is SaveState.WRITING:
             raise CheckpointError(f"the save of step {save.global_step} into {local_path} is still writing: call finalize_async_save first")
         if not save.completed:
             raise CheckpointError(f"the save of step {save.global_step} into {local_path} did not complete: its write failed ({save.failure})")
@@ -445,7 +456,7 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         except (Exception, DistributedCheckpointException) as exc:  # the latter derives from BaseException
             found = os_errors.explain(exc, save.local_path)  # ENOSPC or another errno, named with the path
             cause = found.describe(save.local_path) if found else (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
-            save.failure = f"{type(exc).__name__}: {cause}"
+            save.failure, save.state = f"{type(exc).__name__}: {cause}", SaveState.FAILED
             raise CheckpointError(f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause})") from exc
 
     @dist_writer.collection_paused()  # no full collection of the trainer's heap set off by this phase's objects

@@ -142,8 +142,7 @@ def space_needed(staging: str, written: int) -> str:
 
 def _step_size(staging: str) -> int:
     """Bytes of the newest committed step of the role ``staging`` is saving (0 when there is none)."""
-    from verl.utils.checkpoint.checkpoint_manager import list_step_dirs
-    from verl.utils.checkpoint.layout import STAGING_SUFFIX
+    from verl.utils.checkpoint.layout import STAGING_SUFFIX, list_step_dirs
 
     step_dir = os.path.dirname(os.path.abspath(staging))
     role = os.path.basename(os.path.abspath(staging)).removesuffix(STAGING_SUFFIX)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from verl.utils.checkpoint import check_audit
-from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, list_step_dirs
+from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 from verl.utils.checkpoint.checksum import is_bulk
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.integrity import (
@@ -220,8 +220,7 @@ def check_before_load(
     """All ranks, before ``manager.load_checkpoint(local_path)``: rank 0 checks the step (``check_step``), or with
     ``checked``, the driver's record of this very step and load, only what that record leaves open; any problem
     fails every rank at once, in one line, before anything loads. ``bridge``: the bridge the model was built
-    through (None: not compared with the step's). Then the committed steps up to this one become
-    ``previous_saved_paths`` (retention of a resumed run prunes them as it would have)."""
+    through (None: not compared with the step's)."""
     transformer_config, hf_config = getattr(manager, "transformer_config", None), getattr(manager, "hf_config", None)
     target = load_target(manager, bridge)
 
@@ -246,7 +245,6 @@ def check_before_load(
             "Adam's moments and step start from zero and the LR schedule from its start",
             stacklevel=2,
         )
-    manager.previous_saved_paths = saved_steps_up_to(local_path)
 
 
 def one_line(text: str) -> str:
@@ -289,11 +287,3 @@ def resume_check_metrics(driver: dict, ranks: list[dict]) -> dict[str, int | boo
         "driver_record_taken": any(kind == check_audit.RECORD for checks in ranks for (kind, _) in checks),
     }
 
-
-def saved_steps_up_to(local_path: str) -> list[str]:
-    """The committed ``global_step_N/<role>`` directories beside ``local_path`` up to its step, oldest first."""
-    path = os.path.abspath(local_path.rstrip("/"))
-    role, step_dir = os.path.basename(path), os.path.dirname(path)
-    root = os.path.dirname(step_dir)
-    found = [os.path.join(d, role) for _, d in list_step_dirs(root) if os.path.isdir(os.path.join(d, role))]
-    return found[: found.index(path) + 1] if path in found else [path]

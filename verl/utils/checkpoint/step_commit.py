@@ -9,7 +9,8 @@ into the staging directory the transaction hands out; the transaction does every
    reused, the rest computed);
 4. fsync of what rank 0 wrote (every other file was fsynced by the rank that wrote it before this phase's
    gather: ``durability``) + one rename of the staging directory into place (an older copy goes only after);
-5. retention: the writer's ``previous_saved_paths``, upstream's ``max_ckpt_to_keep`` rule, never the tracked step;
+5. retention: upstream's ``max_ckpt_to_keep`` rule over the steps committed on disk up to this one, never the
+   tracked step (``stale_steps``: the disk is the list, so no object keeps one);
 6. the step's other files (the driver's ``data.pt``), written atomically beside the role's directory;
 7. the tracker, last: only now does a resume take this step.
 
@@ -38,19 +39,19 @@ import torch
 
 from verl.utils.checkpoint import layout, os_errors
 from verl.utils.checkpoint.durability import fsync_unsealed
-from verl.utils.checkpoint.errors import CheckpointError
+from verl.utils.checkpoint.errors import CheckpointError, TrackerError
 from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_hf_checkpoint
 from verl.utils.checkpoint.integrity import FORMAT_VERSION, BridgeRecord, build_manifest
+from verl.utils.checkpoint.tracker import read_tracker
 from verl.utils.fs import atomic_open, atomic_write_text, fsync_path
 from verl.utils.rank_comm import describe
 
 
 class Retention(Protocol):
-    """Upstream's retention interface (``BaseCheckpointManager``): the saved steps, oldest first, and the rule."""
+    """What removes the steps retention drops: upstream's ``BaseCheckpointManager.remove_previous_save_local_path``
+    (every rank may call it on a shared filesystem). Which steps go is the transaction's decision (``stale_steps``)."""
 
-    previous_saved_paths: list[str]
-
-    def register_checkpoint(self, new_path: str, max_ckpt_to_keep: int | None) -> None: ...
+    def remove_previous_save_local_path(self, path: str | list[str]) -> None: ...
 
 
 T = TypeVar("T")
@@ -77,6 +78,22 @@ def from_rank_zero(work: Callable[[], T], what: str, path: str) -> T:
     if not ok:
         raise CheckpointError(value)
     return value
+
+
+def stale_steps(root: str, role: str, step: int, max_ckpt_to_keep: int | None) -> list[str]:
+    """The committed ``global_step_N/<role>`` directories retention removes once ``step`` is committed: all but the
+    newest ``max_ckpt_to_keep`` (0 or None: keep all) of those on disk up to ``step``, never the one the tracker
+    names (an unreadable tracker: none). Listed from disk, so a resumed run prunes the steps before it as the
+    run that saved them would have; steps past ``step`` (a run resumed from an earlier point) are left for its
+    later saves to replace."""
+    if not (isinstance(max_ckpt_to_keep, int) and max_ckpt_to_keep > 0):
+        return []
+    try:
+        tracked = read_tracker(root)
+    except TrackerError:
+        return []
+    saved = [(number, os.path.join(path, role)) for number, path in layout.list_step_dirs(root) if number <= step and os.path.isdir(os.path.join(path, role))]
+    return [path for number, path in saved[: max(len(saved) - max_ckpt_to_keep, 0)] if number != tracked]
 
 
 def _put_back(role_path: str) -> bool:
@@ -127,7 +144,7 @@ class StepSpec:
     both; None: no bridge recorded). ``sealed``: this rank's checksums of the files it wrote, relative paths, once
     each is fsynced with its directory (called after the writer finished, before the gather: ``durability``); the
     commit fsyncs only what no rank sealed.
-    ``retention``: whose saved steps ``max_ckpt_to_keep`` applies to (None: no retention). ``step_files``:
+    ``retention``: what removes the steps ``max_ckpt_to_keep`` drops (None: no retention). ``step_files``:
     name -> bytes written beside the role's directory after the commit; ``track``: then move the tracker.
     ``on_phase``: called on every rank as each phase starts (crash-injection tests, benchmarks), ``discard`` (a
     failure's cleanup) included."""
@@ -221,7 +238,11 @@ class StepCommit:
         a report whose ``local_path`` is the staging directory and whose ``completed`` is true (the manager's
         ``completed_save(staging)``); None while it is still writing. Any other answer (a ``FinalizeState``,
         True, another directory's report) is a caller's mistake: ``TypeError``, and the step stays pending,
-        nothing discarded. A failure of the writer or of the commit discards the step and raises."""
+        nothing discarded. A failure of the writer or of the commit discards the step and raises. Once committed,
+        every later call returns the same record without asking ``wait``: each caller that follows the recipe
+        (docs/checkpoint.md) gets the step, whichever of them committed it."""
+        if self.committed is not None:
+            return self.committed
         start = time.monotonic()
         try:
             proof = wait(blocking)
@@ -260,9 +281,7 @@ class StepCommit:
         with self._phase("retention"):
             retention = self.spec.retention
             if retention is not None:  # every rank (removal tolerates a shared filesystem)
-                # the committed path takes the place of the staging directory the writer registered as its save
-                retention.previous_saved_paths = [p for p in retention.previous_saved_paths if os.path.abspath(p) != self.staging]
-                retention.register_checkpoint(self.path, self.spec.max_ckpt_to_keep)
+                retention.remove_previous_save_local_path(stale_steps(self.root, self.spec.role, self.step, self.spec.max_ckpt_to_keep))
             torch.distributed.barrier()
         if self.spec.step_files or self.spec.track:
             with self._phase("tracker"):
