@@ -18,7 +18,7 @@ from .engine import McoreEngineConfig
 from .model import HFModelConfig
 from .rollout import RolloutConfig
 
-__all__ = ["build_megatron_actor_configs", "megatron_worker_config"]
+__all__ = ["build_megatron_actor_configs", "megatron_worker_config", "megatron_worker_config_problems"]
 
 ACTOR_KEY = "actor_rollout_ref.actor"
 
@@ -63,3 +63,28 @@ def megatron_worker_config(node: Mapping, actor: McoreActorConfig | None = None,
     config["rollout"] = _build(node["rollout"], RolloutConfig, f"{path}.rollout")
     config["ref"] = {**node["ref"], "megatron": _build(node["ref"].get("megatron"), McoreEngineConfig, f"{path}.ref.megatron")}
     return config
+
+
+def megatron_worker_config_problems(node: Mapping, path: str = "actor_rollout_ref") -> list[str]:
+    """What :func:`megatron_worker_config` would refuse in ``node``, one line per node that does not build,
+    each naming the Hydra key: the pre-start check reports them all at once instead of the worker raising
+    the first one after Ray starts. The actor's ``checkpoint`` and ``optim`` are built on their own so a
+    problem in each is reported next to one in the rest of the actor."""
+    actor = dict(node.get("actor") or {})
+    parts: list[tuple[Any, type, str]] = [
+        ({name: actor.get(name)}, McoreActorConfig, f"{path}.actor") for name in ("checkpoint", "optim")
+    ]
+    parts += [
+        ({k: v for k, v in actor.items() if k not in ("checkpoint", "optim")}, McoreActorConfig, f"{path}.actor"),
+        (node.get("model"), HFModelConfig, f"{path}.model"),
+        (node.get("rollout"), RolloutConfig, f"{path}.rollout"),
+        ((node.get("ref") or {}).get("megatron"), McoreEngineConfig, f"{path}.ref.megatron"),
+    ]
+    problems = []
+    for part, cls, key in parts:
+        try:
+            _build(part, cls, key)
+        except ValueError as exc:
+            if str(exc) not in problems:
+                problems.append(str(exc))
+    return problems
