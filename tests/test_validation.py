@@ -172,6 +172,19 @@ def test_a_value_the_workers_typed_configs_refuse_is_one_pre_start_line(tmp_path
     assert check_config(config, path) == [f"{key}{message}"]
 
 
+def test_a_null_megatron_override_is_no_override_as_upstream(tmp_path):
+    from omegaconf import OmegaConf
+
+    from verl.trainer.validation import check_config
+    from verl.workers.config import megatron_worker_config
+
+    config, path = _trainer_config(tmp_path, tiny_hf_config_dict("moe"))
+    config.merge_with_dotlist(["actor_rollout_ref.actor.megatron.override_ddp_config=null", "actor_rollout_ref.actor.megatron.override_transformer_config=null"])
+    assert check_config(config, path) == []
+    built = megatron_worker_config(OmegaConf.to_container(config.actor_rollout_ref, resolve=True))
+    assert built["actor"].megatron.override_ddp_config == {} and built["actor"].megatron.override_transformer_config == {}
+
+
 def test_prepare_refuses_a_typed_config_value_as_a_config_error(tmp_path):
     """``prepare`` is what the CLI runs first; a ConfigError is its one-line message and exit 2, a bare
     ValueError would be a traceback. Its later builds of the actor config (the resume check's, the schedule's)
