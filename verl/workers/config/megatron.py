@@ -16,11 +16,21 @@ from verl.utils.config import omega_conf_to_dataclass
 from .actor import McoreActorConfig
 from .engine import McoreEngineConfig
 from .model import HFModelConfig
+from .optimizer import _number
 from .rollout import RolloutConfig
 
 __all__ = ["build_megatron_actor_configs", "megatron_worker_config", "megatron_worker_config_problems"]
 
 ACTOR_KEY = "actor_rollout_ref.actor"
+# The untyped keys of the ``ref`` node the reference's forward pass reads.
+REF_LOG_PROB_KEYS = ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
+
+
+def _require(node: Mapping, keys: tuple[str, ...], path: str) -> None:
+    """A hand-built node missing a key the worker reads is one line naming the Hydra key, not a KeyError on a rank."""
+    missing = [f"{path}.{key}" for key in keys if key not in node]
+    if missing:
+        raise ValueError(f"missing {missing}: the worker reads them (ppo_megatron_trainer.yaml has their defaults)")
 
 
 def _build(node: Any, cls: type, path: str) -> Any:
@@ -54,10 +64,14 @@ def build_megatron_actor_configs(
 
 def megatron_worker_config(node: Mapping, actor: McoreActorConfig | None = None, path: str = "actor_rollout_ref") -> dict:
     """The ``actor_rollout_ref`` node as the worker reads it: a dict whose ``model``, ``actor``, ``rollout`` and
-    ``ref.megatron`` are typed configs (``HFModelConfig``, ``McoreActorConfig``, ``RolloutConfig``, ``McoreEngineConfig``).
+    ``ref.megatron`` are typed configs (``HFModelConfig``, ``McoreActorConfig``, ``RolloutConfig``, ``McoreEngineConfig``)
+    and ``nccl_timeout`` is seconds as a float; the ``ref`` keys the reference pass reads are checked present.
     ``actor``: the one the trainer built (its schedule's length filled in); nodes already typed pass through,
     so the worker's own call on what the trainer sent builds nothing again. Raises ValueError naming the key."""
+    _require(node, ("model", "actor", "rollout", "ref", "nccl_timeout"), path)
+    _require(node["ref"], REF_LOG_PROB_KEYS, f"{path}.ref")
     config = dict(node)
+    config["nccl_timeout"] = _number(path, "nccl_timeout", node["nccl_timeout"], minimum=0.0)
     config["model"] = _build(node["model"], HFModelConfig, f"{path}.model")
     config["actor"] = actor if actor is not None else build_megatron_actor_configs(node["actor"], path=f"{path}.actor")
     config["rollout"] = _build(node["rollout"], RolloutConfig, f"{path}.rollout")
