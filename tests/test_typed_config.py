@@ -102,6 +102,11 @@ def test_omega_conf_to_dataclass_follows_target_and_names_unknown_keys():
     built = omega_conf_to_dataclass({"_target_": "verl.workers.config.McoreOptimizerConfig", "lr": 0.5})
     assert type(built) is McoreOptimizerConfig and built.lr == 0.5
     assert omega_conf_to_dataclass(built) is built  # already built: passed through, not re-parsed
+    assert omega_conf_to_dataclass(built, OptimizerConfig) is built  # a subclass is one
+    with pytest.raises(ValueError, match=re.escape("got a built McoreOptimizerConfig where a RolloutConfig is expected")):
+        omega_conf_to_dataclass(built, RolloutConfig)
+    with pytest.raises(ValueError, match=re.escape("actor_rollout_ref.rollout: got a built McoreEngineConfig where a RolloutConfig is expected")):
+        megatron_worker_config({**OmegaConf.to_container(_hydra().actor_rollout_ref, resolve=True), "rollout": McoreEngineConfig()})
     assert omega_conf_to_dataclass({}, CheckpointConfig) == CheckpointConfig()
     with pytest.raises(ValueError, match=r"McoreOptimizerConfig has no field\(s\) \['lrr'\]"):
         omega_conf_to_dataclass({"lrr": 1.0}, McoreOptimizerConfig)
