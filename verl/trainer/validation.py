@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,6 +91,7 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
     typed = not problems
     problems += _guarded(typed, _check_trainer, config)
     problems += _guarded(typed, _check_actor, config)
+    problems += _check_typed_configs(config, problems)
     model = None
     if model_path is not None:
         model, model_problems = _read_model(model_path)
@@ -258,6 +260,18 @@ def _check_resume(trainer: Any) -> list[str]:
     return []
 
 
+def _check_typed_configs(config: Any, reported: list[str]) -> list[str]:
+    """The typed configs the worker builds check themselves (dtype, optim, checkpoint, the bools, ...): built
+    here too, so a value they refuse is one line before the run starts, not a traceback from a rank. A key
+    an earlier check named (a mistyped one, say) is not reported twice."""
+    def key(problem: str) -> str:  # each line starts with the key it names
+        return re.match(r"[^\s=:]*", problem).group()
+
+    named = {key(problem) for problem in reported}
+    found = megatron_worker_config_problems(OmegaConf.to_container(config.actor_rollout_ref, resolve=True))
+    return [problem for problem in found if key(problem) not in named]
+
+
 def _check_actor(config: Any) -> list[str]:
     actor = config.actor_rollout_ref.actor
     megatron, checkpoint = actor.megatron, actor.checkpoint
@@ -277,9 +291,6 @@ def _check_actor(config: Any) -> list[str]:
         problems.append(f"{_MEGATRON}context_parallel_size={megatron.context_parallel_size}: the update step does not split sequences over context-parallel ranks yet; set {_MEGATRON}context_parallel_size=1")
     if int(megatron.tensor_model_parallel_size) > 1 and not megatron.sequence_parallel:
         problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: both bridges build with sequence parallelism when TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
-    # The typed configs the worker builds check themselves (dtype, optim, checkpoint, the bools, ...): built
-    # here too, so a value they refuse is one line before the run starts, not a traceback from a rank.
-    problems += megatron_worker_config_problems(OmegaConf.to_container(config.actor_rollout_ref, resolve=True))
     if _positive_int(config.trainer.save_freq) and not list(checkpoint.save_contents):
         problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={config.trainer.save_freq}; list what to save or set trainer.save_freq=-1")
     return problems
