@@ -102,6 +102,11 @@ def test_omega_conf_to_dataclass_follows_target_and_names_unknown_keys():
     built = omega_conf_to_dataclass({"_target_": "verl.workers.config.McoreOptimizerConfig", "lr": 0.5})
     assert type(built) is McoreOptimizerConfig and built.lr == 0.5
     assert omega_conf_to_dataclass(built) is built  # already built: passed through, not re-parsed
+    assert omega_conf_to_dataclass(built, OptimizerConfig) is built  # a subclass is one
+    with pytest.raises(ValueError, match=re.escape("got a built McoreOptimizerConfig where a RolloutConfig is expected")):
+        omega_conf_to_dataclass(built, RolloutConfig)
+    with pytest.raises(ValueError, match=re.escape("actor_rollout_ref.rollout: got a built McoreEngineConfig where a RolloutConfig is expected")):
+        megatron_worker_config({**OmegaConf.to_container(_hydra().actor_rollout_ref, resolve=True), "rollout": McoreEngineConfig()})
     assert omega_conf_to_dataclass({}, CheckpointConfig) == CheckpointConfig()
     with pytest.raises(ValueError, match=r"McoreOptimizerConfig has no field\(s\) \['lrr'\]"):
         omega_conf_to_dataclass({"lrr": 1.0}, McoreOptimizerConfig)
@@ -134,6 +139,21 @@ def test_the_worker_configs_are_built_once_from_the_hydra_node():
     with pytest.raises(ValueError, match=re.escape("actor_rollout_ref.rollout.n must be >= 1, got 0")):
         megatron_worker_config({**node, "rollout": {**node["rollout"], "n": 0}})
 
+
+
+def test_a_hand_built_worker_node_missing_or_mistyping_a_plain_key_is_one_line_naming_it():
+    """``nccl_timeout`` and the reference pass's ``ref.log_prob_*`` keys are not in a typed config; the worker
+    reads them, so the builder checks them rather than a rank raising a bare KeyError."""
+    node = OmegaConf.to_container(_hydra().actor_rollout_ref, resolve=True)
+    assert megatron_worker_config(node)["nccl_timeout"] == 600.0
+    without_timeout = {k: v for k, v in node.items() if k != "nccl_timeout"}
+    with pytest.raises(ValueError, match=re.escape("missing ['actor_rollout_ref.nccl_timeout']")):
+        megatron_worker_config(without_timeout)
+    with pytest.raises(ValueError, match=re.escape("actor_rollout_ref.nccl_timeout must be a number, got 'long'")):
+        megatron_worker_config({**node, "nccl_timeout": "long"})
+    ref = {k: v for k, v in node["ref"].items() if k != "log_prob_use_dynamic_bsz"}
+    with pytest.raises(ValueError, match=re.escape("missing ['actor_rollout_ref.ref.log_prob_use_dynamic_bsz']")):
+        megatron_worker_config({**node, "ref": ref})
 
 @pytest.mark.parametrize(
     "node, message",

@@ -148,3 +148,55 @@ def test_a_megatron_bridge_release_other_than_the_tested_one_is_refused_in_one_l
     dist_info.rename(packages / "megatron_bridge-0.6.2.dist-info")
     (packages / "megatron_bridge-0.6.2.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-bridge\nVersion: 0.6.2\n")
     assert check_config(config, path) == []
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("actor_rollout_ref.actor.use_torch_compile", "0", " must be true or false, got 0"),
+        ("actor_rollout_ref.actor.kl_loss_coef", "-0.1", "=-0.1 must be >= 0: the KL loss would reward drifting from the reference"),
+        ("actor_rollout_ref.rollout.val_kwargs.top_p", "-1", " must be >= 0.0, got -1"),
+        ("actor_rollout_ref.rollout.calculate_log_probs", "1", " must be true or false, got 1"),
+        ("actor_rollout_ref.model.trust_remote_code", "1", " must be true or false, got 1"),
+        ("actor_rollout_ref.ref.megatron.seed", "1.5", " must be an integer, got 1.5"),
+        ("actor_rollout_ref.ref.megatron.use_megatron_fsdp", "1", " must be true or false, got 1"),
+    ],
+)
+def test_a_value_the_workers_typed_configs_refuse_is_one_pre_start_line(tmp_path, key, value, message):
+    """The worker builds its typed configs after Ray starts; the pre-start check builds them too, so a value they
+    refuse is reported there, as the one line that names the Hydra key, with nothing started."""
+    from verl.trainer.validation import check_config
+
+    config, path = _trainer_config(tmp_path, tiny_hf_config_dict("moe"))
+    config.merge_with_dotlist([f"{key}={value}"])
+    assert check_config(config, path) == [f"{key}{message}"]
+
+
+def test_a_null_megatron_override_is_no_override_as_upstream(tmp_path):
+    from omegaconf import OmegaConf
+
+    from verl.trainer.validation import check_config
+    from verl.workers.config import megatron_worker_config
+
+    config, path = _trainer_config(tmp_path, tiny_hf_config_dict("moe"))
+    config.merge_with_dotlist(["actor_rollout_ref.actor.megatron.override_ddp_config=null", "actor_rollout_ref.actor.megatron.override_transformer_config=null"])
+    assert check_config(config, path) == []
+    built = megatron_worker_config(OmegaConf.to_container(config.actor_rollout_ref, resolve=True))
+    assert built["actor"].megatron.override_ddp_config == {} and built["actor"].megatron.override_transformer_config == {}
+
+
+def test_prepare_refuses_a_typed_config_value_as_a_config_error(tmp_path):
+    """``prepare`` is what the CLI runs first; a ConfigError is its one-line message and exit 2, a bare
+    ValueError would be a traceback. Its later builds of the actor config (the resume check's, the schedule's)
+    go through ``actor_configs``, which turns a refusal into a ConfigError too."""
+    from verl.trainer.main_ppo import prepare
+    from verl.trainer.validation import ConfigError, actor_configs
+
+    config, path = _trainer_config(tmp_path, tiny_hf_config_dict("moe"))
+    config.merge_with_dotlist([f"actor_rollout_ref.model.path={path}", "trainer.device=cpu", "actor_rollout_ref.actor.use_torch_compile=0"])
+    with pytest.raises(ConfigError) as raised:
+        prepare(config)
+    assert raised.value.problems == ["actor_rollout_ref.actor.use_torch_compile must be true or false, got 0"]
+    with pytest.raises(ConfigError) as raised:
+        actor_configs(config.actor_rollout_ref.actor)
+    assert raised.value.problems == ["actor_rollout_ref.actor.use_torch_compile must be true or false, got 0"]

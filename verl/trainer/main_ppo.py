@@ -35,6 +35,7 @@ from verl.trainer.run_control import StopSignals, output_dir, stop_message, take
 from verl.trainer.upstream_keys import ignored_settings
 from verl.trainer.validation import (
     ConfigError,
+    actor_configs,
     check_async_mode,
     check_cluster,
     check_config,
@@ -45,7 +46,7 @@ from verl.trainer.validation import (
 )
 from verl.utils.checkpoint.dir_lock import DirLock, DirLockError
 from verl.utils.logging_utils import silence_library_notices
-from verl.workers.config import McoreActorConfig, build_megatron_actor_configs
+from verl.workers.config import McoreActorConfig
 
 EXIT_CONFIG_ERROR = 2
 EMBEDDED_MODEL_NAME = "tiny_qwen3_moe_l4_e8_v1"
@@ -111,13 +112,13 @@ def prepare(config) -> RunPlan:
             problems = data_position_problems(resume[1], config.data, len(data.train))
             if problems:
                 raise ConfigError(problems)
-        actor_configs = build_megatron_actor_configs(config.actor_rollout_ref.actor, total_training_steps=data.total_training_steps)
+        actor = actor_configs(config.actor_rollout_ref.actor, total_training_steps=data.total_training_steps)
     except ConfigError:
         if dir_lock is not None:
             dir_lock.discard()
         raise
     return RunPlan(
-        model_path=model_path, device=device, cluster=cluster, resume=resume, resume_checked=resume_checked, actor_configs=actor_configs,
+        model_path=model_path, device=device, cluster=cluster, resume=resume, resume_checked=resume_checked, actor_configs=actor,
         dir_lock=dir_lock, data=data, tokenizer=tokenizer,
     )  # fmt: skip
 

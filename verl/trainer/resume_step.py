@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl.trainer.config.keys import ACTOR as _ACTOR
-from verl.trainer.validation import ConfigError
+from verl.trainer.validation import ConfigError, actor_configs
 from verl.utils.checkpoint.layout import DATA_STATE_FILENAME, STEP_DIR_RE
-from verl.workers.config import build_megatron_actor_configs
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ def check_resume_step(config: Any, model_path: str | None = None) -> ResumeStep 
     trainer = config.trainer
     if trainer.resume_mode == "disable":
         return None
-    actor = build_megatron_actor_configs(config.actor_rollout_ref.actor)
+    actor = actor_configs(config.actor_rollout_ref.actor)
     target = LoadTarget(
         load_contents=tuple(actor.checkpoint.load_contents),
         use_distributed_optimizer=actor.megatron.use_distributed_optimizer,

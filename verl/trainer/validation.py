@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +29,12 @@ from verl.utils.internals.megatron_bridge import megatron_bridge_install_problem
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
 from verl.utils.tracking import BACKEND_PACKAGES
 from verl.utils.tracking import BACKENDS as LOGGER_BACKENDS
-from verl.workers.config import build_megatron_actor_configs, megatron_param_dtype
+from verl.workers.config import (
+    McoreActorConfig,
+    build_megatron_actor_configs,
+    megatron_param_dtype,
+    megatron_worker_config_problems,
+)
 
 RESUME_MODES = ("auto", "disable", "resume_path")
 DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -46,6 +52,15 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = list(problems)
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+def actor_configs(actor: Any, total_training_steps: int | None = None) -> McoreActorConfig:
+    """``build_megatron_actor_configs`` for the trainer's own steps: a refused value is a ConfigError (the one-line
+    message and exit 2 of every other config problem), not a ValueError traceback."""
+    try:
+        return build_megatron_actor_configs(actor, total_training_steps=total_training_steps)
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from exc
 
 
 def world_size(config: Any) -> int:
@@ -76,6 +91,7 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
     typed = not problems
     problems += _guarded(typed, _check_trainer, config)
     problems += _guarded(typed, _check_actor, config)
+    problems += _check_typed_configs(config, problems)
     model = None
     if model_path is not None:
         model, model_problems = _read_model(model_path)
@@ -244,6 +260,18 @@ def _check_resume(trainer: Any) -> list[str]:
     return []
 
 
+def _check_typed_configs(config: Any, reported: list[str]) -> list[str]:
+    """The typed configs the worker builds check themselves (dtype, optim, checkpoint, the bools, ...): built
+    here too, so a value they refuse is one line before the run starts, not a traceback from a rank. A key
+    an earlier check named (a mistyped one, say) is not reported twice."""
+    def key(problem: str) -> str:  # each line starts with the key it names
+        return re.match(r"[^\s=:]*", problem).group()
+
+    named = {key(problem) for problem in reported}
+    found = megatron_worker_config_problems(OmegaConf.to_container(config.actor_rollout_ref, resolve=True))
+    return [problem for problem in found if key(problem) not in named]
+
+
 def _check_actor(config: Any) -> list[str]:
     actor = config.actor_rollout_ref.actor
     megatron, checkpoint = actor.megatron, actor.checkpoint
@@ -263,16 +291,6 @@ def _check_actor(config: Any) -> list[str]:
         problems.append(f"{_MEGATRON}context_parallel_size={megatron.context_parallel_size}: the update step does not split sequences over context-parallel ranks yet; set {_MEGATRON}context_parallel_size=1")
     if int(megatron.tensor_model_parallel_size) > 1 and not megatron.sequence_parallel:
         problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: both bridges build with sequence parallelism when TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
-    try:
-        megatron_param_dtype(megatron.dtype, key=f"{_MEGATRON}dtype")
-    except ValueError as exc:
-        problems.append(str(exc))
-    # checkpoint.* and optim.*: the typed configs check themselves (one problem each, naming the key).
-    for node in ("checkpoint", "optim"):
-        try:
-            build_megatron_actor_configs({node: actor.get(node)}, path=_ACTOR)
-        except ValueError as exc:
-            problems.append(str(exc))
     if _positive_int(config.trainer.save_freq) and not list(checkpoint.save_contents):
         problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={config.trainer.save_freq}; list what to save or set trainer.save_freq=-1")
     return problems
@@ -475,8 +493,6 @@ def _check_kl_loss(config: Any) -> list[str]:
     problems = []
     if actor.kl_loss_type not in KL_LOSS_TYPES:
         problems.append(f"{_ACTOR}.kl_loss_type={actor.kl_loss_type} is not implemented here (one of {list(KL_LOSS_TYPES[:7])}, or one of them with '+'); set {_ACTOR}.kl_loss_type=low_var_kl")
-    if float(actor.kl_loss_coef) < 0:
-        problems.append(f"{_ACTOR}.kl_loss_coef={actor.kl_loss_coef} must be >= 0")
     megatron = actor.megatron
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size"):
         theirs, ours = ref.megatron[key], megatron[key]

@@ -38,9 +38,12 @@ def omega_conf_to_dataclass(config: Any, dataclass_type: type | None = None) -> 
     """Build ``dataclass_type`` (or the class the node's ``_target_`` names) from ``config``.
 
     An empty node gives the class's defaults (None without a class, as upstream); a config object that
-    is already built is returned as it is.
+    is already built is returned as it is when it is a ``dataclass_type`` (a wrong class is refused here,
+    not later as a missing attribute).
     """
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        if dataclass_type is not None and not isinstance(config, dataclass_type):
+            raise ValueError(f"got a built {type(config).__name__} where a {dataclass_type.__name__} is expected")
         return config
     if not config:
         return None if dataclass_type is None else dataclass_type()

@@ -65,7 +65,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         self._is_offload_param = megatron.param_offload
         self._is_offload_grad = megatron.grad_offload
         self._is_offload_optimizer = megatron.optimizer_offload
-        self.init_megatron(self.sizes, seed=megatron.seed, timeout_s=float(config["nccl_timeout"]))
+        self.init_megatron(self.sizes, seed=megatron.seed, timeout_s=config["nccl_timeout"])
         self.actor = None
         self.ref = None
         self.ppo_actor = None

@@ -87,8 +87,12 @@ class ActorConfig(BaseConfig):
             _positive(owner, name, getattr(self, name), optional=True)
         for name in ("use_dynamic_bsz", "shuffle", "use_kl_loss", "use_torch_compile"):
             _boolean(owner, name, getattr(self, name))
-        for name in ("clip_ratio", "clip_ratio_c", "kl_loss_coef"):
+        for name in ("clip_ratio", "clip_ratio_c"):
             self._normalize(name, _number(owner, name, getattr(self, name), minimum=0.0))
+        coef = _number(owner, "kl_loss_coef", self.kl_loss_coef)
+        if coef < 0:  # the value as given (-1, not -1.0) in the message
+            raise ValueError(f"{owner}.kl_loss_coef={self.kl_loss_coef} must be >= 0: the KL loss would reward drifting from the reference")
+        self._normalize("kl_loss_coef", coef)
         self._normalize("entropy_coeff", _number(owner, "entropy_coeff", self.entropy_coeff))
         for name in ("clip_ratio_low", "clip_ratio_high", "loss_scale_factor"):
             if getattr(self, name) is not None:

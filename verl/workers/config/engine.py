@@ -161,5 +161,7 @@ class McoreEngineConfig(EngineConfig):
         for name in ("sequence_parallel", "use_distributed_optimizer", "use_dist_checkpointing", "use_mbridge", "vanilla_mbridge", "use_megatron_fsdp"):
             _boolean(owner, name, getattr(self, name))
         for name in ("override_ddp_config", "override_transformer_config", "override_mcore_model_config"):
+            if getattr(self, name) is None:  # null overrides nothing (upstream accepts it the same way)
+                self._normalize(name, {})
             if not isinstance(getattr(self, name), Mapping):
                 raise ValueError(f"{owner}.{name} must be a mapping, got {getattr(self, name)!r}")
