@@ -35,9 +35,10 @@ def converts_weights_on_save() -> bool:
 
 def as_saved(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` (the model's names) under the names and shapes ``save_pretrained`` writes:
-    ``core_model_loading.revert_weight_conversion``, what transformers 5's save calls. The per-expert tensors
-    it returns are views of the fused ones, so writing into them writes the model. Before 5.0 nothing is
-    converted. On 5.x without the internal: ``InternalsChangedError`` (no public path gives the file names)."""
+    ``core_model_loading.revert_weight_conversion``, what transformers 5's save calls. A split tensor may be a
+    view of the fused one (5.10) or a copy (5.19 makes each half of ``gate_up_proj`` contiguous): to write the
+    model, use ``parameters_as_saved``. Before 5.0 nothing is converted. On 5.x without the internal:
+    ``InternalsChangedError`` (no public path gives the file names)."""
     if not converts_weights_on_save():
         return state
     return REVERT_WEIGHT_CONVERSION.get()(model, dict(state))
@@ -52,3 +53,43 @@ def no_init_weights() -> contextlib.AbstractContextManager:
         return internal.get()()
     except InternalsChangedError:  # speed only, never correctness
         return contextlib.nullcontext()
+
+
+def parameters_as_saved(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters under the names and shapes its files hold, each a view of the model, so copying a
+    file's tensor into it writes the model (the rollout's weight sync). Where the conversion returns a copy, the
+    copy is replaced by the strided view of its parameter that holds the same elements, found by converting that
+    parameter's element indices. ``InternalsChangedError`` where a file's tensor is no strided view of one
+    parameter: a copy would take the weights and leave the model as it was."""
+    params = {name: param.detach() for name, param in model.named_parameters()}
+    saved = as_saved(model, params)
+    model_storages = {param.untyped_storage().data_ptr() for param in params.values()}
+    copied = {name for name, tensor in saved.items() if tensor.untyped_storage().data_ptr() not in model_storages}
+    viewed = {tensor.untyped_storage().data_ptr() for name, tensor in saved.items() if name not in copied}
+    for source, param in params.items():
+        if not copied or param.untyped_storage().data_ptr() in viewed:
+            continue
+        indices = as_saved(model, {source: torch.arange(param.numel(), dtype=torch.float64).view(param.shape)})
+        for name in copied & indices.keys():
+            view = _strided_view(param, indices[name]) if indices[name].shape == saved[name].shape else None
+            if view is not None:
+                saved[name] = view
+                copied.discard(name)
+    if copied:
+        raise REVERT_WEIGHT_CONVERSION.changed(f"returns {sorted(copied)[:3]} as copies that are no strided view of one parameter")
+    return saved
+
+
+def _strided_view(param: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
+    """The view of the contiguous ``param`` whose elements are ``param.view(-1)[indices]``, or None if none is."""
+    if not param.is_contiguous() or indices.numel() == 0:
+        return None
+    offset = int(indices.reshape(-1)[0])
+    strides = [int(indices.select(dim, 1).reshape(-1)[0]) - offset if size > 1 else 1 for dim, size in enumerate(indices.shape)]
+    last = offset + sum((size - 1) * stride for size, stride in zip(indices.shape, strides, strict=True))
+    if min(strides, default=1) < 0 or last >= param.numel():
+        return None
+    every = torch.arange(param.numel(), dtype=torch.float64)
+    if not torch.equal(every.as_strided(indices.shape, strides, offset), indices):
+        return None
+    return param.as_strided(indices.shape, strides, param.storage_offset() + offset)

@@ -44,8 +44,7 @@ class InMemoryHFRollout:
         self.module = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device).eval()
         # Keyed by the names the actor exports (the HF files'): on transformers 5 a fused expert parameter is
         # reached through per-expert views of it.
-        own = {name: param.detach() for name, param in self.module.named_parameters()}
-        self._parameters = transformers_internals.as_saved(self.module, own)
+        self._parameters = transformers_internals.parameters_as_saved(self.module)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy ``(hf_name, tensor)`` pairs into the model; every parameter must arrive exactly once."""
