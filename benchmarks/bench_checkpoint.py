@@ -7,7 +7,7 @@ each layout -- (TP,PP,EP,ETP) = (2,2,2,2) on 8 ranks, (1,2,2,1) on 4 and (1,1,1,
    holds state, and counts its model + optimizer state bytes (params, grads, Adam moments);
 2. saves a full checkpoint (model, optimizer, extra, hf_model) through MegatronCheckpointManager
    three times (cold, plan validated, warm: the plan reused); the manager's own phase times are read
-   from the save's report (``MegatronCheckpointManager.last_save.phase_seconds``, commit step included);
+   from the committed record (``MegatronEngine.last_committed.phase_seconds``: the writer's phases and the commit's);
 3. saves it twice more with ``async_save``, once with each async writer (``checkpoint.async_mode``, set on
    the manager between saves): ``snapshot`` (the fourth save of one structure: the whole save runs in a
    process forked from each rank), then ``background_write`` (checked, planned and HF-exported in the rank,
@@ -194,7 +194,7 @@ def _save(actor, step_dir: str, step: int, peak: PeakRSS) -> dict:
     out["save_s"] = _timed_collective(lambda: (actor.save_checkpoint(step_dir, global_step=step), ended.append(time.monotonic())))
     out["peak"] = peak.stop()
     if torch.distributed.get_rank() == 0:
-        out["phases"] = dict(actor.checkpoint_manager.last_save.phase_seconds)  # the save's report, commit step included
+        out["phases"] = dict(actor.last_committed.phase_seconds)  # the committed record: the writer's phases and the commit's
         out["bytes"] = {
             **{f"{content}_dist_ckpt": tree_bytes(layout.dist_path(step_dir, content)) for content in ("model", "optimizer", "extra")},
             "huggingface": tree_bytes(layout.hf_path(step_dir)),
@@ -222,7 +222,7 @@ def _save_async(actor, step_dir: str, step: int, peak: PeakRSS, mode: str) -> di
     out["hf_weights_in_background"] = report.hf_weights_in_background
     out["phases"] = dict(report.phase_seconds)  # in the rank, before save_checkpoint returned
     out["finalize_s"] = _timed_collective(actor.finalize_checkpoint)
-    out["phases_after_finalize"] = dict(report.phase_seconds)
+    out["phases_after_finalize"] = dict(actor.last_committed.phase_seconds)
     out["peak"] = peak.stop()
     manager.async_save = False
     return out

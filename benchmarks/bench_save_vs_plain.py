@@ -149,8 +149,7 @@ def rank_main(model_path: str, work: str, pairs: int) -> dict:
                 actor.save_checkpoint(step_dir, global_step=index + 1)
                 pair["ours_s"] = time.monotonic() - start
                 pair["rss"] = sampler.stop()
-                report = actor.checkpoint_manager.last_save
-                pair["phases_s"] = dict(report.phase_seconds)
+                pair["phases_s"] = dict(actor.last_committed.phase_seconds)
                 pair["step_bytes"] = tree_bytes(os.path.dirname(step_dir))
                 if payload is None:
                     payload = _payload(actor, pair["step_bytes"])

@@ -21,7 +21,7 @@ time, interleaved -- ours, theirs, ours, theirs, ... -- first ``--warmup`` per s
 ``--saves`` per side. A save is timed on every rank from a barrier to its return; the save's time is the slowest
 rank's. Between saves (untimed) the step directory is removed and the page cache synced, so one side's dirty
 pages are not written back during the other's save. Our save's phases come from its report
-(``checkpoint_manager.last_save.phase_seconds``, commit step included) of the slowest rank.
+(``last_committed.phase_seconds``, the writer's and the commit's) of the slowest rank.
 
 Usage (this repository's venv; the 0.9.1 venv as in docs/upstream-interop.md)::
 
@@ -126,8 +126,7 @@ def build_saver(side: str, model_path: str, seed: int):
         def save(step_dir: str, step: int, probe=None) -> dict:
             with probe or contextlib.nullcontext():  # sync: returns once committed; profiled: tracked, as the test
                 actor.save_checkpoint(step_dir, global_step=step, track=probe is not None)
-            report = actor.checkpoint_manager.last_save
-            return {"mode": report.mode.value, "phases": dict(report.phase_seconds)}
+            return {"mode": actor.checkpoint_manager.last_save.mode.value, "phases": dict(actor.last_committed.phase_seconds)}
 
         return save
 

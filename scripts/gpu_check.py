@@ -334,13 +334,12 @@ def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
     offloaded_after = mu.is_megatron_module_offloaded(actor.model)
     ctx.saved["path"] = path
     phases, config_before_weights, fix2 = _fix2_seen(seen)
-    report = actor.checkpoint_manager.last_save
     numbers = {
         "queried_while_offloaded": queried,
         "phases": ">".join(phases),
         "config_on_disk_at_hf_weights": config_before_weights,
         "offloaded_after": offloaded_after,
-        **{f"{k}_s": v for k, v in report.phase_seconds.items()},
+        **{f"{k}_s": v for k, v in actor.last_committed.phase_seconds.items()},
         **memory.numbers,
     }
     committed = (Path(path) / "manifest.json").exists() and not Path(path + ".incomplete").exists()

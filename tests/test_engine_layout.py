@@ -87,6 +87,7 @@ def _refusals_and_upstream_load(model_path: str, root: str) -> dict:
     batch = torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))
     engine.train_step([batch])  # the optimizer has state to save
     assert engine.save_checkpoint(path, None, 1) is False  # upstream's positions; a sync save is committed
+    phases = {"record": set(engine.last_committed.phase_seconds), "report": set(engine.checkpoint_manager.last_save.phase_seconds)}
     before = engine.parameters_snapshot()
     engine.train_step([batch])
     engine.load_checkpoint(path)  # upstream's default del_local_after_load=True: a local step is kept
@@ -96,12 +97,19 @@ def _refusals_and_upstream_load(model_path: str, root: str) -> dict:
         "nothing_written": nothing_written,
         "restored": all(torch.equal(before[k], after[k]) for k in before),
         "kept": os.path.isdir(path),
+        "phases": phases,
     }
 
 
-def test_refusals_come_first_and_a_load_keeps_the_local_step(tiny_dense_path, tmp_path):
-    root = str(tmp_path / "ckpt")
-    result = run_on_ranks(_refusals_and_upstream_load, 1, ParallelSizes(), args=(tiny_dense_path, root))[0]
+@pytest.fixture(scope="module")
+def upstream_calls(tiny_dense_path, tmp_path_factory) -> dict:
+    """One engine's refused calls, its sync save and its load (1 rank), run once for this module's tests."""
+    root = str(tmp_path_factory.mktemp("engine_layout") / "ckpt")
+    return run_on_ranks(_refusals_and_upstream_load, 1, ParallelSizes(), args=(tiny_dense_path, root))[0]
+
+
+def test_refusals_come_first_and_a_load_keeps_the_local_step(upstream_calls):
+    result = upstream_calls
     refused = result["refused"]
     assert refused["save_hdfs"].startswith("NotImplementedError: MegatronEngine.save_checkpoint: hdfs_path=")
     assert refused["save_keyword"] == (
@@ -110,3 +118,12 @@ def test_refusals_come_first_and_a_load_keeps_the_local_step(tiny_dense_path, tm
     )
     assert refused["load_hdfs"].startswith("NotImplementedError: MegatronEngine.load_checkpoint: hdfs_path=")
     assert result["nothing_written"] and result["restored"] and result["kept"]
+
+
+def test_the_committed_record_carries_the_writers_phases_and_the_transactions(upstream_calls):
+    """The engine's record of a save holds the manager's phases (the writer's) and the step transaction's; the
+    manager's report keeps only its own: nothing writes into another owner's report."""
+    phases = upstream_calls["phases"]
+    transaction = {"staging", "hf_verify", "commit", "retention"}  # an untracked save: no "tracker" phase
+    assert {"dist_checkpoints", "hf_weights"} <= phases["report"] and not phases["report"] & transaction
+    assert phases["record"] == phases["report"] | transaction

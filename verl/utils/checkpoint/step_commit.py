@@ -167,7 +167,8 @@ class StepSpec:
 class CommittedStep:
     """A committed step, the same on every rank but for the rank's own phase times: where it is, the files its manifest lists (relative paths),
     what it holds (``ckpt_contents.json``'s ``save_contents``, when written), how many HF tensors were checked
-    (None: no HF export), whether the tracker names it, and the seconds of each of the transaction's phases."""
+    (None: no HF export), whether the tracker names it, and the seconds of each of the transaction's phases (through
+    ``MegatronEngine``, the record also carries the writer's phases from the manager's save report)."""
 
     path: str
     step: int

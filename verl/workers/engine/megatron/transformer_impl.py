@@ -257,11 +257,12 @@ class MegatronEngine(BaseEngine):
         )
 
     def _committed(self, committed: CommittedStep) -> CommittedStep:
-        """Keep the record; the manager's save report gets the transaction's phases (one report per save)."""
-        self.last_committed = committed
-        if self.checkpoint_manager.last_save is not None:
-            self.checkpoint_manager.last_save.phase_seconds.update(committed.phase_seconds)
-        return committed
+        """Keep the record, carrying the whole save's phases: the manager's report (the writer's phases) and the
+        transaction's. Each stays written by its owner: nothing here writes into the manager's report."""
+        report = self.checkpoint_manager.last_save
+        writer_phases = dict(report.phase_seconds) if report is not None else {}
+        self.last_committed = dataclasses.replace(committed, phase_seconds={**writer_phases, **committed.phase_seconds})
+        return self.last_committed
 
     def load_checkpoint(
         self,
