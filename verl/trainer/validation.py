@@ -263,13 +263,21 @@ def _check_resume(trainer: Any) -> list[str]:
 def _check_typed_configs(config: Any, reported: list[str]) -> list[str]:
     """The typed configs the worker builds check themselves (dtype, optim, checkpoint, the bools, ...): built
     here too, so a value they refuse is one line before the run starts, not a traceback from a rank. A key
-    an earlier check named (a mistyped one, say) is not reported twice."""
+    an earlier check named (a mistyped one, say) is not reported twice, nor a reference key whose actor key is
+    named (the reference's megatron values follow the actor's in the YAML: one problem, one line)."""
     def key(problem: str) -> str:  # each line starts with the key it names
         return re.match(r"[^\s=:]*", problem).group()
 
     named = {key(problem) for problem in reported}
     found = megatron_worker_config_problems(OmegaConf.to_container(config.actor_rollout_ref, resolve=True))
-    return [problem for problem in found if key(problem) not in named]
+    kept = [problem for problem in found if key(problem) not in named]
+    named |= {key(problem) for problem in kept}
+
+    def follows_the_actor(name: str) -> bool:  # a reference value equal to the actor's, whose key is named
+        actor = name.replace(".ref.megatron.", ".actor.megatron.", 1)
+        return actor != name and actor in named and OmegaConf.select(config, name) == OmegaConf.select(config, actor)
+
+    return [problem for problem in kept if not follows_the_actor(key(problem))]
 
 
 def _check_actor(config: Any) -> list[str]:
