@@ -339,7 +339,7 @@ def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
         "phases": ">".join(phases),
         "config_on_disk_at_hf_weights": config_before_weights,
         "offloaded_after": offloaded_after,
-        **{f"{k}_s": v for k, v in actor.last_committed.phase_seconds.items()},
+        **({f"{k}_s": v for k, v in actor.last_committed.phase_seconds.items()} if actor.last_committed is not None else {}),
         **memory.numbers,
     }
     committed = (Path(path) / "manifest.json").exists() and not Path(path + ".incomplete").exists()

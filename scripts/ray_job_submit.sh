@@ -56,10 +56,12 @@ done
 
 job_id="verl_main_ppo_$(date +%s)_$$"
 # The dashboard answers before the head's job agent has registered with it; until then a submission is
-# refused with "No available agent to submit job". Submit without waiting, retrying that for up to 60 s
-# (a submission that reached the head is not repeated: its id is then known), then follow the job's logs.
+# refused with "No available agent to submit job" (after the head waited 10 s for one). Submit without waiting,
+# retrying only that refusal until 90 s have passed (a submission that reached the head is not repeated: its id
+# is then known), then follow the job's logs.
 submitted=0
-for _ in $(seq 1 30); do
+retry_until=$((SECONDS + 90))
+while :; do
   if out=$(ray job submit --no-wait --address "$address" --submission-id "$job_id" \
       --runtime-env-json "{\"env_vars\": {\"PYTHONPATH\": \"${repo}\"}}" \
       -- python -m verl.trainer.main_ppo actor_rollout_ref.actor.megatron.vanilla_mbridge=True \
@@ -67,7 +69,7 @@ for _ in $(seq 1 30); do
     submitted=1; break
   fi
   ray job status --address "$address" "$job_id" >/dev/null 2>&1 && { submitted=1; break; }
-  grep -q "No available agent" <<<"$out" || break
+  grep -q "No available agent" <<<"$out" && [ "$SECONDS" -lt "$retry_until" ] || break
   sleep 2
 done
 if [ "$submitted" != 1 ]; then

@@ -156,6 +156,12 @@ def test_megatron_dtype_is_checked_naming_the_key(tiny_moe_path):
     assert _problems(tiny_moe_path, f"{key}=int8") == [
         f"{key}=int8 is not a dtype here; set {key}=bfloat16 (bf16 parameters, fp32 master weights) or float32"
     ]
+    # a reference dtype set apart from the actor's is checked on its own (one that follows the actor's is not repeated)
+    ref_key = "actor_rollout_ref.ref.megatron.dtype"
+    assert _problems(tiny_moe_path, f"{key}=int8", f"{ref_key}=int8") == [
+        f"{key}=int8 is not a dtype here; set {key}=bfloat16 (bf16 parameters, fp32 master weights) or float32",
+        f"{ref_key}=int8 is not a dtype here; set {ref_key}=bfloat16 (bf16 parameters, fp32 master weights) or float32",
+    ]
     # the reference follows the actor's dtype; with the KL loss on, another value is refused
     kl = "actor_rollout_ref.actor.use_kl_loss=True"
     assert _problems(tiny_moe_path, kl, f"{key}=bfloat16") == []

@@ -21,12 +21,15 @@ REPO = Path(__file__).resolve().parent.parent
 MAIN_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"  # scripts/test.sh runs this file in the main leg
 
 
-def exact_pins(path: Path) -> dict[str, str]:
-    """name -> version of a requirements file's ``name==version`` lines (comments and options dropped)."""
+def exact_pins(path: Path, python: str) -> dict[str, str]:
+    """name -> version of a requirements file's ``name==version`` lines that a leg on ``python`` (``3.11``)
+    installs: a line's environment marker is judged for that Python (comments and options dropped)."""
     pins = {}
     for line in (line.split("#")[0].strip() for line in path.read_text().splitlines()):
         if line and not line.startswith("-"):
             requirement = Requirement(line)
+            if requirement.marker is not None and not requirement.marker.evaluate({"python_version": python}):
+                continue
             specs = list(requirement.specifier)
             if len(specs) == 1 and specs[0].operator == "==" and "*" not in specs[0].version:
                 pins[canonicalize_name(requirement.name)] = specs[0].version
@@ -42,10 +45,11 @@ def _setup_names() -> dict:
 
 def _legs() -> dict[str, dict[str, str]]:
     """leg -> package -> the exact release it installs."""
-    main, py312 = exact_pins(REPO / "requirements.txt"), exact_pins(REPO / "requirements-py312.txt")
     test_sh = (REPO / "scripts" / "test.sh").read_text()
     transformers4 = re.search(r'"transformers==([0-9.]+)"', test_sh).group(1)
     python312 = re.search(r"versions/([0-9.]+)/bin/python3", test_sh).group(1)
+    main = exact_pins(REPO / "requirements.txt", MAIN_PYTHON)
+    py312 = exact_pins(REPO / "requirements-py312.txt", ".".join(python312.split(".")[:2]))
     return {
         "requirements.txt": {**main, "python": MAIN_PYTHON},
         "transformers 4.57 leg": {**main, "transformers": transformers4, "python": MAIN_PYTHON},
@@ -88,7 +92,7 @@ def test_megatron_bridge_is_the_3_12_legs_pin_installed_apart_as_the_readme_says
     """Megatron-Bridge has no extra (pip would pull its declared dependencies, which cannot be resolved): its one
     pin is requirements-py312.txt's, which scripts/test.sh installs with --no-deps, and the README and docs/cpu.md
     give a GPU user those same two steps with that release."""
-    pin = exact_pins(REPO / "requirements-py312.txt")["megatron-bridge"]
+    pin = _legs()["requirements-py312.txt"]["megatron-bridge"]
     assert set(_setup_names()["EXTRAS"]) == {"test"}
     test_sh = (REPO / "scripts" / "test.sh").read_text()
     assert "--no-deps \"$(grep '^megatron-bridge' requirements-py312.txt" in test_sh

@@ -273,9 +273,12 @@ def _check_typed_configs(config: Any, reported: list[str]) -> list[str]:
     kept = [problem for problem in found if key(problem) not in named]
     named |= {key(problem) for problem in kept}
 
-    def follows_the_actor(name: str) -> bool:  # a reference value equal to the actor's, whose key is named
+    def follows_the_actor(name: str) -> bool:  # a reference value the YAML takes from the actor's, whose key is named
         actor = name.replace(".ref.megatron.", ".actor.megatron.", 1)
-        return actor != name and actor in named and OmegaConf.select(config, name) == OmegaConf.select(config, actor)
+        if actor == name or actor not in named:
+            return False
+        parent, _, leaf = name.rpartition(".")
+        return OmegaConf.is_interpolation(OmegaConf.select(config, parent), leaf)
 
     return [problem for problem in kept if not follows_the_actor(key(problem))]
 

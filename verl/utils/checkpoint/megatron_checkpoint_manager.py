@@ -88,8 +88,8 @@ class SaveState(enum.Enum):
 class SaveReport:
     """What one save did: returned by ``save_checkpoint`` and kept as ``last_save``. ``phase_seconds`` holds the
     rank's time per phase (``dist_checkpoints``, ``hf_config``, ``hf_weights``, ``fork``, ``background_wait``,
-    ``metadata``, ``finite_check`` when the rank ran it; saved through ``MegatronEngine``, the step transaction's
-    ``staging``, ``hf_verify``, ``commit``, ``retention`` and ``tracker`` are added once it committed); ``blocked_seconds`` how long save_checkpoint
+    ``metadata``, ``finite_check`` when the rank ran it; saved through ``MegatronEngine``, its
+    ``last_committed.phase_seconds`` holds these and the step transaction's); ``blocked_seconds`` how long save_checkpoint
     held training; ``mode`` the manager's writer; ``checked_in_background`` whether the fork ran the NaN/Inf
     check, ``hf_weights_in_background`` whether it wrote the HF config and weights, ``planned_in_background``
     whether it planned the dist checkpoints (each as the writer's ``run`` reported it; all False when the save failed
