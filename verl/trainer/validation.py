@@ -68,16 +68,7 @@ def world_size(config: Any) -> int:
 
 
 def parallel_sizes(config: Any) -> ParallelSizes:
-    megatron = config.actor_rollout_ref.actor.megatron
-    etp = megatron.expert_tensor_parallel_size
-    return ParallelSizes(
-        tp=int(megatron.tensor_model_parallel_size),
-        pp=int(megatron.pipeline_model_parallel_size),
-        ep=int(megatron.expert_model_parallel_size),
-        etp=None if etp is None else int(etp),
-        cp=int(megatron.context_parallel_size),
-        vpp=None if megatron.virtual_pipeline_model_parallel_size is None else int(megatron.virtual_pipeline_model_parallel_size),
-    )
+    return ParallelSizes.from_megatron(config.actor_rollout_ref.actor.megatron)
 
 
 def read_model_config(model_path: str) -> dict:

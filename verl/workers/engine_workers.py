@@ -54,14 +54,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         self._is_ref = role == "actor_rollout_ref"
         self._ref_is_offload_param = self._is_ref and config["ref"]["megatron"].param_offload
         megatron = self.actor_config.megatron
-        self.sizes = ParallelSizes(
-            tp=megatron.tensor_model_parallel_size,
-            pp=megatron.pipeline_model_parallel_size,
-            ep=megatron.expert_model_parallel_size,
-            etp=megatron.expert_tensor_parallel_size,
-            cp=megatron.context_parallel_size,
-            vpp=megatron.virtual_pipeline_model_parallel_size,
-        )
+        self.sizes = ParallelSizes.from_megatron(megatron)
         self._is_offload_param = megatron.param_offload
         self._is_offload_grad = megatron.grad_offload
         self._is_offload_optimizer = megatron.optimizer_offload

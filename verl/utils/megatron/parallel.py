@@ -44,6 +44,19 @@ class ParallelSizes:
     cp: int = 1
     vpp: int | None = None  # model chunks per pipeline rank (interleaved schedule); None or 1: one chunk
 
+    @classmethod
+    def from_megatron(cls, megatron: Any) -> ParallelSizes:
+        """The sizes upstream's ``actor_rollout_ref.actor.megatron`` node names (a Hydra node or ``McoreEngineConfig``)."""
+        etp, vpp = megatron.expert_tensor_parallel_size, megatron.virtual_pipeline_model_parallel_size
+        return cls(
+            tp=int(megatron.tensor_model_parallel_size),
+            pp=int(megatron.pipeline_model_parallel_size),
+            ep=int(megatron.expert_model_parallel_size),
+            etp=None if etp is None else int(etp),
+            cp=int(megatron.context_parallel_size),
+            vpp=None if vpp is None else int(vpp),
+        )
+
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
