@@ -29,6 +29,7 @@ from typing import Any
 import hydra
 from omegaconf import OmegaConf
 
+from verl.trainer.cli_overrides import override_problems
 from verl.trainer.data_plan import RunData, load_run_data, load_tokenizer
 from verl.trainer.resume_step import check_resume_step, data_position_problems, schedule_length_warning
 from verl.trainer.run_control import StopSignals, output_dir, stop_message, take_writer_lock
@@ -329,5 +330,13 @@ def _exit_config_error(err: ConfigError) -> None:
     raise SystemExit(EXIT_CONFIG_ERROR)
 
 
-if __name__ == "__main__":
+def cli(argv: list[str]) -> None:
+    """main_ppo's command line: overrides Hydra could not compose are refused one line each, then Hydra runs."""
+    problems = override_problems(argv)
+    if problems:
+        _exit_config_error(ConfigError(problems))
     main()
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])
