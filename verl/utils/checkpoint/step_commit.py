@@ -120,10 +120,7 @@ def put_back_superseded(root: str, role: str = "actor") -> list[str]:
     its commit ended (a crash) gets its committed copy back (``_put_back``); an older step file left after a
     commit ended is removed. One note per step touched."""
     notes = []
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        step_dir = os.path.join(root, name)
-        if not layout.STEP_DIR_RE.match(name) or not os.path.isdir(step_dir):
-            continue
+    for _, step_dir in layout.list_step_dirs(root):
         role_path = os.path.join(step_dir, role)
         if _put_back(role_path):
             notes.append(f"put the committed copy of {role_path} back in place: a re-save of the step stopped before its commit ended")
