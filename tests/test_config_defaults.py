@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from verl.base_config import BaseConfig
+from verl.trainer.config import DataConfig, TrainerConfig
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import (
     CheckpointEngineConfig,
@@ -37,6 +38,8 @@ NODES: dict[str, type] = {
     "actor_rollout_ref.rollout": RolloutConfig,
     "actor_rollout_ref.rollout.val_kwargs": SamplingConfig,
     "actor_rollout_ref.rollout.checkpoint_engine": CheckpointEngineConfig,
+    "trainer": TrainerConfig,
+    "data": DataConfig,
 }
 
 # (node, field) -> why the trainer's YAML sets another value than the class's (upstream's) default.

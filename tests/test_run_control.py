@@ -142,7 +142,7 @@ def test_mistyped_keys_are_one_line_each_not_a_traceback(tmp_path):
     config = _config(f"trainer.default_local_dir={tmp_path}", "trainer.save_freq=abc", "actor_rollout_ref.rollout.temperature=hot")
     assert check_config(config, None) == [
         "trainer.save_freq=abc must be an integer; set trainer.save_freq=<n>",
-        "actor_rollout_ref.rollout.temperature=hot must be a number; set actor_rollout_ref.rollout.temperature=<x>",
+        "actor_rollout_ref.rollout.temperature must be a number, got 'hot'",
     ]
 
 

@@ -238,16 +238,15 @@ def test_bad_configs_fail_fast_before_any_rank(tmp_path, env, tiny_moe_path):
         assert seconds < 60, f"{name} took {seconds:.0f}s to fail"
 
 
-def test_validation_knows_the_task_prompt_length():
-    from verl.trainer.validation import TASK_PROMPT_TOKENS, TASKS
+def test_the_data_config_knows_the_embedded_tasks():
+    from verl.trainer.config.data import TASKS
     from verl.utils.dataset import arithmetic
 
-    assert arithmetic.prompt_length(arithmetic.make_arithmetic_dataset(seed=0)) == TASK_PROMPT_TOKENS
     assert tuple(sorted(TASKS)) == tuple(sorted(arithmetic.TASKS))
 
 
 def test_validation_contents_match_the_checkpoint_manager():
-    from verl.trainer.validation import CHECKPOINT_CONTENTS
+    from verl.trainer.config.config import CHECKPOINT_CONTENTS
     from verl.utils.checkpoint.checkpoint_manager import ALL_CONTENTS
 
     assert tuple(CHECKPOINT_CONTENTS) == tuple(ALL_CONTENTS)

@@ -2,5 +2,7 @@
 
 from . import config
 from .config import *  # noqa: F401,F403
+from .data import DataConfig
+from .trainer import TrainerConfig
 
-__all__ = config.__all__
+__all__ = [*config.__all__, "DataConfig", "TrainerConfig"]

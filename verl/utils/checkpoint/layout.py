@@ -127,3 +127,28 @@ def list_step_dirs(root_path: str) -> list[tuple[int, str]]:
         if match and os.path.isdir(os.path.join(root_path, name)):
             steps.append((int(match.group(1)), os.path.join(root_path, name)))
     return sorted(steps)
+
+
+def checkpoint_root_problem(path: str, key: str) -> str | None:
+    """Why a save could not create or write ``path`` (the checkpoint root ``key`` names), or None."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{key}={path} is a file; set {key} to a directory"
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        return f"{key}={path} cannot be created ({existing} is not a writable directory); set {key}"
+    return None
+
+
+def resume_step_problem(path: str, key: str, role: str = "actor") -> str | None:
+    """Why ``path`` (named by ``key``) is not a saved, complete ``global_step_N`` to resume from, or None."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if not STEP_DIR_RE.match(os.path.basename(path.rstrip("/"))):
+        return f"{key}={path} is not a global_step_N directory; point it at one"
+    if not os.path.isdir(path):
+        return f"{key}={path} does not exist; set {key} to a saved global_step_N directory"
+    if not os.path.isfile(os.path.join(path, role, CONTENTS_FILENAME)):
+        return f"{key}={path} holds no complete {role} checkpoint ({role}/{CONTENTS_FILENAME} is missing: an interrupted save?); choose another step"
+    return None

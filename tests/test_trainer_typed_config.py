@@ -1,0 +1,52 @@
+"""The trainer's own nodes (``trainer``, ``data``) as typed configs: each holds every key of its YAML node and
+reports every bad field of the node at once, one line each, naming the key and its fix."""
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl.trainer.config import DataConfig, TrainerConfig
+from verl.trainer.validation import typed_node
+
+YAML = "verl/trainer/config/ppo_megatron_trainer.yaml"
+
+
+@pytest.mark.parametrize("node, cls", [("trainer", TrainerConfig), ("data", DataConfig)])
+def test_the_typed_config_holds_every_key_of_its_yaml_node(node, cls):
+    keys = set(OmegaConf.load(YAML)[node])
+    assert {f.name for f in dataclasses.fields(cls)} - {"_target_"} == keys
+
+
+def test_every_bad_trainer_field_is_one_line_and_all_come_at_once():
+    built, problems = typed_node(TrainerConfig, {"save_freq": "abc", "nnodes": 0, "device": "tpu", "logger": ["console", "mlflow"], "resume_mode": "resume_path"})
+    assert built is None
+    assert problems == [
+        "trainer.save_freq=abc must be an integer; set trainer.save_freq=<n>",
+        "trainer.nnodes=0 must be an integer >= 1; set trainer.nnodes=<n>",
+        "trainer.device=tpu is not one of ['auto', 'cpu', 'cuda', 'npu']; set trainer.device=auto",
+        "trainer.resume_mode=resume_path needs trainer.resume_from_path=<default_local_dir>/global_step_N",
+        "trainer.logger has ['mlflow'], which this trainer does not provide; use a subset of ['console', 'file', 'tensorboard', 'wandb'], e.g. trainer.logger=[console,file]",
+    ]
+
+
+def test_every_bad_data_field_is_one_line_and_all_come_at_once():
+    built, problems = typed_node(DataConfig, {"seed": 1.5, "val_batch_size": 0, "truncation": "cut", "task": "reverse", "max_operand": 10})
+    assert built is None
+    assert problems == [
+        "data.seed=1.5 must be an integer; set data.seed=<n>",
+        "data.val_batch_size=0 must be null (all prompts at once) or >= 1",
+        "data.truncation=cut is not one of ['error', 'left', 'right', 'middle']; set data.truncation=error",
+        "data.max_operand=10: the task's operands are single digits; set data.max_operand to 0..9",
+        "data.task=reverse is not one of ['add', 'first']; set data.task=first",
+    ]
+
+
+def test_a_string_that_reads_as_false_is_refused_not_taken_as_true():
+    _, problems = typed_node(TrainerConfig, {"val_only": "false"})
+    assert problems == ["trainer.val_only=false must be true or false; set trainer.val_only=<true|false>"]
+
+
+def test_keys_the_class_does_not_hold_are_left_to_the_upstream_key_check():
+    built, problems = typed_node(TrainerConfig, {"rollout_data_dir": "/x", "save_freq": 5})
+    assert problems == [] and built.save_freq == 5 and "rollout_data_dir" not in built
