@@ -97,6 +97,15 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
     return problems
 
 
+def trainer_configs(config: Any) -> tuple[TrainerConfig, DataConfig]:
+    """The ``trainer`` and ``data`` nodes as typed configs; a refused value is a ConfigError (one line each)."""
+    trainer, problems = typed_node(TrainerConfig, config.trainer)
+    data, data_problems = typed_node(DataConfig, config.data)
+    if problems or data_problems:
+        raise ConfigError(problems + data_problems)
+    return trainer, data
+
+
 def typed_node(cls: type, node: Any) -> tuple[Any, list[str]]:
     """``cls`` built from ``node``'s keys that are its fields (the others are the upstream-key check's), with the
     lines it refuses: (None, problems) when it does not build."""

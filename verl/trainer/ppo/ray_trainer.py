@@ -52,6 +52,7 @@ from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.trainer.ppo.log_prob_parity import check_log_prob_parity, log_prob_gaps, max_log_prob_diff
 from verl.trainer.run_control import read_committed_step
 from verl.trainer.shared_dir import check_shared_dir
+from verl.trainer.validation import trainer_configs
 from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, should_save_ckpt_esi
 from verl.utils.checkpoint.finite import check_step_is_finite
@@ -101,18 +102,18 @@ class MegatronGRPOTrainer:
         self.resume = resume
         self.resume_checked = resume_checked
         self.resume_metrics: dict = {}  # how the resume checked its step (``resume_check_metrics``): its first step's ``resume``
-        self.default_local_dir = os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))
+        self.trainer_config, self.data_config = trainer_configs(config)
+        self.default_local_dir = os.path.abspath(os.path.expanduser(self.trainer_config.default_local_dir))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config, model_path)
         self.data = data if data is not None else load_run_data(config, self.tokenizer)
         self.total_training_steps = self.data.total_training_steps
         self.actor_configs = actor_configs or build_megatron_actor_configs(
             config.actor_rollout_ref.actor, total_training_steps=self.total_training_steps
         )
-        self.save_freq = int(config.trainer.save_freq)
+        self.save_freq = self.trainer_config.save_freq
         self.global_steps = 0
         self.actor_rollout_wg: MegatronRayWorkerGroup | None = None
-        loggers = config.trainer.logger
-        self.loggers = [loggers] if isinstance(loggers, str) else list(loggers)
+        self.loggers = list(self.trainer_config.logger)
         self.metrics_path = os.path.join(self.default_local_dir, METRICS_FILENAME)
         self.tracking: Tracking | None = None  # file / tensorboard / wandb, opened by fit()
         self.actor_dtype = "float32"  # what the ranks report once built
@@ -122,7 +123,7 @@ class MegatronGRPOTrainer:
         self._pending: dict | None = None  # an async save not yet committed
         self.history: list[dict] = []
         self.sampler = PromptSampler(
-            self.data.train.rows, int(config.data.train_batch_size), int(config.data.seed), shuffle=bool(config.data.shuffle)
+            self.data.train.rows, self.data_config.train_batch_size, self.data_config.seed, shuffle=self.data_config.shuffle
         )
         self.n = int(config.actor_rollout_ref.rollout.n)
         self.compute_score = load_reward_function(config)
@@ -132,14 +133,14 @@ class MegatronGRPOTrainer:
     # ------------------------------------------------------------------ workers
 
     def init_workers(self) -> None:
-        trainer = self.config.trainer
+        trainer = self.trainer_config
         # The typed configs travel in place of their dict nodes (model, actor, rollout, ref.megatron); being
         # Mappings, dict-style reads still work.
         node = OmegaConf.to_container(self.config.actor_rollout_ref, resolve=True)
         node["model"]["path"] = self.model_path
         worker_config = megatron_worker_config(node, actor=self.actor_configs)
         pool = RayResourcePool(
-            [int(trainer.n_gpus_per_node)] * int(trainer.nnodes), use_gpu=self.device == "cuda", name_prefix="actor_rollout"
+            [trainer.n_gpus_per_node] * trainer.nnodes, use_gpu=self.device == "cuda", name_prefix="actor_rollout"
         )
         start = time.monotonic()
         if self._ranks_use_checkpoint_dir():
@@ -195,7 +196,7 @@ class MegatronGRPOTrainer:
         from tqdm import tqdm
 
         self.global_steps = self._load_checkpoint()
-        trainer = self.config.trainer
+        trainer = self.trainer_config
         self.tracking = self._open_tracking()
         if self.data.val is not None and (trainer.val_before_train or trainer.val_only):
             val_metrics = self._validate()
@@ -223,7 +224,7 @@ class MegatronGRPOTrainer:
                 committed = self._finalize_pending(bar, blocking=False)
                 if committed:
                     metrics["checkpoint_committed"] = committed
-                test_freq = int(trainer.test_freq)
+                test_freq = trainer.test_freq
                 if self.data.val is not None and test_freq > 0 and (step >= self.total_training_steps or step % test_freq == 0):
                     start = time.monotonic()
                     val_metrics = self._validate()
@@ -336,7 +337,7 @@ class MegatronGRPOTrainer:
         self, input_ids: torch.Tensor, step: int, timing: dict, sampling: dict | None = None, seed_offset: int = 0,
         attention_mask: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        seed = int(self.config.data.seed) + seed_offset
+        seed = self.data_config.seed + seed_offset
         prompts = {"input_ids": input_ids} if attention_mask is None else {"input_ids": input_ids, "attention_mask": attention_mask}
         shards = [
             {**part, "seed": sampling_seed(seed, step, dp), **({"sampling": sampling} if sampling else {})}
@@ -358,7 +359,7 @@ class MegatronGRPOTrainer:
         n = int(val_kwargs.n)
         sampling = {"do_sample": bool(val_kwargs.do_sample), "temperature": float(val_kwargs.temperature), "top_p": float(val_kwargs.top_p)}
         rows_all = self.data.val.rows
-        per_batch = int(self.config.data.val_batch_size or len(rows_all))
+        per_batch = self.data_config.val_batch_size or len(rows_all)
         dp = self.actor_rollout_wg.dp_size
         scores: dict[str, list[list[float]]] = {}
         samples: list[tuple[str, str, float]] = []
@@ -377,7 +378,7 @@ class MegatronGRPOTrainer:
                     ids, mask = out["responses"][i * n + j].tolist(), out["response_mask"][i * n + j].tolist()
                     text = response_text(self.tokenizer, [t for t, m in zip(ids, mask, strict=True) if m])
                     group.append(self._score_one(row, text))
-                    if len(samples) < int(self.config.trainer.log_val_generations):
+                    if len(samples) < self.trainer_config.log_val_generations:
                         samples.append((self.tokenizer.decode(row["input_ids"]), text, group[-1]))
                 scores.setdefault(row["data_source"], []).append(group)
         for prompt, text, score in samples:
@@ -463,7 +464,7 @@ class MegatronGRPOTrainer:
 
     def _load_checkpoint(self) -> int:
         if self.resume is None:
-            self._print(f"[trainer] starting from scratch (trainer.resume_mode={self.config.trainer.resume_mode})")
+            self._print(f"[trainer] starting from scratch (trainer.resume_mode={self.trainer_config.resume_mode})")
             return 0
         step, path = self.resume
         start = time.monotonic()
@@ -484,7 +485,7 @@ class MegatronGRPOTrainer:
         step = self.global_steps
         actor_path = os.path.join(self._step_dir(step), "actor")
         start = time.monotonic()
-        keep = self.config.trainer.max_actor_ckpt_to_keep
+        keep = self.trainer_config.max_actor_ckpt_to_keep
         # the data position and the tracker go through the ranks' step transaction, after the commit
         with self._discarded_if_the_group_fails(step):
             results = self.actor_rollout_wg.save_checkpoint(
@@ -572,9 +573,9 @@ class MegatronGRPOTrainer:
             print(message, flush=True)
 
     def _open_tracking(self) -> Tracking:
-        trainer = self.config.trainer
+        trainer = self.trainer_config
         return Tracking(
-            str(trainer.project_name), str(trainer.experiment_name), self.loggers,
+            trainer.project_name, trainer.experiment_name, self.loggers,
             config=OmegaConf.to_container(self.config, resolve=True), metrics_path=self.metrics_path,
         )  # fmt: skip
 
@@ -599,7 +600,7 @@ class MegatronGRPOTrainer:
 
             png = plot_metric_curve(
                 self.metrics_path, os.path.join(self.default_local_dir, REWARD_PLOT_FILENAME),
-                key="critic/score/mean", title=f"GRPO mean reward ({self.config.trainer.experiment_name})",
+                key="critic/score/mean", title=f"GRPO mean reward ({self.trainer_config.experiment_name})",
             )  # fmt: skip
             lines.append(f"[trainer]   metrics: {self.metrics_path}\n[trainer]   reward curve: {png}")
         print("\n".join(lines), flush=True)
