@@ -1051,7 +1051,7 @@ def test_the_data_position_is_checked_before_any_rank_starts(base_root, tmp_path
     """``global_step_N/data.pt`` lies outside the actor's manifest: the pre-start check reads it whole, or a
     truncated one would fail only after every rank had loaded the step."""
     from verl.trainer.resume_step import check_resume_step
-    from verl.trainer.validation import ConfigError
+    from verl.trainer.run_config import ConfigError
 
     root = _copy_run(base_root, tmp_path)
     data = os.path.join(root, "global_step_1", "data.pt")
@@ -1162,7 +1162,7 @@ def test_a_step_of_ours_stripped_of_every_mark_is_not_taken_for_upstreams(base_r
     it is: verify and the pre-start check refuse it in one line naming the missing files and the fix."""
     from verl.model_merger.__main__ import main as merger
     from verl.trainer.resume_step import check_resume_step
-    from verl.trainer.validation import ConfigError
+    from verl.trainer.run_config import ConfigError
 
     root = _copy_run(base_root, tmp_path)
     step = _step_path(root, 1)
@@ -1269,7 +1269,7 @@ def test_a_crafted_pickled_step_file_is_refused_in_one_line_before_ray(base_root
     in torch's traceback. Both now refuse it in one line naming the file and the global it names."""
     from verl.model_merger.__main__ import main as merger
     from verl.trainer.resume_step import check_resume_step, data_position_problems
-    from verl.trainer.validation import ConfigError
+    from verl.trainer.run_config import ConfigError
 
     root = _copy_run(base_root, tmp_path)
     marker = str(tmp_path / "ran")

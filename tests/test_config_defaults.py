@@ -10,12 +10,13 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from verl.base_config import BaseConfig
-from verl.trainer.config import DataConfig, TrainerConfig
+from verl.trainer.config import AlgoConfig, DataConfig, KLControlConfig, TrainerConfig
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import (
     CheckpointEngineConfig,
     EngineRouterReplayConfig,
     HFModelConfig,
+    LogProbParityCheckConfig,
     McoreActorConfig,
     McoreCheckpointConfig,
     McoreEngineConfig,
@@ -38,6 +39,9 @@ NODES: dict[str, type] = {
     "actor_rollout_ref.rollout": RolloutConfig,
     "actor_rollout_ref.rollout.val_kwargs": SamplingConfig,
     "actor_rollout_ref.rollout.checkpoint_engine": CheckpointEngineConfig,
+    "actor_rollout_ref.rollout.log_prob_parity_check": LogProbParityCheckConfig,
+    "algorithm": AlgoConfig,
+    "algorithm.kl_ctrl": KLControlConfig,
     "trainer": TrainerConfig,
     "data": DataConfig,
 }
@@ -70,12 +74,12 @@ DIFFERENT: dict[tuple[str, str], str] = {
     (_REF, "tensor_model_parallel_size"): _REF_FOLLOWS,
     (_REF, "expert_model_parallel_size"): _REF_FOLLOWS,
     (_REF, "pipeline_model_parallel_size"): _REF_FOLLOWS,
+    ("algorithm", "adv_estimator"): "grpo, the only estimator here; upstream's class defaults to gae",
     (_ROLLOUT, "name"): "hf, the only rollout here (upstream's class has no default)",
     (_ROLLOUT, "n"): _TINY_TASK,
     (_ROLLOUT, "prompt_length"): "follows data.max_prompt_length (" + _TINY_TASK + ")",
     (_ROLLOUT, "response_length"): "follows data.max_response_length (" + _TINY_TASK + ")",
     (_ROLLOUT, "calculate_log_probs"): "the hf rollout always returns its log-probs (the parity gate and log_prob_diff read them)",
-    (_ROLLOUT, "log_prob_parity_check"): "ours: the gate's settings live in the YAML (docs/trainer.md, the log-prob parity gate)",
     (_ROLLOUT, "max_num_seqs"): "an inference-engine setting with no effect here; upstream's YAML value",
     (_ROLLOUT, "engine_kwargs"): "upstream's YAML lists one node per inference engine",
     (f"{_ROLLOUT}.val_kwargs", "temperature"): "validation decodes greedily, as upstream's YAML",

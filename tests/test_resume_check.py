@@ -313,7 +313,7 @@ def test_a_record_for_another_load_is_not_trusted(tiny_moe_path, saved_root, tmp
 def test_a_step_that_does_not_fit_is_refused_in_one_wording_by_the_driver_and_the_ranks(tiny_moe_path, saved_root, tmp_path):
     """Optimizer state saved without the distributed optimizer, loaded into a run with it: the driver refuses it
     before Ray, and a direct load on the ranks refuses it before anything loads, with the same line."""
-    from verl.trainer.validation import ConfigError
+    from verl.trainer.run_config import ConfigError
 
     root = _copy_run(saved_root, tmp_path)
     step = os.path.join(root, "global_step_1", "actor")
@@ -426,7 +426,7 @@ def test_a_step_of_the_other_bridges_te_build_is_refused_by_the_driver_and_by_ev
     manifest["bridge"] = {"name": "Megatron-Bridge", "layer_spec": "transformer_engine"}
     with open(manifest_path, "w") as file:
         json.dump(manifest, file)
-    from verl.trainer.validation import ConfigError
+    from verl.trainer.run_config import ConfigError
 
     with pytest.raises(ConfigError, match="was written through Megatron-Bridge"):
         _driver_check(root, MBRIDGE)  # the bridge this run builds through, as the ranks below

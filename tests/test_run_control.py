@@ -23,8 +23,9 @@ from tests.test_ray_worker_group import ProbeWorker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool, WorkerGroupError
 from verl.trainer.resume_step import check_resume_step
+from verl.trainer.run_config import ConfigError
 from verl.trainer.run_control import resume_command
-from verl.trainer.validation import ConfigError, check_config
+from verl.trainer.validation import check_config
 from verl.utils.checkpoint.dir_lock import (
     LOCK_FILENAME,
     CheckpointDirBusyError,

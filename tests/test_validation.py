@@ -190,7 +190,7 @@ def test_prepare_refuses_a_typed_config_value_as_a_config_error(tmp_path):
     ValueError would be a traceback. Its later builds of the actor config (the resume check's, the schedule's)
     go through ``actor_configs``, which turns a refusal into a ConfigError too."""
     from verl.trainer.main_ppo import prepare
-    from verl.trainer.validation import ConfigError, actor_configs
+    from verl.trainer.run_config import ConfigError, actor_configs
 
     config, path = _trainer_config(tmp_path, tiny_hf_config_dict("moe"))
     config.merge_with_dotlist([f"actor_rollout_ref.model.path={path}", "trainer.device=cpu", "actor_rollout_ref.actor.use_torch_compile=0"])

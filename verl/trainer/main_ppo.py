@@ -27,27 +27,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import hydra
-from omegaconf import OmegaConf
 
 from verl.trainer.cli_overrides import override_problems
+from verl.trainer.config import TrainerConfig
 from verl.trainer.data_plan import RunData, load_run_data, load_tokenizer
 from verl.trainer.resume_step import check_resume_step, data_position_problems, schedule_length_warning
+from verl.trainer.run_config import ConfigError, RunConfig, build_run_config, typed_node
 from verl.trainer.run_control import StopSignals, output_dir, stop_message, take_writer_lock
 from verl.trainer.upstream_keys import ignored_settings
-from verl.trainer.validation import (
-    ConfigError,
-    actor_configs,
-    check_async_mode,
-    check_cluster,
-    check_config,
-    check_device,
-    check_model_build,
-    parallel_sizes,
-    world_size,
-)
+from verl.trainer.validation import check_async_mode, check_cluster, check_model_build, pre_start_problems
 from verl.utils.checkpoint.dir_lock import DirLock, DirLockError
 from verl.utils.logging_utils import silence_library_notices
-from verl.workers.config import McoreActorConfig
+from verl.utils.megatron.parallel import ParallelSizes
 
 EXIT_CONFIG_ERROR = 2
 EMBEDDED_MODEL_NAME = "tiny_qwen3_moe_l4_e8_v1"
@@ -66,8 +57,8 @@ class RunPlan:
     resume: tuple[int, str] | None
     # What the pre-start check proved of the resumed step (``resume_check.CheckedStep``): the ranks do not repeat it.
     resume_checked: Any = None
-    # The actor's typed config (McoreActorConfig), built once here and handed to the trainer and workers.
-    actor_configs: McoreActorConfig | None = None
+    # Every node the run reads, typed (its actor's schedule length filled in), built once here and handed down.
+    run: RunConfig | None = None
     # trainer.default_local_dir's writer lock, held until the process exits (None: the run writes nothing there).
     dir_lock: DirLock | None = None
     # The prompts (tokenized), the run's prompt length and step count (verl.trainer.data_plan).
@@ -78,48 +69,43 @@ class RunPlan:
 def prepare(config) -> RunPlan:
     """Every check that can run before Ray starts; raises ConfigError with all problems found."""
     cluster = bool(os.environ.get("RAY_ADDRESS"))
-    given = config.actor_rollout_ref.model.path
-    model_path = os.path.abspath(os.path.expanduser(str(given))) if given else None
-    problems = check_config(config, model_path)
-    device = None
-    if not problems or config.trainer.device in ("cuda", "npu"):
-        device, device_problems = check_device(config, cluster)
-        problems += device_problems + check_async_mode(config, device)
+    model_path, device, problems = pre_start_problems(config, cluster)
     if problems:
         raise ConfigError(problems)
     if model_path is None:
         model_path = embedded_model_path()
-        problems = check_config(config, model_path)
+        _, _, problems = pre_start_problems(config, cluster, model_path)
         if problems:
             raise ConfigError(problems)
+    run = build_run_config(config)
     # Before the slow checks and before the resume step is read: one writer per checkpoint directory.
-    dir_lock = take_writer_lock(config)
+    dir_lock = take_writer_lock(run.trainer)
     if dir_lock is not None:  # the lock held: no other run is between the two renames of a commit here
         from verl.utils.checkpoint.step_commit import put_back_superseded  # torch: not at the driver's import
 
-        for note in put_back_superseded(output_dir(config)):
+        for note in put_back_superseded(output_dir(run.trainer)):
             print(f"[main_ppo] note: {note}", flush=True)
     try:
         # The tokenizer and the data first: a bad data file or template is refused in seconds, before the model
         # build check imports Megatron.
-        tokenizer = load_tokenizer(config, model_path)
-        data = load_run_data(config, tokenizer)
+        tokenizer = load_tokenizer(run, model_path)
+        data = load_run_data(run, tokenizer)
         problems = check_model_build(model_path, config)
         if problems:
             raise ConfigError(problems)
-        found = check_resume_step(config, model_path)
+        found = check_resume_step(run, model_path)
         resume, resume_checked = (None, None) if found is None else ((found.step, found.step_dir), found.checked)
         if resume is not None:
-            problems = data_position_problems(resume[1], config.data, len(data.train))
+            problems = data_position_problems(resume[1], run.data, len(data.train))
             if problems:
                 raise ConfigError(problems)
-        actor = actor_configs(config.actor_rollout_ref.actor, total_training_steps=data.total_training_steps)
+        run.set_training_steps(data.total_training_steps)
     except ConfigError:
         if dir_lock is not None:
             dir_lock.discard()
         raise
     return RunPlan(
-        model_path=model_path, device=device, cluster=cluster, resume=resume, resume_checked=resume_checked, actor_configs=actor,
+        model_path=model_path, device=device, cluster=cluster, resume=resume, resume_checked=resume_checked, run=run,
         dir_lock=dir_lock, data=data, tokenizer=tokenizer,
     )  # fmt: skip
 
@@ -152,7 +138,7 @@ def embedded_model_path() -> str:
     return final
 
 
-def _init_ray(config) -> bool:
+def _init_ray(run: RunConfig) -> bool:
     """Start a local Ray instance, or join RAY_ADDRESS's cluster. True when this process started Ray."""
     import ray
 
@@ -163,7 +149,7 @@ def _init_ray(config) -> bool:
         ray.init(address=address)
         print(f"[main_ppo] joined the Ray cluster at {address}", flush=True)
         return True
-    kwargs = ray_init_kwargs(config)
+    kwargs = ray_init_kwargs(run.ray_init)
     for attempt in (1, 2):
         try:
             ray.init(address="local", **kwargs)
@@ -177,10 +163,10 @@ def _init_ray(config) -> bool:
     return True
 
 
-def ray_init_kwargs(config: Any) -> dict:
+def ray_init_kwargs(ray_init: dict) -> dict:
     """``ray.init`` keyword arguments from upstream's ``ray_kwargs.ray_init`` (num_cpus null: this host's CPUs;
     a null ``runtime_env.py_executable``: the rank actors run this interpreter)."""
-    kwargs = OmegaConf.to_container(config.ray_kwargs.ray_init, resolve=True)
+    kwargs = dict(ray_init)
     kwargs["num_cpus"] = int(kwargs.get("num_cpus") or os.cpu_count() or 1)
     runtime_env = {key: value for key, value in (kwargs.pop("runtime_env", None) or {}).items() if value is not None}
     if runtime_env:
@@ -226,7 +212,8 @@ def run_ppo(config, task_runner_class: type | None = None) -> None:
         step = trainer.global_steps if trainer is not None else None
         pending = trainer.pending_step() if trainer is not None else None
         signum = stops.signum or signal.SIGINT
-        print(stop_message(config, signum, step, pending, sys.argv[1:]), file=sys.stderr, flush=True)
+        trainer_config = progress["run"].trainer if "run" in progress else typed_node(TrainerConfig, config.trainer)[0]
+        print(stop_message(trainer_config, signum, step, pending, sys.argv[1:]), file=sys.stderr, flush=True)
         raise SystemExit(stops.exit_code()) from None
 
 
@@ -238,6 +225,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
     except DirLockError as err:
         print(f"[main_ppo] {err}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CONFIG_ERROR) from None
+    progress["run"] = run = plan.run
     total = plan.data.total_training_steps
     if plan.resume and plan.resume[0] >= total:
         print(
@@ -248,7 +236,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
         )
         return
     if plan.resume:
-        warning = schedule_length_warning(plan.resume[1], plan.actor_configs.optim)
+        warning = schedule_length_warning(plan.resume[1], run.actor.optim)
         if warning:
             print(f"[main_ppo] warning: {warning}", flush=True)
     import ray
@@ -259,7 +247,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
     from verl.trainer.shared_dir import SharedDirError
     from verl.utils.checkpoint.finite import DivergedError
 
-    started = _init_ray(config)
+    started = _init_ray(run)
     stops.install()  # ray.init replaced the SIGTERM handler with one that tears Ray down under this process
     try:
         device = plan.device
@@ -271,7 +259,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
                 _exit_config_error(ConfigError(problems))
         _print_plan(config, plan, device)
         trainer = MegatronGRPOTrainer(
-            config, plan.model_path, device, plan.resume, actor_configs=plan.actor_configs, data=plan.data, tokenizer=plan.tokenizer,
+            run, plan.model_path, device, plan.resume, data=plan.data, tokenizer=plan.tokenizer,
             resume_checked=plan.resume_checked,
         )  # fmt: skip
         progress["trainer"] = trainer
@@ -298,17 +286,18 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
 
 
 def _print_plan(config, plan: RunPlan, device: str) -> None:
-    sizes = parallel_sizes(config)
-    megatron = config.actor_rollout_ref.actor.megatron
-    resume = f"resume from {plan.resume[1]}" if plan.resume else f"start fresh (resume_mode={config.trainer.resume_mode})"
+    run = plan.run
+    megatron, trainer = run.actor.megatron, run.trainer
+    sizes = ParallelSizes.from_megatron(megatron)
+    resume = f"resume from {plan.resume[1]}" if plan.resume else f"start fresh (resume_mode={trainer.resume_mode})"
     print(
         f"[main_ppo] model {plan.model_path}\n"
-        f"[main_ppo] {world_size(config)} ranks on {device} ({config.trainer.nnodes} node(s) x {config.trainer.n_gpus_per_node}); "
+        f"[main_ppo] {run.world_size} ranks on {device} ({trainer.nnodes} node(s) x {trainer.n_gpus_per_node}); "
         f"TP{sizes.tp} PP{sizes.pp}{f' VPP{sizes.virtual_stages}' if sizes.virtual_stages else ''} EP{sizes.ep} ETP{sizes.expert_tp} CP{sizes.cp}; "
         f"use_distributed_optimizer={megatron.use_distributed_optimizer} param_offload={megatron.param_offload}\n"
-        f"[main_ppo] {plan.data.total_training_steps} steps, save_freq={config.trainer.save_freq}, "
-        f"checkpoints -> {os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))}; {resume}\n"
-        f"[main_ppo] bridge: {bridge_line(config)}",
+        f"[main_ppo] {plan.data.total_training_steps} steps, save_freq={trainer.save_freq}, "
+        f"checkpoints -> {output_dir(trainer)}; {resume}\n"
+        f"[main_ppo] bridge: {bridge_line(megatron)}",
         flush=True,
     )
     for note in plan.data.notes:
@@ -318,9 +307,8 @@ def _print_plan(config, plan: RunPlan, device: str) -> None:
         print("[main_ppo] accepted but ignored (no effect here):\n" + "\n".join(f"[main_ppo]   {line}" for line in ignored), flush=True)
 
 
-def bridge_line(config: Any) -> str:
+def bridge_line(megatron: Any) -> str:
     """Which HF <-> Megatron bridge builds the model (actor and reference), and the key that chose it."""
-    megatron = config.actor_rollout_ref.actor.megatron
     name = "mbridge" if megatron.vanilla_mbridge else "Megatron-Bridge"
     return f"{name} (use_mbridge={megatron.use_mbridge}, vanilla_mbridge={megatron.vanilla_mbridge}; upstream's default: Megatron-Bridge)"
 

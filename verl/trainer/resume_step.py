@@ -9,8 +9,9 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
+from verl.trainer.config import DataConfig
 from verl.trainer.config.keys import ACTOR as _ACTOR
-from verl.trainer.validation import ConfigError, actor_configs
+from verl.trainer.run_config import ConfigError, RunConfig
 from verl.utils.checkpoint.layout import DATA_STATE_FILENAME, STEP_DIR_RE
 
 
@@ -23,7 +24,7 @@ class ResumeStep:
     checked: Any  # ``verl.utils.checkpoint.resume_check.CheckedStep`` (torch: not imported at this module's top)
 
 
-def check_resume_step(config: Any, model_path: str | None = None) -> ResumeStep | None:
+def check_resume_step(run: RunConfig, model_path: str | None = None) -> ResumeStep | None:
     """The step the run resumes from (the tracker's, or ``trainer.resume_from_path``), checked once before any
     rank starts as a load would check it (``resume_check.check_step``: every file at its size, the small files' checksums, the data-only
     metadata, HF export, contents, optimizer flag, dtype; with ``model_path`` also that it was saved from this
@@ -33,10 +34,9 @@ def check_resume_step(config: Any, model_path: str | None = None) -> ResumeStep 
     from verl.utils.checkpoint.integrity import tracked_step
     from verl.utils.checkpoint.resume_check import LoadTarget, StepDoesNotFitError, check_step
 
-    trainer = config.trainer
+    trainer, actor = run.trainer, run.actor
     if trainer.resume_mode == "disable":
         return None
-    actor = actor_configs(config.actor_rollout_ref.actor)
     target = LoadTarget(
         load_contents=tuple(actor.checkpoint.load_contents),
         use_distributed_optimizer=actor.megatron.use_distributed_optimizer,
@@ -46,9 +46,9 @@ def check_resume_step(config: Any, model_path: str | None = None) -> ResumeStep 
     problems = []
     try:
         if trainer.resume_mode == "resume_path":
-            step_dir = os.path.abspath(os.path.expanduser(str(trainer.resume_from_path))).rstrip("/")
+            step_dir = os.path.abspath(os.path.expanduser(trainer.resume_from_path)).rstrip("/")
         else:
-            actor_path, notes = tracked_step(os.path.abspath(os.path.expanduser(str(trainer.default_local_dir))), role="actor")
+            actor_path, notes = tracked_step(os.path.abspath(os.path.expanduser(trainer.default_local_dir)), role="actor")
             for note in notes:
                 print(f"[main_ppo] note: {note}", flush=True)
             if actor_path is None:
@@ -84,7 +84,7 @@ def _data_state_problems(step_dir: str) -> list[str]:
     return [f"{path} is damaged (truncated or changed since the save: {damaged}); restore it, or resume an earlier step with trainer.resume_mode=resume_path trainer.resume_from_path=<its global_step_N>"]
 
 
-def data_position_problems(step_dir: str, data: Any, train_prompts: int) -> list[str]:
+def data_position_problems(step_dir: str, data: DataConfig, train_prompts: int) -> list[str]:
     """The resumed step's data position was written for this run's data: the same ``data.seed``, ``data.shuffle``
     and number of training prompts. The sampler refuses other ones too, but only once every rank has loaded the
     step; a step saved before ``shuffle`` was recorded is checked on the other two."""
@@ -97,7 +97,7 @@ def data_position_problems(step_dir: str, data: Any, train_prompts: int) -> list
         return [str(exc)]
     if not isinstance(saved, dict):
         return [f"{path} holds a {type(saved).__name__}, not the data position a save writes (a dict): restore it, or set trainer.resume_mode=disable"]
-    now = {"seed": int(data.seed), "shuffle": bool(data.shuffle), "num_rows": train_prompts}
+    now = {"seed": data.seed, "shuffle": data.shuffle, "num_rows": train_prompts}
     differ = [key for key in now if key in saved and saved[key] != now[key]]
     if not differ:
         return []

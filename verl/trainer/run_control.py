@@ -18,6 +18,7 @@ import signal
 import sys
 from typing import Any
 
+from verl.trainer.config import TrainerConfig
 from verl.utils.checkpoint.dir_lock import DirLock, lock_checkpoint_dir
 from verl.utils.checkpoint.errors import TrackerError
 from verl.utils.checkpoint.layout import tracker_path
@@ -26,25 +27,23 @@ from verl.utils.checkpoint.tracker import read_tracker
 _RESUME_OVERRIDES = ("trainer.resume_mode=", "trainer.resume_from_path=", "+trainer.resume_mode=", "++trainer.resume_mode=")
 
 
-def output_dir(config: Any) -> str:
-    return os.path.abspath(os.path.expanduser(str(config.trainer.default_local_dir)))
+def output_dir(trainer: TrainerConfig) -> str:
+    return os.path.abspath(os.path.expanduser(trainer.default_local_dir))
 
 
-def writes_to_output_dir(config: Any) -> bool:
+def writes_to_output_dir(trainer: TrainerConfig) -> bool:
     """Checkpoints (``save_freq > 0``) or ``metrics.jsonl`` / ``reward_curve.png`` (the file logger)."""
-    loggers = config.trainer.logger
-    loggers = [loggers] if isinstance(loggers, str) else list(loggers)
-    return int(config.trainer.save_freq) > 0 or "file" in loggers
+    return trainer.save_freq > 0 or "file" in trainer.logger
 
 
-def take_writer_lock(config: Any) -> DirLock | None:
+def take_writer_lock(trainer: TrainerConfig) -> DirLock | None:
     """The writer lock of ``trainer.default_local_dir`` when the run writes there (None otherwise).
 
     Raises ``CheckpointDirBusyError`` when another run holds it, ``UnsafeLockFileError`` when the lock path is a symlink; prints a warning when the filesystem has no locks.
     """
-    if not writes_to_output_dir(config):
+    if not writes_to_output_dir(trainer):
         return None
-    lock = lock_checkpoint_dir(output_dir(config))
+    lock = lock_checkpoint_dir(output_dir(trainer))
     if lock.warning:
         print(f"[main_ppo] WARNING: {lock.warning}", file=sys.stderr, flush=True)
     return lock
@@ -91,11 +90,12 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join(["python", "-m", "verl.trainer.main_ppo", *kept, "trainer.resume_mode=auto"])
 
 
-def stop_message(config: Any, signum: int, step: int | None, pending: int | None, argv: list[str]) -> str:
+def stop_message(trainer: TrainerConfig | None, signum: int, step: int | None, pending: int | None, argv: list[str]) -> str:
     """One line: which signal stopped the run where, what is committed, and how to resume."""
     name = signal.Signals(signum).name
     where = f" at step {step}" if step else ""
-    committed, note = read_committed_step(output_dir(config))
+    # None: stopped while the config was still being checked, before anything was written
+    committed, note = read_committed_step(output_dir(trainer)) if trainer is not None else (None, "nothing was saved")
     lost = f"; step {pending}'s async save was not finalized and is discarded" if pending else ""
     action = "resume with" if committed is not None else "start again with"
     return f"[main_ppo] stopped by {name}{where}: {note}{lost}; {action}: {resume_command(argv)}"

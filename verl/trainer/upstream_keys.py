@@ -138,7 +138,7 @@ def ignored_settings(config: Any) -> list[str]:
 def check_upstream_keys(config: Any) -> list[str]:
     """Upstream keys whose value would change what is trained and is not implemented here, and `+key`s that are no key."""
     actor, rollout, megatron = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor.megatron
-    model, algorithm, reward = config.actor_rollout_ref.model, config.algorithm, config.reward_model
+    model, reward = config.actor_rollout_ref.model, config.reward_model
     problems = []
     engine = config.get("model_engine", "megatron")
     if engine != "megatron":
@@ -181,8 +181,6 @@ def check_upstream_keys(config: Any) -> list[str]:
             problems.append(f"{_ROLLOUT}{key}={OmegaConf.select(rollout, key)}: the hf rollout samples from the full distribution (top-p only); set it to -1")
     if rollout.ignore_eos:
         problems.append(f"{_ROLLOUT}ignore_eos=True: the hf rollout stops at EOS; set it to False")
-    if algorithm.use_pf_ppo:
-        problems.append("algorithm.use_pf_ppo=True: preference-feedback reweighting is not implemented; set it to False")
     if reward.enable:
         problems.append("reward_model.enable=True: a model-based reward is not available here (rule-based rewards only); set it to False")
     if reward.reward_manager not in (None, "naive"):

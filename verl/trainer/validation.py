@@ -7,54 +7,29 @@ the model's ``config.json`` (no torch, no Ray), so a bad command line fails in a
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
-from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from verl.models.support import hf_config_problems, hf_layout_problems
-from verl.trainer.config.data import DataConfig
+from verl.trainer.config import AlgoConfig, DataConfig, TrainerConfig
 from verl.trainer.config.keys import ACTOR as _ACTOR
 from verl.trainer.config.keys import CHECKPOINT as _CHECKPOINT
 from verl.trainer.config.keys import MEGATRON as _MEGATRON
-from verl.trainer.config.keys import PARITY as PARITY_KEY
 from verl.trainer.config.keys import REF as _REF
-from verl.trainer.config.trainer import TrainerConfig
+from verl.trainer.run_config import typed_node
 from verl.trainer.upstream_keys import check_upstream_keys
 from verl.utils.checkpoint.layout import checkpoint_root_problem, resume_step_problem
 from verl.utils.custom_code import oversized_file_problem, read_json
 from verl.utils.internals.megatron_bridge import megatron_bridge_install_problem
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
-from verl.workers.config import (
-    McoreActorConfig,
-    build_megatron_actor_configs,
-    megatron_param_dtype,
-    megatron_worker_config_problems,
-)
+from verl.workers.config import build_megatron_actor_configs, megatron_param_dtype, megatron_worker_config_problems
 
 # verl.trainer.ppo.core_algos.kl_penalty_types() (not imported: it pulls in torch): upstream's estimator names
 # and their straight-through "+" forms; upstream's "full" is not implemented (upstream raises for it too).
 KL_LOSS_TYPES = tuple(f"{name}{plus}" for plus in ("", "+") for name in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
-
-
-class ConfigError(ValueError):
-    """The config cannot run; ``problems`` holds one line per problem."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = list(problems)
-        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
-
-
-def actor_configs(actor: Any, total_training_steps: int | None = None) -> McoreActorConfig:
-    """``build_megatron_actor_configs`` for the trainer's own steps: a refused value is a ConfigError (the one-line
-    message and exit 2 of every other config problem), not a ValueError traceback."""
-    try:
-        return build_megatron_actor_configs(actor, total_training_steps=total_training_steps)
-    except ValueError as exc:
-        raise ConfigError([str(exc)]) from exc
 
 
 def world_size(config: Any) -> int:
@@ -69,12 +44,29 @@ def read_model_config(model_path: str) -> dict:
     return read_json(os.path.join(model_path, "config.json"))
 
 
+def pre_start_problems(config: Any, cluster: bool, model_path: str | None = None) -> tuple[str | None, str | None, list[str]]:
+    """The model path (``actor_rollout_ref.model.path`` made absolute; None: the embedded model), the device of a
+    local run (None on a cluster, or when not known yet) and every problem the cheap checks find, before any
+    model or rank is built. ``model_path``: check this model instead of the configured one."""
+    if model_path is None:
+        given = OmegaConf.select(config, "actor_rollout_ref.model.path")
+        model_path = os.path.abspath(os.path.expanduser(str(given))) if given else None
+    problems, device = check_config(config, model_path), None
+    if not problems or OmegaConf.select(config, "trainer.device") in ("cuda", "npu"):
+        device, device_problems = check_device(config, cluster)
+        problems += device_problems + check_async_mode(config, device)
+    return model_path, device, problems
+
+
 def check_config(config: Any, model_path: str | None) -> list[str]:
     """Problems found in the config alone, plus the model's layout from its config.json when ``model_path``
     is given (None: the embedded model, which is checked once it is made)."""
     trainer, problems = typed_node(TrainerConfig, config.trainer)
     data, data_problems = typed_node(DataConfig, config.data)
-    problems += data_problems + _check_untyped_keys(config)
+    algorithm, algorithm_problems = typed_node(AlgoConfig, config.algorithm)
+    problems += data_problems + algorithm_problems + _check_untyped_keys(config)
+    if algorithm is not None:
+        problems += algorithm.validate()
     typed = not problems
     if trainer is not None:
         problems += _check_trainer(trainer, data)
@@ -90,42 +82,20 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
             problems += [f"actor_rollout_ref.model.path={model_path}: {p}" for p in support]
     problems += _guarded(typed, _check_layout, config, model)
     problems += _guarded(typed, _check_grpo, config)
-    problems += _guarded(typed, _check_parity_gate, config)
     if data is not None:
         problems += _guarded(typed, _check_data, config, data, model)
     problems += _guarded(typed, check_upstream_keys, config)
     return problems
 
 
-def trainer_configs(config: Any) -> tuple[TrainerConfig, DataConfig]:
-    """The ``trainer`` and ``data`` nodes as typed configs; a refused value is a ConfigError (one line each)."""
-    trainer, problems = typed_node(TrainerConfig, config.trainer)
-    data, data_problems = typed_node(DataConfig, config.data)
-    if problems or data_problems:
-        raise ConfigError(problems + data_problems)
-    return trainer, data
-
-
-def typed_node(cls: type, node: Any) -> tuple[Any, list[str]]:
-    """``cls`` built from ``node``'s keys that are its fields (the others are the upstream-key check's), with the
-    lines it refuses: (None, problems) when it does not build."""
-    values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
-    fields = {f.name for f in dataclasses.fields(cls)} - {"_target_"}
-    try:
-        return cls(**{k: v for k, v in values.items() if k in fields}), []
-    except ValueError as exc:
-        return None, str(exc).splitlines()
-
-
-# The keys no typed config holds (the reference's log-prob pass, the parity gate's switch, Ray's and GRPO's):
+# The keys no typed config holds (the reference's log-prob pass, Ray's):
 # a mistyped value is one line here, not a TypeError further down.
 _UNTYPED_KEYS = (
     ("actor_rollout_ref.nccl_timeout", "a number", "<x>", lambda v: _is_number(v)),
     ("ray_kwargs.ray_init.num_cpus", "an integer or null", "<n>", lambda v: v is None or _is_int(v)),
     (f"{_REF}.log_prob_micro_batch_size_per_gpu", "an integer or null", "<n>", lambda v: v is None or _is_int(v)),
     (f"{_REF}.log_prob_max_token_len_per_gpu", "an integer or null", "<n>", lambda v: v is None or _is_int(v)),
-    *((key, "true or false", "<true|false>", lambda v: isinstance(v, bool)) for key in (
-        f"{_REF}.log_prob_use_dynamic_bsz", f"{PARITY_KEY}.enable", "algorithm.norm_adv_by_std_in_grpo", "algorithm.use_kl_in_reward")),
+    (f"{_REF}.log_prob_use_dynamic_bsz", "true or false", "<true|false>", lambda v: isinstance(v, bool)),
 )  # fmt: skip
 
 
@@ -167,17 +137,6 @@ def _check_trainer(trainer: TrainerConfig, data: DataConfig | None) -> list[str]
     if trainer.resume_mode == "resume_path" and trainer.resume_from_path:
         problems.append(resume_step_problem(str(trainer.resume_from_path), "trainer.resume_from_path"))
     return [problem for problem in problems if problem]
-
-
-def _check_parity_gate(config: Any) -> list[str]:
-    tolerances = OmegaConf.select(config, f"{PARITY_KEY}.tolerance")
-    if not isinstance(tolerances, Mapping) or not tolerances:
-        return [f"{PARITY_KEY}.tolerance must map dtypes to tolerances, e.g. {{float32: 1e-4, bfloat16: 1e-1}}"]
-    return [
-        f"{PARITY_KEY}.tolerance.{dtype}={value} must be a number > 0; set {PARITY_KEY}.tolerance.{dtype}=<x>"
-        for dtype, value in tolerances.items()
-        if not (_is_number(value) and value > 0)
-    ]
 
 
 def _check_typed_configs(config: Any, reported: list[str]) -> list[str]:
@@ -349,12 +308,8 @@ def _ref_pass(config: Any, entry: Any) -> list:
 
 
 def _check_grpo(config: Any) -> list[str]:
-    algorithm, rollout, actor = config.algorithm, config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
+    rollout, actor = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
     problems = []
-    if algorithm.adv_estimator != "grpo":
-        problems.append(f"algorithm.adv_estimator={algorithm.adv_estimator}: only grpo is implemented here; set algorithm.adv_estimator=grpo")
-    if algorithm.use_kl_in_reward:
-        problems.append("algorithm.use_kl_in_reward=True: the KL penalty in the reward is not implemented here (the KL loss is); set it to False, or use actor_rollout_ref.actor.use_kl_loss=True")
     if actor.use_kl_loss:
         problems += _check_kl_loss(config)
     if actor.loss_agg_mode != "token-mean":

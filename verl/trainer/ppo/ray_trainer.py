@@ -34,6 +34,7 @@ With ``data.val_files`` the run validates before the first step (``trainer.val_b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import shutil
@@ -45,14 +46,13 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from omegaconf import OmegaConf
 
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool, WorkerGroupError
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.trainer.ppo.log_prob_parity import check_log_prob_parity, log_prob_gaps, max_log_prob_diff
-from verl.trainer.run_control import read_committed_step
+from verl.trainer.run_config import CustomRewardFunctionConfig, build_run_config
+from verl.trainer.run_control import output_dir, read_committed_step
 from verl.trainer.shared_dir import check_shared_dir
-from verl.trainer.validation import trainer_configs
 from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename, should_save_ckpt_esi
 from verl.utils.checkpoint.finite import check_step_is_finite
@@ -62,7 +62,6 @@ from verl.utils.dataset.arithmetic import PromptSampler
 from verl.utils.dataset.rl_dataset import left_pad, left_pad_attention_mask
 from verl.utils.reward_score import default_compute_score
 from verl.utils.tracking import Tracking
-from verl.workers.config import McoreActorConfig, build_megatron_actor_configs, megatron_worker_config
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 METRICS_FILENAME = "metrics.jsonl"
@@ -85,31 +84,29 @@ class MegatronGRPOTrainer:
         model_path: str,
         device: str,
         resume: tuple[int, str] | None,
-        actor_configs: McoreActorConfig | None = None,
         data: Any = None,
         tokenizer: Any = None,
         resume_checked: CheckedStep | None = None,
     ) -> None:
-        """``actor_configs``: the actor's typed config, its optim and checkpoint included (main_ppo builds it once while
-        validating); ``data``: the run's prompts (``verl.trainer.data_plan.RunData``). Both are built here from
-        ``config`` when not given. ``resume_checked``: main_ppo's record of its check of the resumed step, handed to
-        the ranks' load so that they do not repeat it (None: the ranks check the step themselves)."""
+        """``config``: the run's ``RunConfig`` (main_ppo builds it once while validating; a composed Hydra config is
+        built into one here); ``data``: the run's prompts (``verl.trainer.data_plan.RunData``), loaded here when not
+        given. ``resume_checked``: main_ppo's record of its check of the resumed step, handed to the ranks' load so
+        that they do not repeat it (None: the ranks check the step themselves)."""
         from verl.trainer.data_plan import load_run_data, load_tokenizer
 
-        self.config = config
+        self.config = config = build_run_config(config)
         self.model_path = model_path
         self.device = device
         self.resume = resume
         self.resume_checked = resume_checked
         self.resume_metrics: dict = {}  # how the resume checked its step (``resume_check_metrics``): its first step's ``resume``
-        self.trainer_config, self.data_config = trainer_configs(config)
-        self.default_local_dir = os.path.abspath(os.path.expanduser(self.trainer_config.default_local_dir))
+        self.trainer_config, self.data_config = config.trainer, config.data
+        self.default_local_dir = output_dir(config.trainer)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config, model_path)
         self.data = data if data is not None else load_run_data(config, self.tokenizer)
         self.total_training_steps = self.data.total_training_steps
-        self.actor_configs = actor_configs or build_megatron_actor_configs(
-            config.actor_rollout_ref.actor, total_training_steps=self.total_training_steps
-        )
+        config.set_training_steps(self.total_training_steps)
+        self.actor_configs = config.actor
         self.save_freq = self.trainer_config.save_freq
         self.global_steps = 0
         self.actor_rollout_wg: MegatronRayWorkerGroup | None = None
@@ -125,20 +122,17 @@ class MegatronGRPOTrainer:
         self.sampler = PromptSampler(
             self.data.train.rows, self.data_config.train_batch_size, self.data_config.seed, shuffle=self.data_config.shuffle
         )
-        self.n = int(config.actor_rollout_ref.rollout.n)
-        self.compute_score = load_reward_function(config)
+        self.n = config.rollout.n
+        self.compute_score = load_reward_function(config.custom_reward_function)
         # upstream's attribute: a reference policy exists for the KL loss (use_kl_in_reward is refused here)
-        self.use_reference_policy = bool(config.actor_rollout_ref.actor.use_kl_loss)
+        self.use_reference_policy = config.actor.use_kl_loss
 
     # ------------------------------------------------------------------ workers
 
     def init_workers(self) -> None:
         trainer = self.trainer_config
-        # The typed configs travel in place of their dict nodes (model, actor, rollout, ref.megatron); being
-        # Mappings, dict-style reads still work.
-        node = OmegaConf.to_container(self.config.actor_rollout_ref, resolve=True)
-        node["model"]["path"] = self.model_path
-        worker_config = megatron_worker_config(node, actor=self.actor_configs)
+        # The typed configs (model, actor, rollout, ref) travel to every rank; being Mappings, dict-style reads work.
+        worker_config = {**self.config.actor_rollout_ref, "model": dataclasses.replace(self.config.model, path=self.model_path)}
         pool = RayResourcePool(
             [trainer.n_gpus_per_node] * trainer.nnodes, use_gpu=self.device == "cuda", name_prefix="actor_rollout"
         )
@@ -170,7 +164,7 @@ class MegatronGRPOTrainer:
         self.bridges = built[0]["bridge"]
         self._print(f"[trainer] model built on every rank in {time.monotonic() - start:.1f}s ({built[0]['num_params']:,} parameters on rank 0)")
         if built[0]["ref"]:
-            offload = self.config.actor_rollout_ref.ref.megatron.param_offload
+            offload = self.config.actor_rollout_ref["ref"]["megatron"].param_offload
             self._print(f"[trainer] reference policy built from {self.model_path} on the same ranks (never trained or saved; ref.megatron.param_offload={offload})")
 
     def _ranks_use_checkpoint_dir(self) -> bool:
@@ -318,7 +312,7 @@ class MegatronGRPOTrainer:
 
     def _kl_entropy_metrics(self, updates: list[dict]) -> dict:
         """The update's KL and entropy terms as upstream names them (each a token mean over the step's tokens)."""
-        actor, update = self.config.actor_rollout_ref.actor, updates[0]  # already summed over data-parallel ranks
+        actor, update = self.config.actor, updates[0]  # already summed over data-parallel ranks
         tokens = max(update["tokens"], 1.0)
         metrics = {}
         if actor.use_kl_loss:
@@ -355,9 +349,9 @@ class MegatronGRPOTrainer:
         Batches of ``data.val_batch_size`` prompts (null: all), padded to a multiple of the data-parallel size
         by repeating the last sequence (its extra responses are not scored).
         """
-        val_kwargs = self.config.actor_rollout_ref.rollout.val_kwargs
-        n = int(val_kwargs.n)
-        sampling = {"do_sample": bool(val_kwargs.do_sample), "temperature": float(val_kwargs.temperature), "top_p": float(val_kwargs.top_p)}
+        val_kwargs = self.config.rollout.val_kwargs
+        n = val_kwargs.n
+        sampling = {"do_sample": val_kwargs.do_sample, "temperature": val_kwargs.temperature, "top_p": val_kwargs.top_p}
         rows_all = self.data.val.rows
         per_batch = self.data_config.val_batch_size or len(rows_all)
         dp = self.actor_rollout_wg.dp_size
@@ -395,7 +389,7 @@ class MegatronGRPOTrainer:
         token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
         last = (response_mask.sum(dim=1) - 1).clamp(min=0)
         token_rewards[torch.arange(len(scores)), last] = scores
-        norm = bool(self.config.algorithm.norm_adv_by_std_in_grpo)
+        norm = self.config.algorithm.norm_adv_by_std_in_grpo
         advantages, _ = compute_grpo_outcome_advantage(token_rewards, response_mask, group_index, norm_adv_by_std_in_grpo=norm)
         return advantages
 
@@ -440,7 +434,7 @@ class MegatronGRPOTrainer:
         if self.parity_checked:
             return
         self.parity_checked = True
-        gate = self.config.actor_rollout_ref.rollout.log_prob_parity_check
+        gate = self.config.rollout.log_prob_parity_check
         if not gate.enable:
             return
         max_diff = max_log_prob_diff(old_log_probs, rollout["rollout_log_probs"], rollout["response_mask"])
@@ -576,7 +570,7 @@ class MegatronGRPOTrainer:
         trainer = self.trainer_config
         return Tracking(
             trainer.project_name, trainer.experiment_name, self.loggers,
-            config=OmegaConf.to_container(self.config, resolve=True), metrics_path=self.metrics_path,
+            config=dataclasses.asdict(self.config), metrics_path=self.metrics_path,
         )  # fmt: skip
 
     def _log_metrics(self, metrics: dict, history: bool = True) -> None:
@@ -606,10 +600,9 @@ class MegatronGRPOTrainer:
         print("\n".join(lines), flush=True)
 
 
-def load_reward_function(config: Any):
+def load_reward_function(custom: CustomRewardFunctionConfig):
     """``custom_reward_function.path`` / ``name`` (upstream's keys) when set, else ``default_compute_score``;
     either is called as ``fn(data_source, solution_str, ground_truth, extra_info)``."""
-    custom = config.custom_reward_function
     if not custom.path:
         return default_compute_score
     import importlib.util

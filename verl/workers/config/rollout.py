@@ -9,6 +9,7 @@ as having no effect). Only the fields this trainer's YAML has, and the engine ke
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from verl.base_config import BaseConfig
@@ -16,7 +17,7 @@ from verl.base_config import BaseConfig
 from .engine import _positive, nested_config
 from .optimizer import _boolean, _integer, _number
 
-__all__ = ["SamplingConfig", "CheckpointEngineConfig", "RolloutConfig"]
+__all__ = ["SamplingConfig", "CheckpointEngineConfig", "LogProbParityCheckConfig", "RolloutConfig"]
 
 
 def _check_sampling(config: Any) -> None:
@@ -51,6 +52,25 @@ class CheckpointEngineConfig(BaseConfig):
 
 
 @dataclasses.dataclass
+class LogProbParityCheckConfig(BaseConfig):
+    """Ours: on the first batch, stop the run when the actor's log-probs differ from the rollout's by more than
+    the ``tolerance`` of the actor's dtype (dtype name -> max |diff|; docs/trainer.md, the log-prob parity gate)."""
+
+    enable: bool = True
+    tolerance: dict[str, float] = dataclasses.field(default_factory=lambda: {"float32": 1e-4, "bfloat16": 1e-1})
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _boolean(owner, "enable", self.enable)
+        if not isinstance(self.tolerance, Mapping) or not self.tolerance:
+            raise ValueError(f"{owner}.tolerance must map dtypes to tolerances, e.g. {{float32: 1e-4, bfloat16: 1e-1}}")
+        for dtype, value in self.tolerance.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{owner}.tolerance.{dtype}={value} must be a number > 0; set {owner}.tolerance.{dtype}=<x>")
+        self._normalize("tolerance", {str(dtype): float(value) for dtype, value in self.tolerance.items()})
+
+
+@dataclasses.dataclass
 class RolloutConfig(BaseConfig):
     """The rollout.
 
@@ -77,7 +97,7 @@ class RolloutConfig(BaseConfig):
     response_length: int = 512
     calculate_log_probs: bool = False
     enable_rollout_routing_replay: bool = False
-    log_prob_parity_check: dict[str, Any] = dataclasses.field(default_factory=dict)
+    log_prob_parity_check: LogProbParityCheckConfig = dataclasses.field(default_factory=LogProbParityCheckConfig)
     log_prob_micro_batch_size: int | None = None
     log_prob_micro_batch_size_per_gpu: int | None = None
     log_prob_use_dynamic_bsz: bool = False
@@ -117,3 +137,4 @@ class RolloutConfig(BaseConfig):
             _boolean(owner, name, getattr(self, name))
         self._normalize("val_kwargs", nested_config(owner, "val_kwargs", self.val_kwargs, SamplingConfig))
         self._normalize("checkpoint_engine", nested_config(owner, "checkpoint_engine", self.checkpoint_engine, CheckpointEngineConfig))
+        self._normalize("log_prob_parity_check", nested_config(owner, "log_prob_parity_check", self.log_prob_parity_check, LogProbParityCheckConfig))
