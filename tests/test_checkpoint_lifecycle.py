@@ -1051,7 +1051,7 @@ def test_the_data_position_is_checked_before_any_rank_starts(base_root, tmp_path
     """``global_step_N/data.pt`` lies outside the actor's manifest: the pre-start check reads it whole, or a
     truncated one would fail only after every rank had loaded the step."""
     from verl.trainer.resume_step import check_resume_step
-    from verl.trainer.run_config import ConfigError
+    from verl.trainer.run_config import ConfigError, build_run_config
 
     root = _copy_run(base_root, tmp_path)
     data = os.path.join(root, "global_step_1", "data.pt")
@@ -1062,11 +1062,11 @@ def test_the_data_position_is_checked_before_any_rank_starts(base_root, tmp_path
         open(data, "wb").write(b"\0" * 100)
     config = _resume_config(root)
     if damage == "none":
-        found = check_resume_step(config)
+        found = check_resume_step(build_run_config(config))
         assert (found.step, found.step_dir) == (1, os.path.join(root, "global_step_1"))
         return
     with pytest.raises(ConfigError, match=re.escape(f"{data} is damaged")):
-        check_resume_step(config)
+        check_resume_step(build_run_config(config))
 
 
 def test_a_data_position_of_other_data_is_refused_before_ray(tiny_moe_path, base_root, tmp_path):
@@ -1077,18 +1077,19 @@ def test_a_data_position_of_other_data_is_refused_before_ray(tiny_moe_path, base
     import sys
 
     from verl.trainer.resume_step import data_position_problems
+    from verl.trainer.run_config import build_run_config
 
     root = _copy_run(base_root, tmp_path)
     step_dir = os.path.join(root, "global_step_1")
     torch.save({"epoch": 0, "position": 64, "batches_served": 4, "seed": 5, "shuffle": True, "num_rows": 1000}, os.path.join(step_dir, "data.pt"))
     config = _resume_config(root)
-    assert data_position_problems(step_dir, config.data, 1000) == [
+    assert data_position_problems(step_dir, build_run_config(config).data, 1000) == [
         f"{step_dir}/data.pt is the data position of a run with data.seed=5; this run has data.seed={config.data.seed}: "
         "resume with the data config the step was saved with, or set trainer.resume_mode=disable"
     ]
     torch.save({"epoch": 0, "position": 64, "batches_served": 4, "seed": int(config.data.seed), "num_rows": 1000}, os.path.join(step_dir, "data.pt"))
-    assert data_position_problems(step_dir, config.data, 1000) == []  # no shuffle recorded
-    assert "training prompts=1000; this run has training prompts=999" in data_position_problems(step_dir, config.data, 999)[0]
+    assert data_position_problems(step_dir, build_run_config(config).data, 1000) == []  # no shuffle recorded
+    assert "training prompts=1000; this run has training prompts=999" in data_position_problems(step_dir, build_run_config(config).data, 999)[0]
     torch.save({"epoch": 0, "position": 64, "batches_served": 4, "seed": 5, "shuffle": True, "num_rows": 1000}, os.path.join(step_dir, "data.pt"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH")) if p)}
     cli = subprocess.run(
@@ -1162,7 +1163,7 @@ def test_a_step_of_ours_stripped_of_every_mark_is_not_taken_for_upstreams(base_r
     it is: verify and the pre-start check refuse it in one line naming the missing files and the fix."""
     from verl.model_merger.__main__ import main as merger
     from verl.trainer.resume_step import check_resume_step
-    from verl.trainer.run_config import ConfigError
+    from verl.trainer.run_config import ConfigError, build_run_config
 
     root = _copy_run(base_root, tmp_path)
     step = _step_path(root, 1)
@@ -1176,7 +1177,7 @@ def test_a_step_of_ours_stripped_of_every_mark_is_not_taken_for_upstreams(base_r
     err = capsys.readouterr().err.strip()
     assert refusal.fullmatch(err.removeprefix("DAMAGED: ")), err
     with pytest.raises(ConfigError) as refused:
-        check_resume_step(_resume_config(root))
+        check_resume_step(build_run_config(_resume_config(root)))
     assert len(refused.value.problems) == 1 and refusal.search(refused.value.problems[0]), refused.value.problems
     assert os.path.isdir(os.path.join(step, "optimizer"))  # nothing deleted
 
@@ -1269,7 +1270,7 @@ def test_a_crafted_pickled_step_file_is_refused_in_one_line_before_ray(base_root
     in torch's traceback. Both now refuse it in one line naming the file and the global it names."""
     from verl.model_merger.__main__ import main as merger
     from verl.trainer.resume_step import check_resume_step, data_position_problems
-    from verl.trainer.run_config import ConfigError
+    from verl.trainer.run_config import ConfigError, build_run_config
 
     root = _copy_run(base_root, tmp_path)
     marker = str(tmp_path / "ran")
@@ -1283,8 +1284,8 @@ def test_a_crafted_pickled_step_file_is_refused_in_one_line_before_ray(base_root
     assert err.startswith("DAMAGED: ") and names_the_file_and_the_global(err) and "\n" not in err and "safe_globals" not in err, err
     config = _resume_config(root)
     try:  # the driver's pre-start checks, in main_ppo's order
-        step = check_resume_step(config)
-        problems = data_position_problems(step.step_dir, config.data, 1000)
+        step = check_resume_step(build_run_config(config))
+        problems = data_position_problems(step.step_dir, build_run_config(config).data, 1000)
     except ConfigError as exc:
         problems = exc.problems
     assert len(problems) == 1 and names_the_file_and_the_global(problems[0]), problems

@@ -99,6 +99,7 @@ def _driver_check(root: str, *overrides: str, load_contents: tuple[str, ...] = L
     from hydra import compose, initialize_config_dir
 
     from verl.trainer.resume_step import check_resume_step
+    from verl.trainer.run_config import build_run_config
 
     config_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "verl", "trainer", "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
@@ -106,7 +107,7 @@ def _driver_check(root: str, *overrides: str, load_contents: tuple[str, ...] = L
             config_name="ppo_megatron_trainer",
             overrides=[f"trainer.default_local_dir={root}", f"actor_rollout_ref.actor.checkpoint.load_contents=[{','.join(load_contents)}]", *overrides],
         )
-    return check_resume_step(config)
+    return check_resume_step(build_run_config(config))
 
 
 def _load_counting(src: str, step: str, checked, checks: bool = True) -> dict[str, int]:

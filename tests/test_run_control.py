@@ -23,7 +23,7 @@ from tests.test_ray_worker_group import ProbeWorker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool, WorkerGroupError
 from verl.trainer.resume_step import check_resume_step
-from verl.trainer.run_config import ConfigError
+from verl.trainer.run_config import ConfigError, build_run_config
 from verl.trainer.run_control import resume_command
 from verl.trainer.validation import check_config
 from verl.utils.checkpoint.dir_lock import (
@@ -151,7 +151,7 @@ def test_mistyped_keys_are_one_line_each_not_a_traceback(tmp_path):
 def test_a_corrupt_tracker_is_named(tmp_path, content):
     (tmp_path / TRACKER).write_bytes(content)
     with pytest.raises(ConfigError) as err:
-        check_resume_step(_config(f"trainer.default_local_dir={tmp_path}"))
+        check_resume_step(build_run_config(_config(f"trainer.default_local_dir={tmp_path}")))
     assert f"checkpoint tracker {tmp_path / TRACKER} is corrupt" in str(err.value)
 
 

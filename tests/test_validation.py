@@ -187,10 +187,10 @@ def test_a_null_megatron_override_is_no_override_as_upstream(tmp_path):
 
 def test_prepare_refuses_a_typed_config_value_as_a_config_error(tmp_path):
     """``prepare`` is what the CLI runs first; a ConfigError is its one-line message and exit 2, a bare
-    ValueError would be a traceback. Its later builds of the actor config (the resume check's, the schedule's)
-    go through ``actor_configs``, which turns a refusal into a ConfigError too."""
+    ValueError would be a traceback. The run's typed config that the later steps read (``build_run_config``)
+    turns a refusal into a ConfigError too."""
     from verl.trainer.main_ppo import prepare
-    from verl.trainer.run_config import ConfigError, actor_configs
+    from verl.trainer.run_config import ConfigError, build_run_config
 
     config, path = _trainer_config(tmp_path, tiny_hf_config_dict("moe"))
     config.merge_with_dotlist([f"actor_rollout_ref.model.path={path}", "trainer.device=cpu", "actor_rollout_ref.actor.use_torch_compile=0"])
@@ -198,5 +198,5 @@ def test_prepare_refuses_a_typed_config_value_as_a_config_error(tmp_path):
         prepare(config)
     assert raised.value.problems == ["actor_rollout_ref.actor.use_torch_compile must be true or false, got 0"]
     with pytest.raises(ConfigError) as raised:
-        actor_configs(config.actor_rollout_ref.actor)
+        build_run_config(config)
     assert raised.value.problems == ["actor_rollout_ref.actor.use_torch_compile must be true or false, got 0"]

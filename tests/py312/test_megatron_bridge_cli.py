@@ -44,12 +44,12 @@ def _pre_start_resume_problems(overrides: list[str], model_path: str) -> list[st
     from hydra import compose, initialize_config_dir
 
     from verl.trainer.resume_step import check_resume_step
-    from verl.trainer.run_config import ConfigError
+    from verl.trainer.run_config import ConfigError, build_run_config
 
     with initialize_config_dir(config_dir=str(REPO / "verl" / "trainer" / "config"), version_base=None):
         config = compose(config_name="ppo_megatron_trainer", overrides=overrides)
     try:
-        check_resume_step(config, model_path)
+        check_resume_step(build_run_config(config), model_path)
     except ConfigError as exc:
         return exc.problems
     return []

@@ -29,10 +29,9 @@ from typing import Any
 import hydra
 
 from verl.trainer.cli_overrides import override_problems
-from verl.trainer.config import TrainerConfig
 from verl.trainer.data_plan import RunData, load_run_data, load_tokenizer
 from verl.trainer.resume_step import check_resume_step, data_position_problems, schedule_length_warning
-from verl.trainer.run_config import ConfigError, RunConfig, build_run_config, typed_node
+from verl.trainer.run_config import ConfigError, RunConfig, build_run_config, trainer_config_or_none
 from verl.trainer.run_control import StopSignals, output_dir, stop_message, take_writer_lock
 from verl.trainer.upstream_keys import ignored_settings
 from verl.trainer.validation import check_async_mode, check_cluster, check_model_build, pre_start_problems
@@ -212,7 +211,7 @@ def run_ppo(config, task_runner_class: type | None = None) -> None:
         step = trainer.global_steps if trainer is not None else None
         pending = trainer.pending_step() if trainer is not None else None
         signum = stops.signum or signal.SIGINT
-        trainer_config = progress["run"].trainer if "run" in progress else typed_node(TrainerConfig, config.trainer)[0]
+        trainer_config = progress["run"].trainer if "run" in progress else trainer_config_or_none(config)
         print(stop_message(trainer_config, signum, step, pending, sys.argv[1:]), file=sys.stderr, flush=True)
         raise SystemExit(stops.exit_code()) from None
 

@@ -15,9 +15,9 @@ from omegaconf import OmegaConf
 
 from verl.base_config import BaseConfig
 from verl.trainer.config import AlgoConfig, DataConfig, TrainerConfig
-from verl.workers.config import McoreActorConfig, build_megatron_actor_configs, megatron_worker_config
+from verl.workers.config import McoreActorConfig, megatron_worker_config
 
-__all__ = ["ConfigError", "CustomRewardFunctionConfig", "RunConfig", "actor_configs", "build_run_config", "typed_node"]
+__all__ = ["ConfigError", "CustomRewardFunctionConfig", "RunConfig", "build_run_config", "trainer_config_or_none", "typed_node"]
 
 
 class ConfigError(ValueError):
@@ -40,15 +40,6 @@ def typed_node(cls: type, node: Any) -> tuple[Any, list[str]]:
         return cls(**{k: v for k, v in _plain(node).items() if k in fields}), []
     except ValueError as exc:
         return None, str(exc).splitlines()
-
-
-def actor_configs(actor: Any, total_training_steps: int | None = None) -> McoreActorConfig:
-    """``build_megatron_actor_configs`` for the trainer's own steps: a refused value is a ConfigError (the one-line
-    message and exit 2 of every other config problem), not a ValueError traceback."""
-    try:
-        return build_megatron_actor_configs(actor, total_training_steps=total_training_steps)
-    except ValueError as exc:
-        raise ConfigError([str(exc)]) from exc
 
 
 @dataclasses.dataclass
@@ -92,6 +83,11 @@ class RunConfig:
         ``optim.total_training_steps`` was set (upstream's trainer fills it in the same way)."""
         if self.actor.optim.total_training_steps < 0:
             self.actor.optim.total_training_steps = int(total)
+
+
+def trainer_config_or_none(config: Any) -> TrainerConfig | None:
+    """The ``trainer`` node typed, or None when it does not build (the pre-start check says why)."""
+    return typed_node(TrainerConfig, config.trainer)[0]
 
 
 def build_run_config(config: Any) -> RunConfig:
