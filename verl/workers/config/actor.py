@@ -111,7 +111,7 @@ class ActorConfig(BaseConfig):
         if not self.use_dynamic_bsz:
             check_micro_batch_sizes(owner, self.ppo_micro_batch_size, self.ppo_micro_batch_size_per_gpu, type(self)._needs_micro_batch_size)
         if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"Invalid loss_agg_mode {self.loss_agg_mode!r} for {owner}: one of {list(LOSS_AGG_MODES)}")
+            raise ValueError(f"Invalid loss_agg_mode: {owner}.loss_agg_mode={self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
         for name, cls in type(self)._nested.items():
             self._normalize(name, nested_config(owner, name, getattr(self, name), cls))
         for name in ("ppo_mini_batch_size", "ppo_epochs", "rollout_n"):
