@@ -68,6 +68,7 @@ DIFFERENT: dict[tuple[str, str], str] = {
     (_MEGATRON, "tensor_model_parallel_size"): _LAYOUT,
     (_MEGATRON, "expert_model_parallel_size"): _LAYOUT,
     (_MEGATRON, "pipeline_model_parallel_size"): _LAYOUT,
+    (_MEGATRON, "sequence_parallel"): "on with the layout's TP2; the class's default TP 1 turns it off (upstream's rule)",
     (_MEGATRON, "use_distributed_optimizer"): "the job fix 1 is about: MoE layouts such as PP4 EP2 TP2 ETP2 run without it",
     (_MEGATRON, "override_transformer_config"): "upstream's YAML's recompute / attention settings (memory and speed only)",
     (_REF, "dtype"): _REF_FOLLOWS,

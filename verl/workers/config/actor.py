@@ -14,12 +14,32 @@ from typing import Any, ClassVar
 
 from verl.base_config import BaseConfig
 from verl.trainer.config import CheckpointConfig
+from verl.utils.config import nested_config
 
 from .checkpoint import McoreCheckpointConfig
-from .engine import McoreEngineConfig, _positive, nested_config
-from .optimizer import McoreOptimizerConfig, OptimizerConfig, _boolean, _number
+from .engine import FSDPEngineConfig, McoreEngineConfig, _positive
+from .optimizer import McoreOptimizerConfig, OptimizerConfig, _boolean, _choice, _number
 
-__all__ = ["PolicyLossConfig", "ActorConfig", "McoreActorConfig"]
+__all__ = ["PolicyLossConfig", "ActorConfig", "McoreActorConfig", "FSDPActorConfig"]
+
+# The loss aggregations upstream's losses know (this trainer's pre-start check accepts token-mean only).
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def check_micro_batch_sizes(role: str, micro: int | None, micro_per_gpu: int | None, require_one: bool = True) -> None:
+    """Upstream's rule for a role trained without dynamic batch sizes: exactly one of the deprecated global
+    ``ppo_micro_batch_size`` and ``ppo_micro_batch_size_per_gpu`` (``require_one=False``: at most one).
+    Raises ValueError naming ``role``'s keys."""
+    if micro is not None and micro_per_gpu is not None:
+        raise ValueError(
+            f"You have set both {role}.ppo_micro_batch_size AND {role}.ppo_micro_batch_size_per_gpu: "
+            "keep only the per-GPU one (the global form is deprecated)"
+        )
+    if require_one and micro is None and micro_per_gpu is None:
+        raise ValueError(
+            f"Please set at least one of {role}.ppo_micro_batch_size or {role}.ppo_micro_batch_size_per_gpu "
+            "(or use_dynamic_bsz=True)"
+        )
 
 
 @dataclasses.dataclass
@@ -48,10 +68,17 @@ class ActorConfig(BaseConfig):
         use_torch_compile: upstream's torch.compile switch.
         checkpoint / optim: the checkpoint and optimizer configs.
         profiler: upstream's profiler switches (a mapping here: no profiler is wired in).
+        rollout_n: responses per prompt, which upstream's workers read here; this trainer reads
+            ``actor_rollout_ref.rollout.n``.
+
+    The batch sizes stay settable after the build (upstream's workers scale them to a rank's share).
     """
 
+    _mutable_fields: ClassVar[set[str]] = {"ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu"}
     # field -> its typed config class; a node given for one is built into it
     _nested: ClassVar[dict[str, type]] = {"policy_loss": PolicyLossConfig, "checkpoint": CheckpointConfig, "optim": OptimizerConfig}
+    # whether a build without dynamic batch sizes needs one of the two micro batch sizes (check_micro_batch_sizes)
+    _needs_micro_batch_size: ClassVar[bool] = True
 
     strategy: str | None = None
     ppo_mini_batch_size: int = 256
@@ -76,16 +103,22 @@ class ActorConfig(BaseConfig):
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     profiler: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rollout_n: int = 1
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
+        _boolean(owner, "use_dynamic_bsz", self.use_dynamic_bsz)
+        if not self.use_dynamic_bsz:
+            check_micro_batch_sizes(owner, self.ppo_micro_batch_size, self.ppo_micro_batch_size_per_gpu, type(self)._needs_micro_batch_size)
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"Invalid loss_agg_mode: {owner}.loss_agg_mode={self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
         for name, cls in type(self)._nested.items():
             self._normalize(name, nested_config(owner, name, getattr(self, name), cls))
-        for name in ("ppo_mini_batch_size", "ppo_epochs"):
+        for name in ("ppo_mini_batch_size", "ppo_epochs", "rollout_n"):
             _positive(owner, name, getattr(self, name))
         for name in ("ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu"):
             _positive(owner, name, getattr(self, name), optional=True)
-        for name in ("use_dynamic_bsz", "shuffle", "use_kl_loss", "use_torch_compile"):
+        for name in ("shuffle", "use_kl_loss", "use_torch_compile"):
             _boolean(owner, name, getattr(self, name))
         for name in ("clip_ratio", "clip_ratio_c"):
             self._normalize(name, _number(owner, name, getattr(self, name), minimum=0.0))
@@ -98,11 +131,36 @@ class ActorConfig(BaseConfig):
             if getattr(self, name) is not None:
                 self._normalize(name, _number(owner, name, getattr(self, name), minimum=0.0))
 
+    def validate(self, n_gpus: int, train_batch_size: int, model_config: dict | None = None) -> None:
+        """Upstream's check against the run's size: a step's prompts hold a mini-batch, and a global micro
+        batch (the deprecated ``ppo_micro_batch_size``) divides it and gives every GPU a sequence. Raises
+        ValueError. ``model_config``: the model node, for the subclasses' checks."""
+        if self.use_dynamic_bsz:
+            return
+        owner = type(self).__name__
+        if train_batch_size < self.ppo_mini_batch_size:
+            raise ValueError(f"train_batch_size={train_batch_size} is below {owner}.ppo_mini_batch_size={self.ppo_mini_batch_size}")
+        micro = self.ppo_micro_batch_size
+        if micro is None:
+            return
+        if self.ppo_mini_batch_size % micro:
+            raise ValueError(f"{owner}.ppo_mini_batch_size={self.ppo_mini_batch_size} must be divisible by ppo_micro_batch_size={micro}")
+        sequence_parallel = getattr(self, "ulysses_sequence_parallel_size", 1)
+        if micro * sequence_parallel < n_gpus:
+            raise ValueError(
+                f"{owner}.ppo_micro_batch_size={micro} x ulysses_sequence_parallel_size={sequence_parallel} must be >= n_gpus={n_gpus}"
+            )
+
 
 @dataclasses.dataclass
 class McoreActorConfig(ActorConfig):
-    """A Megatron actor: ``ActorConfig`` with the Megatron engine (``megatron``), optimizer and checkpoint."""
+    """A Megatron actor: ``ActorConfig`` with the Megatron engine (``megatron``), optimizer and checkpoint.
 
+    A build needs no micro batch size: the trainer's pre-start check names a missing
+    ``ppo_micro_batch_size_per_gpu`` by its key, and builds this class from parts of the actor node.
+    """
+
+    _needs_micro_batch_size: ClassVar[bool] = False
     _nested: ClassVar[dict[str, type]] = {
         **ActorConfig._nested, "checkpoint": McoreCheckpointConfig, "optim": McoreOptimizerConfig, "megatron": McoreEngineConfig,
     }  # fmt: skip
@@ -111,3 +169,55 @@ class McoreActorConfig(ActorConfig):
     checkpoint: McoreCheckpointConfig = dataclasses.field(default_factory=McoreCheckpointConfig)
     optim: McoreOptimizerConfig = dataclasses.field(default_factory=McoreOptimizerConfig)
     megatron: McoreEngineConfig = dataclasses.field(default_factory=McoreEngineConfig)
+
+
+@dataclasses.dataclass
+class FSDPActorConfig(ActorConfig):
+    """Upstream's FSDP actor (a config type only: this package trains with Megatron).
+
+    Args:
+        fsdp_config: the FSDP engine; its strategy follows this one's.
+        grad_clip: the gradient-norm clip.
+        ulysses_sequence_parallel_size: Ulysses sequence parallelism (needs the model's use_remove_padding);
+            above 1 it is also set on fsdp_config.
+        entropy_from_logits_with_chunking / entropy_from_logits_chunk_size / entropy_checkpointing: the entropy
+            computation's memory switches.
+        pad_to_length: pad packed micro batches (fsdp_config's setting is what upstream's engine reads).
+        use_remove_padding / use_rollout_log_probs: upstream's switches.
+    """
+
+    _nested: ClassVar[dict[str, type]] = {**ActorConfig._nested, "fsdp_config": FSDPEngineConfig}
+
+    strategy: str = "fsdp"
+    grad_clip: float = 1.0
+    ulysses_sequence_parallel_size: int = 1
+    entropy_from_logits_with_chunking: bool = False
+    entropy_from_logits_chunk_size: int = 2048
+    entropy_checkpointing: bool = False
+    pad_to_length: bool = False
+    fsdp_config: FSDPEngineConfig = dataclasses.field(default_factory=FSDPEngineConfig)
+    use_remove_padding: bool = False
+    use_rollout_log_probs: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        _choice(owner, "strategy", self.strategy, ("fsdp", "fsdp2", "fsdp_turbo"))
+        self._normalize("grad_clip", _number(owner, "grad_clip", self.grad_clip, minimum=0.0))
+        _positive(owner, "ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size)
+        _positive(owner, "entropy_from_logits_chunk_size", self.entropy_from_logits_chunk_size)
+        for name in ("entropy_from_logits_with_chunking", "entropy_checkpointing", "pad_to_length", "use_remove_padding", "use_rollout_log_probs"):
+            _boolean(owner, name, getattr(self, name))
+        # the engine runs this actor's strategy and sequence parallelism
+        self.fsdp_config._normalize("strategy", self.strategy)
+        if self.ulysses_sequence_parallel_size > 1:
+            self.fsdp_config.ulysses_sequence_parallel_size = self.ulysses_sequence_parallel_size
+
+    def validate(self, n_gpus: int, train_batch_size: int, model_config: dict | None = None) -> None:
+        """``ActorConfig.validate``, and Ulysses sequence parallelism needs the model's ``use_remove_padding``."""
+        super().validate(n_gpus, train_batch_size, model_config)
+        if self.ulysses_sequence_parallel_size > 1 and model_config and not model_config.get("use_remove_padding", False):
+            raise ValueError(
+                f"{type(self).__name__}.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size}: with sequence "
+                "parallelism you must enable `use_remove_padding` in the model config"
+            )

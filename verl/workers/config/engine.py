@@ -1,5 +1,7 @@
-"""Engine configs with upstream verl's names and defaults: ``EngineConfig`` and the Megatron one,
-``McoreEngineConfig`` (the ``actor_rollout_ref.actor.megatron`` and ``ref.megatron`` nodes).
+"""Engine configs with upstream verl's names and defaults: ``EngineConfig``, the Megatron one,
+``McoreEngineConfig`` (the ``actor_rollout_ref.actor.megatron`` and ``ref.megatron`` nodes), and upstream's
+FSDP one, ``FSDPEngineConfig`` (a config type only: this package trains with Megatron, so code and configs
+written for upstream's FSDP workers load and validate, and no FSDP engine reads them).
 
 Each checks its own fields when it is built. Only the fields this trainer's YAML has are here; upstream's
 others (dynamic batch sizes on the engine, QAT, Megatron-FSDP tuning, ...) are set by no key of this trainer.
@@ -9,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from verl.base_config import BaseConfig
-from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.config import nested_config
 
 from .optimizer import _boolean, _choice, _integer
 
-__all__ = ["EngineRouterReplayConfig", "EngineConfig", "McoreEngineConfig", "megatron_param_dtype"]
+__all__ = ["EngineRouterReplayConfig", "EngineConfig", "McoreEngineConfig", "FSDPEngineConfig", "megatron_param_dtype"]
 
 # ``dtype``: the spellings upstream's ``PrecisionType.to_dtype`` accepts, by the dtype they name.
 _DTYPE_SPELLINGS = {
@@ -43,22 +45,6 @@ def megatron_param_dtype(value: Any, key: str = "actor_rollout_ref.actor.megatro
             f"set {key}=bfloat16 or float32"
         )
     return name
-
-
-def nested_config(owner: str, name: str, value: Any, cls: type) -> Any:
-    """Field ``name`` of ``owner`` as ``cls`` (a node or an already built config); its errors name
-    ``owner.name.<field>``, so the builder of ``owner`` can turn them into the Hydra key."""
-    if isinstance(value, cls):
-        return value
-    if value is not None and not isinstance(value, Mapping):
-        raise ValueError(f"{owner}.{name} must be a mapping of {cls.__name__}'s fields, got {value!r}")
-    try:
-        return omega_conf_to_dataclass(value or {}, cls)
-    except (TypeError, ValueError) as exc:
-        message = str(exc)
-        for klass in cls.__mro__:
-            message = message.replace(f"{klass.__name__}.", f"{owner}.{name}.")
-        raise ValueError(message if message != str(exc) else f"{owner}.{name}: {message}") from exc
 
 
 def _positive(owner: str, name: str, value: Any, optional: bool = False) -> None:
@@ -121,7 +107,8 @@ class McoreEngineConfig(EngineConfig):
             context_parallel_size: the parallel sizes (>= 1).
         expert_tensor_parallel_size: None: the tensor-parallel size.
         virtual_pipeline_model_parallel_size: model chunks per pipeline rank (the interleaved schedule); None: 1.
-        sequence_parallel: megatron's sequence parallelism (with TP > 1).
+        sequence_parallel: megatron's sequence parallelism; turned off at TP 1, where megatron has no such
+            mode (hence settable afterwards, as upstream's).
         use_distributed_optimizer: shard the optimizer state over data parallel.
         use_dist_checkpointing / dist_checkpointing_path: checkpoint the model as a Megatron dist checkpoint
             (False: HF weights only, through the bridge) / initial weights from one.
@@ -131,6 +118,8 @@ class McoreEngineConfig(EngineConfig):
             instead of Megatron-Bridge (False).
         use_megatron_fsdp: Megatron's FSDP instead of its DDP.
     """
+
+    _mutable_fields: ClassVar[set[str]] = {"sequence_parallel"}
 
     strategy: str = "megatron"
     tensor_model_parallel_size: int = 1
@@ -163,5 +152,63 @@ class McoreEngineConfig(EngineConfig):
         for name in ("override_ddp_config", "override_transformer_config", "override_mcore_model_config"):
             if getattr(self, name) is None:  # null overrides nothing (upstream accepts it the same way)
                 self._normalize(name, {})
+            if not isinstance(getattr(self, name), Mapping):
+                raise ValueError(f"{owner}.{name} must be a mapping, got {getattr(self, name)!r}")
+        if self.tensor_model_parallel_size == 1:
+            self.sequence_parallel = False
+
+
+@dataclasses.dataclass
+class FSDPEngineConfig(EngineConfig):
+    """Upstream's FSDP engine settings (the ``fsdp_config`` node of an FSDP actor), with its defaults.
+
+    Args:
+        strategy: "fsdp", "fsdp2" or "fsdp_turbo".
+        wrap_policy: which modules FSDP wraps (e.g. ``{"transformer_layer_cls_to_wrap": [...]}``).
+        offload_policy / reshard_after_forward / forward_prefetch / use_orig_params: FSDP's own switches.
+        fsdp_size: ranks a parameter is sharded over; -1: all.
+        model_dtype: the dtype the HF model is loaded in; mixed_precision: FSDP's mixed-precision node.
+        ulysses_sequence_parallel_size: Ulysses sequence parallelism (settable afterwards, as upstream's).
+        entropy_from_logits_with_chunking / entropy_from_logits_chunk_size / entropy_checkpointing /
+            use_torch_compile: the entropy computation's memory and speed switches.
+        pad_to_length / pad_to_length_bucket: pad packed micro batches up to a multiple of the bucket.
+        turbo_config: the ``fsdp_turbo`` strategy's settings.
+    """
+
+    _mutable_fields: ClassVar[set[str]] = {"ulysses_sequence_parallel_size"}
+
+    strategy: str = "fsdp"
+    wrap_policy: dict[str, Any] = dataclasses.field(default_factory=dict)
+    offload_policy: bool = False
+    reshard_after_forward: bool = True
+    fsdp_size: int = -1
+    forward_prefetch: bool = False
+    model_dtype: str = "fp32"
+    use_orig_params: bool = False
+    mixed_precision: dict[str, Any] | None = None
+    ulysses_sequence_parallel_size: int = 1
+    entropy_from_logits_with_chunking: bool = False
+    entropy_from_logits_chunk_size: int = 2048
+    use_torch_compile: bool = True
+    entropy_checkpointing: bool = False
+    pad_to_length: bool = False
+    pad_to_length_bucket: int = 1024
+    turbo_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        _choice(owner, "strategy", self.strategy, ("fsdp", "fsdp2", "fsdp_turbo"))
+        fsdp_size = _integer(owner, "fsdp_size", self.fsdp_size)
+        if fsdp_size == 0 or fsdp_size < -1:
+            raise ValueError(f"{owner}.fsdp_size must be -1 (all ranks) or >= 1, got {self.fsdp_size!r}")
+        for name in ("ulysses_sequence_parallel_size", "entropy_from_logits_chunk_size", "pad_to_length_bucket"):
+            _positive(owner, name, getattr(self, name))
+        for name in (
+            "offload_policy", "reshard_after_forward", "forward_prefetch", "use_orig_params", "entropy_from_logits_with_chunking",
+            "use_torch_compile", "entropy_checkpointing", "pad_to_length",
+        ):  # fmt: skip
+            _boolean(owner, name, getattr(self, name))
+        for name in ("wrap_policy", "turbo_config"):
             if not isinstance(getattr(self, name), Mapping):
                 raise ValueError(f"{owner}.{name} must be a mapping, got {getattr(self, name)!r}")

@@ -1,7 +1,8 @@
 """``HFModelConfig`` with upstream verl's name and defaults: the ``actor_rollout_ref.model`` node.
 
-Only the fields this trainer's YAML has are here; upstream's others (tokenizer and config paths, LoRA
-details beyond the ``lora`` node, ...) are set by no key of this trainer.
+Only the fields this trainer's YAML has are here, and upstream's ``target_modules`` (its type is part of
+upstream's contract: a CLI override merges a list or a string into it); upstream's others (tokenizer and config
+paths, LoRA details beyond the ``lora`` node, ...) are set by no key of this trainer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ class HFModelConfig(BaseConfig):
         custom_chat_template: a Jinja chat template used instead of the tokenizer's.
         override_config: HF config overrides.
         trust_remote_code / external_lib: upstream's switches for a model's own code.
-        lora_rank / lora: LoRA adapters (rank 0: none).
+        lora_rank / lora: LoRA adapters (rank 0: none; the only rank here).
+        target_modules: upstream's LoRA target modules: "all-linear", a list of module names, or None
+            (typed Any so that OmegaConf merges either form; checked here, TypeError otherwise).
         the rest: upstream's memory and kernel switches.
     """
 
@@ -41,6 +44,7 @@ class HFModelConfig(BaseConfig):
     external_lib: Any = None
     lora_rank: int = 0
     lora: dict[str, Any] = dataclasses.field(default_factory=dict)
+    target_modules: Any = "all-linear"
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -49,3 +53,8 @@ class HFModelConfig(BaseConfig):
         for name in ("enable_gradient_checkpointing", "enable_activation_offload", "use_remove_padding", "use_fused_kernels", "use_liger", "trust_remote_code"):
             _boolean(owner, name, getattr(self, name))
         _integer(owner, "lora_rank", self.lora_rank)
+        modules = self.target_modules
+        if isinstance(modules, (list, tuple)) and all(isinstance(name, str) for name in modules):
+            self._normalize("target_modules", list(modules))
+        elif modules is not None and not isinstance(modules, str):
+            raise TypeError(f"{owner}.target_modules must be a string, a list of strings or null, got {modules!r}")

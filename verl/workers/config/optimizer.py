@@ -1,5 +1,6 @@
-"""Optimizer configs with upstream verl's names, fields and defaults: ``OptimizerConfig`` and the
-Megatron one, ``McoreOptimizerConfig``.
+"""Optimizer configs with upstream verl's names, fields and defaults: ``OptimizerConfig``, the
+Megatron one, ``McoreOptimizerConfig``, and upstream's FSDP one, ``FSDPOptimizerConfig`` (a config type
+only: no FSDP optimizer is built here).
 
 Each checks its values when it is built, so a bad ``optim.*`` override fails at start-up with the
 field named instead of as an assertion deep inside Megatron's scheduler after the ranks are up.
@@ -15,7 +16,7 @@ from typing import Any, ClassVar
 
 from verl.base_config import BaseConfig
 
-__all__ = ["OptimizerConfig", "McoreOptimizerConfig"]
+__all__ = ["OptimizerConfig", "McoreOptimizerConfig", "FSDPOptimizerConfig"]
 
 # Megatron's OptimizerParamScheduler accepts exactly these.
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -24,6 +25,8 @@ LR_WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 # Megatron's optimizers; "muon" is upstream's route to Megatron's emerging optimizers (not built here).
 OPTIMIZERS = ("adam", "sgd", "muon")
 _STATE_DTYPES = ("fp32", "float32", "32", "bf16", "bfloat16")
+# The LR schedules of upstream's FSDP workers.
+FSDP_LR_SCHEDULER_TYPES = ("constant", "cosine")
 
 
 def _number(owner: str, name: str, value: Any, minimum: float | None = None) -> float:
@@ -185,3 +188,47 @@ class McoreOptimizerConfig(OptimizerConfig):
             raise ValueError(f"{owner}.override_optimizer_config must be a mapping, got {self.override_optimizer_config!r}")
         for name in ("use_checkpoint_opt_param_scheduler", "use_precision_aware_optimizer"):
             _boolean(owner, name, getattr(self, name))
+
+
+@dataclasses.dataclass
+class FSDPOptimizerConfig(OptimizerConfig):
+    """Upstream's FSDP optimizer and LR schedule settings (the ``optim`` node of an FSDP actor or critic).
+
+    Args:
+        optimizer / optimizer_impl: the optimizer class and the module it comes from ("AdamW", "torch.optim").
+        lr_scheduler_type: one of FSDP_LR_SCHEDULER_TYPES (settable afterwards, as upstream's).
+        warmup_style: upstream's deprecated spelling of lr_scheduler_type; when set it wins, with a warning.
+        min_lr_ratio: the cosine schedule's floor as a fraction of lr (None: 0).
+        num_cycles: cosine waves over the decay (0.5: one half-wave down to the floor).
+        override_optimizer_config: extra keyword arguments for the optimizer.
+        zero_indexed_step: the schedule counts steps from 0 (False: from 1).
+    """
+
+    _mutable_fields: ClassVar[set[str]] = OptimizerConfig._mutable_fields | {"lr_scheduler_type"}
+
+    optimizer: str = "AdamW"
+    optimizer_impl: str = "torch.optim"
+    min_lr_ratio: float | None = None
+    warmup_style: str | None = None
+    lr_scheduler_type: str = "constant"
+    num_cycles: float = 0.5
+    override_optimizer_config: dict | None = None
+    zero_indexed_step: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        if self.warmup_style is not None:
+            _choice(owner, "warmup_style", self.warmup_style, FSDP_LR_SCHEDULER_TYPES)
+            warnings.warn("warmup_style is deprecated; use lr_scheduler_type", DeprecationWarning, stacklevel=3)
+            self.lr_scheduler_type = self.warmup_style
+        _choice(owner, "lr_scheduler_type", self.lr_scheduler_type, FSDP_LR_SCHEDULER_TYPES)
+        if self.min_lr_ratio is not None:
+            ratio = _number(owner, "min_lr_ratio", self.min_lr_ratio, minimum=0.0)
+            if ratio > 1.0:
+                raise ValueError(f"{owner}.min_lr_ratio must be in [0, 1], got {ratio}")
+            self._normalize("min_lr_ratio", ratio)
+        self._normalize("num_cycles", _number(owner, "num_cycles", self.num_cycles, minimum=0.0))
+        _boolean(owner, "zero_indexed_step", self.zero_indexed_step)
+        if self.override_optimizer_config is not None and not isinstance(self.override_optimizer_config, dict):
+            raise ValueError(f"{owner}.override_optimizer_config must be a mapping, got {self.override_optimizer_config!r}")

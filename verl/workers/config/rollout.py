@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from verl.base_config import BaseConfig
+from verl.utils.config import nested_config
 
-from .engine import _positive, nested_config
+from .engine import _positive
 from .optimizer import _boolean, _integer, _number
 
 __all__ = ["SamplingConfig", "CheckpointEngineConfig", "LogProbParityCheckConfig", "RolloutConfig"]
