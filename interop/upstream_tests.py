@@ -66,7 +66,6 @@ CPU_FILES = (
     "tests/trainer/ppo/v1/test_separate_async_step_switch_on_cpu.py",
     "tests/trainer/test_multi_trajectories_advantage_on_cpu.py",
     *CKPT_FILES[1:],
-    "tests/utils/ckpt/test_esi_save_ckpt_on_cpu.py",
     "tests/utils/ckpt/test_lora_custom_object_save_on_cpu.py",
     *CKPT_FILES[:1],
     "tests/utils/dataset/test_multiturn_sft_dataset_on_cpu.py",
