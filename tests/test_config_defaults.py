@@ -22,6 +22,7 @@ from verl.workers.config import (
     McoreEngineConfig,
     McoreOptimizerConfig,
     PolicyLossConfig,
+    RefConfig,
     RolloutConfig,
     SamplingConfig,
 )
@@ -35,6 +36,7 @@ NODES: dict[str, type] = {
     "actor_rollout_ref.actor.megatron": McoreEngineConfig,
     "actor_rollout_ref.actor.megatron.router_replay": EngineRouterReplayConfig,
     "actor_rollout_ref.actor.policy_loss": PolicyLossConfig,
+    "actor_rollout_ref.ref": RefConfig,
     "actor_rollout_ref.ref.megatron": McoreEngineConfig,
     "actor_rollout_ref.rollout": RolloutConfig,
     "actor_rollout_ref.rollout.val_kwargs": SamplingConfig,
@@ -59,6 +61,7 @@ DIFFERENT: dict[tuple[str, str], str] = {
     (f"{_ACTOR}.optim", "weight_decay"): "the embedded tiny task trains without weight decay",
     (f"{_ACTOR}.optim", "lr_decay_style"): "upstream's YAML says constant too; its class says linear",
     (_ACTOR, "ppo_mini_batch_size"): _TINY_TASK,
+    (_ACTOR, "rollout_n"): "follows rollout.n (${actor_rollout_ref.rollout.n}), as upstream's YAML",
     (_ACTOR, "ppo_micro_batch_size_per_gpu"): "the tiny task's 64 rows per data-parallel rank (8 prompts x 16 over DP 2) in 2 micro batches",
     ("actor_rollout_ref.model", "lora"): "upstream's LoRA node with rank 0 (off), so launch scripts that set its keys compose",
     (_ACTOR, "clip_ratio_low"): "null: clip_ratio, so that one clip_ratio override sets both sides",

@@ -142,8 +142,8 @@ def test_the_worker_configs_are_built_once_from_the_hydra_node():
 
 
 def test_a_hand_built_worker_node_missing_or_mistyping_a_plain_key_is_one_line_naming_it():
-    """``nccl_timeout`` and the reference pass's ``ref.log_prob_*`` keys are not in a typed config; the worker
-    reads them, so the builder checks them rather than a rank raising a bare KeyError."""
+    """``nccl_timeout`` is in no typed config; the worker reads it, so the builder checks it rather than a rank
+    raising a bare KeyError. The reference's node is typed (``RefConfig``): a bad value is named by its key."""
     node = OmegaConf.to_container(_hydra().actor_rollout_ref, resolve=True)
     assert megatron_worker_config(node)["nccl_timeout"] == 600.0
     without_timeout = {k: v for k, v in node.items() if k != "nccl_timeout"}
@@ -151,9 +151,11 @@ def test_a_hand_built_worker_node_missing_or_mistyping_a_plain_key_is_one_line_n
         megatron_worker_config(without_timeout)
     with pytest.raises(ValueError, match=re.escape("actor_rollout_ref.nccl_timeout must be a number, got 'long'")):
         megatron_worker_config({**node, "nccl_timeout": "long"})
-    ref = {k: v for k, v in node["ref"].items() if k != "log_prob_use_dynamic_bsz"}
-    with pytest.raises(ValueError, match=re.escape("missing ['actor_rollout_ref.ref.log_prob_use_dynamic_bsz']")):
-        megatron_worker_config({**node, "ref": ref})
+    with pytest.raises(ValueError, match=re.escape("actor_rollout_ref.ref.log_prob_use_dynamic_bsz must be true or false, got 'yes'")):
+        megatron_worker_config({**node, "ref": {**node["ref"], "log_prob_use_dynamic_bsz": "yes"}})
+    with pytest.raises(ValueError, match=re.escape("actor_rollout_ref.ref.megatron.seed must be an integer, got 1.5")):
+        megatron_worker_config({**node, "ref": {**node["ref"], "megatron": {**node["ref"]["megatron"], "seed": 1.5}}})
+
 
 @pytest.mark.parametrize(
     "node, message",

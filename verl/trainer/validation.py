@@ -19,13 +19,13 @@ from verl.trainer.config.keys import ACTOR as _ACTOR
 from verl.trainer.config.keys import CHECKPOINT as _CHECKPOINT
 from verl.trainer.config.keys import MEGATRON as _MEGATRON
 from verl.trainer.config.keys import REF as _REF
-from verl.trainer.run_config import typed_node
+from verl.trainer.run_config import RunConfig, build_run_config, typed_node
 from verl.trainer.upstream_keys import check_upstream_keys
 from verl.utils.checkpoint.layout import checkpoint_root_problem, resume_step_problem
 from verl.utils.custom_code import oversized_file_problem, read_json
 from verl.utils.internals.megatron_bridge import megatron_bridge_install_problem
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
-from verl.workers.config import build_megatron_actor_configs, megatron_param_dtype, megatron_worker_config_problems
+from verl.workers.config import build_megatron_actor_configs, megatron_worker_config_problems
 
 # verl.trainer.ppo.core_algos.kl_penalty_types() (not imported: it pulls in torch): upstream's estimator names
 # and their straight-through "+" forms; upstream's "full" is not implemented (upstream raises for it too).
@@ -60,18 +60,19 @@ def pre_start_problems(config: Any, cluster: bool, model_path: str | None = None
 
 def check_config(config: Any, model_path: str | None) -> list[str]:
     """Problems found in the config alone, plus the model's layout from its config.json when ``model_path``
-    is given (None: the embedded model, which is checked once it is made)."""
+    is given (None: the embedded model, which is checked once it is made). Every node is built into its typed
+    config first (each names all of its bad fields); once all build, the rules across them run on the typed
+    run (``build_run_config``)."""
     trainer, problems = typed_node(TrainerConfig, config.trainer)
     data, data_problems = typed_node(DataConfig, config.data)
     algorithm, algorithm_problems = typed_node(AlgoConfig, config.algorithm)
     problems += data_problems + algorithm_problems + _check_untyped_keys(config)
-    if algorithm is not None:
-        problems += algorithm.validate()
+    problems += _check_typed_configs(config, problems)
     typed = not problems
     if trainer is not None:
         problems += _check_trainer(trainer, data)
-    problems += _guarded(typed, _check_actor, config)
-    problems += _check_typed_configs(config, problems)
+    if algorithm is not None:
+        problems += algorithm.validate()
     model = None
     if model_path is not None:
         model, model_problems = _read_model(model_path)
@@ -80,23 +81,25 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
             pp = OmegaConf.select(config, f"{_MEGATRON}pipeline_model_parallel_size")
             support = hf_config_problems(model) + (hf_layout_problems(model, pp) if isinstance(pp, int) else [])
             problems += [f"actor_rollout_ref.model.path={model_path}: {p}" for p in support]
-    problems += _guarded(typed, _check_layout, config, model)
-    problems += _guarded(typed, _check_grpo, config)
-    if data is not None:
-        problems += _guarded(typed, _check_data, config, data, model)
-    problems += _guarded(typed, check_upstream_keys, config)
-    return problems
+    if typed:
+        run = build_run_config(config)
+        problems += _check_actor(run) + _check_layout(run, model) + _check_grpo(run) + _check_data(run, model)
+    return problems + _guarded(typed, check_upstream_keys, config)
 
 
-# The keys no typed config holds (the reference's log-prob pass, Ray's):
-# a mistyped value is one line here, not a TypeError further down.
+# The keys no typed config holds: a mistyped value is one line here, not a TypeError further down.
 _UNTYPED_KEYS = (
     ("actor_rollout_ref.nccl_timeout", "a number", "<x>", lambda v: _is_number(v)),
     ("ray_kwargs.ray_init.num_cpus", "an integer or null", "<n>", lambda v: v is None or _is_int(v)),
-    (f"{_REF}.log_prob_micro_batch_size_per_gpu", "an integer or null", "<n>", lambda v: v is None or _is_int(v)),
-    (f"{_REF}.log_prob_max_token_len_per_gpu", "an integer or null", "<n>", lambda v: v is None or _is_int(v)),
-    (f"{_REF}.log_prob_use_dynamic_bsz", "true or false", "<true|false>", lambda v: isinstance(v, bool)),
-)  # fmt: skip
+)
+# A typed config's own name in a message -> the Hydra key of the node it was built from.
+_NODE_KEYS = {"McoreActorConfig.": f"{_ACTOR}.", "RefConfig.": f"{_REF}.", "RolloutConfig.": "actor_rollout_ref.rollout."}
+
+
+def _keyed(message: str) -> str:
+    for owner, key in _NODE_KEYS.items():
+        message = message.replace(owner, key)
+    return message
 
 
 def _is_int(value: Any) -> bool:
@@ -126,10 +129,6 @@ def _guarded(typed: bool, check: Any, *args: Any) -> list[str]:
         return []
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def _check_trainer(trainer: TrainerConfig, data: DataConfig | None) -> list[str]:
     """What the trainer node's fields cannot say alone: this host, the data, the checkpoint root on disk."""
     problems = trainer.validate(data_has_val_files=bool(data is None or data.val_files))
@@ -140,10 +139,10 @@ def _check_trainer(trainer: TrainerConfig, data: DataConfig | None) -> list[str]
 
 
 def _check_typed_configs(config: Any, reported: list[str]) -> list[str]:
-    """The typed configs the worker builds check themselves (dtype, optim, checkpoint, the bools, ...): built
-    here too, so a value they refuse is one line before the run starts, not a traceback from a rank. A key
-    an earlier check named (a mistyped one, say) is not reported twice, nor a reference key whose actor key is
-    named (the reference's megatron values follow the actor's in the YAML: one problem, one line)."""
+    """The worker's typed configs check themselves (dtype, optim, checkpoint, the bools, ...): built here too,
+    so a value they refuse is one line before the run starts, not a traceback from a rank. A key an earlier
+    check named is not reported twice, nor a reference key whose actor key is named (the reference's megatron
+    values follow the actor's in the YAML: one problem, one line)."""
     def key(problem: str) -> str:  # each line starts with the key it names
         return re.match(r"[^\s=:]*", problem).group()
 
@@ -162,27 +161,24 @@ def _check_typed_configs(config: Any, reported: list[str]) -> list[str]:
     return [problem for problem in kept if not follows_the_actor(key(problem))]
 
 
-def _check_actor(config: Any) -> list[str]:
-    actor = config.actor_rollout_ref.actor
-    megatron, checkpoint = actor.megatron, actor.checkpoint
+def _check_actor(run: RunConfig) -> list[str]:
+    actor, megatron = run.actor, run.actor.megatron
     problems = []
     if actor.strategy != "megatron":
-        problems.append(f"actor_rollout_ref.actor.strategy={actor.strategy}: only megatron is implemented; set actor_rollout_ref.actor.strategy=megatron")
-    if not _positive_int(actor.ppo_micro_batch_size_per_gpu):
-        problems.append(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} must be an integer >= 1")
+        problems.append(f"{_ACTOR}.strategy={actor.strategy}: only megatron is implemented; set {_ACTOR}.strategy=megatron")
     if not megatron.use_mbridge:
         problems.append(f"{_MEGATRON}use_mbridge=False: models are built only through a bridge here (mbridge or Megatron-Bridge, chosen by {_MEGATRON}vanilla_mbridge); set {_MEGATRON}use_mbridge=True")
-    missing_bridge = megatron_bridge_install_problem(bool(megatron.vanilla_mbridge))
+    missing_bridge = megatron_bridge_install_problem(megatron.vanilla_mbridge)
     if missing_bridge is not None:
         problems.append(missing_bridge)
     if megatron.grad_offload and not megatron.param_offload:
         problems.append(f"{_MEGATRON}grad_offload=True without param_offload: grads are offloaded together with the weights; set {_MEGATRON}param_offload=True or grad_offload=False")
-    if int(megatron.context_parallel_size) > 1:
+    if megatron.context_parallel_size > 1:
         problems.append(f"{_MEGATRON}context_parallel_size={megatron.context_parallel_size}: the update step does not split sequences over context-parallel ranks yet; set {_MEGATRON}context_parallel_size=1")
-    if int(megatron.tensor_model_parallel_size) > 1 and not megatron.sequence_parallel:
+    if megatron.tensor_model_parallel_size > 1 and not megatron.sequence_parallel:
         problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: both bridges build with sequence parallelism when TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
-    if _positive_int(config.trainer.save_freq) and not list(checkpoint.save_contents):
-        problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={config.trainer.save_freq}; list what to save or set trainer.save_freq=-1")
+    if run.trainer.save_freq > 0 and not actor.checkpoint.save_contents:
+        problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={run.trainer.save_freq}; list what to save or set trainer.save_freq=-1")
     return problems
 
 
@@ -202,13 +198,7 @@ def _read_model(model_path: str) -> tuple[dict | None, list[str]]:
         return None, [f"actor_rollout_ref.model.path={model_path}: {exc}; point it at an HF model directory"]
 
 
-def _check_layout(config: Any, model: dict | None) -> list[str]:
-    try:
-        sizes = parallel_sizes(config)
-    except (TypeError, ValueError) as exc:
-        return [f"{_MEGATRON}*_parallel_size must be integers: {exc}"]
-    if not _positive_int(config.trainer.nnodes) or not _positive_int(config.trainer.n_gpus_per_node):
-        return []  # the world size is unknown; reported above
+def _check_layout(run: RunConfig, model: dict | None) -> list[str]:
     numbers = {}
     if model is not None:
         numbers = {
@@ -218,16 +208,16 @@ def _check_layout(config: Any, model: dict | None) -> list[str]:
             "num_key_value_heads": model.get("num_key_value_heads"),
         }
     try:
-        sizes.validate(world_size(config), **numbers)
+        ParallelSizes.from_megatron(run.actor.megatron).validate(run.world_size, **numbers)
     except ParallelConfigError as exc:
         return exc.problems
     return []
 
 
-def _check_data(config: Any, data: DataConfig, model: dict | None) -> list[str]:
+def _check_data(run: RunConfig, model: dict | None) -> list[str]:
     """The data's files, and what the data node must agree on with the rollout, the model and the batch split."""
-    problems = data.validate(custom_reward=bool(config.custom_reward_function.path))
-    rollout = config.actor_rollout_ref.rollout
+    data, rollout = run.data, run.rollout
+    problems = data.validate(custom_reward=bool(run.custom_reward_function.path))
     for ours, theirs in (("max_prompt_length", "prompt_length"), ("max_response_length", "response_length")):
         if rollout[theirs] != data[ours]:
             problems.append(f"actor_rollout_ref.rollout.{theirs}={rollout[theirs]} differs from data.{ours}={data[ours]}: the rollout and the actor read one length here; set both to one value (or leave rollout.{theirs} at its default, ${{data.{ours}}})")
@@ -236,133 +226,74 @@ def _check_data(config: Any, data: DataConfig, model: dict | None) -> list[str]:
     seq = data.max_prompt_length + data.max_response_length
     if model is not None and seq > int(model.get("max_position_embeddings", seq)):
         problems.append(f"data.max_prompt_length + data.max_response_length = {seq} exceeds the model's max_position_embeddings={model['max_position_embeddings']}; lower them")
-    return problems + _check_batch_split(config) + _check_token_budgets(config)
+    return problems + _check_batch_split(run) + _check_token_budgets(run, seq)
 
 
-def _check_token_budgets(config: Any) -> list[str]:
+def _log_prob_passes(run: RunConfig) -> list[tuple[Any, str]]:
+    """The forward-only passes of a step: the rollout's old log-probs, and the reference's with the KL loss on."""
+    return [(run.rollout, "actor_rollout_ref.rollout"), *([(run.actor_rollout_ref["ref"], _REF)] if run.actor.use_kl_loss else [])]
+
+
+def _check_token_budgets(run: RunConfig, longest: int) -> list[str]:
     """Dynamic batch sizes need room for one whole sequence, as upstream requires."""
-    actor, rollout, data = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.data
-    longest = int(data.max_prompt_length) + int(data.max_response_length)
-    problems = []
-    for flag, budget, name in (
-        (actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, f"{_ACTOR}.ppo_max_token_len_per_gpu"),
-        (rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu, "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
-        *_ref_pass(config, lambda ref: (ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu, f"{_REF}.log_prob_max_token_len_per_gpu")),
-    ):
-        if flag and (budget is None or int(budget) < longest):
-            problems.append(f"{name}={budget} is below one sequence (data.max_prompt_length + max_response_length = {longest}); raise it to {longest} or more")
-    return problems
+    actor = run.actor
+    passes = [(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, f"{_ACTOR}.ppo_max_token_len_per_gpu")]
+    passes += [(node.log_prob_use_dynamic_bsz, node.log_prob_max_token_len_per_gpu, f"{name}.log_prob_max_token_len_per_gpu") for node, name in _log_prob_passes(run)]
+    return [
+        f"{name}={budget} is below one sequence (data.max_prompt_length + max_response_length = {longest}); raise it to {longest} or more"
+        for dynamic, budget, name in passes
+        if dynamic and (budget is None or budget < longest)
+    ]
 
 
-def _check_batch_split(config: Any) -> list[str]:
-    """Prompts x n must split into data-parallel ranks, mini-batches and whole microbatches."""
-    actor, n = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout.n
-    train, mini, micro = int(config.data.train_batch_size), actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu
-    if not (_positive_int(mini) and _positive_int(micro) and _positive_int(n)):
-        return []  # reported by _check_grpo / _check_actor
-    if train % mini:
-        return [f"data.train_batch_size={train} is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size={mini}; set ppo_mini_batch_size to a divisor of it"]
-    megatron = config.actor_rollout_ref.actor.megatron
-    tp, pp, cp = (int(megatron[k]) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
-    if not (_positive_int(config.trainer.nnodes) and _positive_int(config.trainer.n_gpus_per_node)) or min(tp, pp, cp) < 1:
-        return []
-    world = world_size(config)
-    if world % (tp * pp * cp):
-        return []  # reported by _check_layout
-    dp = world // (tp * pp * cp)
-    sequences = mini * n
+def _check_batch_split(run: RunConfig) -> list[str]:
+    """A step's prompts x n split into mini-batches, data-parallel ranks and whole micro batches (the actor's own
+    rule), and the log-prob passes' micro batches divide a rank's share of the step."""
+    try:
+        run.actor.validate(run.world_size, run.data.train_batch_size)
+    except ValueError as exc:
+        return [_keyed(str(exc))]
+    megatron = run.actor.megatron
+    model_parallel = megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size * megatron.context_parallel_size
+    if run.world_size % model_parallel:
+        return []  # the layout check names it
+    dp, sequences = run.world_size // model_parallel, run.data.train_batch_size * run.rollout.n
     if sequences % dp:
-        return [f"a mini-batch of actor_rollout_ref.actor.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {sequences} sequences does not split into {dp} data-parallel ranks; make it a multiple of {dp}"]
-    if (sequences // dp) % micro and not actor.use_dynamic_bsz:
-        return [f"{sequences // dp} sequences per data-parallel rank and mini-batch (ppo_mini_batch_size={mini} x rollout.n={n} / {dp} ranks) do not split into microbatches of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}; set it to a divisor of {sequences // dp}"]
-    interleaved = _interleaved_split_problem(megatron, sequences // dp, micro, actor.use_dynamic_bsz)
-    if interleaved:
-        return [interleaved]
-    rollout = config.actor_rollout_ref.rollout
-    rows = train * n // dp if (train * n) % dp == 0 else None
-    if rows is None:
-        return [f"data.train_batch_size={train} x rollout.n={n} sequences do not split into {dp} data-parallel ranks; make it a multiple of {dp}"]
-    for node, name in ((rollout, "actor_rollout_ref.rollout"), *_ref_pass(config, lambda ref: (ref, _REF))):
-        log_micro = node.log_prob_micro_batch_size_per_gpu
-        if log_micro is not None and not node.log_prob_use_dynamic_bsz and (not _positive_int(log_micro) or rows % log_micro):
-            return [f"{name}.log_prob_micro_batch_size_per_gpu={log_micro} does not divide the {rows} sequences of a step on each data-parallel rank; set it to a divisor of {rows}"]
+        return [f"data.train_batch_size={run.data.train_batch_size} x rollout.n={run.rollout.n} sequences do not split into {dp} data-parallel ranks; make it a multiple of {dp}"]
+    rows = sequences // dp
+    for node, name in _log_prob_passes(run):
+        micro = node.log_prob_micro_batch_size_per_gpu
+        if micro is not None and not node.log_prob_use_dynamic_bsz and rows % micro:
+            return [f"{name}.log_prob_micro_batch_size_per_gpu={micro} does not divide the {rows} sequences of a step on each data-parallel rank; set it to a divisor of {rows}"]
     return []
 
 
-def _interleaved_split_problem(megatron: Any, rows: int, micro: int, dynamic: bool) -> str | None:
-    """The interleaved schedule runs a mini-batch's microbatches in groups of PP per model chunk: their number
-    must be a multiple of PP (the log-prob passes top theirs up; an update cannot without changing the loss)."""
-    vpp, pp = megatron.virtual_pipeline_model_parallel_size, int(megatron.pipeline_model_parallel_size)
-    if vpp is None or vpp <= 1 or pp < 2:
-        return None
-    if dynamic and rows % pp:
-        return f"{rows} sequences per data-parallel rank and mini-batch cannot make a multiple of pipeline_model_parallel_size={pp} microbatches, which {_MEGATRON}virtual_pipeline_model_parallel_size={vpp} needs; make {_ACTOR}.ppo_mini_batch_size x rollout.n / data-parallel size a multiple of {pp}"
-    if not dynamic and (rows // micro) % pp:
-        return f"{rows // micro} microbatches per data-parallel rank and mini-batch ({rows} sequences / {_ACTOR}.ppo_micro_batch_size_per_gpu={micro}) is not a multiple of pipeline_model_parallel_size={pp}, which {_MEGATRON}virtual_pipeline_model_parallel_size={vpp} needs; set ppo_micro_batch_size_per_gpu so that {rows} / it is a multiple of {pp}"
-    return None
-
-
-def _ref_pass(config: Any, entry: Any) -> list:
-    """``[entry(ref node)]`` when the run builds a reference model (its log-prob pass is checked like the rollout's), else []."""
-    return [entry(config.actor_rollout_ref.ref)] if config.actor_rollout_ref.actor.use_kl_loss else []
-
-
-def _check_grpo(config: Any) -> list[str]:
-    rollout, actor = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
+def _check_grpo(run: RunConfig) -> list[str]:
+    rollout, actor = run.rollout, run.actor
     problems = []
     if actor.use_kl_loss:
-        problems += _check_kl_loss(config)
+        if actor.kl_loss_type not in KL_LOSS_TYPES:
+            problems.append(f"{_ACTOR}.kl_loss_type={actor.kl_loss_type} is not implemented here (one of {list(KL_LOSS_TYPES[:7])}, or one of them with '+'); set {_ACTOR}.kl_loss_type=low_var_kl")
+        problems += [_keyed(problem) for problem in run.actor_rollout_ref["ref"].validate(actor)]
     if actor.loss_agg_mode != "token-mean":
-        problems.append(f"actor_rollout_ref.actor.loss_agg_mode={actor.loss_agg_mode}: only token-mean is implemented; set actor_rollout_ref.actor.loss_agg_mode=token-mean")
+        problems.append(f"{_ACTOR}.loss_agg_mode={actor.loss_agg_mode}: only token-mean is implemented; set {_ACTOR}.loss_agg_mode=token-mean")
     if rollout.name != "hf":
         problems.append(f"actor_rollout_ref.rollout.name={rollout.name}: only the in-process transformers rollout (hf) is available here; set actor_rollout_ref.rollout.name=hf")
-    if not _positive_int(rollout.n) or rollout.n < 2:
+    if rollout.n < 2:
         problems.append(f"actor_rollout_ref.rollout.n={rollout.n}: GRPO compares responses within a group; set actor_rollout_ref.rollout.n to 2 or more")
-    if not float(rollout.temperature) > 0:
+    if actor.rollout_n != rollout.n:
+        problems.append(f"{_ACTOR}.rollout_n={actor.rollout_n} differs from actor_rollout_ref.rollout.n={rollout.n}; leave it at its default (${{actor_rollout_ref.rollout.n}})")
+    if not rollout.temperature > 0:
         problems.append(f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0")
-    if not 0 < float(rollout.top_p) <= 1:
+    if not 0 < rollout.top_p <= 1:
         problems.append(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
     low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
     high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
-    if not (0 < float(low) < 1 and float(high) > 0):
-        problems.append(f"actor_rollout_ref.actor.clip_ratio (low {low}, high {high}) must be > 0 (low < 1)")
-    if not float(actor.clip_ratio_c) > 1:
-        problems.append(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1")
+    if not (0 < low < 1 and high > 0):
+        problems.append(f"{_ACTOR}.clip_ratio (low {low}, high {high}) must be > 0 (low < 1)")
+    if not actor.clip_ratio_c > 1:
+        problems.append(f"{_ACTOR}.clip_ratio_c={actor.clip_ratio_c} must be > 1")
     return problems
-
-
-def _check_kl_loss(config: Any) -> list[str]:
-    """The KL loss's settings, and the reference model's: built on the actor's ranks, in the actor's layout,
-    from the HF model the actor starts from."""
-    actor, ref = config.actor_rollout_ref.actor, config.actor_rollout_ref.ref
-    problems = []
-    if actor.kl_loss_type not in KL_LOSS_TYPES:
-        problems.append(f"{_ACTOR}.kl_loss_type={actor.kl_loss_type} is not implemented here (one of {list(KL_LOSS_TYPES[:7])}, or one of them with '+'); set {_ACTOR}.kl_loss_type=low_var_kl")
-    megatron = actor.megatron
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size"):
-        theirs, ours = ref.megatron[key], megatron[key]
-        if key == "expert_tensor_parallel_size":  # null: the tensor-parallel size (both null: the TP check says it)
-            if theirs is None and ours is None:
-                continue
-            theirs = ref.megatron.tensor_model_parallel_size if theirs is None else theirs
-            ours = megatron.tensor_model_parallel_size if ours is None else ours
-        if theirs != ours:
-            problems.append(f"{_REF}.megatron.{key}={ref.megatron[key]} differs from the actor's ({megatron[key]}): the reference runs on the actor's ranks in the actor's layout here; set it to {megatron[key]} (its default follows the actor)")
-    if not _same_dtype(ref.megatron.dtype, megatron.dtype):
-        problems.append(f"{_REF}.megatron.dtype={ref.megatron.dtype} differs from the actor's ({megatron.dtype}): the reference runs in the actor's dtype here; set it to {megatron.dtype} (its default follows the actor)")
-    if ref.megatron.use_dist_checkpointing:
-        problems.append(f"{_REF}.megatron.use_dist_checkpointing=True: the reference is built from the HF actor_rollout_ref.model.path only; set it to False")
-    if ref.log_prob_micro_batch_size is not None:
-        problems.append(f"{_REF}.log_prob_micro_batch_size={ref.log_prob_micro_batch_size}: upstream's deprecated global form; set {_REF}.log_prob_micro_batch_size_per_gpu instead")
-    return problems
-
-
-def _same_dtype(one: Any, other: Any) -> bool:
-    """Whether two ``megatron.dtype`` values name one dtype (``bf16`` is ``bfloat16``)."""
-    try:
-        return megatron_param_dtype(one) == megatron_param_dtype(other)
-    except ValueError:
-        return one == other
 
 
 def check_device(config: Any, cluster: bool) -> tuple[str | None, list[str]]:

@@ -14,16 +14,14 @@ from typing import Any
 from verl.utils.config import omega_conf_to_dataclass
 
 from .actor import McoreActorConfig
-from .engine import McoreEngineConfig
 from .model import HFModelConfig
 from .optimizer import _number
+from .ref import RefConfig
 from .rollout import RolloutConfig
 
 __all__ = ["build_megatron_actor_configs", "megatron_worker_config", "megatron_worker_config_problems"]
 
 ACTOR_KEY = "actor_rollout_ref.actor"
-# The untyped keys of the ``ref`` node the reference's forward pass reads.
-REF_LOG_PROB_KEYS = ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
 
 
 def _require(node: Mapping, keys: tuple[str, ...], path: str) -> None:
@@ -64,18 +62,17 @@ def build_megatron_actor_configs(
 
 def megatron_worker_config(node: Mapping, actor: McoreActorConfig | None = None, path: str = "actor_rollout_ref") -> dict:
     """The ``actor_rollout_ref`` node as the worker reads it: a dict whose ``model``, ``actor``, ``rollout`` and
-    ``ref.megatron`` are typed configs (``HFModelConfig``, ``McoreActorConfig``, ``RolloutConfig``, ``McoreEngineConfig``)
-    and ``nccl_timeout`` is seconds as a float; the ``ref`` keys the reference pass reads are checked present.
+    ``ref`` are typed configs (``HFModelConfig``, ``McoreActorConfig``, ``RolloutConfig``, ``RefConfig``) and
+    ``nccl_timeout`` is seconds as a float.
     ``actor``: the one the trainer built (its schedule's length filled in); nodes already typed pass through,
     so the worker's own call on what the trainer sent builds nothing again. Raises ValueError naming the key."""
     _require(node, ("model", "actor", "rollout", "ref", "nccl_timeout"), path)
-    _require(node["ref"], REF_LOG_PROB_KEYS, f"{path}.ref")
     config = dict(node)
     config["nccl_timeout"] = _number(path, "nccl_timeout", node["nccl_timeout"], minimum=0.0)
     config["model"] = _build(node["model"], HFModelConfig, f"{path}.model")
     config["actor"] = actor if actor is not None else build_megatron_actor_configs(node["actor"], path=f"{path}.actor")
     config["rollout"] = _build(node["rollout"], RolloutConfig, f"{path}.rollout")
-    config["ref"] = {**node["ref"], "megatron": _build(node["ref"].get("megatron"), McoreEngineConfig, f"{path}.ref.megatron")}
+    config["ref"] = _build(node["ref"], RefConfig, f"{path}.ref")
     return config
 
 
@@ -92,7 +89,7 @@ def megatron_worker_config_problems(node: Mapping, path: str = "actor_rollout_re
         ({k: v for k, v in actor.items() if k not in ("checkpoint", "optim")}, McoreActorConfig, f"{path}.actor"),
         (node.get("model"), HFModelConfig, f"{path}.model"),
         (node.get("rollout"), RolloutConfig, f"{path}.rollout"),
-        ((node.get("ref") or {}).get("megatron"), McoreEngineConfig, f"{path}.ref.megatron"),
+        (node.get("ref"), RefConfig, f"{path}.ref"),
     ]
     problems = []
     for part, cls, key in parts:
