@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 main_started=$SECONDS  # each leg's time, installs included, is printed at the end
 source scripts/venv.sh
 python -m pip install -q -r requirements.txt -e ".[test]"
-ruff check verl tests scripts benchmarks interop probes
+ruff check verl tests scripts benchmarks interop
 
 # run_pytest ARGS...: pytest's status, but "collected nothing" (5) is a failure.
 run_pytest() {

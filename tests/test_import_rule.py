@@ -243,7 +243,7 @@ def test_a_checkpoint_import_up_the_floors_or_in_a_circle_is_reported(tmp_path):
 
 
 # The rooms outside verl/ (docs/design.md, README's layout): which of this repository's top-level packages each
-# may import. verl/ imports none of them; scripts/ (user tools) and probes/ only verl; the benchmarks verl, their
+# may import. verl/ imports none of them; scripts/ (user tools) only verl; the benchmarks verl, their
 # shared benchmarks/common.py and the verl 0.9.1 harness they time against; no room imports tests/, and the suite
 # imports no room but the harness, from the harness's own test, and the GPU check's requirement helpers.
 ROOMS: dict[str, set[str]] = {
@@ -251,7 +251,6 @@ ROOMS: dict[str, set[str]] = {
     "scripts": {"verl"},
     "benchmarks": {"verl", "benchmarks", "interop"},
     "interop": {"verl", "interop"},
-    "probes": {"verl"},
     "tests": {"verl", "tests"},
 }
 ROOM_EXCEPTIONS = {  # (importing file, imported room)

@@ -30,7 +30,7 @@ _REFUSED_WHY = {
         "with mbridge 0.15.1 and megatron-core 0.16.1 on the local (non-TransformerEngine) layer spec, mbridge's "
         "config passes max_position_embeddings, which MLATransformerConfig lacks; its MLA attention cannot be built "
         "(the local DotProductAttention takes no separate key/value head dims); grouped routing (n_group, "
-        "topk_group) is not mapped; its weight reader refuses fp32 (probes/probe_deepseek_v3.py shows each)"
+        "topk_group) is not mapped; its weight reader refuses fp32 (docs/models.md, DeepSeek-V3, shows each)"
     ),
     "glm4_moe": "its dense first layers and sigmoid routing with expert bias are not built and tested here",
 }

@@ -5,7 +5,7 @@ first batch, before any update, they must give the same log-probs up to the roun
 gap means the two are different models (the bridge maps an HF config field differently, e.g. a router that
 normalises its top-k weights in one and not the other, or an activation it does not read) or see different
 inputs (padding), and the run would train one model while sampling from another. Tolerances per dtype were
-measured with ``probes/measure_log_prob_parity.py`` (docs/trainer.md, "The log-prob parity gate").
+measured with ``benchmarks/measure_log_prob_parity.py`` (docs/trainer.md, "The log-prob parity gate").
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def check_log_prob_parity(max_diff: float, dtype: str, tolerances: Mapping[str, 
     if dtype not in tolerances:
         raise LogProbParityError(
             f"log-prob parity gate: no tolerance for the actor's dtype {dtype}; set {GATE_KEY}.tolerance.{dtype}=<x> "
-            f"(measure it with probes/measure_log_prob_parity.py) or {GATE_KEY}.enable=False"
+            f"(measure it with benchmarks/measure_log_prob_parity.py) or {GATE_KEY}.enable=False"
         )
     tolerance = float(tolerances[dtype])
     if not max_diff <= tolerance:  # also catches NaN

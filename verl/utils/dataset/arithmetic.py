@@ -4,7 +4,7 @@
   because the tiny random-init model learns it by GRPO in about a hundred steps (with operands 0..2 a
   policy that ignores the prompt scores at most 1/3);
 - ``add``: answer ``a + b``: ``"3+4="`` -> ``"7"``; not learned by the tiny model in a few hundred steps
-  (probes/grpo_task_probe.py), kept for bigger models.
+  (docs/grpo.md), kept for bigger models.
 
 Prompts are single-digit operands on purpose: every prompt of a dataset then has the same length in
 characters (and tokens, with the char-level tokenizer), so a batch needs no padding on the ranks.

@@ -15,8 +15,8 @@ def compute_score(solution_str: str, ground_truth: str, format_score: float = 0.
 
     Only the leading integer counts, so a short response budget never forces the model to learn to stop.
     No format credit by default: with any, a random-init model learns "emit some digit" long before it
-    meets a right answer, collapses onto one digit and GRPO's groups stop differing (the probe in
-    probes/grpo_task_probe.py measured it).
+    meets a right answer, collapses onto one digit and GRPO's groups stop differing (docs/grpo.md, "Why these
+    defaults").
     """
     match = _LEADING_INT.match(solution_str)
     if match is None:

@@ -1,6 +1,6 @@
 """Does the default run learn for every seed? Run the main job once per ``data.seed`` and tabulate it.
 
-    .venv/bin/python -m probes.five_seeds --out-dir /tmp/five_seeds [--seeds 1,2,3,4,5] [hydra overrides ...]
+    .venv/bin/python -m benchmarks.five_seeds --out-dir /tmp/five_seeds [--seeds 1,2,3,4,5] [hydra overrides ...]
 
 Each seed is one ``python -m verl.trainer.main_ppo actor_rollout_ref.actor.megatron.vanilla_mbridge=True data.seed=S``
 (the defaults but the bridge: mbridge, as on requirements.txt's stack; checkpoints included) in

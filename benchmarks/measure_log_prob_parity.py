@@ -1,6 +1,6 @@
 """Measure how far Megatron's recomputed log-probs are from the HF rollout's, per dtype (the parity gate's tolerances).
 
-    python -m probes.measure_log_prob_parity [--world 1] [--tp 1] [--pp 1] [--ep 1] [--etp 1] [--rows 16] [--seeds 3]
+    python -m benchmarks.measure_log_prob_parity [--world 1] [--tp 1] [--pp 1] [--ep 1] [--etp 1] [--rows 16] [--seeds 3]
 
 On the embedded tiny Qwen3-MoE: the actor (Megatron, through mbridge) and the rollout model (transformers) are
 built in the same dtype from the same weights; the rollout samples responses to left-padded prompts of mixed
