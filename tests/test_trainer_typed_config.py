@@ -50,3 +50,42 @@ def test_a_string_that_reads_as_false_is_refused_not_taken_as_true():
 def test_keys_the_class_does_not_hold_are_left_to_the_upstream_key_check():
     built, problems = typed_node(TrainerConfig, {"rollout_data_dir": "/x", "save_freq": 5})
     assert problems == [] and built.save_freq == 5 and "rollout_data_dir" not in built
+
+
+def _composed(*overrides: str):
+    from hydra import compose, initialize_config_module
+
+    from tests.main_leg import MBRIDGE
+
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        return compose("ppo_megatron_trainer", overrides=[MBRIDGE, *overrides])
+
+
+def test_the_run_config_holds_every_node_typed_and_the_schedule_length_once():
+    from verl.trainer.config import AlgoConfig
+    from verl.trainer.run_config import build_run_config
+    from verl.workers.config import McoreActorConfig, RefConfig, RolloutConfig
+
+    run = build_run_config(_composed("trainer.nnodes=2", "trainer.n_gpus_per_node=4"))
+    assert (type(run.trainer), type(run.data), type(run.algorithm), type(run.actor), type(run.rollout)) == (
+        TrainerConfig, DataConfig, AlgoConfig, McoreActorConfig, RolloutConfig,
+    )  # fmt: skip
+    assert type(run.actor_rollout_ref["ref"]) is RefConfig and run.world_size == 8
+    assert build_run_config(run) is run
+    run.set_training_steps(40)
+    assert run.actor.optim.total_training_steps == 40
+    pinned = build_run_config(_composed("actor_rollout_ref.actor.optim.total_training_steps=7"))
+    pinned.set_training_steps(40)
+    assert pinned.actor.optim.total_training_steps == 7, "a length the user set is kept"
+
+
+def test_the_run_config_refuses_every_bad_node_at_once():
+    from verl.trainer.run_config import ConfigError, build_run_config
+
+    with pytest.raises(ConfigError) as refused:
+        build_run_config(_composed("trainer.save_freq=abc", "data.seed=1.5", "actor_rollout_ref.rollout.top_p=-1"))
+    assert refused.value.problems == [
+        "trainer.save_freq=abc must be an integer; set trainer.save_freq=<n>",
+        "data.seed=1.5 must be an integer; set data.seed=<n>",
+        "actor_rollout_ref.rollout.top_p must be >= 0.0, got -1",
+    ]
