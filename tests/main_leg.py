@@ -5,8 +5,6 @@ default ``vanilla_mbridge=False`` is refused there in one line (tests/test_valid
 chooses mbridge explicitly, as a user on such a host does. The Python 3.12 leg runs the default (tests/py312).
 """
 
-from typing import Any
-
 from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY
 from verl.workers.config import megatron_actor_configs_from_yaml
 
@@ -14,14 +12,6 @@ MBRIDGE = f"{VANILLA_MBRIDGE_KEY}=True"
 # The run length (the trainer's total_training_steps) of the engines tests build: the YAML's LR schedule is
 # constant, so the length changes no step's LR, only what the schedule's saved state records.
 TRAINING_STEPS = 1000
-
-
-def main_leg_settings(model_path: str, **settings: Any) -> Any:
-    """The engine's ``ActorSettings``, building through mbridge unless ``settings`` names the bridge (as the
-    Python 3.12 leg's tests do)."""
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings
-
-    return ActorSettings(model_path=model_path, **{"vanilla_mbridge": True, **settings})
 
 
 def actor_configs(model_path: str, *overrides: str, total_training_steps: int) -> tuple:
