@@ -47,7 +47,7 @@ import time
 
 # Only the standard library and the shared helper at the top: megatron's dist-checkpoint writer starts a helper
 # process with "spawn", which imports this file again; torch and megatron are imported where they are used.
-from benchmarks.common import MiB, machine, make_model, model_overrides, state_bytes, tree_bytes
+from benchmarks.common import MiB, engine, machine, make_model, model_overrides, state_bytes, tree_bytes
 
 LAYOUTS = {8: (2, 2, 2, 2), 4: (1, 2, 2, 1), 1: (1, 1, 1, 1)}  # world size -> (TP, PP, EP, ETP)
 TARGETS = {
@@ -231,13 +231,11 @@ def _save_async(actor, step_dir: str, step: int, peak: PeakRSS, mode: str) -> di
 def bench_rank(model_path: str, work: str) -> dict:
     import torch
 
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
-
     rank = torch.distributed.get_rank()
     out: dict = {"rank": rank, "rss_runtime": rss_now()}
     peak = PeakRSS()
     start = time.monotonic()
-    actor = MegatronEngine(ActorSettings(vanilla_mbridge=True, model_path=model_path, dtype=torch.float32))
+    actor = engine(model_path, "megatron.dtype=float32")
     data = torch.randint(4, 90, (4, 33), generator=torch.Generator().manual_seed(0))
     actor.train_step([data[:2], data[2:]])
     out["build_and_train_s"] = time.monotonic() - start

@@ -19,10 +19,10 @@ import time
 
 
 def _run(model: str, root: str) -> dict:
+    from benchmarks.common import engine
     from verl.utils.checkpoint.integrity import build_manifest, verify_manifest
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
 
-    actor = MegatronEngine(ActorSettings(vanilla_mbridge=True, model_path=model))
+    actor = engine(model)
     actor.train_step([actor.tokenizer("1+1=2", return_tensors="pt")["input_ids"].repeat(2, 4)])
     times = []
     for step in (1, 2):

@@ -26,14 +26,14 @@ import time
 
 def _measure(model_path: str, cycles: int) -> dict:
     import ray  # noqa: F401 - what a worker's heap holds
-    import torch
     import transformers  # noqa: F401
 
+    from benchmarks.common import engine
     from verl.utils.host_memory import freeze_long_lived_objects
     from verl.utils.megatron_utils import load_megatron_model_to_gpu, offload_megatron_model_to_cpu
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine, MegatronReference
+    from verl.workers.engine.megatron.transformer_impl import MegatronReference
 
-    actor = MegatronEngine(ActorSettings(vanilla_mbridge=True, model_path=model_path, dtype=torch.float32))
+    actor = engine(model_path, "megatron.dtype=float32")
     reference = MegatronReference(model_path, vanilla_mbridge=True)
 
     def cycle() -> float:

@@ -38,9 +38,10 @@ def drop_page_cache() -> None:
 
 
 def _actor(model_path: str):
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from benchmarks.common import engine
 
-    return MegatronEngine(ActorSettings(model_path=model_path, save_contents=LOAD_CONTENTS, load_contents=LOAD_CONTENTS, vanilla_mbridge=True))
+    contents = "[" + ",".join(LOAD_CONTENTS) + "]"
+    return engine(model_path, f"checkpoint.save_contents={contents}", f"checkpoint.load_contents={contents}")
 
 
 def _save(model_path: str, root: str, plain: str) -> int:

@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks.common import MiB, make_model, prime_optimizer, state_bytes, tree_bytes
+from benchmarks.common import MiB, engine, make_model, optim_overrides, prime_optimizer, state_bytes, tree_bytes
 from interop import verl091_interop as interop  # standard library only at import
 
 TARGETS = {"warm_ratio": 1.4, "first_three_ratio": 1.8, "anon_rise_over_state": 0.1}
@@ -121,11 +121,8 @@ def rank_main(model_path: str, work: str, pairs: int) -> dict:
 
     import torch
 
-    from verl.workers.config.optimizer import McoreOptimizerConfig
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
-
     torch.set_num_threads(1)
-    actor = MegatronEngine(ActorSettings(vanilla_mbridge=True, model_path=model_path, dtype=torch.float32, optim=McoreOptimizerConfig(**interop.OPTIM)))
+    actor = engine(model_path, "megatron.dtype=float32", *optim_overrides(interop.OPTIM))
     prime_optimizer(actor.model, actor.optimizer, actor.scheduler, interop.SEED)
     state = state_bytes(actor)
     plain_path = os.path.join(work, "plain.safetensors")

@@ -60,7 +60,7 @@ import traceback
 
 # Only the standard library, the shared helper and verl091_interop (both standard library at import) at the top: this file
 # runs under both interpreters, and megatron's writer helper process imports it again.
-from benchmarks.common import prime_optimizer
+from benchmarks.common import engine, optim_overrides, prime_optimizer
 from interop import verl091_interop as interop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,16 +111,8 @@ def entered_functions(found: set):
 def build_saver(side: str, model_path: str, seed: int):
     """Build this side's model, optimizer and checkpoint path; return ``save(step_dir, step, probe) -> phases or
     None``; ``probe``, a context manager, encloses the save call alone."""
-    import torch
-
-    from verl.workers.config.optimizer import McoreOptimizerConfig
-
     if side == "ours":
-        from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
-
-        actor = MegatronEngine(
-            ActorSettings(vanilla_mbridge=True, model_path=model_path, dtype=torch.float32, optim=McoreOptimizerConfig(**interop.OPTIM))
-        )
+        actor = engine(model_path, "megatron.dtype=float32", *optim_overrides(interop.OPTIM))
         prime_optimizer(actor.model, actor.optimizer, actor.scheduler, seed)
 
         def save(step_dir: str, step: int, probe=None) -> dict:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
+from typing import Any
 
 MiB = 1 << 20
 # Fixed shape; only the expert FFN width scales with --params.
@@ -48,6 +50,27 @@ def make_model(path: str, params: float, experts: int = EXPERTS) -> tuple[str, i
     shard_mb = max(1, count * 4 // MiB // 16)  # ~16 source shards: 2 files per rank at 8 ranks
     make_tiny_hf_model(path, kind="moe", max_shard_size=f"{shard_mb}MB", **overrides)
     return path, count
+
+
+# The benchmarks build through mbridge (Megatron-Bridge needs Python 3.12), over a run this long: the YAML's LR
+# schedule is constant, so the length changes no step's LR.
+MBRIDGE = "megatron.vanilla_mbridge=True"
+TRAINING_STEPS = 1000
+
+
+def engine(model_path: str, *overrides: str) -> Any:
+    """A ``MegatronEngine`` of ``model_path`` from ppo_megatron_trainer.yaml and ``overrides`` (Hydra overrides
+    under ``actor_rollout_ref.actor``): a benchmark times what a run gets, with no defaults of its own."""
+    from verl.workers.config import megatron_actor_configs_from_yaml
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    return MegatronEngine(*megatron_actor_configs_from_yaml(model_path, (MBRIDGE, *overrides), total_training_steps=TRAINING_STEPS))
+
+
+def optim_overrides(optim: Mapping[str, Any]) -> list[str]:
+    """``actor.optim`` values (``interop.OPTIM``, the settings verl 0.9.1 is timed with) as Hydra overrides;
+    ``++``: the YAML leaves some of the keys out."""
+    return [f"++optim.{key}={value}" for key, value in optim.items()]
 
 
 def tree_bytes(path: str) -> int:

@@ -37,11 +37,13 @@ def mixed_length_prompts(rows: int, longest: int, seed: int) -> tuple[torch.Tens
 def _measure(model_path: str, dtype_name: str, rows: int, seeds: int) -> dict:
     from verl.models.mcore.parallel_hf_save import gather_hf_weights
     from verl.workers.actor.megatron_actor import MegatronPPOActor, PPOActorSettings
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.config import megatron_actor_configs_from_yaml
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
     from verl.workers.rollout.hf_rollout import InMemoryHFRollout, RolloutSettings
 
     dtype = getattr(torch, dtype_name)
-    actor = MegatronEngine(ActorSettings(vanilla_mbridge=True, model_path=model_path, dtype=dtype))
+    overrides = ("megatron.vanilla_mbridge=True", f"megatron.dtype={dtype_name}")
+    actor = MegatronEngine(*megatron_actor_configs_from_yaml(model_path, overrides, total_training_steps=1))  # no step is trained
     ppo = MegatronPPOActor(PPOActorSettings(response_length=RESPONSE_LENGTH, micro_batch_size=rows), actor.model, actor.optimizer, actor.scheduler)
     rank0 = torch.distributed.get_rank() == 0
     tokenizer = actor.tokenizer

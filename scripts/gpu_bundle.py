@@ -7,9 +7,10 @@ installs for Python 3.12 together with the device's stack, and keeps it and the 
 the device tool carries. What it carries is what the CPU legs pin, read from their requirements files, so the
 device runs what they passed: one megatron-core wheel per leg (``requirements.txt``: 0.16.1, the Python 3.11
 leg; ``requirements-py312.txt``: 0.18.2), each with its own leg's mbridge, transformers and zlib-ng (transformers
-shadowing the device's 5.17 through ``PYTHONPATH``, with the tokenizers release it accepts), and, for the 3.12 leg's megatron-core only,
-Megatron-Bridge (installed without its declared dependencies, as that leg installs it) with the one package it
-imports that the device lacks, in ``cp312/megatron-core-<version>/``.
+shadowing the device's 5.17 through ``PYTHONPATH``, with the tokenizers release it accepts) and the legs' Hydra
+(the check composes the engine's configs from the trainer's YAML), and, for the 3.12 leg's megatron-core only,
+Megatron-Bridge (installed without its declared dependencies, as that leg installs it), in
+``cp312/megatron-core-<version>/``.
 
     python scripts/gpu_bundle.py                      # .gpu_bundle/cp312 (the device) and one for this interpreter
     python scripts/gpu_bundle.py --python 3.12        # only the device's
@@ -56,6 +57,9 @@ PIP_RELEASE = "26.3"  # the pip run from its wheel where the interpreter's preda
 # Carried whatever the device has: the device's tokenizers (0.23.3) is outside the legs' transformers' range.
 SHADOWED = ("tokenizers",)
 ALSO_CARRIED = ("einops", "psutil")  # imported by mbridge / megatron's async writer; tiny
+# What every run imports that the device's stack lacks: Hydra composes the engine's configs from the trainer's YAML
+# (verl.workers.config.megatron_actor_configs_from_yaml), so the check states no default of its own.
+CONFIG_NEEDS = ("hydra-core", "omegaconf")
 # Megatron-Bridge's own imports on verl's path that the device's stack lacks (its kept list minus the device's).
 MEGATRON_BRIDGE_NEEDS = ("omegaconf",)
 # Pure-Python packages PyPI has only as an sdist (omegaconf's parser runtime): built into a wheel here.
@@ -140,7 +144,8 @@ def leg_run(leg: str) -> Run:
     requirements = leg_requirements(leg)
     version = pinned_version(leg, "megatron-core")
     bridge = f"megatron-bridge=={pinned_version(leg, 'megatron-bridge')}" if "megatron-bridge" in requirements else None
-    needs = [requirements.get(name, name) for name in MEGATRON_BRIDGE_NEEDS] if bridge else []
+    names = dict.fromkeys(CONFIG_NEEDS + (MEGATRON_BRIDGE_NEEDS if bridge else ()))
+    needs = [requirements.get(name, name) for name in names]
     return Run(leg, version, (f"megatron-core=={version}", *carried_requirements(leg), *needs), bridge)
 
 
@@ -348,10 +353,10 @@ def build(python: str, dest: Path, resolve_only: bool = False) -> dict:
         planned, files = {}, {}
         for run in runs:
             links = [stand_ins]
-            if run.megatron_bridge:  # pure Python, so the wheel built by this interpreter installs on any
-                built = Path(scratch) / "built" if resolve_only else folder / f"megatron-core-{run.megatron_core}"
-                _pip("wheel", "--quiet", "--no-deps", "-w", str(built), *BUILT_HERE)
-                links.append(built)
+            # every run carries omegaconf (CONFIG_NEEDS); pure Python, so the wheel built by this interpreter installs on any
+            built = Path(scratch) / "built" if resolve_only else folder / f"megatron-core-{run.megatron_core}"
+            _pip("wheel", "--quiet", "--no-deps", "-w", str(built), *BUILT_HERE)
+            links.append(built)
             items = _dry_run(python, list(run.requirements), links, constraints, offline=False)
             planned[run.megatron_core] = _versions_of(items, stack)
             files[run.megatron_core] = sorted(Path(i["download_info"]["url"]).name for i in items if canonical(i["metadata"]["name"]) not in stack)

@@ -46,6 +46,11 @@ from pathlib import Path
 MIB = 2**20
 FREED_SHARE = 0.9  # an offload on CUDA must free at least this share of the bytes it moves (and a reload take them back)
 LOGITS_TOLERANCE = 1e-4
+TRAINING_STEPS = 1000  # the run length the engines are built for: the YAML's LR schedule is constant
+# Actor overrides: the model checkpointed by megatron's dist checkpointing, HF weights saved beside it; a load
+# that leaves the HF weights out.
+DIST_CHECKPOINT = ("megatron.use_dist_checkpointing=True", "checkpoint.save_contents=[model,optimizer,extra,hf_model]")
+LOAD_NO_HF = "checkpoint.load_contents=[model,optimizer,extra]"
 
 
 @dataclasses.dataclass
@@ -129,12 +134,14 @@ def _differing(before: dict, after: dict) -> list[str]:
     return [name for name in before if not torch.equal(before[name], after[name])]
 
 
-def _actor(ctx: Context, **settings):
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+def _actor(ctx: Context, *overrides: str, manager_cls: type | None = None):
+    """The engine from ppo_megatron_trainer.yaml and ``overrides`` (under ``actor_rollout_ref.actor``), built
+    through mbridge over a run of ``TRAINING_STEPS`` steps."""
+    from verl.workers.config import megatron_actor_configs_from_yaml
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    manager_cls = settings.pop("manager_cls", None)
-    kwargs = {"manager_cls": manager_cls} if manager_cls is not None else {}
-    return MegatronEngine(ActorSettings(vanilla_mbridge=True, model_path=ctx.model_path, **settings), **kwargs)
+    configs = megatron_actor_configs_from_yaml(ctx.model_path, ("megatron.vanilla_mbridge=True", *overrides), total_training_steps=TRAINING_STEPS)
+    return MegatronEngine(*configs, **({"manager_cls": manager_cls} if manager_cls is not None else {}))
 
 
 @dataclasses.dataclass
@@ -203,7 +210,7 @@ def check_offload(ctx: Context, use_distributed_optimizer: bool) -> tuple[bool, 
 
     memory = Memory(ctx.device)
     with memory.phase("build"):
-        actor = _actor(ctx, use_distributed_optimizer=use_distributed_optimizer, save_contents=("model", "optimizer", "extra"))
+        actor = _actor(ctx, f"megatron.use_distributed_optimizer={use_distributed_optimizer}", "checkpoint.save_contents=[model,optimizer,extra]")
     with memory.phase("train"):
         actor.train_step(_batches(ctx, 0))
     model, optimizer = actor.model, actor.optimizer
@@ -315,9 +322,7 @@ def check_save_while_offloaded(ctx: Context) -> tuple[bool, dict]:
 
     seen: list[tuple[str, bool]] = []
     memory = Memory(ctx.device)
-    actor = _actor(
-        ctx, use_dist_checkpointing=True, save_contents=("model", "optimizer", "extra", "hf_model"), manager_cls=_phase_observer(seen)
-    )
+    actor = _actor(ctx, *DIST_CHECKPOINT, manager_cls=_phase_observer(seen))
     actor.train_step(_batches(ctx, 0))
     tokens = torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(3))
     ctx.saved.update(bits=_state_bits(actor), logits=actor.logits(tokens.to(ctx.device)).cpu(), tokens=tokens)
@@ -356,8 +361,7 @@ def check_hf_export(ctx: Context) -> tuple[bool, dict]:
 
 def check_dist_checkpoint_load(ctx: Context) -> tuple[bool, dict]:
     """A fresh model and optimizer load model/dist_ckpt and optimizer/dist_ckpt: every byte as saved."""
-    fresh = _actor(ctx, use_dist_checkpointing=True, save_contents=("model", "optimizer", "extra", "hf_model"),
-                   load_contents=("model", "optimizer", "extra"))  # fmt: skip
+    fresh = _actor(ctx, *DIST_CHECKPOINT, LOAD_NO_HF)
     differed = len(_differing(ctx.saved["bits"], _state_bits(fresh)))
     start = time.monotonic()
     fresh.load_checkpoint(ctx.saved["path"])
@@ -371,8 +375,7 @@ def check_dist_checkpoint_load(ctx: Context) -> tuple[bool, dict]:
 def check_async_save(ctx: Context) -> tuple[bool, dict]:
     """async_save with the distributed optimizer: returns pending, a training step runs during the write, the
     finalize commits, and a fresh model loads the state of the moment of the save."""
-    contents = {"save_contents": ("model", "optimizer", "extra", "hf_model"), "use_dist_checkpointing": True}
-    actor = _actor(ctx, use_distributed_optimizer=True, async_save=True, **contents)
+    actor = _actor(ctx, "megatron.use_distributed_optimizer=True", "checkpoint.async_save=True", *DIST_CHECKPOINT)
     actor.train_step(_batches(ctx, 0))
     expected = _state_bits(actor)
     path = str(ctx.work / "checkpoints" / "global_step_2" / "actor")
@@ -382,7 +385,7 @@ def check_async_save(ctx: Context) -> tuple[bool, dict]:
     start = time.monotonic()
     committed = actor.finalize_checkpoint(blocking=True)
     finalize_s = time.monotonic() - start
-    fresh = _actor(ctx, use_distributed_optimizer=True, load_contents=("model", "optimizer", "extra"), **contents)
+    fresh = _actor(ctx, "megatron.use_distributed_optimizer=True", LOAD_NO_HF, *DIST_CHECKPOINT)
     fresh.load_checkpoint(path)
     differing = _differing(expected, _state_bits(fresh))
     numbers = {"mode": report.mode.value, "pending": pending, "blocked_s": report.blocked_seconds, "finalize_s": finalize_s,

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import TRAINING_STEPS, actor_configs, override
 from verl.utils.checkpoint.integrity import build_manifest
 
 
@@ -65,8 +65,13 @@ def train_and_save(src: str, root: str) -> None:
 
     batch = torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))
     for use_dist_checkpointing in (True, False):
-        settings = main_leg_settings(src, use_dist_checkpointing=use_dist_checkpointing, save_contents=("model", "optimizer", "extra"))
-        actor = MegatronEngine(settings)
+        configs = actor_configs(
+            src,
+            override("megatron.use_dist_checkpointing", use_dist_checkpointing),
+            "checkpoint.save_contents=[model,optimizer,extra]",
+            total_training_steps=TRAINING_STEPS,
+        )
+        actor = MegatronEngine(*configs)
         actor.train_step([batch])
         actor.save_checkpoint(os.path.join(root, f"dc_{use_dist_checkpointing}", "global_step_1", "actor"), global_step=1)
         if use_dist_checkpointing:

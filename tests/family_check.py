@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import TRAINING_STEPS, actor_configs
 
 FP32_LOG_PROB_TOLERANCE = 1e-5
 
@@ -69,7 +69,8 @@ def on_rank(
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     def actor() -> MegatronEngine:
-        return MegatronEngine(main_leg_settings(src, use_distributed_optimizer=False, refuse_unsupported=refuse_unsupported))
+        configs = actor_configs(src, "megatron.use_distributed_optimizer=False", total_training_steps=TRAINING_STEPS)
+        return MegatronEngine(*configs, refuse_unsupported=refuse_unsupported)
 
     first = actor()
     log_probs = next_token_log_probs(first.logits(check_tokens()), check_tokens())

@@ -5,35 +5,26 @@ default ``vanilla_mbridge=False`` is refused there in one line (tests/test_valid
 chooses mbridge explicitly, as a user on such a host does. The Python 3.12 leg runs the default (tests/py312).
 """
 
-from typing import Any
-
 from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY
+from verl.workers.config import megatron_actor_configs_from_yaml
 
 MBRIDGE = f"{VANILLA_MBRIDGE_KEY}=True"
-
-
-def main_leg_settings(model_path: str, **settings: Any) -> Any:
-    """The engine's ``ActorSettings``, building through mbridge unless ``settings`` names the bridge (as the
-    Python 3.12 leg's tests do)."""
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings
-
-    return ActorSettings(model_path=model_path, **{"vanilla_mbridge": True, **settings})
+# The run length (the trainer's total_training_steps) of the engines tests build: the YAML's LR schedule is
+# constant, so the length changes no step's LR, only what the schedule's saved state records.
+TRAINING_STEPS = 1000
 
 
 def actor_configs(model_path: str, *overrides: str, total_training_steps: int) -> tuple:
-    """Upstream's four engine configs (model, engine, optimizer, checkpoint: ``MegatronEngine``'s arguments) as the
-    trainer builds them from its YAML, so that no test states a default of its own; building through mbridge
-    unless an override names the bridge. ``overrides``: Hydra overrides under ``actor_rollout_ref.actor``
-    (``"optim.lr=3e-3"``); ``total_training_steps``: the run's length, which the trainer fills in."""
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
+    """``megatron_actor_configs_from_yaml`` (the engine's four configs from the trainer's YAML) building through
+    mbridge unless an override names the bridge (as the Python 3.12 leg's tests do). ``overrides``: Hydra
+    overrides under ``actor_rollout_ref.actor`` (``"optim.lr=3e-3"``)."""
+    bridge = MBRIDGE.removeprefix("actor_rollout_ref.actor.")
+    return megatron_actor_configs_from_yaml(model_path, (bridge, *overrides), total_training_steps=total_training_steps)
 
-    from verl.workers.config import build_megatron_actor_configs, megatron_worker_config
 
-    actor_overrides = [f"actor_rollout_ref.actor.{override}" for override in overrides]
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        config = compose("ppo_megatron_trainer", overrides=[MBRIDGE, *actor_overrides, f"actor_rollout_ref.model.path={model_path}"])
-    node = OmegaConf.to_container(config.actor_rollout_ref, resolve=True)
-    actor = build_megatron_actor_configs(node["actor"], total_training_steps=total_training_steps)
-    worker = megatron_worker_config(node, actor=actor)
-    return worker["model"], actor.megatron, actor.optim, actor.checkpoint
+def override(key: str, value: object) -> str:
+    """One Hydra override of ``key`` (under ``actor_rollout_ref.actor``) to a Python value: a tuple or list
+    as a Hydra list (``checkpoint.save_contents=[model,optimizer]``), anything else as its ``str``."""
+    if isinstance(value, (tuple, list)):
+        return f"{key}=[{','.join(str(item) for item in value)}]"
+    return f"{key}={value}"

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import TRAINING_STEPS, actor_configs, override
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
@@ -43,7 +43,10 @@ def train_save_and_logits(src: str, root: str, vanilla_mbridge: bool) -> dict:
     from verl.models.mcore.bridge import bridge_name
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    actor = MegatronEngine(main_leg_settings(src, use_distributed_optimizer=False, vanilla_mbridge=vanilla_mbridge))
+    configs = actor_configs(
+        src, "megatron.use_distributed_optimizer=False", override("megatron.vanilla_mbridge", vanilla_mbridge), total_training_steps=TRAINING_STEPS
+    )
+    actor = MegatronEngine(*configs)
     loss = actor.train_step(batches(0))["loss"]
     actor.save_checkpoint(step_path(root), global_step=1)
     return {

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tests.main_leg import MBRIDGE, main_leg_settings
+from tests.main_leg import MBRIDGE, TRAINING_STEPS, actor_configs, override
 from verl.utils.checkpoint.data_only import METADATA_FILENAME, DataOnlyFileSystemReader, read_dcp_metadata
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -47,10 +47,11 @@ def _batches(seed: int) -> list[torch.Tensor]:
     return [data[:2], data[2:]]
 
 
-def _actor(src: str, dtype: torch.dtype, use_distributed_optimizer: bool, **settings):
+def _actor(src: str, dtype: str, use_distributed_optimizer: bool, *overrides: str):
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    return MegatronEngine(main_leg_settings(src, dtype=dtype, use_distributed_optimizer=use_distributed_optimizer, **settings))
+    megatron = (f"megatron.dtype={dtype}", override("megatron.use_distributed_optimizer", use_distributed_optimizer))
+    return MegatronEngine(*actor_configs(src, *megatron, *overrides, total_training_steps=TRAINING_STEPS))
 
 
 def _save_load_save(src: str, root: str, use_distributed_optimizer: bool) -> dict:
@@ -60,26 +61,26 @@ def _save_load_save(src: str, root: str, use_distributed_optimizer: bool) -> dic
     from verl.utils.checkpoint.integrity import CheckpointError
 
     saved = os.path.join(root, "saved", "global_step_2", "actor")
-    first = _actor(src, torch.bfloat16, use_distributed_optimizer)
+    first = _actor(src, "bfloat16", use_distributed_optimizer)
     for step in range(2):
         first.train_step(_batches(step))
     first.save_checkpoint(saved, global_step=2)
     first.train_step(_batches(2))
     expected = first.parameters_snapshot()
 
-    loaded = _actor(src, torch.bfloat16, use_distributed_optimizer)
+    loaded = _actor(src, "bfloat16", use_distributed_optimizer)
     loaded.load_checkpoint(saved)
     loaded.save_checkpoint(os.path.join(root, "loaded", "global_step_2", "actor"), global_step=2)
     loaded.train_step(_batches(2))
     actual = loaded.parameters_snapshot()
 
     # lr 0: a step leaves the masters as the load made them (a distributed optimizer that never stepped cannot save)
-    weights_only = _actor(src, torch.bfloat16, use_distributed_optimizer, load_contents=("model",), lr=0.0)
+    weights_only = _actor(src, "bfloat16", use_distributed_optimizer, "checkpoint.load_contents=[model]", "optim.lr=0.0")
     weights_only.load_checkpoint(saved)
     weights_only.train_step(_batches(2))
     weights_only.save_checkpoint(os.path.join(root, "weights_only", "global_step_2", "actor"), global_step=2)
 
-    fp32 = _actor(src, torch.float32, use_distributed_optimizer)
+    fp32 = _actor(src, "float32", use_distributed_optimizer)
     try:
         fp32.load_checkpoint(saved)
         refusal = None

@@ -22,7 +22,7 @@ from tests.checkpoint_builders import (
     entry_outside_the_step,
     rewrite_manifest,
 )
-from tests.main_leg import MBRIDGE, main_leg_settings
+from tests.main_leg import MBRIDGE, TRAINING_STEPS, actor_configs, override
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
 from verl.utils.checkpoint.finite import is_finite
 from verl.utils.checkpoint.integrity import (
@@ -45,10 +45,12 @@ def _batches(seed: int) -> list[torch.Tensor]:
     return [data[:2], data[2:]]
 
 
-def _actor(src: str, manager_cls=MegatronCheckpointManager, **settings):
+def _actor(src: str, manager_cls=MegatronCheckpointManager, **checkpoint):
+    """``checkpoint``: values of the actor's ``checkpoint`` node (``async_save=True``) over the YAML's."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    return MegatronEngine(main_leg_settings(src, **settings), manager_cls=manager_cls)
+    overrides = [override(f"checkpoint.{key}", value) for key, value in checkpoint.items()]
+    return MegatronEngine(*actor_configs(src, *overrides, total_training_steps=TRAINING_STEPS), manager_cls=manager_cls)
 
 
 def _step_path(root: str, step: int) -> str:
@@ -109,7 +111,7 @@ def _crashing_manager(phase: str, mode: str) -> type:
 
 
 # Every writer (``save_writers.WRITERS``) and the toy one a test registers (tests/test_save_writers.py): the
-# actor settings that choose it. The snapshot's HF export runs in its fork (the ranks met through a TCP store),
+# checkpoint keys that choose it. The snapshot's HF export runs in its fork (the ranks met through a TCP store),
 # where a SIGKILL is the fork's death, not a rank's (tests/test_async_finalize.py).
 WRITERS = {
     "sync": {},

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import TRAINING_STEPS, actor_configs
 from verl.utils.checkpoint import dist_writer, layout
 from verl.utils.distributed import run_on_ranks
 from verl.utils.internals import megatron_core
@@ -31,7 +31,7 @@ WORLD = 2
 def _actor(src: str):
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    return MegatronEngine(main_leg_settings(src))
+    return MegatronEngine(*actor_configs(src, total_training_steps=TRAINING_STEPS))
 
 
 def _recording_writes_and_fsyncs(log_path: str) -> None:
@@ -364,7 +364,7 @@ def _collections_inside_the_dist_checkpoint_phase(src: str, root: str) -> dict:
         if phase == "start" and window["inside"]:
             window["collections"].append(info["generation"])
 
-    actor = MegatronEngine(main_leg_settings(src), manager_cls=Observed)
+    actor = MegatronEngine(*actor_configs(src, total_training_steps=TRAINING_STEPS), manager_cls=Observed)
     actor.train_step([torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))] * 2)
     thresholds = gc.get_threshold()
     gc.set_threshold(50, 1, 1)  # a collection, and a full one, every few dozen objects: certain inside the phase

@@ -65,7 +65,6 @@ def test_the_pre_engine_paths_import_the_same_objects():
     from verl.workers import megatron_rank, megatron_workers
 
     assert megatron_rank.MegatronActor is MegatronEngine
-    assert megatron_rank.ActorSettings is transformer_impl.ActorSettings
     assert megatron_rank.MegatronReference is transformer_impl.MegatronReference
     assert megatron_workers.ActorRolloutRefWorker is ActorRolloutRefWorker
 

@@ -60,6 +60,7 @@ def test_the_device_bundle_resolves_offline_under_the_carry_limit(bundle):
     for version, resolved in summary["resolved_offline"].items():
         assert f"megatron_core-{version}-cp312-cp312" in " ".join(resolved["from_bundle"]), resolved
         assert {"torch", "numpy", "safetensors"} <= set(resolved["from_the_host"]), resolved
+        assert "hydra_core-" in " ".join(resolved["from_bundle"]), resolved  # the engine's configs come from the YAML
         # each run carries what its own leg pins
         pins = LEGS[summary["legs"][version]]
         assert pins["megatron-core"] == version

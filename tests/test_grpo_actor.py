@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import TRAINING_STEPS, actor_configs
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
@@ -18,7 +18,7 @@ def _build(model_path: str, micro_batch_size: int = 2, temperature: float = 1.0)
     from verl.workers.actor.megatron_actor import MegatronPPOActor, PPOActorSettings
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    actor = MegatronEngine(main_leg_settings(model_path, lr=1e-3))
+    actor = MegatronEngine(*actor_configs(model_path, "optim.lr=1e-3", total_training_steps=TRAINING_STEPS))
     settings = PPOActorSettings(response_length=RESPONSE_LEN, temperature=temperature, micro_batch_size=micro_batch_size)
     return actor, MegatronPPOActor(settings, actor.model, actor.optimizer, actor.scheduler)
 

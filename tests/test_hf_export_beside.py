@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import TRAINING_STEPS, actor_configs
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -70,8 +70,8 @@ class SlowConfigNoBarrierManager(SlowConfigManager):
 def _actor(src: str, wrap_bridge, manager_cls=MegatronCheckpointManager):
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    settings = main_leg_settings(src, save_contents=("model", "optimizer", "extra", "hf_model"))
-    return MegatronEngine(settings, wrap_bridge=wrap_bridge, manager_cls=manager_cls)
+    configs = actor_configs(src, "checkpoint.save_contents=[model,optimizer,extra,hf_model]", total_training_steps=TRAINING_STEPS)
+    return MegatronEngine(*configs, wrap_bridge=wrap_bridge, manager_cls=manager_cls)
 
 
 def _save_and_observe(src: str, root: str, manager_cls: type) -> dict:

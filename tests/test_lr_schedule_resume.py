@@ -7,13 +7,13 @@ import os
 import pytest
 import torch
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import actor_configs, override
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 from verl.workers.config import McoreOptimizerConfig
 
 STEPS = 6
-COSINE = {"lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 2, "lr_decay_style": "cosine", "total_training_steps": STEPS}
+COSINE = {"lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 2, "lr_decay_style": "cosine"}  # optim keys of a 6-step run
 
 
 def _batches(step: int) -> list[torch.Tensor]:
@@ -21,11 +21,15 @@ def _batches(step: int) -> list[torch.Tensor]:
     return [data[:2], data[2:]]
 
 
-def _actor(src: str, optim: McoreOptimizerConfig, distributed: bool):
+def _actor(src: str, optim: dict, distributed: bool, from_checkpoint: bool | None = None):
+    """``from_checkpoint``: ``optim.use_checkpoint_opt_param_scheduler`` (None: the YAML leaves it out)."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    settings = main_leg_settings(src, optim=optim, use_distributed_optimizer=distributed, save_contents=("model", "optimizer", "extra"))
-    return MegatronEngine(settings)
+    overrides = [override(f"optim.{key}", value) for key, value in optim.items()]
+    if from_checkpoint is not None:
+        overrides.append(override("++optim.use_checkpoint_opt_param_scheduler", from_checkpoint))
+    overrides += [override("megatron.use_distributed_optimizer", distributed), override("checkpoint.save_contents", ("model", "optimizer", "extra"))]
+    return MegatronEngine(*actor_configs(src, *overrides, total_training_steps=STEPS))
 
 
 def _train(actor, steps: range) -> list[float]:
@@ -38,7 +42,7 @@ def _train(actor, steps: range) -> list[float]:
 
 
 def _stop_and_resume(src: str, root: str, distributed: bool) -> dict:
-    config = McoreOptimizerConfig(**COSINE)
+    config = COSINE
     whole = _actor(src, config, distributed)
     report = {"uninterrupted": _train(whole, range(STEPS)), "weights": whole.parameters_snapshot()}
     for stop in (1, 4):  # mid-warmup, mid-decay
@@ -60,11 +64,10 @@ def _stop_and_resume(src: str, root: str, distributed: bool) -> dict:
     # The flag: the step-4 checkpoint loaded by a run whose config doubles lr / min_lr.
     path = os.path.join(root, "global_step_4", "actor")
     for from_checkpoint in (True, False):
-        changed = McoreOptimizerConfig(**{**COSINE, "lr": 2e-3, "min_lr": 2e-4, "use_checkpoint_opt_param_scheduler": from_checkpoint})
-        actor = _actor(src, changed, distributed)
+        actor = _actor(src, {**COSINE, "lr": 2e-3, "min_lr": 2e-4}, distributed, from_checkpoint)
         actor.load_checkpoint(path)
         report[f"from_checkpoint={from_checkpoint}"] = (_train(actor, range(4, STEPS)), actor.scheduler.max_lr)
-    reference = _actor(src, McoreOptimizerConfig(**{**COSINE, "lr": 2e-3, "min_lr": 2e-4}), distributed)
+    reference = _actor(src, {**COSINE, "lr": 2e-3, "min_lr": 2e-4}, distributed)
     report["changed_schedule"] = _train(reference, range(STEPS))
     report.pop("weights")
     return report

@@ -8,19 +8,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import TRAINING_STEPS, actor_configs, override
 from tests.seed_layout_check import SEED_LAYOUT, WORLD_SIZE, batches, seed_layout_problems, seed_layout_report
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
 from verl.utils.distributed import RankFailure, run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
+HF_ONLY = "checkpoint.save_contents=[model,hf_model]"
+NO_HF = "checkpoint.save_contents=[model,optimizer,extra]"
 
-def _actor(src: str, **settings):
+
+def _actor(src: str, *overrides: str, wrap_bridge=None, manager_cls: type = MegatronCheckpointManager):
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    wrap_bridge = settings.pop("wrap_bridge", None)
-    manager_cls = settings.pop("manager_cls", MegatronCheckpointManager)
-    return MegatronEngine(main_leg_settings(src, **settings), wrap_bridge=wrap_bridge, manager_cls=manager_cls)
+    configs = actor_configs(src, *overrides, total_training_steps=TRAINING_STEPS)
+    return MegatronEngine(*configs, wrap_bridge=wrap_bridge, manager_cls=manager_cls)
 
 
 def _hf_state(path: str) -> dict:
@@ -69,7 +71,7 @@ def _save_and_observe(src: str, root: str, manager_cls: type) -> dict:
         observed["bridge"] = ObservingBridge(bridge)
         return observed["bridge"]
 
-    actor = _actor(src, wrap_bridge=wrap, manager_cls=manager_cls, save_contents=("model", "hf_model"))
+    actor = _actor(src, HF_ONLY, wrap_bridge=wrap, manager_cls=manager_cls)
     actor.save_checkpoint(os.path.join(root, "global_step_1", "actor"), global_step=1)
     return observed["bridge"].seen_at_start
 
@@ -113,7 +115,7 @@ class LastLayersExpertDroppingBridge:
 
 
 def _save_with_dropping_bridge(src: str, root: str) -> None:
-    actor = _actor(src, wrap_bridge=lambda b: LastLayersExpertDroppingBridge(b, 4), save_contents=("model", "hf_model"))
+    actor = _actor(src, HF_ONLY, wrap_bridge=lambda b: LastLayersExpertDroppingBridge(b, 4))
     actor.save_checkpoint(os.path.join(root, "global_step_1", "actor"), global_step=1)
 
 
@@ -130,7 +132,7 @@ def test_missing_expert_tensors_fail_the_save_and_are_named(tiny_moe_path, tmp_p
 
 
 def _save_hf(src: str, root: str) -> None:
-    _actor(src, save_contents=("model", "hf_model")).save_checkpoint(os.path.join(root, "global_step_1", "actor"), global_step=1)
+    _actor(src, HF_ONLY).save_checkpoint(os.path.join(root, "global_step_1", "actor"), global_step=1)
 
 
 @pytest.mark.parametrize(
@@ -163,14 +165,14 @@ def test_pp4_ep2_tp2_etp2_saves_everything_and_transformers_loads_it(tiny_moe_pa
 
 def _train_save_continue_then_resume(src: str, root: str, use_distributed_optimizer: bool):
     path = os.path.join(root, "global_step_2", "actor")
-    first = _actor(src, use_distributed_optimizer=use_distributed_optimizer, save_contents=("model", "optimizer", "extra"))
+    first = _actor(src, override("megatron.use_distributed_optimizer", use_distributed_optimizer), NO_HF)
     for step in range(2):
         first.train_step(batches(step))
     first.save_checkpoint(path, global_step=2)
     continued = [first.train_step(batches(10 + step))["loss"] for step in range(2)]
     expected = first.parameters_snapshot()
 
-    resumed_actor = _actor(src, use_distributed_optimizer=use_distributed_optimizer, save_contents=("model", "optimizer", "extra"))
+    resumed_actor = _actor(src, override("megatron.use_distributed_optimizer", use_distributed_optimizer), NO_HF)
     resumed_actor.load_checkpoint(path)
     resumed = [resumed_actor.train_step(batches(10 + step))["loss"] for step in range(2)]
     actual = resumed_actor.parameters_snapshot()
@@ -191,13 +193,13 @@ def test_resume_continues_bit_exactly(tiny_moe_path, tmp_path, use_distributed_o
 
 
 def _train_and_save(src: str, root: str, use_distributed_optimizer: bool) -> None:
-    actor = _actor(src, use_distributed_optimizer=use_distributed_optimizer)
+    actor = _actor(src, override("megatron.use_distributed_optimizer", use_distributed_optimizer))
     actor.train_step(batches(0))
     actor.save_checkpoint(os.path.join(root, "global_step_1", "actor"), global_step=1)
 
 
 def _load_and_export(src: str, ckpt: str, out: str, load_contents: tuple, use_distributed_optimizer: bool) -> float:
-    actor = _actor(src, use_distributed_optimizer=use_distributed_optimizer, load_contents=load_contents)
+    actor = _actor(src, override("megatron.use_distributed_optimizer", use_distributed_optimizer), override("checkpoint.load_contents", load_contents))
     actor.load_checkpoint(ckpt)
     actor.export_hf(out)
     return actor.train_step(batches(1))["loss"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import TRAINING_STEPS, actor_configs
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
@@ -110,7 +110,7 @@ def _gather_vs_export(src: str) -> dict:
     from verl.models.mcore.parallel_hf_save import gather_hf_weights
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    actor = MegatronEngine(main_leg_settings(src, save_contents=("model",)))
+    actor = MegatronEngine(*actor_configs(src, "checkpoint.save_contents=[model]", total_training_steps=TRAINING_STEPS))
     receivers = [0, torch.distributed.get_world_size() - 3]
     gathered = gather_hf_weights(actor.bridge, actor.model, receivers=receivers)
     exported = dict(actor.bridge.export_weights(actor.model))  # mbridge's: every tensor on every rank

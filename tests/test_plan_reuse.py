@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import TRAINING_STEPS, actor_configs, override
 from verl.utils.checkpoint import dist_writer, finite
 from verl.utils.distributed import run_on_ranks
 from verl.utils.internals import megatron_core
@@ -28,7 +28,8 @@ METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 def _actor(src: str):
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    return MegatronEngine(main_leg_settings(src, save_contents=CONTENTS, load_contents=CONTENTS))
+    contents = (override("checkpoint.save_contents", CONTENTS), override("checkpoint.load_contents", CONTENTS))
+    return MegatronEngine(*actor_configs(src, *contents, total_training_steps=TRAINING_STEPS))
 
 
 def _batches(seed: int) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.checkpoint_builders import craft_metadata
-from tests.main_leg import MBRIDGE, main_leg_settings
+from tests.main_leg import MBRIDGE, TRAINING_STEPS, actor_configs, override
 from tests.test_checkpoint_lifecycle import _differing, _params_and_optimizer
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -70,7 +70,14 @@ def counting_opens(directory: str) -> Iterator[collections.Counter]:
 def _actor(src: str, use_distributed_optimizer: bool = False):
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    return MegatronEngine(main_leg_settings(src, load_contents=LOAD_CONTENTS, use_distributed_optimizer=use_distributed_optimizer))
+    return MegatronEngine(
+        *actor_configs(
+            src,
+            override("checkpoint.load_contents", LOAD_CONTENTS),
+            override("megatron.use_distributed_optimizer", use_distributed_optimizer),
+            total_training_steps=TRAINING_STEPS,
+        )
+    )
 
 
 def _save_step(src: str, root: str) -> None:
@@ -127,7 +134,7 @@ def _state(actor) -> dict:
     """This rank's parameters, optimizer state, RNG states and LR schedule: what a refused load leaves as it was.
     A distributed optimizer's state is left out: megatron's ``DistributedOptimizer.state_dict()`` fails before its
     first step (no Adam step to report)."""
-    if actor.settings.use_distributed_optimizer:
+    if actor.engine_config.use_distributed_optimizer:
         return {**actor.parameters_snapshot(), "lr_scheduler": actor.scheduler.state_dict()}
     return {**_params_and_optimizer(actor), "lr_scheduler": actor.scheduler.state_dict()}
 

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import TRAINING_STEPS, actor_configs, override
 from tests.te_stand_in import run_on_te_host
 from tests.test_parallel_hf_export import _files, _tensors
 from verl.utils.megatron.parallel import ParallelSizes
@@ -97,9 +97,14 @@ def _checkpoint_on_te_spec(src: str, root: str, async_mode: str | None, use_dist
     actor loads it back."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    writer = {"async_save": async_mode is not None, "async_mode": async_mode or "background_write"}
-    settings = main_leg_settings(src, use_dist_checkpointing=use_dist_checkpointing, **writer)
-    actor = MegatronEngine(settings)
+    configs = actor_configs(
+        src,
+        override("megatron.use_dist_checkpointing", use_dist_checkpointing),
+        override("checkpoint.async_save", async_mode is not None),
+        override("checkpoint.async_mode", async_mode or "background_write"),
+        total_training_steps=TRAINING_STEPS,
+    )
+    actor = MegatronEngine(*configs)
     generator = torch.Generator().manual_seed(0)  # the same on every rank: replicas stay equal
     for chunk in actor.model:
         for param in chunk.parameters():
@@ -110,7 +115,7 @@ def _checkpoint_on_te_spec(src: str, root: str, async_mode: str | None, use_dist
     if actor.save_checkpoint(path, global_step=1):
         assert actor.finalize_checkpoint(blocking=True) == path
     report = actor.checkpoint_manager.last_save
-    other = MegatronEngine(settings)
+    other = MegatronEngine(*configs)
     other.load_checkpoint(path)
     loaded = other.parameters_snapshot()
     return {

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.main_leg import main_leg_settings
+from tests.main_leg import TRAINING_STEPS, actor_configs, override
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.checkpoint.integrity import verify_checkpoint
 from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
@@ -68,13 +68,18 @@ def test_upstream_only_options_are_refused_by_name(name):
 def _save_and_reload(src: str, root: str, use_dist_checkpointing: bool) -> dict:
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    settings = main_leg_settings(src, save_contents=("model", "optimizer", "extra"), use_dist_checkpointing=use_dist_checkpointing)
-    actor = MegatronEngine(settings)
+    configs = actor_configs(
+        src,
+        "checkpoint.save_contents=[model,optimizer,extra]",
+        override("megatron.use_dist_checkpointing", use_dist_checkpointing),
+        total_training_steps=TRAINING_STEPS,
+    )
+    actor = MegatronEngine(*configs)
     batch = torch.randint(4, 90, (2, 17), generator=torch.Generator().manual_seed(0))
     actor.train_step([batch])
     path = os.path.join(root, "global_step_1", "actor")
     actor.save_checkpoint(path, global_step=1)
-    fresh = MegatronEngine(settings)
+    fresh = MegatronEngine(*configs)
     fresh.load_checkpoint(path)
     saved, loaded = actor.parameters_snapshot(), fresh.parameters_snapshot()
     return {"equal": all(torch.equal(saved[k], loaded[k]) for k in saved), "path": path}

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
+from tests.main_leg import TRAINING_STEPS, actor_configs, override
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
@@ -28,13 +29,17 @@ def check_tokens() -> torch.Tensor:
 
 
 def _actor(src: str, use_distributed_optimizer: bool = False, vanilla_mbridge: bool = True):
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    settings = ActorSettings(
-        model_path=src, use_distributed_optimizer=use_distributed_optimizer, use_dist_checkpointing=True, save_contents=CONTENTS,
-        vanilla_mbridge=vanilla_mbridge,
+    configs = actor_configs(
+        src,
+        override("megatron.use_distributed_optimizer", use_distributed_optimizer),
+        "megatron.use_dist_checkpointing=True",
+        override("checkpoint.save_contents", CONTENTS),
+        override("megatron.vanilla_mbridge", vanilla_mbridge),
+        total_training_steps=TRAINING_STEPS,
     )
-    return MegatronEngine(settings)
+    return MegatronEngine(*configs)
 
 
 def hf_state(path: str) -> dict:

@@ -3,7 +3,7 @@
 Kept for older callers; nothing is defined here. ``MegatronActor`` is ``MegatronEngine``.
 """
 
-from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronReference
 from verl.workers.engine.megatron.transformer_impl import MegatronEngine as MegatronActor
+from verl.workers.engine.megatron.transformer_impl import MegatronReference
 
-__all__ = ["ActorSettings", "MegatronActor", "MegatronReference"]
+__all__ = ["MegatronActor", "MegatronReference"]

@@ -8,18 +8,25 @@ YAML and the class only (``tests/test_config_defaults.py`` holds the two togethe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verl.utils.config import omega_conf_to_dataclass
 
 from .actor import McoreActorConfig
+from .checkpoint import McoreCheckpointConfig
+from .engine import McoreEngineConfig
 from .model import HFModelConfig
-from .optimizer import _number
+from .optimizer import McoreOptimizerConfig, _number
 from .ref import RefConfig
 from .rollout import RolloutConfig
 
-__all__ = ["build_megatron_actor_configs", "megatron_worker_config", "megatron_worker_config_problems"]
+__all__ = [
+    "build_megatron_actor_configs",
+    "megatron_actor_configs_from_yaml",
+    "megatron_worker_config",
+    "megatron_worker_config_problems",
+]
 
 ACTOR_KEY = "actor_rollout_ref.actor"
 
@@ -74,6 +81,33 @@ def megatron_worker_config(node: Mapping, actor: McoreActorConfig | None = None,
     config["rollout"] = _build(node["rollout"], RolloutConfig, f"{path}.rollout")
     config["ref"] = _build(node["ref"], RefConfig, f"{path}.ref")
     return config
+
+
+def megatron_actor_configs_from_yaml(
+    model_path: str, overrides: Sequence[str] = (), *, total_training_steps: int
+) -> tuple[HFModelConfig, McoreEngineConfig, McoreOptimizerConfig, McoreCheckpointConfig]:
+    """The four configs a ``MegatronEngine`` is built from (model, engine, optimizer, checkpoint), composed from
+    ppo_megatron_trainer.yaml and built as the trainer builds them, for code that builds an engine without the
+    trainer (tests, benchmarks, scripts/gpu_check.py): every default then comes from the YAML, so none of them
+    states one of its own that could drift from what a run gets.
+
+    ``overrides``: Hydra overrides under ``actor_rollout_ref.actor`` (``"optim.lr=3e-3"``,
+    ``"megatron.vanilla_mbridge=True"``; ``"++optim.<key>=..."`` for a key the YAML leaves out); ``total_training_steps``: the run's length, which the trainer fills
+    into the LR schedule. Raises ValueError naming the key of a value the configs refuse.
+    """
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    actor_overrides = []
+    for override in overrides:
+        key = override.lstrip("+~")
+        actor_overrides.append(f"{override[: len(override) - len(key)]}{ACTOR_KEY}.{key}")
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        config = compose("ppo_megatron_trainer", overrides=[*actor_overrides, f"actor_rollout_ref.model.path={model_path}"])
+    node = OmegaConf.to_container(config.actor_rollout_ref, resolve=True)
+    actor = build_megatron_actor_configs(node["actor"], total_training_steps=total_training_steps)
+    worker = megatron_worker_config(node, actor=actor)
+    return worker["model"], actor.megatron, actor.optim, actor.checkpoint
 
 
 def megatron_worker_config_problems(node: Mapping, path: str = "actor_rollout_ref") -> list[str]:

@@ -5,7 +5,8 @@ constructor; its ``save_checkpoint`` runs the step transaction around the manage
 the same HF model -> bridge -> a frozen model that is never trained or saved.
 
 The Ray worker (``verl.workers.engine_workers``) builds the engine from upstream's typed configs
-(``verl.workers.config``); tests and benchmarks still pass an ``ActorSettings`` in their place. Parallel state
+(``verl.workers.config``); tests, benchmarks and scripts from the same YAML through
+``verl.workers.config.megatron_actor_configs_from_yaml``. Parallel state
 must already be initialised on the rank (``ParallelSizes.initialize_megatron``).
 """
 
@@ -30,57 +31,11 @@ from verl.utils.custom_code import load_tokenizer
 from verl.utils.host_memory import release_free_heap
 from verl.utils.megatron.optimizer import (
     get_megatron_optimizer,
-    get_megatron_optimizer_and_scheduler,
     get_megatron_optimizer_param_scheduler,
     init_megatron_optim_config,
 )
 from verl.workers.config import HFModelConfig, McoreCheckpointConfig, McoreEngineConfig, McoreOptimizerConfig
 from verl.workers.engine.base import BaseEngine
-
-
-@dataclasses.dataclass
-class ActorSettings:
-    """One rank's actor, as tests and benchmarks describe it in place of the typed configs the worker passes
-    (``typed`` turns it into them). ``optim`` / ``checkpoint``: typed configs; when given they are used whole
-    and the plain fields they cover (lr .. weight_decay, save_contents .. async_mode) are ignored."""
-
-    model_path: str
-    use_distributed_optimizer: bool = False
-    lr: float = 3e-3
-    clip_grad: float = 1.0
-    weight_decay: float = 0.0
-    dtype: torch.dtype = torch.float32
-    save_contents: tuple[str, ...] = ("model", "optimizer", "extra", "hf_model")
-    load_contents: tuple[str, ...] | None = None
-    strict_hf_verify: bool = True
-    async_save: bool = False
-    async_mode: str = "background_write"
-    use_dist_checkpointing: bool = False
-    vanilla_mbridge: bool = False  # upstream's key and default: False builds through Megatron-Bridge, True through mbridge
-    optim: Any = None
-    checkpoint: Any = None
-    refuse_unsupported: bool = True  # False: build a config verl.models.support refuses (to show what it prevents)
-
-    def checkpoint_config(self) -> Any:
-        if self.checkpoint is not None:
-            return self.checkpoint
-        return {
-            "save_contents": list(self.save_contents),
-            "load_contents": list(self.load_contents or self.save_contents),
-            "strict_hf_verify": self.strict_hf_verify,
-            "async_save": self.async_save,
-            "async_mode": self.async_mode,
-        }
-
-    def typed(self) -> tuple[HFModelConfig, McoreEngineConfig, McoreOptimizerConfig | None, Any]:
-        """The engine's four configs; the optimizer's is None for the plain lr / clip_grad / weight_decay."""
-        engine = McoreEngineConfig(
-            dtype=str(self.dtype).removeprefix("torch."),
-            use_distributed_optimizer=self.use_distributed_optimizer,
-            use_dist_checkpointing=self.use_dist_checkpointing,
-            vanilla_mbridge=self.vanilla_mbridge,
-        )
-        return HFModelConfig(path=self.model_path), engine, self.optim, self.checkpoint_config()
 
 
 class MegatronEngine(BaseEngine):
@@ -89,38 +44,32 @@ class MegatronEngine(BaseEngine):
 
     def __init__(
         self,
-        model_config: HFModelConfig | ActorSettings,
-        engine_config: McoreEngineConfig | None = None,
-        optimizer_config: McoreOptimizerConfig | None = None,
-        checkpoint_config: McoreCheckpointConfig | None = None,
+        model_config: HFModelConfig,
+        engine_config: McoreEngineConfig,
+        optimizer_config: McoreOptimizerConfig,
+        checkpoint_config: McoreCheckpointConfig,
+        *,
         wrap_bridge=None,
         manager_cls: type = MegatronCheckpointManager,
+        refuse_unsupported: bool = True,
     ):
         """Upstream's four configs (``verl.workers.config``): the HF model (its ``path``), the Megatron engine
         (``dtype``, ``use_distributed_optimizer``, ``use_dist_checkpointing``, ``vanilla_mbridge``), the optimizer and
-        the checkpoint. An ``ActorSettings`` in place of the four: tests' and benchmarks' form (``settings`` keeps it;
-        None otherwise). ``wrap_bridge(bridge)`` gives the object the manager saves HF weights through (tests observe
-        the real bridge with it); ``manager_cls`` replaces the checkpoint manager class."""
-        self.settings = model_config if isinstance(model_config, ActorSettings) else None
-        if self.settings is not None:
-            model_config, engine_config, optimizer_config, checkpoint_config = self.settings.typed()
-        elif engine_config is None or optimizer_config is None or checkpoint_config is None:
-            raise TypeError("MegatronEngine takes an ActorSettings, or upstream's model, engine, optimizer and checkpoint configs")
+        the checkpoint; outside the trainer ``megatron_actor_configs_from_yaml`` builds them from its YAML.
+        ``wrap_bridge(bridge)`` gives the object the manager saves HF weights through (tests observe the real
+        bridge with it); ``manager_cls`` replaces the checkpoint manager class; ``refuse_unsupported=False``
+        builds a model ``verl.models.support`` refuses (the tests that show what the refusal prevents)."""
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         model_path = model_config.path
         self.param_dtype = getattr(torch, engine_config.dtype)
         self.hf_config = load_hf_config(model_path)
         self.tokenizer = load_tokenizer(model_path, f"actor_rollout_ref.model.path={model_path}")
-        refuse_unsupported = self.settings.refuse_unsupported if self.settings is not None else True
         self.bridge = make_model_bridge(model_path, self.hf_config, self.param_dtype, engine_config.vanilla_mbridge, refuse_unsupported)
         self.model = build_megatron_model(self.bridge, use_distributed_optimizer=engine_config.use_distributed_optimizer)
         self.bridge.load_weights(self.model, model_path)
         release_free_heap()  # the load's temporary tensors, ~the model's size, would stay resident
         self.optimizer, self.scheduler = self._build_optimizer()
-        # Where a load takes the LR schedule's settings from (its position is always restored): upstream's
-        # optim.use_checkpoint_opt_param_scheduler; the plain settings' schedule is the checkpoint's.
-        schedule_from_checkpoint = optimizer_config.use_checkpoint_opt_param_scheduler if optimizer_config is not None else True
         self.checkpoint_manager = manager_cls(
             config={"model": {"path": model_path}},
             checkpoint_config=checkpoint_config,
@@ -136,7 +85,8 @@ class MegatronEngine(BaseEngine):
             optimizer=self.optimizer,
             optimizer_scheduler=self.scheduler,
             use_distributed_optimizer=engine_config.use_distributed_optimizer,
-            use_checkpoint_opt_param_scheduler=schedule_from_checkpoint,
+            # where a load takes the LR schedule's settings from (its position is always restored)
+            use_checkpoint_opt_param_scheduler=optimizer_config.use_checkpoint_opt_param_scheduler,
             use_dist_checkpointing=engine_config.use_dist_checkpointing,
             bridge=wrap_bridge(self.bridge) if wrap_bridge is not None else self.bridge,
         )
@@ -145,16 +95,8 @@ class MegatronEngine(BaseEngine):
         self.last_committed: CommittedStep | None = None  # the record of the latest committed save
 
     def _build_optimizer(self) -> tuple:
-        """Through upstream's three helpers from the typed optim config, or from an ``ActorSettings``' plain fields."""
+        """Through upstream's three helpers from the typed optim config."""
         use_distributed_optimizer = self.engine_config.use_distributed_optimizer
-        if self.optimizer_config is None:
-            return get_megatron_optimizer_and_scheduler(
-                self.model,
-                lr=self.settings.lr,
-                clip_grad=self.settings.clip_grad,
-                weight_decay=self.settings.weight_decay,
-                use_distributed_optimizer=use_distributed_optimizer,
-            )
         megatron_config = init_megatron_optim_config(
             self.optimizer_config,
             use_distributed_optimizer=use_distributed_optimizer,
