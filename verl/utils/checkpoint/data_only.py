@@ -338,7 +338,9 @@ def _serving_from_memory(reader: FileSystemReader, path: str, data: bytes) -> It
 def data_only_torch_dist_load(checkpoint_dir: str, checksums: dict[str, str] | None = None) -> Iterator[list[str]]:
     """For one megatron torch_dist load of ``checkpoint_dir``: its reader and planner are the data-only ones; with
     ``checksums`` (the manifest's, by file name in the directory) every file the load reads is checksummed from
-    the bytes it loads. Yields the list of mismatches (one line per file), complete once the load returned."""
+    the bytes it loads. A world of one process loads without collectives (torch's ``no_dist``: the same plan and
+    failures, without the plans' pickled round trip to itself). Yields the list of mismatches (one line per file),
+    complete once the load returned."""
     from verl.utils.internals import megatron_core
 
     mismatches: list[str] = []
@@ -349,5 +351,6 @@ def data_only_torch_dist_load(checkpoint_dir: str, checksums: dict[str, str] | N
         return DataOnlyFileSystemReader(checkpoint_dir, checksums, mismatches)
 
     planner = functools.partial(DataOnlyLoadPlanner, checkpoint_dir=str(checkpoint_dir))
-    with megatron_core.torch_dist_load_reader_and_planner(reader, planner):
+    one_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+    with megatron_core.torch_dist_load_reader_and_planner(reader, planner, one_rank):
         yield mismatches
