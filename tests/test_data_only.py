@@ -161,3 +161,22 @@ def test_items_this_packages_writer_wrote_load_with_nothing_unpickled_and_a_flip
     state, mismatches = _load_checked(str(tmp_path), checksums)
     assert mismatches == [f"{path}: its content checksum differs from the manifest's {checksum} (changed or corrupted since the save)"]
     assert not state["a"].any() and not state["b"].any()
+
+
+@pytest.mark.parametrize("reshard", [False, True], ids=["same_chunks", "resharded"])
+def test_a_load_plans_the_reads_torchs_sweep_plans(reshard):
+    """Chunks requested as they were saved are found by their place: the same reads torch's sweep over every saved
+    chunk plans (the experts' chunks differ along a dimension the sweep does not follow); a resharded request too."""
+    from torch.distributed.checkpoint import planner_helpers
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    from verl.utils.internals import torch as torch_internals
+
+    saved = [ChunkStorageMetadata(torch.Size([expert, 0, row]), torch.Size([1, 64, 32])) for expert in range(8) for row in (0, 32)]
+    metadata = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([8, 64, 64]), saved)
+    wanted = [ChunkStorageMetadata(torch.Size([e, 0, 0]), torch.Size([1, 64, 64])) for e in range(8)] if reshard else saved[::-1]
+    swept = planner_helpers.create_read_items_for_chunk_list("w", metadata, wanted)
+    with torch_internals.chunks_matched_by_place():
+        planned = planner_helpers.create_read_items_for_chunk_list("w", metadata, wanted)
+    assert planner_helpers.create_read_items_for_chunk_list.__name__ == "create_read_items_for_chunk_list"  # put back
+    assert len(planned) == len(saved) and sorted(map(repr, planned)) == sorted(map(repr, swept))

@@ -352,5 +352,5 @@ def data_only_torch_dist_load(checkpoint_dir: str, checksums: dict[str, str] | N
 
     planner = functools.partial(DataOnlyLoadPlanner, checkpoint_dir=str(checkpoint_dir))
     one_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
-    with megatron_core.torch_dist_load_reader_and_planner(reader, planner, one_rank):
+    with megatron_core.torch_dist_load_reader_and_planner(reader, planner, one_rank), torch_internals.chunks_matched_by_place():
         yield mismatches
