@@ -91,11 +91,14 @@ def _on_one_rank(fn_name: str, *args: str) -> object:
 
 
 def _in_tree(tree: str, fn_name: str, *args: str) -> object:
-    """``fn_name(*args)`` on one rank, in a fresh process importing verl from ``tree`` (first on the path) and
-    this file from this repository."""
+    """``fn_name(*args)`` on one rank, in a fresh process importing verl from ``tree`` and this file from this
+    repository. It runs in ``tree``: ``python -c`` puts its working directory first on the path, before
+    ``PYTHONPATH``, so run from a checkout it would import that checkout's verl whatever ``tree`` says."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((os.path.abspath(tree), REPO))}
     code = "import json, sys; from benchmarks import bench_resume as b; print('RESULT', json.dumps(b._on_one_rank(*sys.argv[1:])))"
-    out = subprocess.run([sys.executable, "-c", code, fn_name, *args], env=env, capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code, fn_name, *args], env=env, cwd=os.path.abspath(tree), capture_output=True, text=True, check=False
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{fn_name} in {tree} failed:\n{out.stderr[-4000:]}")

@@ -114,3 +114,69 @@ def test_torchs_reader_opens_each_file_through_its_fs_which_the_checksummed_read
 
     source = inspect.getsource(FileSystemReader.read_data)
     assert "self.fs.create_stream(" in source and "self.storage_data[" in source and ".relative_path" in source
+
+
+def _rewritten_as_this_packages_writer_writes(directory: str) -> dict[str, str]:
+    """``_saved_tensors``' checkpoint with each tensor item rewritten as ``dist_writer.write_archive`` writes it
+    (its archive without record CRCs), offsets and lengths in ``.metadata`` to match; the new checksums."""
+    from verl.utils.checkpoint.checksum import file_checksum
+    from verl.utils.checkpoint.dist_writer import write_archive
+
+    _saved_tensors(directory)
+    metadata_path = os.path.join(directory, ".metadata")
+    with open(metadata_path, "rb") as handle:
+        metadata = pickle.load(handle)
+    (name,) = {info.relative_path for info in metadata.storage_data.values()}
+    stream, templates = io.BytesIO(), {}
+    for info in sorted(metadata.storage_data.values(), key=lambda info: info.offset):
+        with open(os.path.join(directory, name), "rb") as handle:
+            handle.seek(info.offset)
+            tensor = torch.load(io.BytesIO(handle.read(info.length)), weights_only=True)
+        offset = stream.tell()
+        write_archive(tensor, stream, templates)
+        info.offset, info.length = offset, stream.tell() - offset
+    with open(os.path.join(directory, name), "wb") as handle:
+        handle.write(stream.getvalue())
+    with open(metadata_path, "wb") as handle:
+        pickle.dump(metadata, handle)
+    return {name: file_checksum(os.path.join(directory, name))}
+
+
+def test_items_this_packages_writer_wrote_load_with_nothing_unpickled_and_a_flip_is_still_refused(tmp_path, monkeypatch):
+    """A tensor item whose archive is byte for byte the writer's for its dtype and shape is read in place:
+    the load matches the save with ``torch.load`` unusable; a flipped byte is still named, nothing served."""
+    checksums = _rewritten_as_this_packages_writer_writes(str(tmp_path))
+
+    def no_unpickling(*args, **kwargs):
+        raise AssertionError("torch.load called")
+
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    state, mismatches = _load_checked(str(tmp_path), checksums)
+    assert mismatches == [] and torch.equal(state["a"], torch.arange(64.0)) and torch.equal(state["b"], torch.ones(8, 8))
+    ((victim, checksum),) = checksums.items()
+    path = tmp_path / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    state, mismatches = _load_checked(str(tmp_path), checksums)
+    assert mismatches == [f"{path}: its content checksum differs from the manifest's {checksum} (changed or corrupted since the save)"]
+    assert not state["a"].any() and not state["b"].any()
+
+
+@pytest.mark.parametrize("reshard", [False, True], ids=["same_chunks", "resharded"])
+def test_a_load_plans_the_reads_torchs_sweep_plans(reshard):
+    """Chunks requested as they were saved are found by their place: the same reads torch's sweep over every saved
+    chunk plans (the experts' chunks differ along a dimension the sweep does not follow); a resharded request too."""
+    from torch.distributed.checkpoint import planner_helpers
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    from verl.utils.internals import torch as torch_internals
+
+    saved = [ChunkStorageMetadata(torch.Size([expert, 0, row]), torch.Size([1, 64, 32])) for expert in range(8) for row in (0, 32)]
+    metadata = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([8, 64, 64]), saved)
+    wanted = [ChunkStorageMetadata(torch.Size([e, 0, 0]), torch.Size([1, 64, 64])) for e in range(8)] if reshard else saved[::-1]
+    swept = planner_helpers.create_read_items_for_chunk_list("w", metadata, wanted)
+    with torch_internals.chunks_matched_by_place():
+        planned = planner_helpers.create_read_items_for_chunk_list("w", metadata, wanted)
+    assert planner_helpers.create_read_items_for_chunk_list.__name__ == "create_read_items_for_chunk_list"  # put back
+    assert len(planned) == len(saved) and sorted(map(repr, planned)) == sorted(map(repr, swept))

@@ -209,6 +209,7 @@ def _mcore_features():
             internal: (lambda: megatron_core.torch_dist_load_reader_and_planner(None, None).__enter__(),)
             for internal in (megatron_core.LOAD_READER, megatron_core.LOAD_PLANNER)
         },
+        megatron_core.LOAD_STATE_DICT: (lambda: megatron_core.torch_dist_load_reader_and_planner(None, None, one_rank=True).__enter__(),),
         megatron_core.WRITE_RESULTS_QUEUE: (megatron_core.tie_write_results_queue, None),
         megatron_core.DUMMY_OPTIMIZER_STATE: (
             megatron_core.init_distributed_optimizer_state,

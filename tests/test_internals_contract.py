@@ -124,6 +124,27 @@ def test_torch_dist_load_builds_its_reader_and_planner_from_the_swapped_globals(
     assert (torch_strategy._get_filesystem_reader, torch_strategy.MCoreLoadPlanner) == original
 
 
+def test_a_one_rank_load_tells_torch_no_dist_through_the_module_megatron_calls(monkeypatch):
+    """megatron's load calls torch through its module global ``checkpoint``; a one-rank swap passes ``no_dist`` there
+    and puts the module back on leaving."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    assert "checkpoint.load_state_dict(" in inspect.getsource(torch_strategy.TorchDistLoadShardedStrategy.load)
+    calls = []
+
+    def load_state_dict(state_dict, storage_reader, process_group=None, coordinator_rank=0, no_dist=False, planner=None):
+        calls.append(no_dist)
+
+    monkeypatch.setattr(dcp, "load_state_dict", load_state_dict)
+    with megatron_core.torch_dist_load_reader_and_planner(len, dict, one_rank=True):
+        torch_strategy.checkpoint.load_state_dict({}, None, planner=None)
+    with megatron_core.torch_dist_load_reader_and_planner(len, dict):
+        torch_strategy.checkpoint.load_state_dict({}, None, planner=None)
+    assert calls == [True, False]
+    assert torch_strategy.checkpoint is dcp
+
+
 def test_megatron_core_module_helpers_are_reached_through_their_module_only():
     """A replacement of a module attribute misses any megatron module that imported the name itself
     (a module with its own function of that name, e.g. Megatron-FSDP's RNG helpers, is not ours to patch)."""

@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import math
 import os
 import pickle
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,12 +28,14 @@ import numpy as np
 import torch
 from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from verl.utils.checkpoint.checksum import checksum_of
 from verl.utils.checkpoint.errors import CheckpointError
+from verl.utils.internals import InternalsChangedError
+from verl.utils.internals import torch as torch_internals
 
 METADATA_FILENAME = ".metadata"  # torch DCP's global metadata file in a dist-checkpoint directory
 COMMON_STATE_FILENAME = "common.pt"  # megatron's non-sharded state (optimizer param groups, content metadata)
@@ -125,6 +129,18 @@ def load_bytes_item(data: bytes, where: str) -> Any:
     return load_weights_only(io.BytesIO(data), where, _NUMPY_ARRAY_GLOBALS)
 
 
+@functools.lru_cache(maxsize=256)
+def tensor_archive_parts(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[bytes, bytes] | None:
+    """The bytes this package's dist-checkpoint writer puts before and after a contiguous tensor's data in its
+    ``torch.save`` archive (``torch_internals.archive_around_data``), for ``dtype`` and ``sizes``: an item that is
+    exactly ``before + data + after`` is that tensor, its data read in place with nothing unpickled. None where
+    the torch internals that make the archive are gone (each item is then ``torch.load``ed, as torch's reader does)."""
+    try:
+        return torch_internals.archive_around_data(torch.empty(sizes, dtype=dtype))
+    except InternalsChangedError:
+        return None
+
+
 def check_items_inside(directory: str, metadata: Metadata) -> None:
     """Every item of ``directory``'s ``.metadata`` lies in a file of that directory: torch's reader joins an item's
     path to the directory unchecked, so an absolute or ``../`` path would load a tensor from elsewhere on the host,
@@ -181,11 +197,14 @@ class DataOnlyFileSystemReader(FileSystemReader):
     """torch's ``FileSystemReader`` whose ``.metadata`` goes through ``read_dcp_metadata`` (read once, kept), and
     which, given the manifest's ``checksums`` (file name in the directory -> ``crc32:...``), reads each file it loads
     whole, one file at a time, checksums those very bytes and serves the load's items from them only when they match: a file
-    that does not match is named in ``mismatches`` and none of its items reaches the state being loaded."""
+    that does not match is named in ``mismatches`` and none of its items reaches the state being loaded. A tensor item
+    this package's writer wrote is copied from those bytes into its target with nothing unpickled
+    (``tensor_archive_parts``); any other item goes through torch's read, one ``torch.load`` each."""
 
     def __init__(self, path: str | os.PathLike, checksums: dict[str, str] | None = None, mismatches: list[str] | None = None) -> None:
         super().__init__(path)
         self._metadata: Metadata | None = None
+        self._kinds: dict | None = None
         self.checksums = checksums
         self.mismatches = mismatches if mismatches is not None else []
 
@@ -216,8 +235,57 @@ class DataOnlyFileSystemReader(FileSystemReader):
             )
             return
         planner.reading = path  # a refused bytes item is named with its file
-        with _serving_from_memory(self, path, data):
-            super().read_data(plan, planner)
+        rest = [item for item in plan.items if not self._serve_from_archive(item, data, planner)]
+        if rest:
+            with _serving_from_memory(self, path, data):
+                super().read_data(LoadPlan(rest, plan.storage_data, plan.planner_data), planner)
+
+    def _serve_from_archive(self, item: ReadItem, data: bytes, planner: LoadPlanner) -> bool:
+        """Copy tensor ``item`` from the file's ``data`` straight into its target when its ``torch.save`` archive is
+        byte for byte the one this package's writer makes for a contiguous tensor of the dtype and shape the
+        metadata gives (``tensor_archive_parts``: its bytes around the data); nothing is unpickled. False, and
+        nothing copied, for any other item (a bytes item, a transformed one, an archive written by torch's own
+        writer with record CRCs): torch's read then loads it as before."""
+        info = self.storage_data[item.storage_index]
+        kind = self._chunk_kinds().get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+        if item.type != LoadItemType.TENSOR or info.transform_descriptors or kind is None:
+            return False
+        dtype, sizes = kind
+        parts = tensor_archive_parts(dtype, sizes)
+        nbytes = math.prod(sizes) * dtype.itemsize
+        if parts is None or info.length != len(parts[0]) + nbytes + len(parts[1]):
+            return False
+        start, end = info.offset + len(parts[0]), info.offset + info.length
+        with memoryview(data) as view:
+            if view[info.offset : start] != parts[0] or view[end - len(parts[1]) : end] != parts[1]:
+                return False
+        with warnings.catch_warnings():  # the file's bytes are only ever copied from, never written through
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=start) if nbytes else torch.empty(0, dtype=torch.uint8)
+        target = planner.resolve_tensor(item).detach()
+        if list(target.size()) != list(item.lengths):
+            raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {item.lengths}")
+        if list(item.lengths) == list(sizes) and target.is_contiguous():
+            target.reshape(-1).view(torch.uint8).copy_(raw)  # the whole chunk: one copy, any alignment
+        else:
+            chunk = torch.empty(sizes, dtype=dtype)
+            chunk.reshape(-1).view(torch.uint8).copy_(raw)
+            for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                chunk = chunk.narrow(dim, offset, length)
+            target.copy_(chunk)
+        planner.commit_tensor(item, target)
+        return True
+
+    def _chunk_kinds(self) -> dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]:
+        """Each saved tensor chunk's dtype and shape by its fqn and offsets, from the metadata (built once)."""
+        if self._kinds is None:
+            self._kinds = {
+                (fqn, tuple(chunk.offsets)): (entry.properties.dtype, tuple(chunk.sizes))
+                for fqn, entry in self.read_metadata().state_dict_metadata.items()
+                if isinstance(entry, TensorStorageMetadata)
+                for chunk in entry.chunks
+            }
+        return self._kinds
 
     def read_metadata(self) -> Metadata:  # no ``rank``: torch then tries no per-rank file (megatron writes one)
         if self._metadata is None:
@@ -270,7 +338,9 @@ def _serving_from_memory(reader: FileSystemReader, path: str, data: bytes) -> It
 def data_only_torch_dist_load(checkpoint_dir: str, checksums: dict[str, str] | None = None) -> Iterator[list[str]]:
     """For one megatron torch_dist load of ``checkpoint_dir``: its reader and planner are the data-only ones; with
     ``checksums`` (the manifest's, by file name in the directory) every file the load reads is checksummed from
-    the bytes it loads. Yields the list of mismatches (one line per file), complete once the load returned."""
+    the bytes it loads. A world of one process loads without collectives (torch's ``no_dist``: the same plan and
+    failures, without the plans' pickled round trip to itself). Yields the list of mismatches (one line per file),
+    complete once the load returned."""
     from verl.utils.internals import megatron_core
 
     mismatches: list[str] = []
@@ -281,5 +351,6 @@ def data_only_torch_dist_load(checkpoint_dir: str, checksums: dict[str, str] | N
         return DataOnlyFileSystemReader(checkpoint_dir, checksums, mismatches)
 
     planner = functools.partial(DataOnlyLoadPlanner, checkpoint_dir=str(checkpoint_dir))
-    with megatron_core.torch_dist_load_reader_and_planner(reader, planner):
+    one_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+    with megatron_core.torch_dist_load_reader_and_planner(reader, planner, one_rank), torch_internals.chunks_matched_by_place():
         yield mismatches

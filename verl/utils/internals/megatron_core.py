@@ -130,6 +130,14 @@ LOAD_READER = Internal(
     MC, "megatron.core.dist_checkpointing.strategies.torch:_get_filesystem_reader", _LOAD, params=("checkpoint_dir",), exact=False
 )
 LOAD_PLANNER = Internal(MC, "megatron.core.dist_checkpointing.strategies.torch:MCoreLoadPlanner", _LOAD)
+# torch's dist-checkpoint module as megatron's load strategy holds it (``from torch.distributed import checkpoint``)
+# and the call its ``load`` makes through it; one rank's load is told ``no_dist`` (``torch_dist_load_reader_and_planner``)
+LOAD_STATE_DICT = Internal(
+    MC,
+    "megatron.core.dist_checkpointing.strategies.torch:checkpoint.load_state_dict",
+    "a one-rank dist-checkpoint load without collectives",
+    params=("state_dict", "storage_reader", "process_group", "coordinator_rank", "no_dist", "planner"),
+)
 DUMMY_OPTIMIZER_STATE = Internal(
     MC,
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values",
@@ -171,6 +179,7 @@ INTERNALS = (
     WRITE_RESULTS_QUEUE,
     LOAD_READER,
     LOAD_PLANNER,
+    LOAD_STATE_DICT,
     DUMMY_OPTIMIZER_STATE,
     GET_CUDA_RNG_STATE,
     SET_CUDA_RNG_STATE,
@@ -483,21 +492,46 @@ def finish_torch_dist_save(writer: Any, metadata: Any, dist_wrapper: Any) -> Non
 
 
 @contextlib.contextmanager
-def torch_dist_load_reader_and_planner(reader: Callable[..., Any], planner: Callable[..., Any]) -> Iterator[None]:
+def torch_dist_load_reader_and_planner(reader: Callable[..., Any], planner: Callable[..., Any], one_rank: bool = False) -> Iterator[None]:
     """While inside: ``TorchDistLoadShardedStrategy`` reads through ``reader(checkpoint_dir, cache_metadata=...)``
     and plans with ``planner(**kwargs)`` instead of its module globals ``_get_filesystem_reader`` and
     ``MCoreLoadPlanner`` (strategies/torch.py), which its ``load`` calls by name: the strategy takes no
     reader or planner, and torch's (a plain ``pickle.load`` of ``.metadata``, ``torch.load(weights_only=False)``
     of bytes items) would run code from the checkpoint. Without them: ``InternalsChangedError`` (no public
-    path loads a dist checkpoint as data only). Main thread only: the swap is module-wide."""
+    path loads a dist checkpoint as data only). Main thread only: the swap is module-wide.
+
+    ``one_rank`` (a world of one process): torch's load is also told ``no_dist``, so its plan is made, checked and
+    its failures raised as with collectives (``CheckpointException`` the same), without the plans' pickled round
+    trip through ``gather_object`` / ``scatter_object`` to the process itself (docs/perf.md)."""
     saved = LOAD_READER.get(), LOAD_PLANNER.get()
+    module_name, _, _ = LOAD_STATE_DICT.path.partition(":")
+    strategy_module = importlib.import_module(module_name)
+    dcp = strategy_module.checkpoint
+    if one_rank:
+        LOAD_STATE_DICT.get()
     _setattr(LOAD_READER, reader)
     _setattr(LOAD_PLANNER, planner)
+    if one_rank:
+        strategy_module.checkpoint = _WithoutCollectives(dcp)
     try:
         yield
     finally:
         _setattr(LOAD_READER, saved[0])
         _setattr(LOAD_PLANNER, saved[1])
+        strategy_module.checkpoint = dcp
+
+
+class _WithoutCollectives:
+    """torch's dist-checkpoint module whose ``load_state_dict`` runs with ``no_dist=True`` (every other name its own)."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._module.load_state_dict(*args, **{**kwargs, "no_dist": True})
 
 
 # ---------------------------------------------------------------- optimizer
