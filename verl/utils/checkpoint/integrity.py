@@ -99,23 +99,18 @@ def start_range_writeback(fd: int, offset: int, length: int) -> None:
 def start_readahead(paths: list[str]) -> None:
     """Ask the kernel to read the files into the page cache, in order, from a thread of its own (``posix_fadvise``
     WILLNEED, which may block while the disk's queue is full): a load's own reads then find their bytes there or
-    in flight while the rank builds what it loads into. The files are opened here, before the thread starts (the
-    opens are the caller's, in its order). A hint only (a failure is ignored): the load reads and checksums the
-    bytes itself."""
+    in flight while the rank builds what it loads into. A hint only (a failure is ignored): the load reads and
+    checksums the bytes itself."""
     advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
-        return
-    fds = []
-    for path in paths:
-        try:
-            fds.append(os.open(path, os.O_RDONLY))
-        except OSError:
-            continue  # a file that cannot be opened is the load's to report, not a hint's
-    if not fds:
+    if advise is None or not paths:
         return
 
     def read_ahead() -> None:
-        for fd in fds:
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue  # a file that cannot be opened is the load's to report, not a hint's
             try:  # in steps: the kernel reads at most its readahead window (a few MiB) per call
                 for offset in range(0, os.fstat(fd).st_size, READAHEAD_STEP):
                     advise(fd, offset, READAHEAD_STEP, os.POSIX_FADV_WILLNEED)
