@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import re
-import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -66,7 +65,6 @@ MODEL_IDENTITY_FIELDS = (
 )
 
 
-READAHEAD_STEP = 8 << 20  # bytes per readahead hint (``start_readahead``)
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writing back the dirty pages, do not wait
 _LIBC_SYNC_FILE_RANGE = getattr(ctypes.CDLL(None), "sync_file_range", None)  # Linux only; elsewhere a no-op
 if _LIBC_SYNC_FILE_RANGE is not None:
@@ -94,32 +92,6 @@ def start_range_writeback(fd: int, offset: int, length: int) -> None:
     block the caller while its write queue is full, which paces a writer to the disk."""
     if _LIBC_SYNC_FILE_RANGE is not None:
         _LIBC_SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
-
-
-def start_readahead(paths: list[str]) -> None:
-    """Ask the kernel to read the files into the page cache, in order, from a thread of its own (``posix_fadvise``
-    WILLNEED, which may block while the disk's queue is full): a load's own reads then find their bytes there or
-    in flight while the rank builds what it loads into. A hint only (a failure is ignored): the load reads and
-    checksums the bytes itself."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None or not paths:
-        return
-
-    def read_ahead() -> None:
-        for path in paths:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue  # a file that cannot be opened is the load's to report, not a hint's
-            try:  # in steps: the kernel reads at most its readahead window (a few MiB) per call
-                for offset in range(0, os.fstat(fd).st_size, READAHEAD_STEP):
-                    advise(fd, offset, READAHEAD_STEP, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-
-    threading.Thread(target=read_ahead, name="checkpoint-readahead", daemon=True).start()
 
 
 def files_under(step_path: str, directories: list[str]) -> list[str]:

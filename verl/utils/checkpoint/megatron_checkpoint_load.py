@@ -21,13 +21,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from verl.utils.checkpoint import layout
 from verl.utils.checkpoint.checkpoint_manager import not_implemented_unless_default
-from verl.utils.checkpoint.checksum import is_bulk
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.integrity import (
     checksums_in,
     manifest_checksums,
     read_saved_layout,
-    start_readahead,
     verify_bulk_checksums,
     verify_manifest,
 )
@@ -98,7 +96,6 @@ class MegatronLoads:
         # every rank agrees here, the same once per load, before the reads (collectives) that need both
         RankComm().agree(error, f"read {local_path}")
         applies: list[Callable[[], None]] = []
-        start_readahead(self._bulk_files_to_read(local_path))
         reads = []
         if self.should_load_dist_ckpt_model:
             reads.append(lambda: self._read_model_from_dist_checkpoint(local_path, metadata, checksums))
@@ -114,25 +111,6 @@ class MegatronLoads:
             except (Exception, CheckpointException) as exc:
                 error = error or exc
         return applies, error
-
-    def _bulk_files_to_read(self, local_path: str) -> list[str]:
-        """The shards and weights (``checksum.is_bulk``) of the parts ``load_contents`` names, in the order they are read."""
-        directories = []
-        if self.should_load_dist_ckpt_model:
-            directories.append(layout.dist_path(local_path, "model"))
-        elif self.should_load_hf_model:
-            directories.append(layout.hf_path(local_path))
-        if self.should_load_optimizer:
-            directories.append(layout.dist_path(local_path, "optimizer"))
-        if self.should_load_extra:
-            directories.append(layout.dist_path(local_path, "extra"))
-        return [
-            os.path.join(directory, name)
-            for directory in directories
-            if os.path.isdir(directory)
-            for name in sorted(os.listdir(directory))
-            if is_bulk(name)
-        ]
 
     @staticmethod
     def _has_checkpoint_files(path: str) -> bool:
