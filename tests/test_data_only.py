@@ -1,6 +1,7 @@
 """The data-only readers a dist-checkpoint load goes through: each refuses a crafted file by itself, before
 anything of it runs (the checks before a load normally refuse it first: tests/test_checkpoint_lifecycle.py)."""
 
+import contextlib
 import io
 import os
 import pickle
@@ -180,3 +181,34 @@ def test_a_load_plans_the_reads_torchs_sweep_plans(reshard):
         planned = planner_helpers.create_read_items_for_chunk_list("w", metadata, wanted)
     assert planner_helpers.create_read_items_for_chunk_list.__name__ == "create_read_items_for_chunk_list"  # put back
     assert len(planned) == len(saved) and sorted(map(repr, planned)) == sorted(map(repr, swept))
+
+
+@pytest.mark.parametrize("target_dtype", [torch.bfloat16, torch.int32], ids=["bf16", "int32"])
+def test_an_item_loaded_into_a_tensor_of_another_dtype_is_converted_as_torchs_reader_converts_it(tmp_path, target_dtype):
+    """A float32 item read in place into a bf16 or int32 target is converted (torch's ``copy_``), never its raw
+    bytes reinterpreted as the target's dtype."""
+    import torch.distributed.checkpoint as dcp
+
+    checksums = _rewritten_as_this_packages_writer_writes(str(tmp_path))
+    state = {"a": torch.zeros(64, dtype=target_dtype), "b": torch.zeros(8, 8, dtype=target_dtype)}
+    reader = DataOnlyFileSystemReader(str(tmp_path), checksums)
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    assert reader.mismatches == []
+    assert torch.equal(state["a"], torch.arange(64.0).to(target_dtype)) and torch.equal(state["b"], torch.ones(8, 8, dtype=target_dtype))
+
+
+def test_a_metadata_chunk_size_larger_than_its_bytes_allocates_nothing_of_that_size(tmp_path, monkeypatch):
+    """Chunk sizes come from ``.metadata``: one whose data could not fit in its item's bytes is never probed (the
+    probe would allocate a tensor that size: 4 TiB here); the item goes to torch's read instead."""
+    from verl.utils.checkpoint import data_only
+
+    checksums = _rewritten_as_this_packages_writer_writes(str(tmp_path))
+    metadata_path = tmp_path / ".metadata"
+    metadata = pickle.loads(metadata_path.read_bytes())
+    metadata.state_dict_metadata["a"].chunks[0].sizes = torch.Size([2**40])
+    metadata_path.write_bytes(pickle.dumps(metadata))
+    probed = []
+    monkeypatch.setattr(data_only, "tensor_archive_parts", lambda dtype, sizes: probed.append(sizes))
+    with contextlib.suppress(Exception):  # whatever torch's read makes of the inconsistent item
+        _load_checked(str(tmp_path), checksums)
+    assert probed and torch.Size([2**40]) not in probed

@@ -209,7 +209,6 @@ def _mcore_features():
             internal: (lambda: megatron_core.torch_dist_load_reader_and_planner(None, None).__enter__(),)
             for internal in (megatron_core.LOAD_READER, megatron_core.LOAD_PLANNER)
         },
-        megatron_core.LOAD_STATE_DICT: (lambda: megatron_core.torch_dist_load_reader_and_planner(None, None, one_rank=True).__enter__(),),
         megatron_core.WRITE_RESULTS_QUEUE: (megatron_core.tie_write_results_queue, None),
         megatron_core.DUMMY_OPTIMIZER_STATE: (
             megatron_core.init_distributed_optimizer_state,
@@ -236,9 +235,9 @@ def _mcore_features():
 
 @pytest.mark.parametrize(
     "internal",
-    [i for i in megatron_core.INTERNALS if i != megatron_core.WRITER_WRITE and i not in megatron_core.IN_RANK_SAVE],
+    [i for i in megatron_core.INTERNALS if i not in (megatron_core.WRITER_WRITE, megatron_core.LOAD_STATE_DICT) and i not in megatron_core.IN_RANK_SAVE],
     ids=lambda i: i.name,
-)  # IN_RANK_SAVE falls back to megatron's writer instead: tests/test_dist_writer.py
+)  # IN_RANK_SAVE falls back to megatron's writer instead: tests/test_dist_writer.py; LOAD_STATE_DICT below
 def test_a_megatron_internal_removed_fails_the_feature_naming_it_and_replaces_nothing(monkeypatch, internal):
     feature, *args = _mcore_features()[internal]
     replaced = [_module_and_name(i) for i in megatron_core.INTERNALS if i != internal]
@@ -247,6 +246,18 @@ def test_a_megatron_internal_removed_fails_the_feature_naming_it_and_replaces_no
     _fails_naming(internal, feature, *args)
     assert {(id(owner), name): vars(owner).get(name) for owner, name in replaced} == before  # none half-replaced
     _others_still_pass(internal)
+
+
+def test_a_one_rank_load_keeps_its_collectives_where_torchs_load_state_dict_changed(monkeypatch):
+    """The one-rank swap is a speed-up with a public path beside it: without torch's ``load_state_dict`` where
+    megatron's strategy module reaches it, the load runs with its collectives as before, nothing replaced."""
+    owner, name = _module_and_name(megatron_core.LOAD_STATE_DICT)
+    _remove(monkeypatch, owner, name)
+    strategy_module = importlib.import_module(megatron_core.LOAD_STATE_DICT.path.partition(":")[0])
+    before = strategy_module.checkpoint
+    with megatron_core.torch_dist_load_reader_and_planner(len, dict, one_rank=True):
+        assert strategy_module.checkpoint is before
+    assert strategy_module.checkpoint is before
 
 
 def test_another_request_layout_fails_reading_it_naming_the_writer():

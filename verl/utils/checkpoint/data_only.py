@@ -137,7 +137,7 @@ def tensor_archive_parts(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[by
     the torch internals that make the archive are gone (each item is then ``torch.load``ed, as torch's reader does)."""
     try:
         return torch_internals.archive_around_data(torch.empty(sizes, dtype=dtype))
-    except InternalsChangedError:
+    except (InternalsChangedError, RuntimeError, ValueError):  # a dtype torch cannot save this way: torch's read
         return None
 
 
@@ -251,8 +251,12 @@ class DataOnlyFileSystemReader(FileSystemReader):
         if item.type != LoadItemType.TENSOR or info.transform_descriptors or kind is None:
             return False
         dtype, sizes = kind
-        parts = tensor_archive_parts(dtype, sizes)
         nbytes = math.prod(sizes) * dtype.itemsize
+        # The sizes come from .metadata: an item whose data could not fit in its own bytes of this file is not
+        # probed (the probe allocates a tensor of that shape), it goes to torch's read, which refuses it.
+        if info.offset < 0 or info.offset + info.length > len(data) or nbytes >= info.length:
+            return False
+        parts = tensor_archive_parts(dtype, sizes)
         if parts is None or info.length != len(parts[0]) + nbytes + len(parts[1]):
             return False
         start, end = info.offset + len(parts[0]), info.offset + info.length
@@ -265,8 +269,8 @@ class DataOnlyFileSystemReader(FileSystemReader):
         target = planner.resolve_tensor(item).detach()
         if list(target.size()) != list(item.lengths):
             raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {item.lengths}")
-        if list(item.lengths) == list(sizes) and target.is_contiguous():
-            target.reshape(-1).view(torch.uint8).copy_(raw)  # the whole chunk: one copy, any alignment
+        if list(item.lengths) == list(sizes) and target.is_contiguous() and target.dtype == dtype and type(target) is torch.Tensor:
+            target.reshape(-1).view(torch.uint8).copy_(raw)  # the whole chunk, saved in the target's dtype: one copy
         else:
             chunk = torch.empty(sizes, dtype=dtype)
             chunk.reshape(-1).view(torch.uint8).copy_(raw)

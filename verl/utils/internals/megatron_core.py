@@ -504,21 +504,25 @@ def torch_dist_load_reader_and_planner(reader: Callable[..., Any], planner: Call
     its failures raised as with collectives (``CheckpointException`` the same), without the plans' pickled round
     trip through ``gather_object`` / ``scatter_object`` to the process itself (docs/perf.md)."""
     saved = LOAD_READER.get(), LOAD_PLANNER.get()
-    module_name, _, _ = LOAD_STATE_DICT.path.partition(":")
-    strategy_module = importlib.import_module(module_name)
-    dcp = strategy_module.checkpoint
+    strategy_module = dcp = None
     if one_rank:
-        LOAD_STATE_DICT.get()
+        try:  # a speed-up only: where torch's load_state_dict changed, the load keeps its collectives
+            LOAD_STATE_DICT.get()
+            strategy_module = importlib.import_module(LOAD_STATE_DICT.path.partition(":")[0])
+            dcp = strategy_module.checkpoint
+        except (InternalsChangedError, ImportError, AttributeError):
+            strategy_module = None
     _setattr(LOAD_READER, reader)
     _setattr(LOAD_PLANNER, planner)
-    if one_rank:
+    if strategy_module is not None:
         strategy_module.checkpoint = _WithoutCollectives(dcp)
     try:
         yield
     finally:
         _setattr(LOAD_READER, saved[0])
         _setattr(LOAD_PLANNER, saved[1])
-        strategy_module.checkpoint = dcp
+        if strategy_module is not None:
+            strategy_module.checkpoint = dcp
 
 
 class _WithoutCollectives:
@@ -530,8 +534,9 @@ class _WithoutCollectives:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._module.load_state_dict(*args, **{**kwargs, "no_dist": True})
+    def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["no_dist"] = True  # megatron passes everything after the state dict by keyword
+        return self._module.load_state_dict(state_dict, *args, **kwargs)
 
 
 # ---------------------------------------------------------------- optimizer
