@@ -124,7 +124,9 @@ def _snapshot_saves_of_a_fully_reshardable_optimizer(src: str, root: str, calls_
     group) leaves its pid in ``calls_dir``."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from tests.test_checkpoint_lifecycle import _actor, _batches, _step_path
+    from tests.main_leg import TRAINING_STEPS, actor_configs
+    from tests.test_checkpoint_lifecycle import _batches, _step_path
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     gather = DistributedOptimizer.get_parameter_state_dp_zero
 
@@ -133,7 +135,10 @@ def _snapshot_saves_of_a_fully_reshardable_optimizer(src: str, root: str, calls_
         return gather(self, *args, **kwargs)
 
     DistributedOptimizer.get_parameter_state_dp_zero = recorded
-    actor = _actor(src, manager_cls=_fully_reshardable_manager(), use_distributed_optimizer=True, async_save=True, async_mode="snapshot")
+    configs = actor_configs(
+        src, "megatron.use_distributed_optimizer=True", "checkpoint.async_save=True", "checkpoint.async_mode=snapshot", total_training_steps=TRAINING_STEPS
+    )
+    actor = MegatronEngine(*configs, manager_cls=_fully_reshardable_manager())
     actor.train_step(_batches(0))
     planned_in_fork = []
     for step in (1, 2, 3):

@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl.trainer.config import DataConfig, TrainerConfig
-from verl.trainer.validation import typed_node
+from verl.trainer.run_config import typed_node
 
 YAML = "verl/trainer/config/ppo_megatron_trainer.yaml"
 

@@ -12,13 +12,22 @@ import os
 
 import torch
 
-from tests.test_checkpoint_lifecycle import _actor, _batches, _differing, _params_and_optimizer, _step_path
+from tests.main_leg import TRAINING_STEPS, actor_configs
+from tests.test_checkpoint_lifecycle import _batches, _differing, _params_and_optimizer, _step_path
 from verl.utils.checkpoint.integrity import verify_checkpoint
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
 
 SIZES = ParallelSizes(pp=2, ep=2)  # 4 ranks: TP1 PP2 EP2 ETP1
-DIST = {"use_dist_checkpointing": True, "save_contents": ("model", "optimizer", "extra")}
+DIST = ("megatron.use_dist_checkpointing=True", "checkpoint.save_contents=[model,optimizer,extra]")
+
+
+def _actor(src: str, vanilla_mbridge: bool, *overrides: str):
+    """The engine through the bridge ``vanilla_mbridge`` names, the model checkpointed as a dist checkpoint."""
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    chosen = (f"megatron.vanilla_mbridge={vanilla_mbridge}", *DIST, *overrides)
+    return MegatronEngine(*actor_configs(src, *chosen, total_training_steps=TRAINING_STEPS))
 
 
 def _export(engine, path: str) -> None:
@@ -39,7 +48,7 @@ def _save_and_resume(src: str, root: str) -> dict:
     what differs, and rank 0's HF weights at step 1. (Training on from a
     cross-bridge resume is not compared: Megatron-Bridge's MoE providers add the router's load-balancing loss,
     mbridge's do not; docs/models.md.)"""
-    actor, bridge_on_device = _built_on_device(lambda: _actor(src, vanilla_mbridge=False, async_save=True, **DIST))
+    actor, bridge_on_device = _built_on_device(lambda: _actor(src, False, "checkpoint.async_save=True"))
     assert type(actor.bridge).__name__ == "MegatronBridgeModel"
     actor.train_step(_batches(0))
     at_step_1 = _params_and_optimizer(actor)
@@ -56,7 +65,7 @@ def _save_and_resume(src: str, root: str) -> dict:
     resumed_step_2 = _params_and_optimizer(actor)
     _export(actor, os.path.join(root, "bridge_hf"))  # step 2's weights, through Megatron-Bridge's HF save
 
-    other, mbridge_on_device = _built_on_device(lambda: _actor(src, vanilla_mbridge=True, **DIST))
+    other, mbridge_on_device = _built_on_device(lambda: _actor(src, True))
     assert type(other.bridge).__name__ != "MegatronBridgeModel"
     other.load_checkpoint(committed)
     mbridge_resumed = _params_and_optimizer(other)
@@ -109,7 +118,7 @@ def _params(state) -> dict:
 
 
 def _load_at_another_layout(src: str, step: str) -> dict:
-    actor = _actor(src, vanilla_mbridge=False, **DIST)
+    actor = _actor(src, False)
     actor.load_checkpoint(step)
     weights = {name: tensor.clone() for name, tensor in actor.bridge.gather_hf_weights(actor.model, receivers=[0]).items()}
     return {"hf": weights, "loss": actor.train_step(_batches(1))["loss"]}

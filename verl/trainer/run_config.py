@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from verl.base_config import BaseConfig
 from verl.trainer.config import AlgoConfig, DataConfig, TrainerConfig
-from verl.workers.config import McoreActorConfig, megatron_worker_config
+from verl.workers.config import HFModelConfig, McoreActorConfig, RolloutConfig, megatron_worker_config
 
 __all__ = ["ConfigError", "CustomRewardFunctionConfig", "RunConfig", "build_run_config", "trainer_config_or_none", "typed_node"]
 
@@ -40,6 +40,8 @@ def typed_node(cls: type, node: Any) -> tuple[Any, list[str]]:
         return cls(**{k: v for k, v in _plain(node).items() if k in fields}), []
     except ValueError as exc:
         return None, str(exc).splitlines()
+    except (TypeError, AttributeError) as exc:  # a node of another shape than its fields': still one line, not a traceback
+        return None, [f"{getattr(cls, '_key', cls.__name__)}: {exc}"]
 
 
 @dataclasses.dataclass
@@ -67,11 +69,11 @@ class RunConfig:
         return self.actor_rollout_ref["actor"]
 
     @property
-    def rollout(self) -> Any:
+    def rollout(self) -> RolloutConfig:
         return self.actor_rollout_ref["rollout"]
 
     @property
-    def model(self) -> Any:
+    def model(self) -> HFModelConfig:
         return self.actor_rollout_ref["model"]
 
     @property

@@ -19,13 +19,21 @@ from verl.trainer.config.keys import ACTOR as _ACTOR
 from verl.trainer.config.keys import CHECKPOINT as _CHECKPOINT
 from verl.trainer.config.keys import MEGATRON as _MEGATRON
 from verl.trainer.config.keys import REF as _REF
-from verl.trainer.run_config import RunConfig, build_run_config, typed_node
+from verl.trainer.run_config import typed_node
 from verl.trainer.upstream_keys import check_upstream_keys
 from verl.utils.checkpoint.layout import checkpoint_root_problem, resume_step_problem
 from verl.utils.custom_code import oversized_file_problem, read_json
 from verl.utils.internals.megatron_bridge import megatron_bridge_install_problem
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
-from verl.workers.config import build_megatron_actor_configs, megatron_worker_config_problems
+from verl.workers.config import (
+    McoreActorConfig,
+    McoreEngineConfig,
+    RefConfig,
+    RolloutConfig,
+    build_megatron_actor_configs,
+    megatron_worker_config,
+    megatron_worker_config_problems,
+)
 
 # verl.trainer.ppo.core_algos.kl_penalty_types() (not imported: it pulls in torch): upstream's estimator names
 # and their straight-through "+" forms; upstream's "full" is not implemented (upstream raises for it too).
@@ -61,8 +69,8 @@ def pre_start_problems(config: Any, cluster: bool, model_path: str | None = None
 def check_config(config: Any, model_path: str | None) -> list[str]:
     """Problems found in the config alone, plus the model's layout from its config.json when ``model_path``
     is given (None: the embedded model, which is checked once it is made). Every node is built into its typed
-    config first (each names all of its bad fields); once all build, the rules across them run on the typed
-    run (``build_run_config``)."""
+    config first (each names its bad fields); each rule across nodes then runs on the typed nodes it reads,
+    whenever those built, so one refused node hides no other problem."""
     trainer, problems = typed_node(TrainerConfig, config.trainer)
     data, data_problems = typed_node(DataConfig, config.data)
     algorithm, algorithm_problems = typed_node(AlgoConfig, config.algorithm)
@@ -81,19 +89,28 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
             pp = OmegaConf.select(config, f"{_MEGATRON}pipeline_model_parallel_size")
             support = hf_config_problems(model) + (hf_layout_problems(model, pp) if isinstance(pp, int) else [])
             problems += [f"actor_rollout_ref.model.path={model_path}: {p}" for p in support]
-    if typed:
-        run = build_run_config(config)
-        problems += _check_actor(run) + _check_layout(run, model) + _check_grpo(run) + _check_data(run, model)
+    try:  # the worker's typed nodes; what they refuse was reported above
+        worker = megatron_worker_config(OmegaConf.to_container(config.actor_rollout_ref, resolve=True))
+    except ValueError:
+        worker = None
+    world = trainer.nnodes * trainer.n_gpus_per_node if trainer is not None else None
+    if worker is not None:
+        actor, rollout, ref = worker["actor"], worker["rollout"], worker["ref"]
+        problems += _check_actor(actor, trainer) + _check_grpo(actor, rollout, ref)
+        if world is not None:
+            problems += _check_layout(actor.megatron, world, model)
+    if data is not None:
+        problems += _check_data(data, bool(OmegaConf.select(config, "custom_reward_function.path")), worker, world, model)
     return problems + _guarded(typed, check_upstream_keys, config)
 
 
 # The keys no typed config holds: a mistyped value is one line here, not a TypeError further down.
 _UNTYPED_KEYS = (
-    ("actor_rollout_ref.nccl_timeout", "a number", "<x>", lambda v: _is_number(v)),
+    ("actor_rollout_ref.nccl_timeout", "a number >= 0 (seconds)", "<x>", lambda v: _is_number(v) and v >= 0),
     ("ray_kwargs.ray_init.num_cpus", "an integer or null", "<n>", lambda v: v is None or _is_int(v)),
 )
 # A typed config's own name in a message -> the Hydra key of the node it was built from.
-_NODE_KEYS = {"McoreActorConfig.": f"{_ACTOR}.", "RefConfig.": f"{_REF}.", "RolloutConfig.": "actor_rollout_ref.rollout."}
+_NODE_KEYS = {"McoreActorConfig.": f"{_ACTOR}.", "RefConfig.": f"{_REF}."}
 
 
 def _keyed(message: str) -> str:
@@ -161,8 +178,8 @@ def _check_typed_configs(config: Any, reported: list[str]) -> list[str]:
     return [problem for problem in kept if not follows_the_actor(key(problem))]
 
 
-def _check_actor(run: RunConfig) -> list[str]:
-    actor, megatron = run.actor, run.actor.megatron
+def _check_actor(actor: McoreActorConfig, trainer: TrainerConfig | None) -> list[str]:
+    megatron = actor.megatron
     problems = []
     if actor.strategy != "megatron":
         problems.append(f"{_ACTOR}.strategy={actor.strategy}: only megatron is implemented; set {_ACTOR}.strategy=megatron")
@@ -177,8 +194,8 @@ def _check_actor(run: RunConfig) -> list[str]:
         problems.append(f"{_MEGATRON}context_parallel_size={megatron.context_parallel_size}: the update step does not split sequences over context-parallel ranks yet; set {_MEGATRON}context_parallel_size=1")
     if megatron.tensor_model_parallel_size > 1 and not megatron.sequence_parallel:
         problems.append(f"{_MEGATRON}sequence_parallel=False with tensor_model_parallel_size={megatron.tensor_model_parallel_size}: both bridges build with sequence parallelism when TP > 1 (MoE requires it); set {_MEGATRON}sequence_parallel=True")
-    if run.trainer.save_freq > 0 and not actor.checkpoint.save_contents:
-        problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={run.trainer.save_freq}; list what to save or set trainer.save_freq=-1")
+    if trainer is not None and trainer.save_freq > 0 and not actor.checkpoint.save_contents:
+        problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={trainer.save_freq}; list what to save or set trainer.save_freq=-1")
     return problems
 
 
@@ -198,7 +215,7 @@ def _read_model(model_path: str) -> tuple[dict | None, list[str]]:
         return None, [f"actor_rollout_ref.model.path={model_path}: {exc}; point it at an HF model directory"]
 
 
-def _check_layout(run: RunConfig, model: dict | None) -> list[str]:
+def _check_layout(megatron: McoreEngineConfig, world: int, model: dict | None) -> list[str]:
     numbers = {}
     if model is not None:
         numbers = {
@@ -208,16 +225,19 @@ def _check_layout(run: RunConfig, model: dict | None) -> list[str]:
             "num_key_value_heads": model.get("num_key_value_heads"),
         }
     try:
-        ParallelSizes.from_megatron(run.actor.megatron).validate(run.world_size, **numbers)
+        ParallelSizes.from_megatron(megatron).validate(world, **numbers)
     except ParallelConfigError as exc:
         return exc.problems
     return []
 
 
-def _check_data(run: RunConfig, model: dict | None) -> list[str]:
-    """The data's files, and what the data node must agree on with the rollout, the model and the batch split."""
-    data, rollout = run.data, run.rollout
-    problems = data.validate(custom_reward=bool(run.custom_reward_function.path))
+def _check_data(data: DataConfig, custom_reward: bool, worker: dict | None, world: int | None, model: dict | None) -> list[str]:
+    """The data's files (``custom_reward``: the user's reward function scores any data source), and what the data
+    node must agree on with the rollout, the model and the batch split (``worker``: its typed nodes, when built)."""
+    problems = data.validate(custom_reward=custom_reward)
+    if worker is None:
+        return problems
+    actor, rollout, ref = worker["actor"], worker["rollout"], worker["ref"]
     for ours, theirs in (("max_prompt_length", "prompt_length"), ("max_response_length", "response_length")):
         if rollout[theirs] != data[ours]:
             problems.append(f"actor_rollout_ref.rollout.{theirs}={rollout[theirs]} differs from data.{ours}={data[ours]}: the rollout and the actor read one length here; set both to one value (or leave rollout.{theirs} at its default, ${{data.{ours}}})")
@@ -226,55 +246,55 @@ def _check_data(run: RunConfig, model: dict | None) -> list[str]:
     seq = data.max_prompt_length + data.max_response_length
     if model is not None and seq > int(model.get("max_position_embeddings", seq)):
         problems.append(f"data.max_prompt_length + data.max_response_length = {seq} exceeds the model's max_position_embeddings={model['max_position_embeddings']}; lower them")
-    return problems + _check_batch_split(run) + _check_token_budgets(run, seq)
+    passes = _log_prob_passes(actor, rollout, ref)
+    if world is not None:
+        problems += _check_batch_split(actor, rollout, passes, data.train_batch_size, world)
+    return problems + _check_token_budgets(actor, passes, seq)
 
 
-def _log_prob_passes(run: RunConfig) -> list[tuple[Any, str]]:
+def _log_prob_passes(actor: McoreActorConfig, rollout: RolloutConfig, ref: RefConfig) -> list[tuple[Any, str]]:
     """The forward-only passes of a step: the rollout's old log-probs, and the reference's with the KL loss on."""
-    return [(run.rollout, "actor_rollout_ref.rollout"), *([(run.actor_rollout_ref["ref"], _REF)] if run.actor.use_kl_loss else [])]
+    return [(rollout, "actor_rollout_ref.rollout"), *([(ref, _REF)] if actor.use_kl_loss else [])]
 
 
-def _check_token_budgets(run: RunConfig, longest: int) -> list[str]:
+def _check_token_budgets(actor: McoreActorConfig, passes: list[tuple[Any, str]], longest: int) -> list[str]:
     """Dynamic batch sizes need room for one whole sequence, as upstream requires."""
-    actor = run.actor
-    passes = [(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, f"{_ACTOR}.ppo_max_token_len_per_gpu")]
-    passes += [(node.log_prob_use_dynamic_bsz, node.log_prob_max_token_len_per_gpu, f"{name}.log_prob_max_token_len_per_gpu") for node, name in _log_prob_passes(run)]
+    budgets = [(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, f"{_ACTOR}.ppo_max_token_len_per_gpu")]
+    budgets += [(node.log_prob_use_dynamic_bsz, node.log_prob_max_token_len_per_gpu, f"{name}.log_prob_max_token_len_per_gpu") for node, name in passes]
     return [
         f"{name}={budget} is below one sequence (data.max_prompt_length + max_response_length = {longest}); raise it to {longest} or more"
-        for dynamic, budget, name in passes
+        for dynamic, budget, name in budgets
         if dynamic and (budget is None or budget < longest)
     ]
 
 
-def _check_batch_split(run: RunConfig) -> list[str]:
+def _check_batch_split(actor: McoreActorConfig, rollout: RolloutConfig, passes: list[tuple[Any, str]], train_batch_size: int, world: int) -> list[str]:
     """A step's prompts x n split into mini-batches, data-parallel ranks and whole micro batches (the actor's own
     rule), and the log-prob passes' micro batches divide a rank's share of the step."""
     try:
-        run.actor.validate(run.world_size, run.data.train_batch_size)
+        actor.validate(world, train_batch_size)
     except ValueError as exc:
         return [_keyed(str(exc))]
-    megatron = run.actor.megatron
-    model_parallel = megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size * megatron.context_parallel_size
-    if run.world_size % model_parallel:
+    model_parallel = ParallelSizes.from_megatron(actor.megatron).model_parallel_size
+    if world % model_parallel:
         return []  # the layout check names it
-    dp, sequences = run.world_size // model_parallel, run.data.train_batch_size * run.rollout.n
+    dp, sequences = world // model_parallel, train_batch_size * rollout.n
     if sequences % dp:
-        return [f"data.train_batch_size={run.data.train_batch_size} x rollout.n={run.rollout.n} sequences do not split into {dp} data-parallel ranks; make it a multiple of {dp}"]
+        return [f"data.train_batch_size={train_batch_size} x rollout.n={rollout.n} sequences do not split into {dp} data-parallel ranks; make it a multiple of {dp}"]
     rows = sequences // dp
-    for node, name in _log_prob_passes(run):
+    for node, name in passes:
         micro = node.log_prob_micro_batch_size_per_gpu
         if micro is not None and not node.log_prob_use_dynamic_bsz and rows % micro:
             return [f"{name}.log_prob_micro_batch_size_per_gpu={micro} does not divide the {rows} sequences of a step on each data-parallel rank; set it to a divisor of {rows}"]
     return []
 
 
-def _check_grpo(run: RunConfig) -> list[str]:
-    rollout, actor = run.rollout, run.actor
+def _check_grpo(actor: McoreActorConfig, rollout: RolloutConfig, ref: RefConfig) -> list[str]:
     problems = []
     if actor.use_kl_loss:
         if actor.kl_loss_type not in KL_LOSS_TYPES:
             problems.append(f"{_ACTOR}.kl_loss_type={actor.kl_loss_type} is not implemented here (one of {list(KL_LOSS_TYPES[:7])}, or one of them with '+'); set {_ACTOR}.kl_loss_type=low_var_kl")
-        problems += [_keyed(problem) for problem in run.actor_rollout_ref["ref"].validate(actor)]
+        problems += [_keyed(problem) for problem in ref.validate(actor)]
     if actor.loss_agg_mode != "token-mean":
         problems.append(f"{_ACTOR}.loss_agg_mode={actor.loss_agg_mode}: only token-mean is implemented; set {_ACTOR}.loss_agg_mode=token-mean")
     if rollout.name != "hf":

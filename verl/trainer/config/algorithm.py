@@ -7,6 +7,7 @@ upstream; ``validate`` says what this trainer runs (GRPO, the KL as a loss, not 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from verl.base_config import BaseConfig
@@ -54,10 +55,15 @@ class AlgoConfig(BaseConfig):
         checks.numbers("gamma", "lam")
         checks.booleans("norm_adv_by_std_in_grpo", "use_kl_in_reward", "use_pf_ppo")
         if not isinstance(self.kl_ctrl, KLControlConfig):
-            try:
-                self._normalize("kl_ctrl", KLControlConfig(**dict(self.kl_ctrl or {})))
-            except TypeError as exc:
-                checks.add(f"algorithm.kl_ctrl: {exc}; its keys: type, kl_coef, horizon, target_kl")
+            if self.kl_ctrl is not None and not isinstance(self.kl_ctrl, Mapping):
+                checks.add(f"algorithm.kl_ctrl={self.kl_ctrl} must be a mapping of type, kl_coef, horizon, target_kl")
+            else:
+                fields = {f.name for f in dataclasses.fields(KLControlConfig)} - {"_target_"}
+                unknown = sorted(set(self.kl_ctrl or {}) - fields)
+                if unknown:
+                    checks.add(f"algorithm.kl_ctrl has no key(s) {unknown}; its keys: {sorted(fields)}")
+                else:
+                    self._normalize("kl_ctrl", KLControlConfig(**dict(self.kl_ctrl or {})))
         checks.raise_problems()
 
     def validate(self) -> list[str]:

@@ -8,6 +8,7 @@ are read by ``validate``, before any rank starts.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from verl.base_config import BaseConfig
@@ -70,7 +71,10 @@ class DataConfig(BaseConfig):
         checks.at_least_one("train_batch_size", "max_prompt_length", "max_response_length")
         checks.at_least_one("val_batch_size", null_means="all prompts at once")
         checks.choice("truncation", TRUNCATIONS, "error")
-        if (self.custom_cls or {}).get("path") is not None:
+        checks.strings("prompt_key", "reward_fn_key")
+        if self.custom_cls is not None and not isinstance(self.custom_cls, Mapping):
+            checks.add(f"data.custom_cls={self.custom_cls} must be a mapping with path and name (both null here)")
+        elif (self.custom_cls or {}).get("path") is not None:
             checks.add(f"data.custom_cls.path={self.custom_cls['path']}: custom dataset classes are not supported; write the data as parquet in RLHFDataset's format")
         if not self.train_files:
             if not isinstance(self.max_operand, int) or isinstance(self.max_operand, bool) or not 0 <= self.max_operand <= 9:

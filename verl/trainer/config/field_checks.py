@@ -60,6 +60,18 @@ class FieldChecks:
             if _is_int(value) and value < 1:
                 self.add(f"{key}={value} must be an integer >= 1; set {key}=<n>" if null_means is None else f"{key}={value} must be null ({null_means}) or >= 1")
 
+    def strings(self, *names: str, optional: bool = False) -> None:
+        """Text fields: a number YAML parsed from ``experiment_name=2024`` is taken as its text, as upstream's ``str()``
+        reads would; anything else that is not a string (a list, a mapping) is named."""
+        for name in names:
+            value = getattr(self.config, name)
+            if optional and value is None:
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.config._normalize(name, str(value))
+            elif not isinstance(value, str):
+                self.add(f"{self.key(name)}={value} must be text{' or null' if optional else ''}; set {self.key(name)}=<text>")
+
     def choice(self, name: str, choices: Iterable[str], fix: str) -> None:
         value = getattr(self.config, name)
         if value not in tuple(choices):

@@ -85,7 +85,13 @@ class TrainerConfig(BaseConfig):
             checks.add("trainer.del_local_ckpt_after_load=True: a resume never deletes its checkpoint here (it is the tracked, verified step); set it to False")
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             checks.add("trainer.resume_mode=resume_path needs trainer.resume_from_path=<default_local_dir>/global_step_N")
-        self._normalize("logger", [self.logger] if isinstance(self.logger, str) else list(self.logger))
+        checks.strings("project_name", "experiment_name", "default_local_dir")
+        checks.strings("resume_from_path", "default_hdfs_dir", optional=True)
+        loggers = [self.logger] if isinstance(self.logger, str) else self.logger
+        if not isinstance(loggers, (list, tuple)) or not all(isinstance(name, str) for name in loggers):
+            checks.add(f"trainer.logger={self.logger} must be a list of backend names, e.g. trainer.logger=[console,file]")
+            checks.raise_problems()
+        self._normalize("logger", list(loggers))
         unknown = [name for name in self.logger if name not in BACKENDS]
         if unknown:
             checks.add(f"trainer.logger has {unknown}, which this trainer does not provide; use a subset of {list(BACKENDS)}, e.g. trainer.logger=[console,file]")

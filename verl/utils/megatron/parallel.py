@@ -58,6 +58,11 @@ class ParallelSizes:
         )
 
     @property
+    def model_parallel_size(self) -> int:
+        """Ranks one model replica spans (TP x PP x CP); the world divides into this many data-parallel groups."""
+        return self.tp * self.pp * self.cp
+
+    @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
 
@@ -93,7 +98,7 @@ class ParallelSizes:
             )
         if problems:
             raise ParallelConfigError("; ".join(problems), problems)
-        if world_size % (self.tp * self.pp * self.cp):
+        if world_size % self.model_parallel_size:
             problems.append(
                 f"world size {world_size} is not divisible by TP x PP x CP = {self.tp}x{self.pp}x{self.cp}; "
                 f"set {_KEY}tensor_model_parallel_size / pipeline_model_parallel_size / context_parallel_size "

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from verl.base_config import BaseConfig
 from verl.trainer.config import CheckpointConfig
 from verl.utils.config import nested_config
+from verl.utils.megatron.parallel import ParallelSizes
 
 from .checkpoint import McoreCheckpointConfig
 from .engine import FSDPEngineConfig, McoreEngineConfig, _positive
@@ -180,7 +181,7 @@ class McoreActorConfig(ActorConfig):
             raise ValueError(f"{owner}.ppo_micro_batch_size_per_gpu=None: set it (sequences per micro batch on a rank), or use_dynamic_bsz=True")
         if train_batch_size % mini:
             raise ValueError(f"data.train_batch_size={train_batch_size} is not a multiple of {owner}.ppo_mini_batch_size={mini}; set ppo_mini_batch_size to a divisor of it")
-        model_parallel = megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size * megatron.context_parallel_size
+        model_parallel = ParallelSizes.from_megatron(megatron).model_parallel_size
         if n_gpus % model_parallel == 0:  # else the layout check names it
             self._check_split(mini * n, n_gpus // model_parallel)
         super().validate(n_gpus, train_batch_size, model_config)
@@ -188,17 +189,17 @@ class McoreActorConfig(ActorConfig):
     def _check_split(self, sequences: int, dp: int) -> None:
         owner, mini, micro, n = type(self).__name__, self.ppo_mini_batch_size, self.ppo_micro_batch_size_per_gpu, self.rollout_n
         if sequences % dp:
-            raise ValueError(f"a mini-batch of {owner}.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {sequences} sequences does not split into {dp} data-parallel ranks; make it a multiple of {dp}")
+            raise ValueError(f"a mini-batch of {owner}.ppo_mini_batch_size={mini} prompts x {owner}.rollout_n={n} = {sequences} sequences does not split into {dp} data-parallel ranks; make it a multiple of {dp}")
         rows = sequences // dp
         if not self.use_dynamic_bsz and rows % micro:
-            raise ValueError(f"{rows} sequences per data-parallel rank and mini-batch (ppo_mini_batch_size={mini} x rollout.n={n} / {dp} ranks) do not split into microbatches of {owner}.ppo_micro_batch_size_per_gpu={micro}; set it to a divisor of {rows}")
+            raise ValueError(f"{rows} sequences per data-parallel rank and mini-batch (ppo_mini_batch_size={mini} x {owner}.rollout_n={n} / {dp} ranks) do not split into microbatches of {owner}.ppo_micro_batch_size_per_gpu={micro}; set it to a divisor of {rows}")
         pp, vpp = self.megatron.pipeline_model_parallel_size, self.megatron.virtual_pipeline_model_parallel_size
         if vpp is None or vpp <= 1 or pp < 2:
             return
         # the interleaved schedule runs a mini-batch's micro batches in groups of PP per model chunk
         needs = f"which {owner}.megatron.virtual_pipeline_model_parallel_size={vpp} needs"
         if self.use_dynamic_bsz and rows % pp:
-            raise ValueError(f"{rows} sequences per data-parallel rank and mini-batch cannot make a multiple of pipeline_model_parallel_size={pp} microbatches, {needs}; make {owner}.ppo_mini_batch_size x rollout.n / data-parallel size a multiple of {pp}")
+            raise ValueError(f"{rows} sequences per data-parallel rank and mini-batch cannot make a multiple of pipeline_model_parallel_size={pp} microbatches, {needs}; make {owner}.ppo_mini_batch_size x rollout_n / data-parallel size a multiple of {pp}")
         if not self.use_dynamic_bsz and (rows // micro) % pp:
             raise ValueError(f"{rows // micro} microbatches per data-parallel rank and mini-batch ({rows} sequences / {owner}.ppo_micro_batch_size_per_gpu={micro}) is not a multiple of pipeline_model_parallel_size={pp}, {needs}; set ppo_micro_batch_size_per_gpu so that {rows} / it is a multiple of {pp}")
 
