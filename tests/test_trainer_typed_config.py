@@ -89,3 +89,20 @@ def test_the_run_config_refuses_every_bad_node_at_once():
         "data.seed=1.5 must be an integer; set data.seed=<n>",
         "actor_rollout_ref.rollout.top_p must be >= 0.0, got -1",
     ]
+
+
+def test_a_refused_node_hides_no_problem_of_the_others(tmp_path):
+    """A bad trainer key is one line; the cross-node problems of the nodes that built are reported beside it."""
+    from verl.trainer.validation import check_config
+
+    config = _composed(f"trainer.default_local_dir={tmp_path}", "trainer.logger=[mlflow]", "actor_rollout_ref.rollout.n=1")
+    problems = check_config(config, None)
+    assert any(p.startswith("trainer.logger has ['mlflow']") for p in problems), problems
+    assert any(p.startswith("actor_rollout_ref.rollout.n=1: GRPO compares responses within a group") for p in problems), problems
+
+
+def test_a_number_given_for_a_text_key_is_taken_as_its_text():
+    built, problems = typed_node(TrainerConfig, {"experiment_name": 2024, "default_local_dir": 7})
+    assert problems == [] and (built.experiment_name, built.default_local_dir) == ("2024", "7")
+    _, problems = typed_node(TrainerConfig, {"logger": 5, "project_name": ["a"]})
+    assert problems == ["trainer.project_name=['a'] must be text; set trainer.project_name=<text>", "trainer.logger=5 must be a list of backend names, e.g. trainer.logger=[console,file]"]
