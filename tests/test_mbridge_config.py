@@ -6,8 +6,7 @@ import os
 import pytest
 from hydra import compose, initialize_config_dir
 
-from tests.main_leg import MBRIDGE
-from tests.test_megatron_checkpoint_manager import _actor
+from tests.main_leg import MBRIDGE, TRAINING_STEPS, actor_configs
 from verl.trainer.validation import check_model_build
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -32,7 +31,10 @@ def _save_with(src: str, root: str, mbridge_config: dict) -> list[dict] | str:
     checkpoint = McoreCheckpointConfig(save_contents=["model", "optimizer", "extra"], mbridge_config=mbridge_config)
     recording = []
     try:
-        actor = _actor(src, checkpoint=checkpoint, wrap_bridge=lambda bridge: recording.append(RecordingBridge(bridge)) or recording[0])
+        from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+        model, engine, optim, _ = actor_configs(src, total_training_steps=TRAINING_STEPS)
+        actor = MegatronEngine(model, engine, optim, checkpoint, wrap_bridge=lambda bridge: recording.append(RecordingBridge(bridge)) or recording[0])
     except ValueError as exc:
         return str(exc)
     actor.save_checkpoint(os.path.join(root, "global_step_1", "actor"), global_step=1)
