@@ -89,20 +89,26 @@ def _load_checked(directory: str, checksums: dict[str, str]) -> tuple[dict, list
     return state, reader.mismatches
 
 
+def _assert_a_flipped_byte_is_refused_and_nothing_served(directory, checksums: dict[str, str]) -> None:
+    """Flip one byte in the middle of the checkpoint's one shard: the load names the file and none of its tensors
+    reach the state being loaded (it keeps its zeros)."""
+    ((victim, checksum),) = checksums.items()
+    path = directory / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    state, mismatches = _load_checked(str(directory), checksums)
+    assert mismatches == [f"{path}: its content checksum differs from the manifest's {checksum} (changed or corrupted since the save)"]
+    assert not state["a"].any() and not state["b"].any()
+
+
 def test_the_reader_checksums_what_it_loads_and_serves_nothing_of_a_file_that_differs(tmp_path):
     """Each shard is checksummed from the very bytes the load reads: a whole step loads as saved; after a byte
     flip, the file is named and none of its tensors reach the state being loaded (it keeps its zeros)."""
     checksums = _saved_tensors(str(tmp_path))
     state, mismatches = _load_checked(str(tmp_path), checksums)
     assert mismatches == [] and torch.equal(state["a"], torch.arange(64.0)) and torch.equal(state["b"], torch.ones(8, 8))
-    (victim,) = checksums
-    path = tmp_path / victim
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-    state, mismatches = _load_checked(str(tmp_path), checksums)
-    assert mismatches == [f"{path}: its content checksum differs from the manifest's {checksums[victim]} (changed or corrupted since the save)"]
-    assert not state["a"].any() and not state["b"].any()
+    _assert_a_flipped_byte_is_refused_and_nothing_served(tmp_path, checksums)
 
 
 def test_torchs_reader_opens_each_file_through_its_fs_which_the_checksummed_read_replaces():
@@ -154,14 +160,7 @@ def test_items_this_packages_writer_wrote_load_with_nothing_unpickled_and_a_flip
     monkeypatch.setattr(torch, "load", no_unpickling)
     state, mismatches = _load_checked(str(tmp_path), checksums)
     assert mismatches == [] and torch.equal(state["a"], torch.arange(64.0)) and torch.equal(state["b"], torch.ones(8, 8))
-    ((victim, checksum),) = checksums.items()
-    path = tmp_path / victim
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-    state, mismatches = _load_checked(str(tmp_path), checksums)
-    assert mismatches == [f"{path}: its content checksum differs from the manifest's {checksum} (changed or corrupted since the save)"]
-    assert not state["a"].any() and not state["b"].any()
+    _assert_a_flipped_byte_is_refused_and_nothing_served(tmp_path, checksums)
 
 
 @pytest.mark.parametrize("reshard", [False, True], ids=["same_chunks", "resharded"])

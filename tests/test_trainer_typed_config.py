@@ -70,7 +70,7 @@ def test_the_run_config_holds_every_node_typed_and_the_schedule_length_once():
     assert (type(run.trainer), type(run.data), type(run.algorithm), type(run.actor), type(run.rollout)) == (
         TrainerConfig, DataConfig, AlgoConfig, McoreActorConfig, RolloutConfig,
     )  # fmt: skip
-    assert type(run.actor_rollout_ref["ref"]) is RefConfig and run.world_size == 8
+    assert type(run.actor_rollout_ref["ref"]) is RefConfig and run.trainer.world_size == 8
     assert build_run_config(run) is run
     run.set_training_steps(40)
     assert run.actor.optim.total_training_steps == 40

@@ -291,7 +291,7 @@ def _print_plan(config, plan: RunPlan, device: str) -> None:
     resume = f"resume from {plan.resume[1]}" if plan.resume else f"start fresh (resume_mode={trainer.resume_mode})"
     print(
         f"[main_ppo] model {plan.model_path}\n"
-        f"[main_ppo] {run.world_size} ranks on {device} ({trainer.nnodes} node(s) x {trainer.n_gpus_per_node}); "
+        f"[main_ppo] {trainer.world_size} ranks on {device} ({trainer.nnodes} node(s) x {trainer.n_gpus_per_node}); "
         f"TP{sizes.tp} PP{sizes.pp}{f' VPP{sizes.virtual_stages}' if sizes.virtual_stages else ''} EP{sizes.ep} ETP{sizes.expert_tp} CP{sizes.cp}; "
         f"use_distributed_optimizer={megatron.use_distributed_optimizer} param_offload={megatron.param_offload}\n"
         f"[main_ppo] {plan.data.total_training_steps} steps, save_freq={trainer.save_freq}, "

@@ -76,10 +76,6 @@ class RunConfig:
     def model(self) -> HFModelConfig:
         return self.actor_rollout_ref["model"]
 
-    @property
-    def world_size(self) -> int:
-        return self.trainer.nnodes * self.trainer.n_gpus_per_node
-
     def set_training_steps(self, total: int) -> None:
         """The run's length, once the data plan knows it: the actor's LR schedule runs over it unless
         ``optim.total_training_steps`` was set (upstream's trainer fills it in the same way)."""

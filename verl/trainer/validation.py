@@ -93,7 +93,7 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
         worker = megatron_worker_config(OmegaConf.to_container(config.actor_rollout_ref, resolve=True))
     except ValueError:
         worker = None
-    world = trainer.nnodes * trainer.n_gpus_per_node if trainer is not None else None
+    world = trainer.world_size if trainer is not None else None
     if worker is not None:
         actor, rollout, ref = worker["actor"], worker["rollout"], worker["ref"]
         problems += _check_actor(actor, trainer) + _check_grpo(actor, rollout, ref)

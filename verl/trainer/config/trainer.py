@@ -97,6 +97,11 @@ class TrainerConfig(BaseConfig):
             checks.add(f"trainer.logger has {unknown}, which this trainer does not provide; use a subset of {list(BACKENDS)}, e.g. trainer.logger=[console,file]")
         checks.raise_problems()
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of the run: nnodes x n_gpus_per_node."""
+        return self.nnodes * self.n_gpus_per_node
+
     def validate(self, data_has_val_files: bool) -> list[str]:
         """What this host or the data rule out: a logger's package missing, ``val_only`` with nothing to validate."""
         problems = [
