@@ -204,7 +204,7 @@ def test_kl_penalty_plus_takes_k2_gradient_and_keeps_the_value():
 
 
 def test_validation_knows_the_kl_estimators():
-    from verl.trainer.validation import KL_LOSS_TYPES
+    from verl.workers.config import KL_LOSS_TYPES
 
     assert tuple(sorted(KL_LOSS_TYPES)) == tuple(sorted(kl_penalty_types()))
 

@@ -252,7 +252,7 @@ def _run(config, stops: StopSignals, progress: dict) -> None:
         device = plan.device
         if plan.cluster:
             alive = sum(1 for node in ray.nodes() if node.get("Alive"))
-            device, problems = check_cluster(config, plan.device, ray.cluster_resources(), alive)
+            device, problems = check_cluster(run.trainer, plan.device, ray.cluster_resources(), alive)
             problems += check_async_mode(config, device)
             if problems:
                 _exit_config_error(ConfigError(problems))

@@ -135,61 +135,50 @@ def ignored_settings(config: Any) -> list[str]:
     return lines
 
 
+def _refusal_rules(config: Any) -> list[tuple[str, tuple, str]]:
+    """(key, the values it may take, why any other is refused and its fix) of each upstream key whose value would
+    change what is trained and is not implemented here."""
+    off, deprecated = (None, False), "upstream's deprecated global form; set its *_per_gpu key instead"
+    fsdp_roles = (_MEGATRON, *([f"{_REF}.megatron."] if config.actor_rollout_ref.actor.use_kl_loss else []))  # a reference is built for the KL loss only
+    rules = [
+        ("model_engine", (None, "megatron"), "only the Megatron backend trains here; set model_engine=megatron"),
+        *[(f"{_MEGATRON}{node}", ({}, None), "not applied here, and it would change the update or the model; remove it") for node in ("override_ddp_config", "override_mcore_model_config")],
+        ("actor_rollout_ref.model.override_config", ({}, None), "the model is built from its config.json as is; edit a copy of the model's config.json instead"),
+        *[(f"actor_rollout_ref.model.{key}", (0, None), "LoRA is not supported here; set it to 0") for key in ("lora_rank", "lora.rank")],
+        *[(f"{role}use_megatron_fsdp", off, "Megatron's FSDP is not supported here (its DDP is); set it to False") for role in fsdp_roles],
+        (f"{_MEGATRON}router_replay.mode", ("disabled",), "MoE routing replay is not implemented; set it to disabled"),
+        (f"{_ROLLOUT}enable_rollout_routing_replay", off, "MoE routing replay is not implemented; set it to False"),
+        *[(f"{key}.enable", off, "a model-based reward is not available here (rule-based rewards only); set it to False") for key in ("reward.reward_model", "reward_model")],
+        ("actor_rollout_ref.model.external_lib", (None,), "external model code is not imported here; set it to null"),
+        (f"{_ACTOR}.ppo_micro_batch_size", (None,), deprecated),
+        (f"{_ROLLOUT}log_prob_micro_batch_size", (None,), deprecated),
+        (f"{_ACTOR}.shuffle", off, "mini-batches are taken in rollout order here; set it to False"),
+        (f"{_ACTOR}.loss_scale_factor", (None,), "the loss is a token mean over the mini-batch here; set it to null"),
+        (f"{_ACTOR}.policy_loss.loss_mode", ("vanilla",), "only vanilla (PPO-clip) is implemented; set it to vanilla"),
+        *[(f"{_ROLLOUT}{key}", (-1, 0, None), "the hf rollout samples from the full distribution (top-p only); set it to -1") for key in ("top_k", "val_kwargs.top_k")],
+        (f"{_ROLLOUT}ignore_eos", off, "the hf rollout stops at EOS; set it to False"),
+        ("reward_model.reward_manager", (None, "naive"), "only the naive manager (default_compute_score per response) is implemented; set reward_model.reward_manager=naive"),
+    ]
+    if config.actor_rollout_ref.actor.megatron.use_dist_checkpointing:
+        rules.append((f"{_MEGATRON}dist_checkpointing_path", (None,), "initial weights are read from the HF actor_rollout_ref.model.path only; set it to null"))
+    return rules
+
+
 def check_upstream_keys(config: Any) -> list[str]:
     """Upstream keys whose value would change what is trained and is not implemented here, and `+key`s that are no key."""
-    actor, rollout, megatron = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor.megatron
-    model, reward = config.actor_rollout_ref.model, config.reward_model
     problems = []
-    engine = config.get("model_engine", "megatron")
-    if engine != "megatron":
-        problems.append(f"model_engine={engine}: only the Megatron backend trains here; set model_engine=megatron")
-    if megatron.use_dist_checkpointing and megatron.dist_checkpointing_path is not None:
-        problems.append(f"{_MEGATRON}dist_checkpointing_path={megatron.dist_checkpointing_path}: initial weights are read from the HF actor_rollout_ref.model.path only; set it to null")
-    for node in ("override_ddp_config", "override_mcore_model_config"):
-        if megatron[node]:
-            problems.append(f"{_MEGATRON}{node}={OmegaConf.to_container(megatron[node])}: not applied here, and it would change the update or the model; remove it")
-    for name, value in (megatron.override_transformer_config or {}).items():
+    for key, accepted, why in _refusal_rules(config):
+        value = OmegaConf.select(config, key)
+        value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        if value not in accepted:
+            problems.append(f"{key}={value}: {why}")
+    for name, value in (config.actor_rollout_ref.actor.megatron.override_transformer_config or {}).items():
         if name not in PERF_ONLY_TRANSFORMER_FIELDS and value is not None:
             problems.append(f"{_MEGATRON}override_transformer_config.{name}={value}: only memory / speed fields {list(PERF_ONLY_TRANSFORMER_FIELDS[:4])}... are accepted (and ignored) here; a model field is read from the HF config; remove it")
-    if model.override_config:
-        problems.append(f"actor_rollout_ref.model.override_config={OmegaConf.to_container(model.override_config)}: the model is built from its config.json as is; edit a copy of the model's config.json instead")
-    for key, rank in (("lora_rank", model.lora_rank), ("lora.rank", model.lora.rank)):
-        if int(rank or 0) > 0:
-            problems.append(f"actor_rollout_ref.model.{key}={rank}: LoRA is not supported here; set it to 0")
-    for role in (_MEGATRON, *([f"{_REF}.megatron."] if actor.use_kl_loss else [])):  # a reference is built for the KL loss only
-        if OmegaConf.select(config, f"{role}use_megatron_fsdp"):
-            problems.append(f"{role}use_megatron_fsdp=True: Megatron's FSDP is not supported here (its DDP is); set it to False")
-    if megatron.router_replay.mode != "disabled":
-        problems.append(f"{_MEGATRON}router_replay.mode={megatron.router_replay.mode}: MoE routing replay is not implemented; set it to disabled")
-    if rollout.enable_rollout_routing_replay:
-        problems.append(f"{_ROLLOUT}enable_rollout_routing_replay=True: MoE routing replay is not implemented; set it to False")
-    if config.reward.reward_model.enable:
-        problems.append("reward.reward_model.enable=True: a model-based reward is not available here (rule-based rewards only); set it to False")
-    if model.external_lib is not None:
-        problems.append(f"actor_rollout_ref.model.external_lib={model.external_lib}: external model code is not imported here; set it to null")
-    for key, value in ((f"{_ACTOR}.ppo_micro_batch_size", actor.ppo_micro_batch_size), (f"{_ROLLOUT}log_prob_micro_batch_size", rollout.log_prob_micro_batch_size)):
-        if value is not None:
-            problems.append(f"{key}={value}: upstream's deprecated global form; set its *_per_gpu key instead")
-    if actor.shuffle:
-        problems.append(f"{_ACTOR}.shuffle=True: mini-batches are taken in rollout order here; set it to False")
-    if actor.loss_scale_factor is not None:
-        problems.append(f"{_ACTOR}.loss_scale_factor={actor.loss_scale_factor}: the loss is a token mean over the mini-batch here; set it to null")
-    if actor.policy_loss.loss_mode != "vanilla":
-        problems.append(f"{_ACTOR}.policy_loss.loss_mode={actor.policy_loss.loss_mode}: only vanilla (PPO-clip) is implemented; set it to vanilla")
-    for key in ("top_k", "val_kwargs.top_k"):
-        if OmegaConf.select(rollout, key) not in (-1, 0, None):
-            problems.append(f"{_ROLLOUT}{key}={OmegaConf.select(rollout, key)}: the hf rollout samples from the full distribution (top-p only); set it to -1")
-    if rollout.ignore_eos:
-        problems.append(f"{_ROLLOUT}ignore_eos=True: the hf rollout stops at EOS; set it to False")
-    if reward.enable:
-        problems.append("reward_model.enable=True: a model-based reward is not available here (rule-based rewards only); set it to False")
-    if reward.reward_manager not in (None, "naive"):
-        problems.append(f"reward_model.reward_manager={reward.reward_manager}: only the naive manager (default_compute_score per response) is implemented; set reward_model.reward_manager=naive")
     custom = config.custom_reward_function
     if custom.path is not None and not os.path.isfile(os.path.expanduser(str(custom.path))):
         problems.append(f"custom_reward_function.path={custom.path} does not exist")
-    problems += _check_ray_kwargs(config)
-    return problems + _unknown_keys(config)
+    return problems + _check_ray_kwargs(config) + _unknown_keys(config)
 
 
 def _check_ray_kwargs(config: Any) -> list[str]:

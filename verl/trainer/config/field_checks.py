@@ -12,11 +12,17 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["FieldChecks"]
+__all__ = ["FieldChecks", "is_int", "is_number"]
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An integer, not a bool (YAML's ``true`` is no count)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An int or a float other than NaN, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 class FieldChecks:
@@ -39,15 +45,10 @@ class FieldChecks:
 
     def integers(self, *names: str, optional: bool = False) -> None:
         kind = "an integer or null" if optional else "an integer"
-        self._typed(names, lambda v: (optional and v is None) or _is_int(v), kind, "<n>")
+        self._typed(names, lambda v: (optional and v is None) or is_int(v), kind, "<n>")
 
     def numbers(self, *names: str, optional: bool = False) -> None:
-        def accepts(value: Any) -> bool:
-            if optional and value is None:
-                return True
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-
-        self._typed(names, accepts, "a number or null" if optional else "a number", "<x>")
+        self._typed(names, lambda v: (optional and v is None) or is_number(v), "a number or null" if optional else "a number", "<x>")
 
     def booleans(self, *names: str) -> None:
         # bool("false") is True: a string that reached here would silently mean the opposite.
@@ -57,7 +58,7 @@ class FieldChecks:
         """Integers >= 1, or null when ``null_means`` says what null does; a mistyped value was named already."""
         for name in names:
             value, key = getattr(self.config, name), self.key(name)
-            if _is_int(value) and value < 1:
+            if is_int(value) and value < 1:
                 self.add(f"{key}={value} must be an integer >= 1; set {key}=<n>" if null_means is None else f"{key}={value} must be null ({null_means}) or >= 1")
 
     def strings(self, *names: str, optional: bool = False) -> None:

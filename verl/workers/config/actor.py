@@ -3,7 +3,7 @@ settings every backend shares) and ``McoreActorConfig`` (the ``actor_rollout_ref
 actor: its ``megatron``, ``optim`` and ``checkpoint`` nodes typed too).
 
 Each checks its own fields when it is built; which values this trainer supports (loss modes, KL estimators,
-...) is checked before start by ``verl.trainer.validation``, naming the key. Only the fields this trainer's
+...) ``McoreActorConfig.unsupported`` says, which the pre-start check (``verl.trainer.validation``) reports by key. Only the fields this trainer's
 YAML has are here.
 """
 
@@ -21,10 +21,20 @@ from .checkpoint import McoreCheckpointConfig
 from .engine import FSDPEngineConfig, McoreEngineConfig, _positive
 from .optimizer import McoreOptimizerConfig, OptimizerConfig, _boolean, _choice, _number
 
-__all__ = ["PolicyLossConfig", "ActorConfig", "McoreActorConfig", "FSDPActorConfig"]
+__all__ = ["PolicyLossConfig", "ActorConfig", "McoreActorConfig", "FSDPActorConfig", "KL_LOSS_TYPES", "token_budget_problems"]
 
 # The loss aggregations upstream's losses know (this trainer's pre-start check accepts token-mean only).
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# verl.trainer.ppo.core_algos.kl_penalty_types() (not imported: it pulls in torch): upstream's estimator names
+# and their straight-through "+" forms; upstream's "full" is not implemented (upstream raises for it too).
+KL_LOSS_TYPES = tuple(f"{name}{plus}" for plus in ("", "+") for name in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
+
+
+def token_budget_problems(key: str, dynamic: bool, budget: int | None, longest: int) -> list[str]:
+    """Dynamic batch sizes need room for one whole sequence of ``longest`` tokens, as upstream requires."""
+    if dynamic and (budget is None or budget < longest):
+        return [f"{key}={budget} is below one sequence (data.max_prompt_length + max_response_length = {longest}); raise it to {longest} or more"]
+    return []
 
 
 def check_micro_batch_sizes(role: str, micro: int | None, micro_per_gpu: int | None, require_one: bool = True) -> None:
@@ -175,16 +185,49 @@ class McoreActorConfig(ActorConfig):
         """How a step splits over Megatron's layout, then upstream's rules: ``train_batch_size`` prompts x
         ``rollout_n`` responses into mini-batches, data-parallel ranks and whole micro batches, and for the
         interleaved schedule (virtual pipeline stages) micro batches in groups of PP. Raises ValueError."""
-        owner, megatron = type(self).__name__, self.megatron
-        mini, micro, n = self.ppo_mini_batch_size, self.ppo_micro_batch_size_per_gpu, self.rollout_n
-        if micro is None and not self.use_dynamic_bsz:
+        owner, mini, n = type(self).__name__, self.ppo_mini_batch_size, self.rollout_n
+        if self.ppo_micro_batch_size_per_gpu is None and not self.use_dynamic_bsz:
             raise ValueError(f"{owner}.ppo_micro_batch_size_per_gpu=None: set it (sequences per micro batch on a rank), or use_dynamic_bsz=True")
         if train_batch_size % mini:
             raise ValueError(f"data.train_batch_size={train_batch_size} is not a multiple of {owner}.ppo_mini_batch_size={mini}; set ppo_mini_batch_size to a divisor of it")
-        model_parallel = ParallelSizes.from_megatron(megatron).model_parallel_size
-        if n_gpus % model_parallel == 0:  # else the layout check names it
-            self._check_split(mini * n, n_gpus // model_parallel)
+        dp = self.data_parallel_size(n_gpus)
+        if dp is not None:  # else the layout check names it
+            self._check_split(mini * n, dp)
         super().validate(n_gpus, train_batch_size, model_config)
+
+    def data_parallel_size(self, n_gpus: int) -> int | None:
+        """Data-parallel ranks of ``n_gpus`` in this layout; None where its model-parallel size does not divide them."""
+        model_parallel = ParallelSizes.from_megatron(self.megatron).model_parallel_size
+        return None if n_gpus % model_parallel else n_gpus // model_parallel
+
+    def clip_ratios(self) -> tuple[float, float]:
+        """PPO's (low, high) clip: ``clip_ratio_low`` / ``clip_ratio_high``, None meaning ``clip_ratio`` (the YAML's null)."""
+        low, high = self.clip_ratio_low, self.clip_ratio_high
+        return (self.clip_ratio if low is None else low), (self.clip_ratio if high is None else high)
+
+    def unsupported(self, rollout_n: int) -> list[str]:
+        """What the update step here does not implement, one line each named ``McoreActorConfig.<field>`` (the
+        pre-start check names the Hydra key): the strategy, the engine's settings, the KL estimator, the loss
+        aggregation, the clip ratios, and a ``rollout_n`` other than the rollout's ``n`` (``rollout_n``)."""
+        owner = type(self).__name__
+        problems = [] if self.strategy == "megatron" else [f"{owner}.strategy={self.strategy}: only megatron is implemented; set {owner}.strategy=megatron"]
+        problems += self.megatron.validate(f"{owner}.megatron")
+        if self.use_kl_loss and self.kl_loss_type not in KL_LOSS_TYPES:
+            problems.append(f"{owner}.kl_loss_type={self.kl_loss_type} is not implemented here (one of {list(KL_LOSS_TYPES[:7])}, or one of them with '+'); set {owner}.kl_loss_type=low_var_kl")
+        if self.loss_agg_mode != "token-mean":
+            problems.append(f"{owner}.loss_agg_mode={self.loss_agg_mode}: only token-mean is implemented; set {owner}.loss_agg_mode=token-mean")
+        if self.rollout_n != rollout_n:
+            problems.append(f"{owner}.rollout_n={self.rollout_n} differs from RolloutConfig.n={rollout_n}; leave it at its default (${{actor_rollout_ref.rollout.n}})")
+        low, high = self.clip_ratios()
+        if not (0 < low < 1 and high > 0):
+            problems.append(f"{owner}.clip_ratio (low {low}, high {high}) must be > 0 (low < 1)")
+        if not self.clip_ratio_c > 1:
+            problems.append(f"{owner}.clip_ratio_c={self.clip_ratio_c} must be > 1")
+        return problems
+
+    def token_budget_problems(self, longest: int) -> list[str]:
+        """``ppo_max_token_len_per_gpu`` with dynamic batch sizes holds a sequence of ``longest`` tokens."""
+        return token_budget_problems(f"{type(self).__name__}.ppo_max_token_len_per_gpu", self.use_dynamic_bsz, self.ppo_max_token_len_per_gpu, longest)
 
     def _check_split(self, sequences: int, dp: int) -> None:
         owner, mini, micro, n = type(self).__name__, self.ppo_mini_batch_size, self.ppo_micro_batch_size_per_gpu, self.rollout_n

@@ -7,6 +7,7 @@ from typing import Any
 
 from verl.trainer.config import CheckpointConfig
 from verl.utils.checkpoint.async_modes import AsyncMode, mode_refusal
+from verl.utils.checkpoint.mbridge_config import save_weights_kwargs
 
 __all__ = ["McoreCheckpointConfig"]
 
@@ -40,3 +41,23 @@ class McoreCheckpointConfig(CheckpointConfig):
         refusal = mode_refusal(self.async_save, self.async_mode, device, key=key)
         if refusal is not None:
             raise ValueError(refusal)
+
+    def mbridge_config_problems(self, model_type: str, vanilla_mbridge: bool, key: str = "checkpoint.mbridge_config") -> list[str]:
+        """``mbridge_config``: every entry must be an argument of the HF save of the bridge a ``model_type`` model
+        gets (mbridge's with ``vanilla_mbridge``, else Megatron-Bridge's); one line naming ``key.<entry>`` if not.
+        Imports that bridge."""
+        if not self.mbridge_config:
+            return []
+        if vanilla_mbridge:
+            from verl.models.mcore.mbridge import bridge_class_for
+
+            save_weights, save_name = bridge_class_for(model_type).save_weights, "mbridge's save_weights"
+        else:
+            from verl.models.mcore.megatron_bridge import MegatronBridgeWeights
+
+            save_weights, save_name = MegatronBridgeWeights.save_weights, "Megatron-Bridge's save_hf_weights"
+        try:
+            save_weights_kwargs(save_weights, self.mbridge_config, key=key, save_name=save_name, strict=self.strict)
+        except ValueError as exc:
+            return [str(exc)]
+        return []

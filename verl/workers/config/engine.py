@@ -157,6 +157,21 @@ class McoreEngineConfig(EngineConfig):
         if self.tensor_model_parallel_size == 1:
             self.sequence_parallel = False
 
+    def validate(self, owner: str = "McoreEngineConfig") -> list[str]:
+        """What the update step here does not run, one line each named ``<owner>.<field>`` (the pre-start check
+        names the Hydra key): a model built without a bridge, grads offloaded without their weights, context
+        parallelism, TP without sequence parallelism."""
+        problems = []
+        if not self.use_mbridge:
+            problems.append(f"{owner}.use_mbridge=False: models are built only through a bridge here (mbridge or Megatron-Bridge, chosen by {owner}.vanilla_mbridge); set {owner}.use_mbridge=True")
+        if self.grad_offload and not self.param_offload:
+            problems.append(f"{owner}.grad_offload=True without param_offload: grads are offloaded together with the weights; set {owner}.param_offload=True or grad_offload=False")
+        if self.context_parallel_size > 1:
+            problems.append(f"{owner}.context_parallel_size={self.context_parallel_size}: the update step does not split sequences over context-parallel ranks yet; set {owner}.context_parallel_size=1")
+        if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
+            problems.append(f"{owner}.sequence_parallel=False with tensor_model_parallel_size={self.tensor_model_parallel_size}: both bridges build with sequence parallelism when TP > 1 (MoE requires it); set {owner}.sequence_parallel=True")
+        return problems
+
 
 @dataclasses.dataclass
 class FSDPEngineConfig(EngineConfig):

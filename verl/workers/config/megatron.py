@@ -25,7 +25,7 @@ __all__ = [
     "build_megatron_actor_configs",
     "megatron_actor_configs_from_yaml",
     "megatron_worker_config",
-    "megatron_worker_config_problems",
+    "checked_worker_config",
 ]
 
 ACTOR_KEY = "actor_rollout_ref.actor"
@@ -110,26 +110,32 @@ def megatron_actor_configs_from_yaml(
     return worker["model"], actor.megatron, actor.optim, actor.checkpoint
 
 
-def megatron_worker_config_problems(node: Mapping, path: str = "actor_rollout_ref") -> list[str]:
-    """What :func:`megatron_worker_config` would refuse in ``node``, one line per node that does not build,
-    each naming the Hydra key: the pre-start check reports them all at once instead of the worker raising
-    the first one after Ray starts. The actor's ``checkpoint`` and ``optim`` are built on their own so a
-    problem in each is reported next to one in the rest of the actor."""
+def checked_worker_config(node: Mapping, path: str = "actor_rollout_ref") -> tuple[dict | None, list[str]]:
+    """:func:`megatron_worker_config` of ``node`` with each typed node built once, and what it refuses as one line
+    per node that does not build, each naming the Hydra key (None then): the pre-start check reports them all at
+    once instead of the worker raising the first one after Ray starts. The actor's ``checkpoint`` and ``optim``
+    are built on their own so a problem in each is reported next to one in the rest of the actor."""
     actor = dict(node.get("actor") or {})
-    parts: list[tuple[Any, type, str]] = [
-        ({name: actor.get(name)}, McoreActorConfig, f"{path}.actor") for name in ("checkpoint", "optim")
-    ]
-    parts += [
-        ({k: v for k, v in actor.items() if k not in ("checkpoint", "optim")}, McoreActorConfig, f"{path}.actor"),
-        (node.get("model"), HFModelConfig, f"{path}.model"),
-        (node.get("rollout"), RolloutConfig, f"{path}.rollout"),
-        (node.get("ref"), RefConfig, f"{path}.ref"),
-    ]
-    problems = []
-    for part, cls, key in parts:
+    built: dict[str, Any] = {}
+    problems: list[str] = []
+
+    def build(name: str, value: Any, cls: type, key: str) -> None:
         try:
-            _build(part, cls, key)
+            built[name] = _build(value, cls, key)
         except ValueError as exc:
             if str(exc) not in problems:
                 problems.append(str(exc))
-    return problems
+
+    for name in ("checkpoint", "optim"):  # built as a field of the actor (its errors name the actor's key)
+        build(name, {name: actor.get(name)}, McoreActorConfig, f"{path}.actor")
+    parts = {name: getattr(built.pop(name), name) for name in ("checkpoint", "optim") if name in built}
+    rest = {k: v for k, v in actor.items() if k not in ("checkpoint", "optim")}
+    build("actor", {**rest, **parts}, McoreActorConfig, f"{path}.actor")
+    for name, cls in (("model", HFModelConfig), ("rollout", RolloutConfig), ("ref", RefConfig)):
+        build(name, node.get(name), cls, f"{path}.{name}")
+    if problems:
+        return None, problems
+    try:
+        return megatron_worker_config({**node, **built}, actor=built["actor"], path=path), []
+    except ValueError as exc:  # a key missing, nccl_timeout
+        return None, [str(exc)]

@@ -8,13 +8,15 @@ paths, LoRA details beyond the ``lora`` node, ...) are set by no key of this tra
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from verl.base_config import BaseConfig
+from verl.utils.custom_code import oversized_file_problem, read_json
 
 from .optimizer import _boolean, _integer
 
-__all__ = ["HFModelConfig"]
+__all__ = ["HFModelConfig", "read_hf_config"]
 
 
 @dataclasses.dataclass
@@ -58,3 +60,22 @@ class HFModelConfig(BaseConfig):
             self._normalize("target_modules", list(modules))
         elif modules is not None and not isinstance(modules, str):
             raise TypeError(f"{owner}.target_modules must be a string, a list of strings or null, got {modules!r}")
+
+
+def read_hf_config(path: str) -> tuple[dict | None, list[str]]:
+    """The ``config.json`` of the HF model directory ``path`` (``HFModelConfig.path``), or None and one line
+    naming ``HFModelConfig.path`` that says why it cannot be read (the pre-start check names the Hydra key)."""
+    key, config_json = f"{HFModelConfig.__name__}.path={path}", os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        return None, [f"{key} does not exist; set {HFModelConfig.__name__}.path to a local HF model directory (or null for the embedded tiny model)"]
+    if not os.path.isfile(config_json):
+        return None, [f"{key} has no config.json; it is not an HF model directory"]
+    oversized = oversized_file_problem(config_json)
+    if oversized:
+        return None, [f"{key}: {oversized}; point it at an HF model directory"]
+    try:
+        return read_json(config_json), []
+    except OSError as exc:
+        return None, [f"{key}: config.json is unreadable ({exc})"]
+    except ValueError as exc:
+        return None, [f"{key}: {exc}; point it at an HF model directory"]

@@ -14,6 +14,7 @@ from verl.utils.config import nested_config
 from .actor import McoreActorConfig
 from .engine import McoreEngineConfig, _positive
 from .optimizer import _boolean
+from .rollout import LogProbPass
 
 __all__ = ["RefConfig"]
 
@@ -25,7 +26,7 @@ SHARED_LAYOUT = (
 
 
 @dataclasses.dataclass
-class RefConfig(BaseConfig):
+class RefConfig(BaseConfig, LogProbPass):
     """The reference's forward-only pass and its Megatron engine.
 
     Args:

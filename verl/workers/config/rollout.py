@@ -15,10 +15,25 @@ from typing import Any
 from verl.base_config import BaseConfig
 from verl.utils.config import nested_config
 
+from .actor import token_budget_problems
 from .engine import _positive
 from .optimizer import _boolean, _integer, _number
 
-__all__ = ["SamplingConfig", "CheckpointEngineConfig", "LogProbParityCheckConfig", "RolloutConfig"]
+__all__ = ["SamplingConfig", "CheckpointEngineConfig", "LogProbParityCheckConfig", "RolloutConfig", "LogProbPass"]
+
+
+class LogProbPass:
+    """A forward-only log-prob pass's micro batches (the rollout's old log-probs, the reference's), from the
+    ``log_prob_micro_batch_size_per_gpu`` / ``log_prob_use_dynamic_bsz`` / ``log_prob_max_token_len_per_gpu`` fields."""
+
+    def log_prob_problems(self, rows: int | None, longest: int) -> list[str]:
+        """One line each, named ``<class>.<field>``: the micro batches do not divide ``rows`` (a step's sequences on
+        a data-parallel rank; None: not known), or a dynamic token budget holds no sequence of ``longest`` tokens."""
+        owner, micro, dynamic = type(self).__name__, self.log_prob_micro_batch_size_per_gpu, self.log_prob_use_dynamic_bsz
+        problems = []
+        if rows is not None and micro is not None and not dynamic and rows % micro:
+            problems.append(f"{owner}.log_prob_micro_batch_size_per_gpu={micro} does not divide the {rows} sequences of a step on each data-parallel rank; set it to a divisor of {rows}")
+        return problems + token_budget_problems(f"{owner}.log_prob_max_token_len_per_gpu", dynamic, self.log_prob_max_token_len_per_gpu, longest)
 
 
 def _check_sampling(config: Any) -> None:
@@ -72,7 +87,7 @@ class LogProbParityCheckConfig(BaseConfig):
 
 
 @dataclasses.dataclass
-class RolloutConfig(BaseConfig):
+class RolloutConfig(BaseConfig, LogProbPass):
     """The rollout.
 
     Args:
@@ -139,3 +154,18 @@ class RolloutConfig(BaseConfig):
         self._normalize("val_kwargs", nested_config(owner, "val_kwargs", self.val_kwargs, SamplingConfig))
         self._normalize("checkpoint_engine", nested_config(owner, "checkpoint_engine", self.checkpoint_engine, CheckpointEngineConfig))
         self._normalize("log_prob_parity_check", nested_config(owner, "log_prob_parity_check", self.log_prob_parity_check, LogProbParityCheckConfig))
+
+    def unsupported(self) -> list[str]:
+        """What the rollout here does not do, one line each named ``RolloutConfig.<field>`` (the pre-start check
+        names the Hydra key): an engine other than hf, fewer than two responses per prompt (GRPO's groups), sampling
+        that is not a distribution."""
+        owner, problems = type(self).__name__, []
+        if self.name != "hf":
+            problems.append(f"{owner}.name={self.name}: only the in-process transformers rollout (hf) is available here; set {owner}.name=hf")
+        if self.n < 2:
+            problems.append(f"{owner}.n={self.n}: GRPO compares responses within a group; set {owner}.n to 2 or more")
+        if not self.temperature > 0:
+            problems.append(f"{owner}.temperature={self.temperature} must be > 0")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"{owner}.top_p={self.top_p} must be in (0, 1]")
+        return problems
