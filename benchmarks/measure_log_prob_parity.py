@@ -36,15 +36,15 @@ def mixed_length_prompts(rows: int, longest: int, seed: int) -> tuple[torch.Tens
 
 def _measure(model_path: str, dtype_name: str, rows: int, seeds: int) -> dict:
     from verl.models.mcore.parallel_hf_save import gather_hf_weights
-    from verl.workers.actor.megatron_actor import MegatronPPOActor, PPOActorSettings
-    from verl.workers.config import megatron_actor_configs_from_yaml
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+    from verl.workers.config import McoreActorConfig, RolloutConfig, megatron_actor_configs_from_yaml
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
     from verl.workers.rollout.hf_rollout import InMemoryHFRollout, RolloutSettings
 
     dtype = getattr(torch, dtype_name)
     overrides = ("megatron.vanilla_mbridge=True", f"megatron.dtype={dtype_name}")
     actor = MegatronEngine(*megatron_actor_configs_from_yaml(model_path, overrides, total_training_steps=1))  # no step is trained
-    ppo = MegatronPPOActor(PPOActorSettings(response_length=RESPONSE_LENGTH, micro_batch_size=rows), actor.model, actor.optimizer, actor.scheduler)
+    ppo = MegatronPPOActor(McoreActorConfig(), RolloutConfig(response_length=RESPONSE_LENGTH), actor.model, actor.optimizer, actor.scheduler)
     rank0 = torch.distributed.get_rank() == 0
     tokenizer = actor.tokenizer
     rollout = InMemoryHFRollout(actor.hf_config, RolloutSettings(RESPONSE_LENGTH), tokenizer.eos_token_id, tokenizer.pad_token_id, dtype=dtype) if rank0 else None
@@ -59,7 +59,7 @@ def _measure(model_path: str, dtype_name: str, rows: int, seeds: int) -> dict:
         out = holder[0]
         sequences = torch.cat([prompts, out["responses"]], dim=1)
         attention_mask = torch.cat([prompt_mask, torch.ones_like(out["responses"])], dim=1)
-        megatron = ppo.compute_log_prob(sequences, attention_mask)
+        megatron = ppo.compute_log_prob(sequences, rows, attention_mask)
         diffs.append((megatron.float() - out["rollout_log_probs"].float()).abs()[out["response_mask"].bool()])
     diff = torch.cat(diffs)
     return {"dtype": dtype_name, "tokens": diff.numel(), "max_diff": diff.max().item(), "mean_diff": diff.mean().item()}

@@ -14,13 +14,15 @@ def _prompts(rows: int) -> torch.Tensor:
     return torch.randint(4, 99, (rows, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
 
 
-def _build(model_path: str, micro_batch_size: int = 2, temperature: float = 1.0):
-    from verl.workers.actor.megatron_actor import MegatronPPOActor, PPOActorSettings
+def _build(model_path: str, temperature: float = 1.0, **actor_fields):
+    """The engine and its PPO actor: the actor node's defaults but ``actor_fields``, the rollout's length and temperature."""
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+    from verl.workers.config import McoreActorConfig, RolloutConfig
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     actor = MegatronEngine(*actor_configs(model_path, "optim.lr=1e-3", total_training_steps=TRAINING_STEPS))
-    settings = PPOActorSettings(response_length=RESPONSE_LEN, temperature=temperature, micro_batch_size=micro_batch_size)
-    return actor, MegatronPPOActor(settings, actor.model, actor.optimizer, actor.scheduler)
+    rollout = RolloutConfig(response_length=RESPONSE_LEN, temperature=temperature)
+    return actor, MegatronPPOActor(McoreActorConfig(**actor_fields), rollout, actor.model, actor.optimizer, actor.scheduler)
 
 
 def _rollout_on_rank0(actor, rollout, prompts: torch.Tensor, seed: int) -> dict:
@@ -49,7 +51,7 @@ def _logprob_agreement(model_path: str) -> dict:
     for phase in ("initial", "after_update"):
         out = _rollout_on_rank0(actor, rollout, prompts, seed=11)
         sequences = torch.cat([prompts, out["responses"]], dim=1)
-        megatron = ppo.compute_log_prob(sequences)
+        megatron = ppo.compute_log_prob(sequences, 2)
         mask = out["response_mask"].bool()
         report[phase] = {
             "max_diff": (megatron - out["rollout_log_probs"]).abs()[mask].max().item(),
@@ -59,7 +61,7 @@ def _logprob_agreement(model_path: str) -> dict:
         if phase == "initial":
             advantages = torch.linspace(-1.0, 1.0, 8).unsqueeze(1).expand(8, RESPONSE_LEN).contiguous()
             report["update"] = ppo.update_policy(
-                {"input_ids": sequences, "response_mask": out["response_mask"], "old_log_probs": megatron, "advantages": advantages}
+                {"input_ids": sequences, "response_mask": out["response_mask"], "old_log_probs": megatron, "advantages": advantages}, 2
             )
     return report if torch.distributed.get_rank() == 0 else {}
 
@@ -83,18 +85,18 @@ def test_rollout_logprobs_match_megatron_before_and_after_an_update(tiny_moe_pat
 def _one_update(model_path: str, micro_batch_size: int) -> dict:
     from megatron.core import parallel_state as mpu
 
-    actor, ppo = _build(model_path, micro_batch_size=micro_batch_size)
+    actor, ppo = _build(model_path)
     rows = 8
     generator = torch.Generator().manual_seed(3)
     sequences = torch.randint(4, 99, (rows, PROMPT_LEN + RESPONSE_LEN), generator=generator)
     lengths = torch.randint(1, RESPONSE_LEN + 1, (rows, 1), generator=generator)
     mask = (torch.arange(RESPONSE_LEN).unsqueeze(0) < lengths).long()
     advantages = torch.randn(rows, 1, generator=generator).expand(rows, RESPONSE_LEN).contiguous()
-    old = ppo.compute_log_prob(sequences) - 0.5 * torch.randn(rows, RESPONSE_LEN, generator=generator)
+    old = ppo.compute_log_prob(sequences, micro_batch_size) - 0.5 * torch.randn(rows, RESPONSE_LEN, generator=generator)
     batch = {"input_ids": sequences, "response_mask": mask, "old_log_probs": old, "advantages": advantages}
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     mine = {key: value.chunk(dp_size)[dp_rank] for key, value in batch.items()}
-    return ppo.update_policy(mine)
+    return ppo.update_policy(mine, micro_batch_size)
 
 
 def test_policy_loss_is_a_global_token_mean(tiny_dense_path):
@@ -111,8 +113,6 @@ def test_policy_loss_is_a_global_token_mean(tiny_dense_path):
 
 def _reference_kl_and_entropy(model_path: str) -> dict:
     """An actor and its reference from the same HF model; two updates with the KL and entropy terms on."""
-    import dataclasses
-
     from verl.models.mcore.forward import forward_logits
     from verl.trainer.ppo.core_algos import kl_penalty
     from verl.utils.megatron_utils import (
@@ -123,8 +123,7 @@ def _reference_kl_and_entropy(model_path: str) -> dict:
     from verl.workers.engine.megatron.transformer_impl import MegatronReference
 
     temperature, rows = 0.9, 8
-    actor, ppo = _build(model_path, temperature=temperature)
-    ppo.settings = dataclasses.replace(ppo.settings, use_kl_loss=True, kl_loss_coef=0.0, kl_loss_type="low_var_kl", entropy_coeff=1.0)
+    actor, ppo = _build(model_path, temperature=temperature, use_kl_loss=True, kl_loss_coef=0.0, kl_loss_type="low_var_kl", entropy_coeff=1.0)
     ref = MegatronReference(model_path, vanilla_mbridge=True)
     digest = ref.params_digest()
     generator = torch.Generator().manual_seed(5)
@@ -132,7 +131,7 @@ def _reference_kl_and_entropy(model_path: str) -> dict:
     mask = torch.ones(rows, RESPONSE_LEN, dtype=torch.long)
     mask[::2, RESPONSE_LEN // 2 :] = 0
     report: dict = {}
-    old, entropy = ppo.compute_log_prob_and_entropy(sequences)
+    old, entropy = ppo.compute_log_prob_and_entropy(sequences, 2)
     probs = torch.softmax(forward_logits(actor.model, sequences)[:, :-1].double() / temperature, dim=-1)
     report["entropy_vs_full_vocab"] = (entropy.double() - (-(probs * probs.log()).sum(-1))[:, -RESPONSE_LEN:]).abs().max().item()
 
@@ -144,12 +143,12 @@ def _reference_kl_and_entropy(model_path: str) -> dict:
     report["ref_equals_initial_actor"] = torch.equal(ref_log_prob, old)
 
     batch = {"input_ids": sequences, "response_mask": mask, "old_log_probs": old, "advantages": torch.zeros(rows, RESPONSE_LEN), "ref_log_prob": ref_log_prob}
-    report["first"] = ppo.update_policy(batch)  # the entropy bonus alone (kl_loss_coef 0, advantages 0)
+    report["first"] = ppo.update_policy(batch, 2)  # the entropy bonus alone (kl_loss_coef 0, advantages 0)
     report["token_mean_entropy"] = ((entropy * mask).sum() / mask.sum()).item()
-    after_old, after_entropy = ppo.compute_log_prob_and_entropy(sequences)
+    after_old, after_entropy = ppo.compute_log_prob_and_entropy(sequences, 2)
     report["entropy_after"] = ((after_entropy * mask).sum() / mask.sum()).item()
     report["kl_after_direct"] = ((kl_penalty(after_old, ref_log_prob, "low_var_kl") * mask).sum() / mask.sum()).item()
-    report["second"] = ppo.update_policy({**batch, "old_log_probs": after_old})
+    report["second"] = ppo.update_policy({**batch, "old_log_probs": after_old}, 2)
     report["ref_unchanged"] = ref.params_digest() == digest and torch.equal(ref.compute_log_prob(sequences, RESPONSE_LEN, temperature, 4), ref_log_prob)
     return report if torch.distributed.get_rank() == 0 else {}
 
@@ -183,7 +182,7 @@ def _left_padded(rows: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _padded_parity(model_path: str) -> dict:
     from verl.workers.rollout.hf_rollout import InMemoryHFRollout, RolloutSettings
 
-    actor, ppo = _build(model_path, micro_batch_size=4)
+    actor, ppo = _build(model_path)
     rollout = None
     if torch.distributed.get_rank() == 0:
         tok = actor.tokenizer
@@ -199,11 +198,11 @@ def _padded_parity(model_path: str) -> dict:
     out = holder[0]
     sequences = torch.cat([prompts, out["responses"]], dim=1)
     mask = torch.cat([prompt_mask, torch.ones_like(out["responses"])], dim=1)
-    masked = ppo.compute_log_prob(sequences, mask)
+    masked = ppo.compute_log_prob(sequences, 4, mask)
     # Four more pad columns on the left: the same log-probs when the padding is masked.
     extra = torch.zeros(sequences.shape[0], 4, dtype=sequences.dtype)
-    repadded = ppo.compute_log_prob(torch.cat([extra, sequences], dim=1), torch.cat([extra, mask], dim=1))
-    unmasked = ppo.compute_log_prob(sequences)
+    repadded = ppo.compute_log_prob(torch.cat([extra, sequences], dim=1), 4, torch.cat([extra, mask], dim=1))
+    unmasked = ppo.compute_log_prob(sequences, 4)
     response = out["response_mask"].bool()
     gap = lambda a, b: (a - b).abs()[response].max().item()  # noqa: E731
     return {

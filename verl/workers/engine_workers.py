@@ -79,7 +79,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         actor = self.actor_config
         start = time.monotonic()
         self.actor = MegatronEngine(self.config["model"], actor.megatron, actor.optim, actor.checkpoint)
-        self.ppo_actor = MegatronPPOActor(self._ppo_settings(), self.actor.model, self.actor.optimizer, self.actor.scheduler)
+        self.ppo_actor = MegatronPPOActor(actor, self.rollout_config, self.actor.model, self.actor.optimizer, self.actor.scheduler)
         self._build_rollout()
         if self._is_offload_param:
             offload_megatron_model_to_cpu(self.actor.model, offload_grad=self._is_offload_grad)
@@ -150,28 +150,12 @@ class ActorRolloutRefWorker(MegatronWorker):
             dtype=self.actor.param_dtype,  # the actor's: the parity gate compares like with like
         )
 
-    def _ppo_settings(self):
+    def _mini_batch_rows(self) -> int:
+        """Rows of one optimizer step on this rank: upstream's normalisation, ppo_mini_batch_size prompts x n
+        responses split over data parallel."""
         from megatron.core import parallel_state as mpu
 
-        from verl.workers.actor.megatron_actor import PPOActorSettings
-
-        actor, rollout = self.actor_config, self.rollout_config
-        return PPOActorSettings(
-            response_length=rollout.response_length,
-            temperature=rollout.temperature,
-            micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
-            # upstream's normalisation: ppo_mini_batch_size prompts x n responses, split over data parallel
-            mini_batch_rows=actor.ppo_mini_batch_size * rollout.n // mpu.get_data_parallel_world_size(),
-            ppo_epochs=actor.ppo_epochs,
-            # None: clip_ratio (the YAML's null)
-            clip_ratio_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
-            clip_ratio_high=actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
-            clip_ratio_c=actor.clip_ratio_c,
-            use_kl_loss=actor.use_kl_loss,
-            kl_loss_coef=actor.kl_loss_coef,
-            kl_loss_type=actor.kl_loss_type,
-            entropy_coeff=actor.entropy_coeff,
-        )
+        return self.actor_config.ppo_mini_batch_size * self.rollout_config.n // mpu.get_data_parallel_world_size()
 
     # ------------------------------------------------------------------ rollout and train
 
@@ -246,13 +230,8 @@ class ActorRolloutRefWorker(MegatronWorker):
         """
         self._check_built()
         size = self._log_prob_micro_batch_size(self.rollout_config, batch["input_ids"])
-        settings = self.ppo_actor.settings
         with self._resident(optimizer=False):
-            kept, settings.micro_batch_size = settings.micro_batch_size, size
-            try:
-                log_probs, entropys = self.ppo_actor.compute_log_prob_and_entropy(batch["input_ids"], batch.get("attention_mask"))
-            finally:
-                settings.micro_batch_size = kept
+            log_probs, entropys = self.ppo_actor.compute_log_prob_and_entropy(batch["input_ids"], size, batch.get("attention_mask"))
         return {"old_log_probs": log_probs, "entropys": entropys}
 
     def _log_prob_micro_batch_size(self, node: Mapping, input_ids) -> int:
@@ -283,13 +262,13 @@ class ActorRolloutRefWorker(MegatronWorker):
         if self.ref is None:
             raise RuntimeError(f"compute_ref_log_prob needs role='actor_rollout_ref' (this worker's role is {self.role!r})")
         size = self._log_prob_micro_batch_size(self.config["ref"], batch["input_ids"])
-        settings = self.ppo_actor.settings
+        rollout = self.rollout_config
         flags = [is_megatron_module_offloaded(self.ref.model)]
         if self._ref_is_offload_param:
             load_megatron_model_to_gpu(self.ref.model, load_grad=False)
         try:
             log_probs = self.ref.compute_log_prob(
-                batch["input_ids"], settings.response_length, settings.temperature, size, batch.get("attention_mask")
+                batch["input_ids"], rollout.response_length, rollout.temperature, size, batch.get("attention_mask")
             )
         finally:
             if self._ref_is_offload_param:
@@ -307,14 +286,14 @@ class ActorRolloutRefWorker(MegatronWorker):
         is a token mean over the whole mini-batch either way, so only memory and speed change.
         """
         self._check_built()
-        actor, settings = self.actor_config, self.ppo_actor.settings
-        settings.micro_batch_size = self._micro_batch_size(
-            settings.mini_batch_rows or batch["input_ids"].shape[0], batch["input_ids"].shape[1],
+        actor, mini_batch_rows = self.actor_config, self._mini_batch_rows()
+        size = self._micro_batch_size(
+            mini_batch_rows or batch["input_ids"].shape[0], batch["input_ids"].shape[1],
             actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu or 0, actor.ppo_micro_batch_size_per_gpu,
         )  # fmt: skip
         start = time.monotonic()
         with self._resident(optimizer=True):
-            metrics = self.ppo_actor.update_policy(batch)
+            metrics = self.ppo_actor.update_policy(batch, size, mini_batch_rows)
         metrics["update_seconds"] = time.monotonic() - start
         return metrics
 

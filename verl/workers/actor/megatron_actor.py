@@ -9,8 +9,6 @@ loss adds ``kl_loss_coef`` times the token mean of the KL estimate to the refere
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from megatron.core import parallel_state as mpu
 
@@ -25,78 +23,68 @@ from verl.models.mcore.forward import (
     token_log_probs,
 )
 from verl.trainer.ppo.core_algos import kl_penalty, policy_loss_per_token
+from verl.workers.config import McoreActorConfig, RolloutConfig
 
 # Per-mini-batch sums the loss function collects; the trainer divides them by the token count.
 # kl_loss / entropy_loss stay 0 unless use_kl_loss / entropy_coeff switch their term on.
 _STAT_KEYS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy_loss", "tokens")
 
 
-@dataclasses.dataclass
-class PPOActorSettings:
-    response_length: int
-    temperature: float = 1.0
-    micro_batch_size: int = 2
-    mini_batch_rows: int | None = None  # rows of one optimizer step on this rank; None: all rows, one step
-    ppo_epochs: int = 1
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    entropy_coeff: float = 0.0
-
-
 class MegatronPPOActor:
-    def __init__(self, settings: PPOActorSettings, model: list, optimizer, scheduler) -> None:
-        self.settings = settings
+    """``config``: the actor's typed config (its PPO terms and epochs, upstream's names and the YAML's values);
+    ``rollout``: the rollout's, whose ``response_length`` and ``temperature`` the log-probs are taken at. What
+    depends on this rank's share of a batch (rows per micro batch, per optimizer step) each call is given."""
+
+    def __init__(self, config: McoreActorConfig, rollout: RolloutConfig, model: list, optimizer, scheduler) -> None:
+        self.config = config
+        self.rollout = rollout
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
 
-    def compute_log_prob(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``[rows, response_length]`` log-probabilities of each row's response under the current weights
-        (``attention_mask``: 0 on the prompts' left padding)."""
-        s = self.settings
-        return compute_log_probs(self.model, input_ids, s.response_length, s.temperature, s.micro_batch_size, attention_mask)
+    def compute_log_prob(self, input_ids: torch.Tensor, micro_batch_size: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[rows, response_length]`` log-probabilities of each row's response under the current weights, in micro
+        batches of ``micro_batch_size`` rows (``attention_mask``: 0 on the prompts' left padding)."""
+        r = self.rollout
+        return compute_log_probs(self.model, input_ids, r.response_length, r.temperature, micro_batch_size, attention_mask)
 
     def compute_log_prob_and_entropy(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, micro_batch_size: int, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``compute_log_prob`` and the entropy at each response position (upstream's ``calculate_entropy``)."""
-        s = self.settings
-        return compute_log_probs_and_entropy(
-            self.model, input_ids, s.response_length, s.temperature, s.micro_batch_size, attention_mask
-        )
+        r = self.rollout
+        return compute_log_probs_and_entropy(self.model, input_ids, r.response_length, r.temperature, micro_batch_size, attention_mask)
 
-    def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update_policy(self, batch: dict[str, torch.Tensor], micro_batch_size: int, mini_batch_rows: int | None = None) -> dict[str, float]:
         """PPO-clip updates on ``batch`` (``input_ids``, ``response_mask``, ``old_log_probs``, ``advantages``,
-        ``ref_log_prob`` with ``use_kl_loss``, and optionally ``attention_mask``, 0 on the prompts' left padding).
+        ``ref_log_prob`` with ``use_kl_loss``, and optionally ``attention_mask``, 0 on the prompts' left padding),
+        one optimizer step per ``mini_batch_rows`` rows (None: all rows, one step) in micro batches of
+        ``micro_batch_size`` rows.
 
         Returns the sums of the loss statistics over every mini-batch and data-parallel rank (divide by
         ``tokens``), and the last step's grad norm and learning rate.
         """
-        s = self.settings
         rows = batch["input_ids"].shape[0]
-        per_step = s.mini_batch_rows or rows
-        if rows % per_step or per_step % s.micro_batch_size:
+        per_step = mini_batch_rows or rows
+        if rows % per_step or per_step % micro_batch_size:
             raise ValueError(
                 f"{rows} rows on this rank do not split into mini-batches of {per_step} rows made of whole microbatches of "
-                f"{s.micro_batch_size}; adjust actor_rollout_ref.actor.ppo_mini_batch_size / ppo_micro_batch_size_per_gpu"
+                f"{micro_batch_size}; adjust actor_rollout_ref.actor.ppo_mini_batch_size / ppo_micro_batch_size_per_gpu"
             )
         totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
         result: dict[str, float] = {}
-        for _ in range(s.ppo_epochs):
+        for _ in range(self.config.ppo_epochs):
             for start in range(0, rows, per_step):
                 part = {key: value[start : start + per_step] for key, value in batch.items()}
-                stats, step = self._optimizer_step(part)
+                stats, step = self._optimizer_step(part, micro_batch_size)
                 totals += stats
                 result.update(step)
         result.update({key: float(value) for key, value in zip(_STAT_KEYS, totals.tolist(), strict=True)})
         return result
 
-    def _optimizer_step(self, mini_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-        s = self.settings
+    def _optimizer_step(self, mini_batch: dict[str, torch.Tensor], micro_batch_size: int) -> tuple[torch.Tensor, dict]:
+        c, response_length, temperature = self.config, self.rollout.response_length, self.rollout.temperature
+        clip_low, clip_high = c.clip_ratios()
         # on the model's device: the token count's all-reduce and the loss terms meet the logits there
         mini_batch = to_device(mini_batch, model_device(self.model))
         tokens = mini_batch["response_mask"].sum().to(torch.float64)
@@ -105,26 +93,26 @@ class MegatronPPOActor:
         torch.distributed.all_reduce(tokens, group=mpu.get_data_parallel_group())
         microbatches = [
             dict(zip(mini_batch.keys(), values, strict=True))
-            for values in zip(*(value.split(s.micro_batch_size) for value in mini_batch.values()), strict=True)
+            for values in zip(*(value.split(micro_batch_size) for value in mini_batch.values()), strict=True)
         ]
         scale = len(microbatches) * mpu.get_data_parallel_world_size() / max(float(tokens), 1.0)
 
         def loss_fn(microbatch: dict, vocab_parallel_logits: torch.Tensor):
-            log_probs = token_log_probs(vocab_parallel_logits, microbatch["input_ids"], s.temperature)[:, -s.response_length :]
+            log_probs = token_log_probs(vocab_parallel_logits, microbatch["input_ids"], temperature)[:, -response_length:]
             terms = policy_loss_per_token(
                 microbatch["old_log_probs"], log_probs, microbatch["advantages"],
-                s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c,
+                clip_low, clip_high, c.clip_ratio_c,
             )  # fmt: skip
             mask = microbatch["response_mask"].to(log_probs.dtype)
             per_token = terms["pg_losses"]
             kl_sum = entropy_sum = torch.zeros((), dtype=mask.dtype, device=mask.device)
-            if s.use_kl_loss:
-                kld = kl_penalty(log_probs, microbatch["ref_log_prob"], s.kl_loss_type)
-                per_token = per_token + s.kl_loss_coef * kld
+            if c.use_kl_loss:
+                kld = kl_penalty(log_probs, microbatch["ref_log_prob"], c.kl_loss_type)
+                per_token = per_token + c.kl_loss_coef * kld
                 kl_sum = (kld * mask).sum()
-            if s.entropy_coeff != 0:
-                entropy = token_entropy(vocab_parallel_logits, s.temperature)[:, -s.response_length :]
-                per_token = per_token - s.entropy_coeff * entropy
+            if c.entropy_coeff != 0:
+                entropy = token_entropy(vocab_parallel_logits, temperature)[:, -response_length:]
+                per_token = per_token - c.entropy_coeff * entropy
                 entropy_sum = (entropy * mask).sum()
             loss = (per_token * mask).sum() * scale
             stats = torch.stack(
