@@ -398,17 +398,18 @@ def check_ppo_update(ctx: Context) -> tuple[bool, dict]:
     results come back on the host, finite, and the update moves the weights."""
     import torch
 
-    from verl.workers.actor.megatron_actor import MegatronPPOActor, PPOActorSettings
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+    from verl.workers.config import McoreActorConfig, RolloutConfig
 
     actor = _actor(ctx)
-    ppo = MegatronPPOActor(PPOActorSettings(response_length=4, micro_batch_size=2), actor.model, actor.optimizer, actor.scheduler)
+    ppo = MegatronPPOActor(McoreActorConfig(), RolloutConfig(response_length=4), actor.model, actor.optimizer, actor.scheduler)
     input_ids = torch.randint(4, 90, (4, 12), generator=torch.Generator().manual_seed(7))
-    old_log_probs = ppo.compute_log_prob(input_ids)
+    old_log_probs = ppo.compute_log_prob(input_ids, 2)
     before = _state_bits(actor)
     stats = ppo.update_policy({
         "input_ids": input_ids, "old_log_probs": old_log_probs, "response_mask": torch.ones(4, 4),
         "advantages": torch.tensor([[1.0], [-1.0], [0.5], [-0.5]]).expand(4, 4).contiguous(),
-    })  # fmt: skip
+    }, 2)  # fmt: skip
     moved = len(_differing(before, _state_bits(actor)))
     numbers = {"log_probs_device": old_log_probs.device.type, "grad_norm": stats["grad_norm"], "params_moved": moved}
     ok = old_log_probs.device.type == "cpu" and bool(torch.isfinite(old_log_probs).all()) and moved > 0
