@@ -20,6 +20,7 @@ BUILDERS = {
     "verl/trainer/run_config.py",
     "verl/trainer/validation.py",
     "verl/trainer/upstream_keys.py",
+    "verl/trainer/ignored_keys.py",
     "verl/trainer/cli_overrides.py",
 }
 BUILDER_PACKAGES = ("verl/trainer/config/",)

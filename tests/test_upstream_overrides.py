@@ -15,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from tests.main_leg import MBRIDGE
-from verl.trainer.upstream_keys import ignored_settings
+from verl.trainer.ignored_keys import ignored_settings
 from verl.trainer.validation import check_config
 
 DATA_DIR = "__DATA__"  # replaced by a temporary directory holding hand-made parquet files

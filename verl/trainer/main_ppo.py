@@ -30,10 +30,10 @@ import hydra
 
 from verl.trainer.cli_overrides import override_problems
 from verl.trainer.data_plan import RunData, load_run_data, load_tokenizer
+from verl.trainer.ignored_keys import ignored_settings
 from verl.trainer.resume_step import check_resume_step, data_position_problems, schedule_length_warning
 from verl.trainer.run_config import ConfigError, RunConfig, build_run_config, trainer_config_or_none
 from verl.trainer.run_control import StopSignals, output_dir, stop_message, take_writer_lock
-from verl.trainer.upstream_keys import ignored_settings
 from verl.trainer.validation import check_async_mode, check_cluster, check_model_build, pre_start_problems
 from verl.utils.checkpoint.dir_lock import DirLock, DirLockError
 from verl.utils.logging_utils import silence_library_notices

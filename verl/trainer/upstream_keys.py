@@ -1,6 +1,6 @@
-"""Upstream verl's config keys: each one is honoured, refused in one line with its reason, or (no effect here)
-listed at start. A launch script written for upstream composes with this package's config; what it sets that
-this package does not do is said, never silently dropped."""
+"""Upstream verl's config keys: each one is honoured, refused here in one line with its reason, or (no effect
+here) listed at start (``verl.trainer.ignored_keys``). A launch script written for upstream composes with this
+package's config; what it sets that this package does not do is said, never silently dropped."""
 
 from __future__ import annotations
 
@@ -17,12 +17,7 @@ from verl.trainer.config.keys import PARITY as PARITY_KEY
 from verl.trainer.config.keys import REF as _REF
 
 _YAML = os.path.join(os.path.dirname(__file__), "config", "ppo_megatron_trainer.yaml")
-_ROLLOUT = "actor_rollout_ref.rollout."
-_ENGINE_WHY = "an inference-engine setting (vLLM / SGLang / TensorRT-LLM); the hf rollout (transformers generate on each data-parallel group's output rank) has none"
-_NO_REF_WHY = "no reference model is built: actor.use_kl_loss is off"
-_PROFILER_WHY = "no profiler (nsys, npu, torch) is wired into this trainer; the run is not profiled"
-_REF_BUILD_WHY = "the reference is built like the actor, through the actor's bridge (actor.megatron.vanilla_mbridge) from the HF actor_rollout_ref.model.path (its weights, not a seed)"
-_TRANSFORMER_WHY = "a memory / speed setting of Megatron's TransformerConfig; not applied here (the model is built from its HF config through the bridge) and the model computes the same function without it"
+ROLLOUT = "actor_rollout_ref.rollout."
 # override_transformer_config fields that change memory or speed only; any other field would change the model.
 PERF_ONLY_TRANSFORMER_FIELDS = (
     "recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers", "attention_backend",
@@ -34,105 +29,25 @@ PERF_ONLY_TRANSFORMER_FIELDS = (
 _OPEN_NODES = (
     f"{_MEGATRON}override_transformer_config", f"{_MEGATRON}override_ddp_config", f"{_MEGATRON}override_mcore_model_config",
     f"{_ACTOR}.optim.override_optimizer_config", f"{_CHECKPOINT}mbridge_config", "reward_model.reward_kwargs",
-    f"{_ROLLOUT}engine_kwargs", "ray_kwargs.ray_init", "data.apply_chat_template_kwargs", "actor_rollout_ref.model.override_config",
+    f"{ROLLOUT}engine_kwargs", "ray_kwargs.ray_init", "data.apply_chat_template_kwargs", "actor_rollout_ref.model.override_config",
     f"{PARITY_KEY}.tolerance", "actor_rollout_ref.model.lora", "critic.optim.override_optimizer_config",
 )  # fmt: skip
 # Keys upstream's rollout has and this YAML does not list, accepted with `+` (the run script adds some).
-_EXTRA_ENGINE_KEYS = ("moe_tensor_parallel_size", "quantization", "quantization_config_file", "cudagraph_capture_sizes", "layered_summon")
+EXTRA_ENGINE_KEYS = ("moe_tensor_parallel_size", "quantization", "quantization_config_file", "cudagraph_capture_sizes", "layered_summon")
 
 
-def _inert_rules(config: Any) -> list[tuple[str, str]]:
-    """(key, why) of every key that has no effect in this config; a key set away from its default is listed at start."""
-    rules = [(f"{_ROLLOUT}{key}", _ENGINE_WHY) for key in (
-        "mode", "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size",
-        "gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "max_num_seqs", "enable_chunked_prefill",
-        "enable_prefix_caching", "enforce_eager", "free_cache_engine", "load_format", "dtype", "engine_kwargs",
-        "checkpoint_engine", *_EXTRA_ENGINE_KEYS)]  # fmt: skip
-    rules += [
-        (f"{_ROLLOUT}calculate_log_probs", "the hf rollout always returns its log-probs (logged as rollout/log_prob_diff_*)"),
-        ("actor_rollout_ref.hybrid_engine", "the actor and the rollout always share the ranks here"),
-        ("actor_rollout_ref.model.enable_gradient_checkpointing", "activation memory only; the actor does not recompute here"),
-        ("actor_rollout_ref.model.enable_activation_offload", "activation memory only; not implemented here"),
-        ("actor_rollout_ref.model.use_fused_kernels", "fused loss kernels change speed only; the actor computes log-probs from vocab-parallel logits"),
-        ("actor_rollout_ref.model.use_liger", "Liger kernels are for the FSDP backend"),
-        ("actor_rollout_ref.model.use_remove_padding", "no sequence packing here: a run's prompts are left-padded to one length, the padding masked (docs/trainer.md)"),
-        ("actor_rollout_ref.model.trust_remote_code", "no folder's code is ever run here: built-in transformers families only (docs/models.md), and a model folder naming custom code is refused (docs/operations.md)"),
-        (f"{_ACTOR}.use_torch_compile", "no torch.compile on this path"),
-        ("algorithm.gamma", "GAE's discount; GRPO's advantages do not read it"),
-        ("algorithm.lam", "GAE's lambda; GRPO's advantages do not read it"),
-        ("trainer.balance_batch", "balancing reorders sequences by length across data-parallel ranks; here every sequence has one length"),
-        ("trainer.critic_warmup", "GRPO has no critic"),
-        ("data.return_raw_input_ids", "the trainer tokenizes prompts itself"),
-        ("data.return_raw_chat", "the trainer tokenizes prompts itself"),
-        ("data.return_full_prompt", "the trainer tokenizes prompts itself"),
-        ("data.dataloader_num_workers", "prompts are tokenized once on the driver"),
-        ("data.filter_overlong_prompts_workers", "prompts are tokenized once on the driver"),
-        ("data.validation_shuffle", "validation scores every prompt; the order changes nothing"),
-        ("ray_kwargs.timeline_json_file", "no Ray timeline is written"),
-        (f"{_MEGATRON}override_transformer_config", _TRANSFORMER_WHY),
-        (f"{_REF}.megatron.dist_checkpointing_path", "read by upstream only with use_dist_checkpointing, which the reference does not take here"),
-    ]
-    if not config.actor_rollout_ref.actor.megatron.use_dist_checkpointing:
-        rules.append((f"{_MEGATRON}dist_checkpointing_path", "read by upstream only with use_dist_checkpointing (initial weights from a dist checkpoint)"))
-    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
-    if not actor.use_kl_loss:
-        rules.append(("actor_rollout_ref.ref", _NO_REF_WHY))
-    else:
-        rules += [(f"{_REF}.megatron.{key}", _REF_BUILD_WHY) for key in ("seed", "use_mbridge", "vanilla_mbridge")]
-    if not actor.use_kl_loss:
-        rules += [(f"{_ACTOR}.{key}", "actor.use_kl_loss is off") for key in ("kl_loss_coef", "kl_loss_type")]
-    if not algorithm.use_kl_in_reward:
-        rules += [(f"algorithm.{key}", "algorithm.use_kl_in_reward is off") for key in ("kl_penalty", "kl_ctrl")]
-    if config.reward_model.reward_manager in (None, "naive"):
-        rules.append(("reward_model.reward_kwargs", "read only by other reward managers (dapo, prime, ...); the naive manager calls default_compute_score"))
-    rules += [
-        ("critic", "GRPO trains no critic"),
-        ("reward.num_workers", "rule-based rewards are computed on the driver"),
-        ("reward.reward_model", "no reward model is built (reward.reward_model.enable is off)"),
-        (f"{_ACTOR}.profiler", _PROFILER_WHY),
-        ("global_profiler", _PROFILER_WHY),
-    ]
-    if int(config.actor_rollout_ref.model.lora.rank or 0) == 0:
-        rules.append(("actor_rollout_ref.model.lora", "LoRA is off (lora.rank 0)"))
-    return rules
-
-
-def _raw_yaml() -> dict:
+def raw_yaml() -> dict:
     raw = OmegaConf.to_container(OmegaConf.load(_YAML), resolve=False)
     return {key: value for key, value in raw.items() if key not in ("defaults", "hydra")}
 
 
-def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(node, dict) and node:
         out: dict[str, Any] = {}
         for name, value in node.items():
-            out.update(_leaves(value, f"{prefix}.{name}" if prefix else str(name)))
+            out.update(leaves(value, f"{prefix}.{name}" if prefix else str(name)))
         return out
     return {prefix: node}
-
-
-def ignored_settings(config: Any) -> list[str]:
-    """One line per key that has no effect here and is set to anything but its default: ``key=value: why``.
-
-    A default written as an interpolation (the ``ref`` node follows the actor's) is compared as it resolves in
-    this config, so ``ref.megatron.tensor_model_parallel_size`` set equal to the actor's is not listed.
-    """
-    current = _leaves(OmegaConf.to_container(config, resolve=True))
-    defaults_raw = _leaves(_raw_yaml())
-    probe = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
-    interpolated = [key for key, value in defaults_raw.items() if isinstance(value, str) and value.startswith("${")]
-    for key in interpolated:
-        OmegaConf.update(probe, key, defaults_raw[key], force_add=True)
-    resolved_defaults = {**defaults_raw, **{key: OmegaConf.select(probe, key) for key in interpolated}}
-    lines, seen = [], set()
-    for prefix, why in _inert_rules(config):
-        for key in sorted(k for k in current if k == prefix or k.startswith(prefix + ".")):
-            value, default = current[key], resolved_defaults.get(key)
-            if key in seen or value == default or (value in ({}, None) and key not in resolved_defaults):
-                continue
-            seen.add(key)
-            lines.append(f"{key}={value!r}: {why}")
-    return lines
 
 
 def _refusal_rules(config: Any) -> list[tuple[str, tuple, str]]:
@@ -147,16 +62,16 @@ def _refusal_rules(config: Any) -> list[tuple[str, tuple, str]]:
         *[(f"actor_rollout_ref.model.{key}", (0, None), "LoRA is not supported here; set it to 0") for key in ("lora_rank", "lora.rank")],
         *[(f"{role}use_megatron_fsdp", off, "Megatron's FSDP is not supported here (its DDP is); set it to False") for role in fsdp_roles],
         (f"{_MEGATRON}router_replay.mode", ("disabled",), "MoE routing replay is not implemented; set it to disabled"),
-        (f"{_ROLLOUT}enable_rollout_routing_replay", off, "MoE routing replay is not implemented; set it to False"),
+        (f"{ROLLOUT}enable_rollout_routing_replay", off, "MoE routing replay is not implemented; set it to False"),
         *[(f"{key}.enable", off, "a model-based reward is not available here (rule-based rewards only); set it to False") for key in ("reward.reward_model", "reward_model")],
         ("actor_rollout_ref.model.external_lib", (None,), "external model code is not imported here; set it to null"),
         (f"{_ACTOR}.ppo_micro_batch_size", (None,), deprecated),
-        (f"{_ROLLOUT}log_prob_micro_batch_size", (None,), deprecated),
+        (f"{ROLLOUT}log_prob_micro_batch_size", (None,), deprecated),
         (f"{_ACTOR}.shuffle", off, "mini-batches are taken in rollout order here; set it to False"),
         (f"{_ACTOR}.loss_scale_factor", (None,), "the loss is a token mean over the mini-batch here; set it to null"),
         (f"{_ACTOR}.policy_loss.loss_mode", ("vanilla",), "only vanilla (PPO-clip) is implemented; set it to vanilla"),
-        *[(f"{_ROLLOUT}{key}", (-1, 0, None), "the hf rollout samples from the full distribution (top-p only); set it to -1") for key in ("top_k", "val_kwargs.top_k")],
-        (f"{_ROLLOUT}ignore_eos", off, "the hf rollout stops at EOS; set it to False"),
+        *[(f"{ROLLOUT}{key}", (-1, 0, None), "the hf rollout samples from the full distribution (top-p only); set it to -1") for key in ("top_k", "val_kwargs.top_k")],
+        (f"{ROLLOUT}ignore_eos", off, "the hf rollout stops at EOS; set it to False"),
         ("reward_model.reward_manager", (None, "naive"), "only the naive manager (default_compute_score per response) is implemented; set reward_model.reward_manager=naive"),
     ]
     if config.actor_rollout_ref.actor.megatron.use_dist_checkpointing:
@@ -192,10 +107,10 @@ def _check_ray_kwargs(config: Any) -> list[str]:
 def _unknown_keys(config: Any) -> list[str]:
     """Keys added with Hydra's `+` that this config does not have (outside the free-form nodes): a misspelling
     that `+` let through would otherwise be ignored without a word."""
-    known = set(_leaves(_raw_yaml())) | {"model_engine"}
-    extra_engine = tuple(f"{_ROLLOUT}{key}" for key in _EXTRA_ENGINE_KEYS)
+    known = set(leaves(raw_yaml())) | {"model_engine"}
+    extra_engine = tuple(f"{ROLLOUT}{key}" for key in EXTRA_ENGINE_KEYS)
     problems = []
-    for key in _leaves(OmegaConf.to_container(config, resolve=False)):
+    for key in leaves(OmegaConf.to_container(config, resolve=False)):
         if key.split(".", 1)[0] in ("defaults", "hydra"):  # a config loaded from the YAML file without Hydra
             continue
         if key in known or any(key == node or key.startswith(node + ".") for node in (*_OPEN_NODES, *extra_engine)):
