@@ -21,10 +21,9 @@ from verl.trainer.config.keys import CHECKPOINT as _CHECKPOINT
 from verl.trainer.config.keys import REF as _REF
 from verl.trainer.run_config import trainer_config_or_none, typed_node
 from verl.trainer.upstream_keys import check_upstream_keys
-from verl.utils.checkpoint.layout import checkpoint_root_problem, resume_step_problem
 from verl.utils.internals.megatron_bridge import megatron_bridge_install_problem
-from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes, num_routed_experts
-from verl.workers.config import McoreActorConfig, build_megatron_actor_configs, checked_worker_config, read_hf_config
+from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes
+from verl.workers.config import build_megatron_actor_configs, checked_worker_config, read_hf_config
 
 
 def pre_start_problems(config: Any, cluster: bool, model_path: str | None = None) -> tuple[str | None, str | None, list[str]]:
@@ -54,13 +53,13 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
     problems += _not_named_yet(config, worker_problems, problems)
     typed = not problems
     if trainer is not None:
-        problems += _check_trainer(trainer, data)
+        problems += trainer.validate(data_has_val_files=bool(data is None or data.val_files))
     if algorithm is not None:
         problems += algorithm.validate()
     model = None
     if model_path is not None:
         model, model_problems = read_hf_config(model_path)
-        problems += [_keyed(problem) for problem in model_problems]
+        problems += model_problems
         pp = OmegaConf.select(config, f"{_ACTOR}.megatron.pipeline_model_parallel_size")
         if model is not None:
             support = hf_config_problems(model) + (hf_layout_problems(model, pp) if isinstance(pp, int) else [])
@@ -68,21 +67,20 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
     world = trainer.world_size if trainer is not None else None
     if worker is not None:
         actor, rollout = worker["actor"], worker["rollout"]
-        problems += _check_actor(actor, rollout.n, trainer) + [_keyed(p) for p in rollout.unsupported()]
-        if actor.use_kl_loss:
-            problems += [_keyed(problem) for problem in worker["ref"].validate(actor)]
-        if world is not None:
-            problems += _check_layout(actor, world, model)
+        problems += actor.unsupported(rollout.n) + rollout.unsupported() + (worker["ref"].validate(actor) if actor.use_kl_loss else [])
+        problems += [problem for problem in (megatron_bridge_install_problem(actor.megatron.vanilla_mbridge),) if problem]
+        if trainer is not None and trainer.save_freq > 0 and not actor.checkpoint.save_contents:
+            problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={trainer.save_freq}; list what to save or set trainer.save_freq=-1")
+        try:
+            if world is not None:
+                ParallelSizes.from_megatron(actor.megatron).validate_for_hf_config(world, model)
+        except ParallelConfigError as exc:
+            problems += exc.problems
     if data is not None:
         problems += _check_data(data, bool(OmegaConf.select(config, "custom_reward_function.path")), worker, world, model)
-    return problems + _guarded(typed, check_upstream_keys, config)
+    return [_keyed(problem) for problem in problems] + _guarded(typed, check_upstream_keys, config)
 
 
-# The keys no typed config holds: a mistyped value is one line here, not a TypeError further down.
-_UNTYPED_KEYS = (
-    ("actor_rollout_ref.nccl_timeout", "a number >= 0 (seconds)", "<x>", lambda v: is_number(v) and v >= 0),
-    ("ray_kwargs.ray_init.num_cpus", "an integer or null", "<n>", lambda v: v is None or is_int(v)),
-)
 # A typed config's own name in a message -> the Hydra key of the node it was built from.
 _NODE_KEYS = {"McoreActorConfig.": f"{_ACTOR}.", "RefConfig.": f"{_REF}.", "RolloutConfig.": "actor_rollout_ref.rollout.", "HFModelConfig.": "actor_rollout_ref.model."}
 
@@ -94,8 +92,12 @@ def _keyed(message: str) -> str:
 
 
 def _check_untyped_keys(config: Any) -> list[str]:
+    """The keys no typed config holds: a mistyped value is one line here, not a TypeError further down."""
     problems = []
-    for key, kind, example, accepts in _UNTYPED_KEYS:
+    for key, kind, example, accepts in (
+        ("actor_rollout_ref.nccl_timeout", "a number >= 0 (seconds)", "<x>", lambda v: is_number(v) and v >= 0),
+        ("ray_kwargs.ray_init.num_cpus", "an integer or null", "<n>", lambda v: v is None or is_int(v)),
+    ):
         value = OmegaConf.select(config, key)
         if not accepts(value):
             problems.append(f"{key}={value} must be {kind}; set {key}={example}")
@@ -110,15 +112,6 @@ def _guarded(typed: bool, check: Any, *args: Any) -> list[str]:
         if typed:
             raise
         return []
-
-
-def _check_trainer(trainer: TrainerConfig, data: DataConfig | None) -> list[str]:
-    """What the trainer node's fields cannot say alone: this host, the data, the checkpoint root on disk."""
-    problems = trainer.validate(data_has_val_files=bool(data is None or data.val_files))
-    problems.append(checkpoint_root_problem(str(trainer.default_local_dir), "trainer.default_local_dir"))
-    if trainer.resume_mode == "resume_path" and trainer.resume_from_path:
-        problems.append(resume_step_problem(str(trainer.resume_from_path), "trainer.resume_from_path"))
-    return [problem for problem in problems if problem]
 
 
 def _not_named_yet(config: Any, found: list[str], reported: list[str]) -> list[str]:
@@ -137,31 +130,6 @@ def _not_named_yet(config: Any, found: list[str], reported: list[str]) -> list[s
         return actor != name and actor in named and OmegaConf.is_interpolation(OmegaConf.select(config, parent), leaf)
 
     return [problem for problem in kept if not follows_the_actor(key(problem))]
-
-
-def _check_actor(actor: McoreActorConfig, rollout_n: int, trainer: TrainerConfig | None) -> list[str]:
-    """What the update step does not implement, the bridge's install, and a save that would save nothing."""
-    problems = [_keyed(problem) for problem in actor.unsupported(rollout_n)]
-    problems += [problem for problem in (megatron_bridge_install_problem(actor.megatron.vanilla_mbridge),) if problem]
-    if trainer is not None and trainer.save_freq > 0 and not actor.checkpoint.save_contents:
-        problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={trainer.save_freq}; list what to save or set trainer.save_freq=-1")
-    return problems
-
-
-def _check_layout(actor: McoreActorConfig, world: int, model: dict | None) -> list[str]:
-    numbers = {}
-    if model is not None:
-        numbers = {
-            "num_layers": model.get("num_hidden_layers"),
-            "num_experts": num_routed_experts(model),
-            "num_attention_heads": model.get("num_attention_heads"),
-            "num_key_value_heads": model.get("num_key_value_heads"),
-        }
-    try:
-        ParallelSizes.from_megatron(actor.megatron).validate(world, **numbers)
-    except ParallelConfigError as exc:
-        return exc.problems
-    return []
 
 
 def _check_data(data: DataConfig, custom_reward: bool, worker: dict | None, world: int | None, model: dict | None) -> list[str]:
@@ -192,7 +160,7 @@ def _check_data(data: DataConfig, custom_reward: bool, worker: dict | None, worl
     problems += actor.token_budget_problems(seq)
     for node in (rollout, *([worker["ref"]] if actor.use_kl_loss else [])):  # the forward-only passes of a step
         problems += node.log_prob_problems(rows, seq)
-    return [_keyed(problem) for problem in problems]
+    return problems
 
 
 def check_device(trainer: TrainerConfig | None, cluster: bool) -> tuple[str | None, list[str]]:

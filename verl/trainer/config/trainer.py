@@ -11,6 +11,7 @@ import importlib.util
 from typing import Any, ClassVar
 
 from verl.base_config import BaseConfig
+from verl.utils.checkpoint.layout import checkpoint_root_problem, resume_step_problem
 from verl.utils.tracking import BACKEND_PACKAGES, BACKENDS
 
 from .field_checks import FieldChecks
@@ -103,7 +104,8 @@ class TrainerConfig(BaseConfig):
         return self.nnodes * self.n_gpus_per_node
 
     def validate(self, data_has_val_files: bool) -> list[str]:
-        """What this host or the data rule out: a logger's package missing, ``val_only`` with nothing to validate."""
+        """What this host, the data or the disk rule out: a logger's package missing, ``val_only`` with nothing to
+        validate, a checkpoint root or a resumed step that is not one."""
         problems = [
             f"trainer.logger has {name} but the {package} package is not installed; pip install {package}, or drop {name} from trainer.logger"
             for name, package in BACKEND_PACKAGES.items()
@@ -111,4 +113,7 @@ class TrainerConfig(BaseConfig):
         ]
         if self.val_only and not data_has_val_files:
             problems.append("trainer.val_only=True needs data.val_files")
-        return problems
+        problems.append(checkpoint_root_problem(str(self.default_local_dir), "trainer.default_local_dir"))
+        if self.resume_mode == "resume_path" and self.resume_from_path:
+            problems.append(resume_step_problem(str(self.resume_from_path), "trainer.resume_from_path"))
+        return [problem for problem in problems if problem]

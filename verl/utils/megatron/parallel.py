@@ -141,13 +141,20 @@ class ParallelSizes:
             raise ParallelConfigError("invalid parallel configuration:\n  - " + "\n  - ".join(problems), problems)
 
     def validate_for_hf_config(self, world_size: int, hf_config: Any) -> None:
-        """``validate`` with the model's sizes read from its HF config."""
+        """``validate`` with the model's sizes read from its HF config (an object or config.json's dict, as
+        ``num_routed_experts`` reads it; None: the layout alone, the model not known yet)."""
+        if hf_config is None:
+            return self.validate(world_size)
+
+        def get(key: str) -> Any:
+            return hf_config.get(key) if isinstance(hf_config, Mapping) else getattr(hf_config, key, None)
+
         self.validate(
             world_size,
-            num_layers=hf_config.num_hidden_layers,
+            num_layers=get("num_hidden_layers"),
             num_experts=num_routed_experts(hf_config),
-            num_attention_heads=hf_config.num_attention_heads,
-            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None),
+            num_attention_heads=get("num_attention_heads"),
+            num_key_value_heads=get("num_key_value_heads"),
         )
 
     def initialize_megatron(self, seed: int = 1234) -> None:
