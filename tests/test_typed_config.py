@@ -21,8 +21,10 @@ from verl.workers.config import (
     McoreEngineConfig,
     McoreOptimizerConfig,
     OptimizerConfig,
+    RefConfig,
     RolloutConfig,
     build_megatron_actor_configs,
+    checked_worker_config,
     megatron_worker_config,
 )
 
@@ -139,6 +141,34 @@ def test_the_worker_configs_are_built_once_from_the_hydra_node():
     with pytest.raises(ValueError, match=re.escape("actor_rollout_ref.rollout.n must be >= 1, got 0")):
         megatron_worker_config({**node, "rollout": {**node["rollout"], "n": 0}})
 
+
+
+def test_the_checked_build_names_every_node_it_refuses_and_builds_each_once():
+    node = OmegaConf.to_container(_hydra().actor_rollout_ref, resolve=True)
+    bad = {**node, "actor": {**node["actor"], "checkpoint": {"async_save": "later"}, "optim": {"lr": -1}}, "rollout": {**node["rollout"], "n": 0}}
+    worker, problems = checked_worker_config(bad)
+    assert worker is None
+    assert [p.split(" ", 1)[0] for p in problems] == [f"{ACTOR}.checkpoint.async_save", f"{ACTOR}.optim.lr", "actor_rollout_ref.rollout.n"]
+    worker, problems = checked_worker_config(node)
+    assert problems == [] and worker["actor"] == megatron_worker_config(node)["actor"]
+    again = megatron_worker_config(worker)  # what the trainer sends on: nothing is built again
+    assert all(again[key] is worker[key] for key in ("model", "actor", "rollout", "ref"))
+
+
+def test_each_config_names_what_this_trainer_does_not_run_by_its_field():
+    assert McoreActorConfig().unsupported(rollout_n=1) == [] and RolloutConfig(name="hf", n=2).unsupported() == []
+    actor = McoreActorConfig(megatron={"use_mbridge": False, "context_parallel_size": 2}, loss_agg_mode="token-sum", clip_ratio_c=1.0)
+    assert [p.split(":")[0].split(" ")[0] for p in actor.unsupported(rollout_n=4)] == [
+        "McoreActorConfig.megatron.use_mbridge=False", "McoreActorConfig.megatron.context_parallel_size=2",
+        "McoreActorConfig.loss_agg_mode=token-sum", "McoreActorConfig.rollout_n=1", "McoreActorConfig.clip_ratio_c=1.0",
+    ]  # fmt: skip
+    assert [p.split(":")[0] for p in RolloutConfig(name="vllm", n=1).unsupported()] == ["RolloutConfig.name=vllm", "RolloutConfig.n=1"]
+    assert RolloutConfig(log_prob_micro_batch_size_per_gpu=3).log_prob_problems(rows=8, longest=100) == [
+        "RolloutConfig.log_prob_micro_batch_size_per_gpu=3 does not divide the 8 sequences of a step on each data-parallel rank; set it to a divisor of 8"
+    ]
+    assert RefConfig(log_prob_use_dynamic_bsz=True, log_prob_max_token_len_per_gpu=50).log_prob_problems(rows=None, longest=100) == [
+        "RefConfig.log_prob_max_token_len_per_gpu=50 is below one sequence (data.max_prompt_length + max_response_length = 100); raise it to 100 or more"
+    ]
 
 
 def test_a_hand_built_worker_node_missing_or_mistyping_a_plain_key_is_one_line_naming_it():

@@ -238,7 +238,7 @@ def check_model_build(model_path: str, config: Any) -> list[str]:
     except (FileNotFoundError, CustomCodeError) as exc:
         return [str(exc)]
     vanilla_mbridge = actor.megatron.vanilla_mbridge
-    if not vanilla_mbridge and megatron_bridge_install_problem(vanilla_mbridge) is None:  # else _check_actor says so
+    if not vanilla_mbridge and megatron_bridge_install_problem(vanilla_mbridge) is None:  # else check_config says so
         from verl.models.mcore.bridge import megatron_bridge_family_problem
 
         family = megatron_bridge_family_problem(hf_config)
