@@ -6,8 +6,10 @@ which imports the benchmark (and so this module) again; torch and megatron are i
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -140,3 +142,31 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
+
+
+class LoadSampler:
+    """The 1-minute load average, sampled every few seconds on a thread while a run goes on."""
+
+    def __init__(self, period_s: float = 5.0) -> None:
+        self.period_s = period_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(os.getloadavg()[0])
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -21,10 +21,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 
+from benchmarks.common import LoadSampler, read_metrics
 from verl.trainer.ppo.ray_trainer import METRICS_FILENAME
 from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY
 
@@ -41,34 +41,6 @@ def constant_answer_baseline(seed: int, max_operand: int, task: str) -> float:
 
     answers = Counter(row["ground_truth"] for row in make_arithmetic_dataset(seed, max_operand=max_operand, task=task))
     return max(answers.values()) / sum(answers.values())
-
-
-class LoadSampler:
-    """The 1-minute load average, sampled every few seconds on a thread while a run goes on."""
-
-    def __init__(self, period_s: float = 5.0) -> None:
-        self.period_s = period_s
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(os.getloadavg()[0])
-            self._stop.wait(self.period_s)
-
-    def __enter__(self) -> LoadSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def read_metrics(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def summarize_seed(seed: int, records: list[dict], wall_s: float, load: list[float]) -> dict:

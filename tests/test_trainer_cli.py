@@ -131,6 +131,9 @@ def test_pp4_ep2_tp2_etp2_16_ranks_one_verified_save(tmp_path, env, tiny_moe_pat
     assert manifest["parallel"] == {"world_size": 16, "tp": 2, "pp": 4, "ep": 2, "etp": 2, "cp": 1}
     record = read_metrics(ckpt)[0]["checkpoint"]
     assert record["hf"] == "all 135 tensors present with the expected shapes" and record["files"] > 0
+    # where the save's time went, per phase on its slowest rank: the writer's phases and the transaction's
+    assert {"finite_check", "staging", "commit", "tracker"} <= set(record["phase_s"]), record["phase_s"]
+    assert all(seconds >= 0 for seconds in record["phase_s"].values())
 
 
 def test_param_offload_saves_without_distributed_optimizer(tmp_path, env, tiny_moe_path):

@@ -49,7 +49,12 @@ import torch
 
 from verl.single_controller.ray import MegatronRayWorkerGroup, RayClassWithInitArgs, RayResourcePool, WorkerGroupError
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-from verl.trainer.ppo.log_prob_parity import check_log_prob_parity, log_prob_gaps, max_log_prob_diff
+from verl.trainer.ppo.log_prob_parity import (
+    check_log_prob_parity,
+    log_prob_gaps,
+    max_log_prob_diff,
+    rollout_probs_metrics,
+)
 from verl.trainer.run_config import CustomRewardFunctionConfig, build_run_config
 from verl.trainer.run_control import output_dir, read_committed_step
 from verl.trainer.shared_dir import check_shared_dir
@@ -115,7 +120,7 @@ class MegatronGRPOTrainer:
         self.tracking: Tracking | None = None  # file / tensorboard / wandb, opened by fit()
         self.actor_dtype = "float32"  # what the ranks report once built
         self.bridges: dict | None = None  # {"actor": ..., "ref": ...}: the bridges the ranks built through
-        self.parity_checked = False  # the log-prob parity gate runs on the first batch of this process
+        self.parity_checked = False  # the log-prob parity gate runs on the first batch of this process, then every step
         self.saved: list[dict] = []
         self._pending: dict | None = None  # an async save not yet committed
         self.history: list[dict] = []
@@ -275,7 +280,7 @@ class MegatronGRPOTrainer:
         attention_mask = torch.cat([prompt_mask, torch.ones_like(rollout["responses"])], dim=1)
         old_log_probs, policy_terms, policy_metrics = self._policy_log_probs(sequences, attention_mask, rollout["response_mask"], timing)
         self._stop_if_diverged(step, {"the actor's logits (its log-probs of the rollout)": old_log_probs})
-        self._check_parity_once(old_log_probs, rollout)
+        self._check_parity(step, old_log_probs, rollout)
         batch = {"input_ids": sequences, "attention_mask": attention_mask, "response_mask": rollout["response_mask"],
                  "old_log_probs": old_log_probs, "advantages": advantages, **policy_terms}  # fmt: skip
         with _timed(timing, "update_actor"):
@@ -418,6 +423,7 @@ class MegatronGRPOTrainer:
             "actor/update_ok": all(u["update_ok"] for u in updates),
             "rollout/log_prob_diff_max": diff.max().item() if diff.numel() else 0.0,
             "rollout/log_prob_diff_mean": diff.mean().item() if diff.numel() else 0.0,
+            **rollout_probs_metrics(old_log_probs, rollout["rollout_log_probs"], rollout["response_mask"]),
         }
 
     def _encode_prompts(self, rows: list[dict]) -> torch.Tensor:
@@ -429,17 +435,17 @@ class MegatronGRPOTrainer:
         of attention and positions (as upstream), so a prompt's log-probs do not depend on how much it was padded."""
         return left_pad_attention_mask(rows, self.data.prompt_length)
 
-    def _check_parity_once(self, old_log_probs: torch.Tensor, rollout: dict) -> None:
-        """The parity gate (``rollout.log_prob_parity_check``) on the first batch this process trains."""
-        if self.parity_checked:
-            return
-        self.parity_checked = True
+    def _check_parity(self, step: int, old_log_probs: torch.Tensor, rollout: dict) -> None:
+        """The parity gate (``rollout.log_prob_parity_check``) on the first batch this process trains; with
+        ``every_step`` the same tolerance on every later step."""
         gate = self.config.rollout.log_prob_parity_check
-        if not gate.enable:
+        first, self.parity_checked = not self.parity_checked, True
+        if not gate.enable or not (first or gate.every_step):
             return
         max_diff = max_log_prob_diff(old_log_probs, rollout["rollout_log_probs"], rollout["response_mask"])
-        tolerance = check_log_prob_parity(max_diff, self.actor_dtype, gate.tolerance)
-        self._print(f"[trainer] log-prob parity on the first batch: actor vs rollout max |diff| {max_diff:.1e} <= {tolerance:.0e} ({self.actor_dtype})")
+        tolerance = check_log_prob_parity(max_diff, self.actor_dtype, gate.tolerance, step=None if first else step)
+        if first:
+            self._print(f"[trainer] log-prob parity on the first batch: actor vs rollout max |diff| {max_diff:.1e} <= {tolerance:.0e} ({self.actor_dtype})")
 
     def _score_one(self, row: dict, text: str) -> float:
         return float(self.compute_score(row["data_source"], text, row["ground_truth"], row["extra_info"]))
@@ -487,7 +493,7 @@ class MegatronGRPOTrainer:
             )
         save = {"step": step, "path": actor_path, "results": results, "blocked_s": time.monotonic() - start}
         if not results[0].get("pending"):
-            return self._record_committed(save, results[0]["committed"], bar)
+            return self._record_committed(save, [r["committed"] for r in results], bar)
         self._pending = save
         if "console" in self.loggers:
             bar.write(
@@ -502,12 +508,12 @@ class MegatronGRPOTrainer:
             return None
         start = time.monotonic()
         with self._discarded_if_the_group_fails(self._pending["step"]):
-            finalized = self.actor_rollout_wg.finalize_checkpoint(blocking=blocking)[0]
-        if finalized["path"] is None:
+            finalized = self.actor_rollout_wg.finalize_checkpoint(blocking=blocking)
+        if finalized[0]["path"] is None:
             return None  # still writing
         save, self._pending = self._pending, None
         save["waited_s"] = time.monotonic() - start
-        return self._record_committed(save, finalized["committed"], bar)
+        return self._record_committed(save, [f["committed"] for f in finalized], bar)
 
     @contextlib.contextmanager
     def _discarded_if_the_group_fails(self, step: int) -> Iterator[None]:
@@ -527,10 +533,12 @@ class MegatronGRPOTrainer:
                 os.rmdir(step_dir)
             raise
 
-    def _record_committed(self, save: dict, committed: dict, bar) -> dict:
+    def _record_committed(self, save: dict, per_rank: list[dict], bar) -> dict:
         """The ranks' step transaction committed the step, wrote its data position and moved the tracker:
-        record what it reports (it verified the HF export and built the manifest from these very files)."""
+        record what it reports (it verified the HF export and built the manifest from these very files), and each
+        phase's seconds on its slowest rank (``phase_s``: where a save's time goes)."""
         step, actor_path, results = save["step"], save["path"], save["results"]
+        committed = per_rank[0]
         verified = {"files": len(committed["files"]), "contents": list(committed["contents"] or [])}
         if committed["hf_tensors"] is not None:
             verified["hf"] = f"all {committed['hf_tensors']} tensors present with the expected shapes"
@@ -541,6 +549,7 @@ class MegatronGRPOTrainer:
             "param_offloaded_before": results[0]["param_offloaded_before"],
             "param_offloaded_after": all(r["param_offloaded_after"] for r in results),
             **verified,
+            "phase_s": slowest_rank_phases([c["phase_seconds"] for c in per_rank]),
         }
         if "waited_s" in save:
             record["async_finalize_wait_s"] = round(save["waited_s"], 3)
@@ -615,6 +624,12 @@ def load_reward_function(custom: CustomRewardFunctionConfig):
     if not hasattr(module, name):
         raise AttributeError(f"custom_reward_function.path={path} has no function {name!r} (custom_reward_function.name)")
     return getattr(module, name)
+
+
+def slowest_rank_phases(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's seconds on the rank that spent longest in it, in the order the phases ran."""
+    order = dict.fromkeys(phase for rank in per_rank for phase in rank)
+    return {phase: round(max(rank.get(phase, 0.0) for rank in per_rank), 3) for phase in order}
 
 
 def _val_line(step: int, metrics: dict) -> str:

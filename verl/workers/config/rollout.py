@@ -70,14 +70,17 @@ class CheckpointEngineConfig(BaseConfig):
 @dataclasses.dataclass
 class LogProbParityCheckConfig(BaseConfig):
     """Ours: on the first batch, stop the run when the actor's log-probs differ from the rollout's by more than
-    the ``tolerance`` of the actor's dtype (dtype name -> max |diff|; docs/trainer.md, the log-prob parity gate)."""
+    the ``tolerance`` of the actor's dtype (dtype name -> max |diff|; docs/trainer.md, the log-prob parity gate);
+    with ``every_step``, on every later step too (a weight sync that misplaced a tensor)."""
 
     enable: bool = True
+    every_step: bool = True
     tolerance: dict[str, float] = dataclasses.field(default_factory=lambda: {"float32": 1e-4, "bfloat16": 1e-1})
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         _boolean(owner, "enable", self.enable)
+        _boolean(owner, "every_step", self.every_step)
         if not isinstance(self.tolerance, Mapping) or not self.tolerance:
             raise ValueError(f"{owner}.tolerance must map dtypes to tolerances, e.g. {{float32: 1e-4, bfloat16: 1e-1}}")
         for dtype, value in self.tolerance.items():

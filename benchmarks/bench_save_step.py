@@ -1,0 +1,113 @@
+"""What a save step costs the main job: the default GRPO run with a save every step against the same run without saves.
+
+    .venv/bin/python -m benchmarks.bench_save_step --out-dir /tmp/save_step [--pairs 7] [--steps 12] [hydra overrides ...]
+
+Each pair is two runs of ``python -m verl.trainer.main_ppo`` on the defaults (8 ranks, TP2 PP2 EP2 ETP2, the embedded
+model, the YAML's async mode) for ``--steps`` steps: one with ``trainer.save_freq=1``, one with
+``trainer.save_freq=0``, their order alternating from pair to pair. The first ``--warmup`` steps of each run are
+left out (the first saves set up their writers). From each run's metrics.jsonl:
+
+- ``save_s``: the median of ``timing_s/save_checkpoint``, the time the loop waits in a save;
+- ``slowdown_s``: the median ``timing_s/step`` of the saving run minus the other's (writers left running in the
+  background compete with the next step for the cores);
+- ``added_s = save_s + slowdown_s``: what a save step adds; ``share``: ``added_s`` over the median step of the run
+  without saves.
+
+Reported per pair and as the median of the per-pair values with their range, with the load average while the pairs
+ran, in ``<out-dir>/save_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks.common import LoadSampler, machine, read_metrics
+from verl.trainer.ppo.ray_trainer import METRICS_FILENAME
+from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY
+
+MBRIDGE = f"{VANILLA_MBRIDGE_KEY}=True"  # requirements.txt's stack has no Megatron-Bridge
+
+
+def run(label: str, save_freq: int, steps: int, run_dir: str, overrides: list[str]) -> tuple[list[dict], list[float]]:
+    """One run in a fresh ``run_dir``: its metrics records and the load average sampled while it ran."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    command = [
+        sys.executable, "-m", "verl.trainer.main_ppo", MBRIDGE, f"trainer.total_training_steps={steps}",
+        f"trainer.save_freq={save_freq}", "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}", *overrides,
+    ]  # fmt: skip
+    with open(os.path.join(run_dir, "run.log"), "w") as log, LoadSampler() as load:
+        start = time.monotonic()
+        returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+    if returncode != 0:
+        raise SystemExit(f"[bench_save_step] {label} run exited {returncode}; see {run_dir}/run.log")
+    print(f"[bench_save_step] {label}: {time.monotonic() - start:.0f} s", flush=True)
+    return read_metrics(os.path.join(run_dir, METRICS_FILENAME)), load.samples
+
+
+def pair_row(saving: list[dict], plain: list[dict], warmup: int) -> dict:
+    """One pair's numbers from the two runs' records, past the warm-up steps."""
+    saving, plain = saving[warmup:], plain[warmup:]
+    step_saving = statistics.median(r["timing_s/step"] for r in saving)
+    step_plain = statistics.median(r["timing_s/step"] for r in plain)
+    save_s = statistics.median(r["timing_s/save_checkpoint"] for r in saving)
+    added = save_s + step_saving - step_plain
+    return {
+        "step_s": round(step_plain, 3),
+        "step_s_saving": round(step_saving, 3),
+        "save_s": round(save_s, 3),
+        "slowdown_s": round(step_saving - step_plain, 3),
+        "added_s": round(added, 3),
+        "share": round(added / step_plain, 3),
+    }
+
+
+def spread(rows: list[dict], key: str) -> dict:
+    values = [row[key] for row in rows]
+    return {"median": round(statistics.median(values), 3), "min": min(values), "max": max(values)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--pairs", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3, help="first steps of each run left out")
+    args, overrides = parser.parse_known_args(argv)
+    if args.steps <= args.warmup:
+        parser.error(f"--steps={args.steps} leaves no step after --warmup={args.warmup}; raise --steps")
+    out_dir = os.path.abspath(args.out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    rows, load = [], []
+    for pair in range(args.pairs):
+        runs = {}
+        for label, save_freq in (("saving", 1), ("plain", 0))[:: 1 if pair % 2 == 0 else -1]:
+            runs[label], samples = run(f"pair {pair + 1} {label}", save_freq, args.steps, os.path.join(out_dir, f"pair{pair + 1}_{label}"), overrides)
+            load += samples
+        rows.append(pair_row(runs["saving"], runs["plain"], args.warmup))
+        print(f"[bench_save_step] pair {pair + 1}: {rows[-1]}", flush=True)
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "overrides": overrides,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "pairs": rows,
+        "summary": {key: spread(rows, key) for key in ("step_s", "save_s", "slowdown_s", "added_s", "share")},
+        "load_avg": {"min": round(min(load), 1), "median": round(statistics.median(load), 1), "max": round(max(load), 1)},
+    }
+    with open(os.path.join(out_dir, "save_step.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report["summary"], indent=1), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
