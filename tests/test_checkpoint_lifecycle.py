@@ -742,6 +742,32 @@ def test_a_non_finite_state_is_never_saved(tiny_moe_path, base_root, tmp_path, w
     assert _tracked(root) == str(previous)
 
 
+def _poisoned_once_the_save_returned(src: str, root: str, async_mode: str) -> dict:
+    """The async save returns; then NaN / Inf reach the live parameters and Adam moments before it is finalized."""
+    actor = _actor(src, async_save=True, async_mode=async_mode)
+    actor.train_step(_batches(0))
+    at_save = _params_and_optimizer(actor)
+    pending = actor.save_checkpoint(_step_path(root, 1), global_step=1)
+    for where in ("model", "optimizer"):
+        _poison(actor, where)
+    committed = actor.finalize_checkpoint()
+    actor.load_checkpoint(committed)
+    return {"pending": pending, "committed": committed, "differ": _differing(at_save, _params_and_optimizer(actor))}
+
+
+@pytest.mark.parametrize("async_mode", ["background_write", "snapshot"])
+def test_a_non_finite_state_after_the_save_returned_does_not_reach_the_step(tiny_moe_path, tmp_path, async_mode):
+    """The fork checks, plans and exports the state as it was when the save returned (its host copy or its
+    copy-on-write image): training's later writes, a NaN included, neither fail nor change the committed step."""
+    root = str(tmp_path)
+    for result in run_on_ranks(_poisoned_once_the_save_returned, WORLD, LAYOUT, args=(tiny_moe_path, root, async_mode)):
+        assert result["pending"] is True
+        assert result["committed"] == _step_path(root, 1)
+        assert result["differ"] == [], result["differ"][:5]
+    verify_checkpoint(_step_path(root, 1))
+    assert _tracked(root) == "1"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_finite_check_is_exact_where_a_sum_overflows(dtype):
     """The check screens with a sum: finite values whose sum overflows still pass, and every NaN/Inf fails."""

@@ -267,8 +267,8 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         """Write this step's parts into ``local_path`` (created if needed; the worker passes its staging directory).
 
         The body is the pipeline; the writer chosen when the manager was built runs the rank's part of it:
-        all here (``sync``); checked, planned and exported here, the files written by a forked process
-        (``background_write``); checked, written and exported by the fork (``snapshot``). Off ``sync`` this
+        all here (``sync``); a host copy of the device-resident state here, then checked, written and exported
+        by a forked process (``background_write``); checked, written and exported by the fork (``snapshot``). Off ``sync`` this
         returns once the fork runs; ``finalize_async_save`` (which a later save or load calls first) writes the
         metadata. The step transaction then verifies and commits the staging directory. Returns the save's
         report (also ``last_save``).
