@@ -747,7 +747,7 @@ def _poisoned_once_the_save_returned(src: str, root: str, async_mode: str) -> di
     actor = _actor(src, async_save=True, async_mode=async_mode)
     actor.train_step(_batches(0))
     at_save = _params_and_optimizer(actor)
-    pending = actor.save_checkpoint(_step_path(root, 1), global_step=1)
+    pending = actor.save_checkpoint(_step_path(root, 1), global_step=1, track=True)
     for where in ("model", "optimizer"):
         _poison(actor, where)
     committed = actor.finalize_checkpoint()
