@@ -23,7 +23,8 @@ import sys
 import tempfile
 import time
 
-from benchmarks.bench_checkpoint import LAYOUTS, PeakRSS, _save, _save_async, make_model
+from benchmarks.bench_checkpoint import LAYOUTS, PeakRSS, _save, _save_async
+from benchmarks.common import engine, make_model
 
 MODES = ("background_write", "snapshot")
 
@@ -31,10 +32,8 @@ MODES = ("background_write", "snapshot")
 def pairs_rank(model_path: str, work: str, pairs: int) -> dict:
     import torch
 
-    from verl.workers.engine.megatron.transformer_impl import ActorSettings, MegatronEngine
-
     peak = PeakRSS()
-    actor = MegatronEngine(ActorSettings(vanilla_mbridge=True, model_path=model_path, dtype=torch.float32))
+    actor = engine(model_path, "megatron.dtype=float32")
     data = torch.randint(4, 90, (4, 33), generator=torch.Generator().manual_seed(0))
     actor.train_step([data[:2], data[2:]])
     step = 0
