@@ -238,6 +238,34 @@ def test_a_dead_writer_of_a_save_fork_names_the_fork_and_the_rank_it_was_forked_
     assert re.fullmatch(expected, report.read_text()), report.read_text()
 
 
+def test_a_child_the_fork_ends_once_its_job_returned_is_no_dead_writer(tmp_path):
+    """Was: a fork whose writers found no results queue of the rank's started a Manager of its own; at the fork's
+    exit multiprocessing stopped it, after 1 s, with SIGTERM, and the writer watch, still running, took that for a
+    dead writer: a save fully written failed (4 ranks, about one save in twenty). Run as a save's fork runs its
+    job (``ForkedJob``), then ends a child the job started as that exit does: SIGTERM, reaped a moment later."""
+    import signal
+    import subprocess
+
+    from verl.utils.checkpoint.snapshot_save import ForkedJob, read_outcome
+
+    staging = str(tmp_path)
+    fork = os.fork()
+    if fork == 0:  # the save's fork: it must end here whatever happens
+        code = 2
+        try:
+            started = []
+            ForkedJob(staging, 0, lambda: started.append(subprocess.Popen(["sleep", "30"])) or {"writes": {}})()
+            started[0].send_signal(signal.SIGTERM)
+            time.sleep(1.0)  # not reaped yet: a watch still running sees a child killed by a signal
+            started[0].wait()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(fork, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # not ended by the watch
+    assert read_outcome(staging, 0) == {"ok": True, "writes": {}}
+
+
 def test_a_dead_writer_of_a_sync_save_names_the_rank_and_its_pid():
     """A sync save's writers are the rank's own children: the line a rank ends with names it and its pid. The
     process's RANK (5) and megatron's rank argument (2) differ here, so the test tells which part names which."""

@@ -121,6 +121,7 @@ def forked_request(save: ForkedSave, planned: list[AsyncRequest] | None) -> Asyn
     first (``finish_forked_save``), then megatron's finalize of what the rank planned."""
     write_dist = functools.partial(plan_and_write, save) if planned is None else planned_writes(planned) or dict
     snapshot_save.reserve_outcome(save.staging, save.rank)  # so a fork that fills the disk can still say so
+    megatron_core.start_write_results_queue()  # the fork's writers report through the rank's Manager, not one of its own
     return megatron_core.async_request(
         snapshot_save.ForkedJob(save.staging, save.rank, functools.partial(run_in_fork, save, write_dist), save.group),
         (),
