@@ -1,7 +1,8 @@
 """Training blocked by an async save against a warm sync save of the same state, in interleaved pairs.
 
 Each rank builds the actor of ``bench_checkpoint`` (fixed Qwen3-MoE, full checkpoint with HF weights), trains
-one step, saves three times synchronously (cold, plan validated, warm), then runs ``--pairs`` pairs: one warm
+one step, saves three times synchronously (cold, plan validated, warm) and once per async mode (the first async
+save starts the writers' results Manager in the rank, once per process), then runs ``--pairs`` pairs: one warm
 sync save, one ``background_write`` save (blocked time: the engine's ``save_checkpoint`` between two barriers;
 then finalized), one ``snapshot`` save (likewise). Per pair the ratio blocked / sync; reported: the median of
 the ratios with their min and max, per mode, and the slowest rank's split of the blocked time (the report's
@@ -49,6 +50,8 @@ def pairs_rank(model_path: str, work: str, pairs: int) -> dict:
 
     for _ in range(3):  # cold, validated, warm: the plan is reused from here on
         _save(actor, step_dir(), step, peak)
+    for mode in MODES:  # the process's first async saves: its writers' results queue (a Manager) starts in the rank
+        _save_async(actor, step_dir(), step, peak, mode)
     out = []
     for _ in range(pairs):
         pair = {"sync_s": _save(actor, step_dir(), step, peak)["save_s"]}
