@@ -5,7 +5,7 @@ accelerator's memory. So the rank copies each state tensor a save reads that is 
 parameters and buffers, the optimizer's parameters and state) into host memory, and the fork, before anything
 reads the state, points each such tensor at its copy (``HostCopy.install``). From then on the NaN/Inf check, the
 dist-checkpoint planning and writes and the HF export read the state as it was when the save returned, off the
-training path. A tensor already in host memory is not copied (``Tensor.cpu`` returns it): the fork's image of it
+training path. A tensor already in host memory is not copied: the fork's image of it
 is its snapshot, and training's later writes copy the page in the rank, never in the fork.
 """
 
@@ -53,9 +53,8 @@ class HostCopy:
         pairs = []
         with torch.no_grad():
             for tensor in state_tensors(model, optimizer):
-                host = tensor.cpu()
-                if host is not tensor:
-                    pairs.append((tensor, host))
+                if not tensor.is_cpu:
+                    pairs.append((tensor, tensor.cpu()))
         return cls(pairs)
 
     def install(self) -> None:
