@@ -111,15 +111,16 @@ def _crashing_manager(phase: str, mode: str) -> type:
 
 
 # Every writer (``save_writers.WRITERS``) and the toy one a test registers (tests/test_save_writers.py): the
-# checkpoint keys that choose it. The snapshot's HF export runs in its fork (the ranks met through a TCP store),
-# where a SIGKILL is the fork's death, not a rank's (tests/test_async_finalize.py).
+# checkpoint keys that choose it. Both async writers' HF export runs in their fork (the ranks met through a TCP
+# store; the background write's from its host copy), where a SIGKILL is the fork's death, not a rank's
+# (tests/test_async_finalize.py).
 WRITERS = {
     "sync": {},
     "background_write": {"async_save": True, "async_mode": "background_write"},
     "snapshot": {"async_save": True, "async_mode": "snapshot"},
     "toy": {},
 }
-IN_THE_FORK = {"snapshot": ("hf_config", "hf_weights")}
+IN_THE_FORK = {"snapshot": ("hf_config", "hf_weights"), "background_write": ("hf_config", "hf_weights")}
 
 
 def test_the_crash_matrix_runs_every_registered_writer():
