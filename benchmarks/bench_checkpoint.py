@@ -10,8 +10,8 @@ each layout -- (TP,PP,EP,ETP) = (2,2,2,2) on 8 ranks, (1,2,2,1) on 4 and (1,1,1,
    from the committed record (``MegatronEngine.last_committed.phase_seconds``: the writer's phases and the commit's);
 3. saves it twice more with ``async_save``, once with each async writer (``checkpoint.async_mode``, set on
    the manager between saves): ``snapshot`` (the fourth save of one structure: the whole save runs in a
-   process forked from each rank), then ``background_write`` (checked, planned and HF-exported in the rank,
-   written by the fork: a CUDA host's path): how long the call blocks training, where that time goes (the save's
+   process forked from each rank), then ``background_write`` (the same fork, reading a host copy the rank took
+   of what lives in device memory: a CUDA host's path): how long the call blocks training, where that time goes (the save's
    report), and how long the background part takes until ``finalize_async_save`` has committed the step;
 4. loads it back (model, optimizer, extra), timed;
 5. exports HF weights standalone with the bridge's parallel ``save_weights`` and with mbridge's own

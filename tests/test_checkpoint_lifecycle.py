@@ -111,15 +111,16 @@ def _crashing_manager(phase: str, mode: str) -> type:
 
 
 # Every writer (``save_writers.WRITERS``) and the toy one a test registers (tests/test_save_writers.py): the
-# checkpoint keys that choose it. The snapshot's HF export runs in its fork (the ranks met through a TCP store),
-# where a SIGKILL is the fork's death, not a rank's (tests/test_async_finalize.py).
+# checkpoint keys that choose it. Both async writers' HF export runs in their fork (the ranks met through a TCP
+# store; the background write's from its host copy), where a SIGKILL is the fork's death, not a rank's
+# (tests/test_async_finalize.py).
 WRITERS = {
     "sync": {},
     "background_write": {"async_save": True, "async_mode": "background_write"},
     "snapshot": {"async_save": True, "async_mode": "snapshot"},
     "toy": {},
 }
-IN_THE_FORK = {"snapshot": ("hf_config", "hf_weights")}
+IN_THE_FORK = {"snapshot": ("hf_config", "hf_weights"), "background_write": ("hf_config", "hf_weights")}
 
 
 def test_the_crash_matrix_runs_every_registered_writer():
@@ -242,8 +243,8 @@ def _async_and_sync_saves_of_one_state(src: str, root: str, async_mode: str) -> 
     step_1_visible_while_pending = os.path.exists(_step_path(async_root, 1))
     before_step_3 = _params_and_optimizer(actor)
     actor.save_checkpoint(_step_path(async_root, 3), global_step=3)  # finalizes step 1 first
-    # The third save of this structure: megatron's plan is reusable, so the snapshot's fork plans, writes and
-    # exports; the background write (a CUDA host's) checks, plans and exports in the rank, on every save.
+    # The third save of this structure: megatron's plan is reusable, so the fork plans, writes and exports (the
+    # background write's from the host copy its rank took: on this host, nothing to copy).
     report = manager.last_save
     step_3_where = (report.mode, report.checked_in_background, report.planned_in_background, report.hf_weights_in_background)
     step_1_committed_by_next_save = os.path.exists(_step_path(async_root, 1))
@@ -272,7 +273,6 @@ def _async_and_sync_saves_of_one_state(src: str, root: str, async_mode: str) -> 
 @pytest.mark.parametrize("async_mode", ["background_write", "snapshot"])
 def test_async_save_equals_a_sync_save_while_training_goes_on(tiny_moe_path, tmp_path, async_mode):
     root = str(tmp_path)
-    in_fork = async_mode == "snapshot"  # the check, the planning of step 3 and the HF export
     for result in run_on_ranks(_async_and_sync_saves_of_one_state, WORLD, LAYOUT, args=(tiny_moe_path, root, async_mode)):
         assert result["pending"] is True
         assert not result["visible_while_pending"], "an async step must stay in staging until finalized"
@@ -281,7 +281,7 @@ def test_async_save_equals_a_sync_save_while_training_goes_on(tiny_moe_path, tmp
         assert result["sync_vs_trained_on"] > 0, "training after the save must have changed the state"
         assert result["async_vs_sync"] == []
         assert result["async3_vs_state_at_save"] == [], result["async3_vs_state_at_save"][:5] + result["async3_vs_state_at_save"][-5:]
-        assert result["step_3_where"] == (AsyncMode(async_mode), in_fork, in_fork, in_fork), result["step_3_where"]
+        assert result["step_3_where"] == (AsyncMode(async_mode), True, True, True), result["step_3_where"]  # check, plan, HF export
     for step in (1, 3):
         verify_checkpoint(_step_path(os.path.join(root, "async"), step))
         # The HF export (in the parent for step 1, in the forks for step 3) equals a foreground one.
@@ -690,9 +690,9 @@ def _poison(actor, where: str) -> None:
 
 
 def _save_with_a_non_finite_state(src: str, root: str, where: str, mode: str) -> dict:
-    """Sync and the background write: the save refuses at once, in the rank. The snapshot (its first save, planned
-    in the rank, and from its third, planned in the fork): the fork finds it on the state it was about to write
-    and the save fails when finalized."""
+    """Sync: the save refuses at once, in the rank. The async writers (a first save, planned in the rank, and a
+    snapshot's third, planned in the fork): the fork finds it on the state it was about to write and the save
+    fails when finalized."""
     actor = _actor(src, async_save=mode != "sync", async_mode="snapshot" if mode.startswith("snapshot") else "background_write")
     actor.load_checkpoint(_step_path(root, 1))
     step = 2
@@ -720,7 +720,7 @@ def _save_with_a_non_finite_state(src: str, root: str, where: str, mode: str) ->
 # (mode, checked in the fork, planned in the fork, save_checkpoint returned before the refusal)
 WHERE_CHECKED = {
     "sync": (AsyncMode.SYNC, False, False, False),
-    "background_write": (AsyncMode.BACKGROUND_WRITE, False, False, False),
+    "background_write": (AsyncMode.BACKGROUND_WRITE, True, False, True),
     "snapshot_first_save": (AsyncMode.SNAPSHOT, True, False, True),
     "snapshot": (AsyncMode.SNAPSHOT, True, True, True),
 }
@@ -741,6 +741,32 @@ def test_a_non_finite_state_is_never_saved(tiny_moe_path, base_root, tmp_path, w
     previous = results[0]["step"] - 1
     verify_checkpoint(_step_path(root, previous))  # the previous step is whole
     assert _tracked(root) == str(previous)
+
+
+def _poisoned_once_the_save_returned(src: str, root: str, async_mode: str) -> dict:
+    """The async save returns; then NaN / Inf reach the live parameters and Adam moments before it is finalized."""
+    actor = _actor(src, async_save=True, async_mode=async_mode)
+    actor.train_step(_batches(0))
+    at_save = _params_and_optimizer(actor)
+    pending = actor.save_checkpoint(_step_path(root, 1), global_step=1, track=True)
+    for where in ("model", "optimizer"):
+        _poison(actor, where)
+    committed = actor.finalize_checkpoint()
+    actor.load_checkpoint(committed)
+    return {"pending": pending, "committed": committed, "differ": _differing(at_save, _params_and_optimizer(actor))}
+
+
+@pytest.mark.parametrize("async_mode", ["background_write", "snapshot"])
+def test_a_non_finite_state_after_the_save_returned_does_not_reach_the_step(tiny_moe_path, tmp_path, async_mode):
+    """The fork checks, plans and exports the state as it was when the save returned (its host copy or its
+    copy-on-write image): training's later writes, a NaN included, neither fail nor change the committed step."""
+    root = str(tmp_path)
+    for result in run_on_ranks(_poisoned_once_the_save_returned, WORLD, LAYOUT, args=(tiny_moe_path, root, async_mode)):
+        assert result["pending"] is True
+        assert result["committed"] == _step_path(root, 1)
+        assert result["differ"] == [], result["differ"][:5]
+    verify_checkpoint(_step_path(root, 1))
+    assert _tracked(root) == "1"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -150,7 +150,7 @@ def test_a_killed_save_process_fails_the_run_within_seconds_blaming_its_rank(tmp
 
 def _async_saves_from_a_thread(src: str, root: str, async_mode: str) -> list[str]:
     """Each save called from a thread that ends before the save is finalized (a threaded actor's call): its fork
-    must neither die with that thread nor hang; with the snapshot the third save runs whole in the forks."""
+    must neither die with that thread nor hang; with either async writer the third save runs whole in the forks."""
     import threading
 
     from tests.test_checkpoint_lifecycle import _actor, _batches, _step_path
@@ -176,7 +176,7 @@ def test_async_saves_forked_from_a_thread_complete(tiny_moe_path, tmp_path, asyn
 
     root = str(tmp_path / "run")
     modes = run_on_ranks(_async_saves_from_a_thread, WORLD, LAYOUT, args=(tiny_moe_path, root, async_mode), timeout_s=300)[0]
-    assert modes == [(async_mode, False), (async_mode, False), (async_mode, async_mode == "snapshot")], modes
+    assert modes == [(async_mode, False), (async_mode, False), (async_mode, True)], modes
     for step in (1, 2, 3):
         verify_checkpoint(_step_path(root, step))
 
@@ -236,6 +236,34 @@ def test_a_dead_writer_of_a_save_fork_names_the_fork_and_the_rank_it_was_forked_
         rf"process, pid {os.getpid()}\) died \(signal 9\)"
     )
     assert re.fullmatch(expected, report.read_text()), report.read_text()
+
+
+def test_a_child_the_fork_ends_once_its_job_returned_is_no_dead_writer(tmp_path):
+    """Was: a fork whose writers found no results queue of the rank's started a Manager of its own; at the fork's
+    exit multiprocessing stopped it, after 1 s, with SIGTERM, and the writer watch, still running, took that for a
+    dead writer: a save fully written failed (4 ranks, about one save in twenty). Run as a save's fork runs its
+    job (``ForkedJob``), then ends a child the job started as that exit does: SIGTERM, reaped a moment later."""
+    import signal
+    import subprocess
+
+    from verl.utils.checkpoint.snapshot_save import ForkedJob, read_outcome
+
+    staging = str(tmp_path)
+    fork = os.fork()
+    if fork == 0:  # the save's fork: it must end here whatever happens
+        code = 2
+        try:
+            started = []
+            ForkedJob(staging, 0, lambda: started.append(subprocess.Popen(["sleep", "30"])) or {"writes": {}})()
+            started[0].send_signal(signal.SIGTERM)
+            time.sleep(1.0)  # not reaped yet: a watch still running sees a child killed by a signal
+            started[0].wait()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(fork, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # not ended by the watch
+    assert read_outcome(staging, 0) == {"ok": True, "writes": {}}
 
 
 def test_a_dead_writer_of_a_sync_save_names_the_rank_and_its_pid():

@@ -3,8 +3,9 @@
 ``checkpoint.async_save`` (upstream's key, upstream's meaning) turns the background save on; ``checkpoint.async_mode``
 (ours) says which one:
 
-- ``background_write`` (default, every host): the rank checks the state for NaN/Inf, plans the dist checkpoints
-  and exports the HF weights; a forked process writes the planned dist-checkpoint files. The path a CUDA host takes.
+- ``background_write`` (default, every host): the rank copies what of the state lives in device memory into host
+  memory (nothing on a host-memory run) and forks; the forked process runs the snapshot's pipeline on that copy.
+  The path a CUDA host takes.
 - ``snapshot``: the forked process sees the tensors (its copy-on-write image of the rank is the snapshot), so it
   checks, plans (once megatron's plan is reusable), writes and exports. Needs the state in host memory: refused on
   a run whose parameters live on an accelerator, where the fork would see no device memory.
@@ -24,7 +25,7 @@ class AsyncMode(str, enum.Enum):
     """Where a save's dist checkpoints, NaN/Inf check and HF export run; one per manager (``choose_mode``)."""
 
     SYNC = "sync"  # everything in the rank before save_checkpoint returns
-    BACKGROUND_WRITE = "background_write"  # checked, planned and exported in the rank; a forked process writes
+    BACKGROUND_WRITE = "background_write"  # a host copy in the rank; a forked process checks, plans, writes, exports
     SNAPSHOT = "snapshot"  # a forked process checks, plans (from the third save), writes and exports
 
 

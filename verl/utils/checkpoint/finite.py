@@ -26,15 +26,19 @@ def named_state_tensors(model: list | None, optimizer) -> Iterator[tuple[str, to
         for name, param in chunk.named_parameters():
             names[id(param)] = f"{name}" if len(model) == 1 else f"chunk{index}.{name}"
             yield names[id(param)], param
-    if optimizer is None:
-        return
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", inner)
+    for torch_optimizer in torch_optimizers(optimizer):
         for number, (param, state) in enumerate(getattr(torch_optimizer, "state", {}).items()):
             owner = names.get(id(param), f"parameter #{number}")
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
                     yield f"optimizer {key} of {owner}", value
+
+
+def torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside megatron's (chained, distributed or not) optimizer: what holds the state."""
+    if optimizer is None:
+        return []
+    return [getattr(inner, "optimizer", inner) for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
 def is_finite(tensor: torch.Tensor) -> bool:

@@ -1,9 +1,10 @@
 """What an async save's forked process is given and runs: state dicts' sources, paths, a communicator; no manager.
 
-A process forked from the rank runs a save's background part (``ForkedSave``): for the ``background_write``
-writer the dist-checkpoint files the rank planned; for the ``snapshot`` writer the pipeline on its copy-on-write
-image of the rank: the NaN/Inf check, the dist checkpoints (planned in the rank, or planned here once megatron's
-plan is reusable) and, when the bridge saves in parallel, the HF export over the forks' own group (``HFExport``).
+A process forked from the rank runs a save's background part (``ForkedSave``), the same pipeline for both async
+writers on its copy-on-write image of the rank: the NaN/Inf check, the dist checkpoints (planned in the rank, or
+planned here once megatron's plan is reusable) and, when the bridge saves in parallel, the HF export over the
+forks' own group (``HFExport``). The ``background_write`` writer's fork first points the state at the host copy
+the rank took of what lives in device memory (``host_copy``); the ``snapshot`` writer's reads the live tensors.
 Either fork leaves its outcome for the ranks, which agree on it before megatron's finalize, so a fork that died
 (killed in its first instant included) fails the save on every rank naming its own. Everything it touches is named in the dataclasses below (model and optimizer objects, the
 strategies, the bridge, paths); of the manager it calls only the public ``on_save_phase`` hook it is handed, so
@@ -21,6 +22,7 @@ import torch
 
 from verl.utils.checkpoint import durability, finite, layout, snapshot_save
 from verl.utils.checkpoint.errors import CheckpointError
+from verl.utils.checkpoint.host_copy import HostCopy
 from verl.utils.checkpoint.megatron_state_dicts import DistParts, sharded_structure
 from verl.utils.internals import megatron_core
 from verl.utils.rank_comm import ForkedRankComm, RankComm
@@ -79,8 +81,8 @@ class HFExport:
 @dataclasses.dataclass
 class ForkedSave:
     """What a save's fork is given: the step's staging directory, the state's sources, megatron's save strategies
-    (content -> (structure, strategy)), whether it checks the state for NaN/Inf and, with ``hf``, the export and
-    its forks' group name."""
+    (content -> (structure, strategy)), whether it checks the state for NaN/Inf, with ``hf`` the export and its
+    forks' group name, and with ``host`` the host copy it reads the state from."""
 
     staging: str
     rank: int
@@ -90,6 +92,7 @@ class ForkedSave:
     check: bool = True
     hf: HFExport | None = None
     group: str | None = None
+    host: HostCopy | None = None
 
 
 def planned_writes(requests: list[AsyncRequest]) -> Callable[[], None] | None:
@@ -118,6 +121,7 @@ def forked_request(save: ForkedSave, planned: list[AsyncRequest] | None) -> Asyn
     first (``finish_forked_save``), then megatron's finalize of what the rank planned."""
     write_dist = functools.partial(plan_and_write, save) if planned is None else planned_writes(planned) or dict
     snapshot_save.reserve_outcome(save.staging, save.rank)  # so a fork that fills the disk can still say so
+    megatron_core.start_write_results_queue()  # the fork's writers report through the rank's Manager, not one of its own
     return megatron_core.async_request(
         snapshot_save.ForkedJob(save.staging, save.rank, functools.partial(run_in_fork, save, write_dist), save.group),
         (),
@@ -126,11 +130,14 @@ def forked_request(save: ForkedSave, planned: list[AsyncRequest] | None) -> Asyn
 
 
 def run_in_fork(save: ForkedSave, write_dist: Callable[[], dict | None]) -> dict:
-    """The forked process: with ``save.check`` the NaN/Inf check of the state it is about to write, this rank's dist
-    checkpoints (megatron's writer processes fsync each file), then with ``save.hf`` the HF export over the forks'
-    group, whose files this process fsyncs (``durability``: on the host that wrote them). The group is formed
-    first: a fork that fails later makes the others fail fast, not wait."""
+    """The forked process: with ``save.host`` the state pointed at its host copy, with ``save.check`` the NaN/Inf
+    check of the state it is about to write, this rank's dist checkpoints (megatron's writer processes fsync each
+    file), then with ``save.hf`` the HF export over the forks' group, whose files this process fsyncs
+    (``durability``: on the host that wrote them). The group is formed first: a fork that fails later makes the
+    others fail fast, not wait."""
     comm = ForkedRankComm(save.group) if save.hf is not None else None
+    if save.host is not None:
+        save.host.install()
     if save.check:
         finite.check_finite_here(save.parts.model, save.parts.optimizer, save.refusal, save.rank)
     outcome: dict[str, Any] = {"writes": write_dist() or {}}

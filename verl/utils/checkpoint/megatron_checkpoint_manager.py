@@ -44,6 +44,7 @@ from verl.utils.checkpoint.async_modes import AsyncMode, choose_mode
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, config_get, not_implemented_unless_default
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.forked_save import ForkedSave, HFExport
+from verl.utils.checkpoint.host_copy import HostCopy
 from verl.utils.checkpoint.mbridge_config import save_weights_kwargs
 from verl.utils.checkpoint.megatron_checkpoint_load import MegatronLoads
 from verl.utils.checkpoint.megatron_metadata import MegatronMetadata, write_hf_config
@@ -266,8 +267,8 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         """Write this step's parts into ``local_path`` (created if needed; the worker passes its staging directory).
 
         The body is the pipeline; the writer chosen when the manager was built runs the rank's part of it:
-        all here (``sync``); checked, planned and exported here, the files written by a forked process
-        (``background_write``); checked, written and exported by the fork (``snapshot``). Off ``sync`` this
+        all here (``sync``); a host copy of the device-resident state here, then checked, written and exported
+        by a forked process (``background_write``); checked, written and exported by the fork (``snapshot``). Off ``sync`` this
         returns once the fork runs; ``finalize_async_save`` (which a later save or load calls first) writes the
         metadata. The step transaction then verifies and commits the staging directory. Returns the save's
         report (also ``last_save``).
@@ -358,14 +359,16 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             self._build_extra_state_dict() if self.should_save_extra else None, self.on_save_phase,
         )  # fmt: skip
 
-    def _forked_save(self, save: SaveReport, check: bool, export_hf: bool) -> ForkedSave:
+    def _forked_save(self, save: SaveReport, check: bool, export_hf: bool, to_host: bool) -> ForkedSave:
         """What an async writer's fork is given (it runs the NaN/Inf check with ``check``, the HF export with
-        ``export_hf``); the RNG state is taken here (a fork reseeds ``random``)."""
+        ``export_hf``, and reads the host copy taken here with ``to_host``); the RNG state is taken here (a fork
+        reseeds ``random``)."""
+        host = self._timed("host_copy", HostCopy.take, self.model, self.optimizer) if to_host else None
         self._forked_saves += 1
         hf = self._hf_export(save.local_path, in_rank=False) if export_hf else None
         group = f"{self.role}/step{save.global_step}/save{self._forked_saves}" if hf is not None else None
         parts = self._dist_parts()
-        return ForkedSave(save.local_path, self.rank, self._refusal(save), parts, self._save_strategies, check, hf, group)
+        return ForkedSave(save.local_path, self.rank, self._refusal(save), parts, self._save_strategies, check, hf, group, host)
 
     def _hf_export(self, local_path: str, in_rank: bool) -> HFExport:
         """The step's HF export unit; ``in_rank``: its phases announced (``on_save_phase``) and timed here."""

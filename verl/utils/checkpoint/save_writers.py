@@ -10,12 +10,14 @@ writer is added here and in ``async_modes`` (its mode), nowhere else:
 writer            dist checkpoints: plan/write  NaN/Inf check               HF export     hosts
 ================  ============================  ==========================  ============  =============
 ``sync``          rank / rank (its threads)     rank, before anything       rank [2]_     every host
-``background``    rank / forked process         rank, before anything       rank          every host
+``background``    rank, then fork / fork [3]_   fork, on what it writes     fork [1]_     every host
 ``snapshot``      rank, then fork / fork        fork, on what it writes     fork [1]_     host memory
 ================  ============================  ==========================  ============  =============
 
 .. [1] When the bridge saves in parallel over any group and the ranks met through a TCP store (the forks form
    their own group); else in the rank. Decided when the manager is built, like the rest.
+.. [3] The background writer's rank first copies what of the state lives in device memory into host memory
+   (``host_copy``; nothing on a host-memory run), which its fork then reads: the snapshot's pipeline on a copy.
 .. [2] Beside the dist write, in a thread over a gloo group of its own (``GroupRankComm``, made once), when the
    bridge saves in parallel over any group, on every host: gloo sends host tensors, so on an accelerator each
    piece travels as the host copy the file write needs anyway (``RankComm.host_only``). Else (mbridge's gathered
@@ -62,8 +64,8 @@ class SaveJob:
     retention, then the save's directories (after the check: a refused save writes and removes nothing);
     ``plan_in_rank(in_background)``: the dist checkpoints written here, or only planned (returns the writes still
     to run); ``plans_reusable()``: megatron's plans need no collective any more; ``dist_written()``: the files
-    this rank's in-rank writer wrote (after ``plan_in_rank(False)``); ``fork(check, export_hf)``: what a forked
-    pipeline is given; ``export_hf(comm)``: the rank's HF export (``HFExport.run``) over ``comm`` (None: the
+    this rank's in-rank writer wrote (after ``plan_in_rank(False)``); ``fork(check, export_hf, to_host)``: what a
+    forked pipeline is given (with ``to_host`` the host copy of the state it reads); ``export_hf(comm)``: the rank's HF export (``HFExport.run``) over ``comm`` (None: the
     default group), the files it wrote; ``hf_group()``: the export's own group beside the dist write, made once
     (collectively); ``hf_dir``: the HF folder (None: no HF export this save); ``hf_parallel``: the bridge saves
     in parallel over any group; ``hf_in_fork``: its export can run over the forks' group."""
@@ -75,7 +77,7 @@ class SaveJob:
     plan_in_rank: Callable[[bool], list[AsyncRequest] | None]
     plans_reusable: Callable[[], bool]
     dist_written: Callable[[], list[str]]
-    fork: Callable[[bool, bool], ForkedSave]
+    fork: Callable[[bool, bool, bool], ForkedSave]
     export_hf: Callable[[RankComm | None], list[str] | None]
     hf_group: Callable[[], RankComm]
     hf_dir: str | None = None
@@ -133,36 +135,32 @@ class SyncWriter:
         return WriterOutcome(hf_exported=exported)
 
 
-class BackgroundWriter:
-    """Checked, planned and HF-exported in the rank; megatron's planned file writes run in one forked process."""
-
-    mode = AsyncMode.BACKGROUND_WRITE
-
-    def run(self, job: SaveJob) -> WriterOutcome:
-        drain_stale_results()
-        job.check()
-        job.prepare(False)
-        request = forked_request(job.fork(False, False), job.plan_in_rank(True))
-        return WriterOutcome(request, hf_exported=job.export_and_seal())
-
-
 class SnapshotWriter:
     """The forked process checks, writes (and, once the plans are reusable, plans) and exports (when it can, see
-    the table): the rank is held only for the fork."""
+    the table): the rank is held only for the fork. It reads the live tensors' copy-on-write image: host memory only."""
 
     mode = AsyncMode.SNAPSHOT
+    to_host = False
 
     def run(self, job: SaveJob) -> WriterOutcome:
         drain_stale_results()
         job.prepare(False)
         hf_in_fork = job.hf_dir is not None and job.hf_in_fork
         reusable = job.plans_reusable()
-        fork = job.fork(True, hf_in_fork)
+        fork = job.fork(True, hf_in_fork, self.to_host)
         request = forked_request(fork, None if reusable else job.plan_in_rank(True))
         exported = False if hf_in_fork else job.export_and_seal()
         return WriterOutcome(
             request, checked_in_background=True, hf_weights_in_background=hf_in_fork, planned_in_background=reusable, hf_exported=exported
         )
+
+
+class BackgroundWriter(SnapshotWriter):
+    """The snapshot's pipeline on a host copy: the rank copies what of the state lives in device memory into host
+    memory, then forks; the fork reads that copy. Every host, the rank held for the copy and the fork."""
+
+    mode = AsyncMode.BACKGROUND_WRITE
+    to_host = True
 
 
 def drain_stale_results() -> None:

@@ -148,22 +148,30 @@ def _watch_children(
             os._exit(1)
 
 
-def fail_when_a_writer_dies(on_death: Callable[[str], None], rank: int, interval_s: float = 0.2) -> None:
+def fail_when_a_writer_dies(on_death: Callable[[str], None], rank: int, interval_s: float = 0.2) -> Callable[[], None]:
     """In a process forked for rank ``rank``'s save: end it (status 1) as soon as one of its child processes
-    dies badly.
+    dies badly, until the returned ``stop()`` is called.
 
     megatron's dist-checkpoint writer runs one process per file bucket and waits on a queue for every one
     of them: a writer killed by a signal (the OOM killer, an operator) would leave this process, and every
     rank's save with it, waiting forever. ``on_death(reason)`` records why first (the reason names the writer,
     this process and the rank's own process it was forked from); the other writers are killed, so none is
-    left behind.
+    left behind. The fork calls ``stop()`` once its job has returned, before it records the outcome and exits:
+    by then every writer has reported and been joined, and a child its exit ends (multiprocessing's
+    finalizers send SIGTERM to a Manager slow to shut down) is no writer's death.
     """
     global _watched
     _watched = True
     owner = f"rank {rank}'s save process (pid {os.getpid()}, forked from the rank's process, pid {os.getppid()})"
-    threading.Thread(
-        target=_watch_children, args=(on_death, threading.Event(), frozenset(), interval_s, owner), name="save-writer-watch", daemon=True
-    ).start()
+    stop = threading.Event()
+    watch = threading.Thread(target=_watch_children, args=(on_death, stop, frozenset(), interval_s, owner), name="save-writer-watch", daemon=True)
+    watch.start()
+
+    def stop_watching() -> None:
+        stop.set()
+        watch.join()
+
+    return stop_watching
 
 
 def watch_writers_in_the_rank(original: Callable[..., None]) -> Callable[..., None]:
@@ -266,11 +274,12 @@ class ForkedJob:
         operating-system error as such: ``_failed``). The parent reserved room for it (``reserve_outcome``).
 
         The fork dies with its rank (``verl.utils.process_lifetime``, armed by the manager)."""
-        fail_when_a_writer_dies(lambda reason: _record(self.staging, self.rank, {"ok": False, "error": reason}), self.rank)
+        stop_watching = fail_when_a_writer_dies(lambda reason: _record(self.staging, self.rank, {"ok": False, "error": reason}), self.rank)
         try:
             outcome: dict[str, Any] = {"ok": True, **self.job()}
         except BaseException as exc:  # noqa: BLE001 - the parent reports it; a fork must not raise into multiprocessing
             outcome = _failed(exc, self.staging)
+        stop_watching()  # the writers are done: what this process's exit ends is not a writer's death
         _record(self.staging, self.rank, outcome)
 
 
@@ -280,14 +289,26 @@ def fork(queue: Any, request: Any) -> None:
     first instants included), says so to the peers' forks (``rank_comm.announce_death``), which then fail at
     once instead of waiting to meet it. It watches a pidfd, not the exit status: the queue reaps the fork."""
     job = request.async_fn
-    before = {child.pid for child in psutil.Process().children()}
-    queue.schedule_async_request(request)
     if not isinstance(job, ForkedJob) or job.group is None:
+        queue.schedule_async_request(request)
         return
-    for pid in {child.pid for child in psutil.Process().children()} - before:
+    before = _children_of_this_thread()
+    queue.schedule_async_request(request)
+    for pid in _children_of_this_thread() - before:
         with contextlib.suppress(OSError):  # no pidfds here: the peers wait out their meeting time instead
             pidfd = os.pidfd_open(pid)  # before this returns: the fork is not reaped yet, even if it died
             threading.Thread(target=_announce_if_it_fails, args=(pidfd, job), name="save-fork-watch", daemon=True).start()
+
+
+def _children_of_this_thread() -> set[int]:
+    """The child processes the calling thread started (a fork it makes is among them): Linux lists them per
+    thread, a small read, where psutil reads every process's ``stat`` on the host (milliseconds on a busy one,
+    on the training path). Without that list (a kernel built without it): every child of this process."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/children") as handle:
+            return {int(pid) for pid in handle.read().split()}
+    except OSError:
+        return {child.pid for child in psutil.Process().children()}
 
 
 def _announce_if_it_fails(pidfd: int, job: ForkedJob) -> None:

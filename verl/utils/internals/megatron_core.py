@@ -307,6 +307,19 @@ def tie_write_results_queue(start_manager: Callable[[], Any]) -> None:
     _setattr(WRITE_RESULTS_QUEUE, tied_write_results_queue)
 
 
+def start_write_results_queue() -> None:
+    """Make this process's dist-checkpoint write-results queue now, if it has none yet (on a tied queue: start
+    its Manager). A rank calls it before it forks a save: the fork's writers then report through the rank's
+    Manager, inherited, instead of each fork starting a Manager of its own, which its exit must stop again
+    (multiprocessing's finalizer waits 1 s for a Manager to shut down, then sends it SIGTERM). Where megatron's
+    getter moved (``guard_writers`` warned), nothing: its writers then make the queue where they run."""
+    try:
+        getter = WRITE_RESULTS_QUEUE.get()
+    except InternalsChangedError:
+        return
+    getter()
+
+
 def drain_write_results() -> int:
     """Drop what megatron's dist-checkpoint writers of this process left in their results queue; how many items.
 

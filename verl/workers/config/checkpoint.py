@@ -20,8 +20,9 @@ class McoreCheckpointConfig(CheckpointConfig):
         mbridge_config: keyword arguments for the bridge's HF weight save (e.g. mbridge's
             ``memory_efficient``); a key the bridge's ``save_weights`` does not take is refused, naming it.
         async_mode: ours, not upstream's. With ``async_save``, which writer runs in the background:
-            ``background_write`` (every host; checked, planned and HF-exported in the rank, written by a forked
-            process) or ``snapshot`` (host memory only: the forked process checks, plans, writes and exports).
+            ``background_write`` (every host; the rank copies what of the state lives in device memory into host
+            memory, then a forked process checks, plans, writes and exports from that copy) or ``snapshot`` (host
+            memory only: the forked process checks, plans, writes and exports from the live tensors' image).
             Chosen once for the run; ``validate(device)`` refuses ``snapshot`` on an accelerator.
     """
 
