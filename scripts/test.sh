@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create or reuse .venv, install the package with its test extras on requirements.txt's exact stack (setup.py
-# declares ranges; the suite runs the pinned releases, transformers 5.10), then lint and run the whole suite.
-# Then the transformers 4.57 leg: the same stack but transformers 4.57 in .venv-transformers4, running the
+# declares ranges; the suite runs the pinned releases, transformers 5.19 with vLLM's CPU build), then lint and run the
+# whole suite.
+# Then the transformers 4.57 leg: the same stack but transformers 4.57 and no vLLM in .venv-transformers4, running the
 # tests of fix 1, fix 2, the model families, the HF names and one CLI save and resume (TRANSFORMERS4_TESTS).
 # Then the Python 3.12 leg: requirements-py312.txt's stack (megatron-core 0.18, Megatron-Bridge, torch 2.14) in
 # .venv-py312, running PY312_TESTS. With arguments (pytest's), only the main leg runs, on them.
@@ -9,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 main_started=$SECONDS  # each leg's time, installs included, is printed at the end
 source scripts/venv.sh
-python -m pip install -q -r requirements.txt -e ".[test]"
+install_stack -e ".[test]"  # requirements.txt and requirements-vllm.txt (vLLM's CPU build)
 ruff check verl tests scripts benchmarks interop
 
 # run_pytest ARGS...: pytest's status, but "collected nothing" (5) is a failure.
@@ -51,6 +52,7 @@ fi
 # shellcheck disable=SC1091
 source .venv-transformers4/bin/activate
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+# requirements.txt only: requirements-vllm.txt (vLLM's CPU build) needs transformers >=5.16.1
 python -m pip install -q -r <(grep -v '^transformers' requirements.txt) "transformers==4.57.6" -e ".[test]"
 tf4_status=0
 run_pytest "${TRANSFORMERS4_TESTS[@]}" || tf4_status=$?
@@ -96,6 +98,6 @@ PY312_DESELECT=(
 )
 run_pytest "${PY312_TESTS[@]}" "${PY312_DESELECT[@]/#/--deselect=}" || py312_status=$?
 py312_seconds=$((SECONDS - py312_started))
-echo "[test.sh] main leg (transformers 5.10): status $main_status, ${main_seconds} s; transformers 4.57 leg: status $tf4_status, ${tf4_seconds} s;" \
+echo "[test.sh] main leg (transformers 5.19, vLLM): status $main_status, ${main_seconds} s; transformers 4.57 leg: status $tf4_status, ${tf4_seconds} s;" \
   "Python 3.12 leg: status $py312_status, ${py312_seconds} s (each with its installs)"
 [ "$main_status" -eq 0 ] && [ "$tf4_status" -eq 0 ] && [ "$py312_status" -eq 0 ]

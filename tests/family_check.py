@@ -185,7 +185,7 @@ def run_family_checks(
 # The generic toggle (bool flipped, number doubled, ...) where it would not make a valid or a different model.
 TOGGLES: dict[str, Any] = {
     "hidden_act": "gelu",
-    "head_dim": 32,  # != hidden_size / num_attention_heads (the unset default)
+    "head_dim": 64,  # != the tiny model's 32 and != hidden_size / num_attention_heads (16, the unset default)
     "sliding_window": 8,  # shorter than the 16-token check, so a window would change the logits
     "mlp_only_layers": [0],
     "rope_parameters": {"rope_type": "linear", "factor": 2.0},

