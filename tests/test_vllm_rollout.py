@@ -147,3 +147,25 @@ def test_log_probs_after_a_sync_are_the_models(tmp_path, model_dir, temperature,
         gap, repeats, tokens = pool.apply(_parity_gap, (model_dir, temperature, top_p, str(tmp_path / "store")))
     assert tokens > 6 and repeats
     assert gap < 1e-4, gap
+
+
+def _checked(model_dir: str, overrides: list[str]) -> tuple[list[str], list[str]]:
+    """The pre-start checks' problems and the keys listed as having no effect, for a run with ``overrides``."""
+    from hydra import compose, initialize_config_module
+
+    from tests.main_leg import MBRIDGE
+    from verl.trainer.upstream_keys import ignored_settings
+    from verl.trainer.validation import check_config
+
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        config = compose("ppo_megatron_trainer", overrides=[MBRIDGE, f"actor_rollout_ref.model.path={model_dir}", *overrides])
+    return check_config(config, model_dir), [line.split("=", 1)[0] for line in ignored_settings(config)]
+
+
+def test_the_checks_accept_vllm_and_refuse_log_probs_it_cannot_return(model_dir):
+    rollout = "actor_rollout_ref.rollout."
+    problems, ignored = _checked(model_dir, [f"{rollout}name=vllm", f"{rollout}gpu_memory_utilization=0.3", f"{rollout}max_num_seqs=64"])
+    assert problems == []
+    assert f"{rollout}gpu_memory_utilization" in ignored and f"{rollout}max_num_seqs" not in ignored
+    problems, _ = _checked(model_dir, [f"{rollout}name=vllm", f"{rollout}temperature=0.7", f"{rollout}top_p=0.9"])
+    assert len(problems) == 1 and problems[0].startswith(f"{rollout}temperature=0.7 with top_p=0.9: ") and "set " in problems[0], problems

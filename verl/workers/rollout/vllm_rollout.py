@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from verl.workers.rollout.hf_rollout import RolloutSettings, response_mask
+from verl.workers.rollout.vllm_log_probs import convention_problem, logprobs_mode
 
 # Arguments of a vLLM weight loader that say where in the parameter a tensor goes (a fused parameter's shard, a
 # fused MoE parameter's expert); the rest are the parameter, the tensor and flags.
@@ -44,24 +45,6 @@ class VLLMEngineSettings:
     enforce_eager: bool = True
     load_format: str = "dummy"
     engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def logprobs_mode(temperature: float) -> str:
-    """vLLM's ``logprobs_mode`` that returns ``log_softmax(logits / temperature)`` of the sampled token before
-    top-k / top-p (what the actor recomputes): the raw log-probs at temperature 1 (any top-p); else the processed
-    ones, which are taken after top-k / top-p, so equal to it only without them."""
-    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
-
-
-def convention_problem(mode: str, settings: RolloutSettings) -> str | None:
-    """Why an engine in ``mode`` cannot return the actor's log-probs for ``settings``; None when it can."""
-    if not settings.do_sample or (mode == "raw_logprobs" and settings.temperature == 1.0):
-        return None  # greedy: vLLM's log-probs are of the raw logits, the actor's at temperature 1
-    if mode == "raw_logprobs":
-        return f"the engine returns log-probs at temperature 1 (its training temperature), asked for {settings.temperature}"
-    if settings.top_p < 1.0:
-        return f"vLLM's log-probs at temperature {settings.temperature} are taken after top-p={settings.top_p}; the actor's are before it"
-    return None
 
 
 def join_engine_groups() -> None:
@@ -155,7 +138,7 @@ class InMemoryVLLMRollout:
         from vllm.inputs import TokensPrompt
 
         s = self.settings
-        problem = convention_problem(self.logprobs_mode, s)
+        problem = convention_problem(self.logprobs_mode, s.do_sample, s.temperature, s.top_p)
         if problem:
             raise ValueError(f"the vLLM rollout cannot return the actor's log-probs: {problem}")
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
