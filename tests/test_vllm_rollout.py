@@ -169,3 +169,28 @@ def test_the_checks_accept_vllm_and_refuse_log_probs_it_cannot_return(model_dir)
     assert f"{rollout}gpu_memory_utilization" in ignored and f"{rollout}max_num_seqs" not in ignored
     problems, _ = _checked(model_dir, [f"{rollout}name=vllm", f"{rollout}temperature=0.7", f"{rollout}top_p=0.9"])
     assert len(problems) == 1 and problems[0].startswith(f"{rollout}temperature=0.7 with top_p=0.9: ") and "set " in problems[0], problems
+
+
+def test_a_cli_grpo_run_with_the_vllm_rollout(tmp_path, model_dir):
+    """8 ranks at the default layout (TP2 PP2 EP2 ETP2: two data-parallel groups, two engines), a few steps:
+    the first-batch parity gate passes and every step's rollout log-probs are Megatron's within 1e-4."""
+    from tests.cli_runs import cli_env, read_metrics, run_trainer
+
+    ckpt = tmp_path / "ckpt"
+    code, out = run_trainer(
+        [
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.enforce_eager=True",
+            "trainer.total_training_steps=3",
+            "trainer.save_freq=-1",
+            f"trainer.default_local_dir={ckpt}",
+        ],
+        tmp_path,
+        cli_env(tmp_path / "model_cache"),
+    )
+    assert code == 0, out[-6000:]
+    steps = read_metrics(ckpt)
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["rollout/log_prob_diff_max"] < 1e-4 for m in steps), [m["rollout/log_prob_diff_max"] for m in steps]
+    assert all(m["response_length/mean"] > 0 for m in steps)
