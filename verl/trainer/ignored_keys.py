@@ -16,6 +16,22 @@ from verl.trainer.upstream_keys import EXTRA_ENGINE_KEYS, ROLLOUT, leaves, raw_y
 __all__ = ["ignored_settings"]
 
 _ENGINE_WHY = "an inference-engine setting (vLLM / SGLang / TensorRT-LLM); the hf rollout (transformers generate on each data-parallel group's output rank) has none"
+_ONE_ENGINE_WHY = "one vLLM engine per data-parallel group, in its output rank's process, at tensor-parallel 1"
+# With rollout.name=vllm the engine reads max_num_batched_tokens, max_model_len, max_num_seqs, enable_chunked_prefill,
+# enable_prefix_caching, enforce_eager, load_format and engine_kwargs.vllm; these it does not (docs/grpo.md).
+_VLLM_INERT = {
+    "mode": "the engine is vLLM's offline LLM in the rank's own process (no server)",
+    **{key: _ONE_ENGINE_WHY for key in (
+        "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size",
+        "moe_tensor_parallel_size")},
+    "gpu_memory_utilization": "vLLM's CPU backend reads it as the share of the host's memory each engine reserves; the KV cache is sized to max_num_seqs sequences of max_model_len tokens instead",
+    "free_cache_engine": "the engine keeps its KV cache between steps (vLLM's sleep mode is not wired in)",
+    "dtype": "the engine runs in the actor's dtype (actor.megatron.dtype), as the log-prob parity gate needs",
+    "engine_kwargs.sglang": "read by the sglang rollout only",
+    "engine_kwargs.trtllm": "read by the TensorRT-LLM rollout only",
+    "checkpoint_engine": "the actor's weights go into the engine in memory every step",
+    **{key: "not passed to the engine" for key in ("quantization", "quantization_config_file", "cudagraph_capture_sizes", "layered_summon")},
+}  # fmt: skip
 _NO_REF_WHY = "no reference model is built: actor.use_kl_loss is off"
 _PROFILER_WHY = "no profiler (nsys, npu, torch) is wired into this trainer; the run is not profiled"
 _REF_BUILD_WHY = "the reference is built like the actor, through the actor's bridge (actor.megatron.vanilla_mbridge) from the HF actor_rollout_ref.model.path (its weights, not a seed)"
@@ -24,11 +40,14 @@ _TRANSFORMER_WHY = "a memory / speed setting of Megatron's TransformerConfig; no
 
 def _inert_rules(config: Any) -> list[tuple[str, str]]:
     """(key, why) of every key that has no effect in this config; a key set away from its default is listed at start."""
-    rules = [(f"{ROLLOUT}{key}", _ENGINE_WHY) for key in (
-        "mode", "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size",
-        "gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "max_num_seqs", "enable_chunked_prefill",
-        "enable_prefix_caching", "enforce_eager", "free_cache_engine", "load_format", "dtype", "engine_kwargs",
-        "checkpoint_engine", *EXTRA_ENGINE_KEYS)]  # fmt: skip
+    if config.actor_rollout_ref.rollout.name == "vllm":
+        rules = [(f"{ROLLOUT}{key}", why) for key, why in _VLLM_INERT.items()]
+    else:
+        rules = [(f"{ROLLOUT}{key}", _ENGINE_WHY) for key in (
+            "mode", "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size",
+            "gpu_memory_utilization", "max_num_batched_tokens", "max_model_len", "max_num_seqs", "enable_chunked_prefill",
+            "enable_prefix_caching", "enforce_eager", "free_cache_engine", "load_format", "dtype", "engine_kwargs",
+            "checkpoint_engine", *EXTRA_ENGINE_KEYS)]  # fmt: skip
     rules += [
         (f"{ROLLOUT}calculate_log_probs", "the hf rollout always returns its log-probs (logged as rollout/log_prob_diff_*)"),
         ("actor_rollout_ref.hybrid_engine", "the actor and the rollout always share the ranks here"),

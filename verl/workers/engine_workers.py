@@ -127,7 +127,8 @@ class ActorRolloutRefWorker(MegatronWorker):
     # ------------------------------------------------------------------ train
 
     def _build_rollout(self) -> None:
-        """The HF rollout model on the output rank of each data-parallel group; every rank learns which those are."""
+        """The rollout (``rollout.name``: hf, transformers' generate; vllm, an in-process vLLM engine) on the output
+        rank of each data-parallel group; every rank learns which those are."""
         import torch
 
         from verl.utils.device import get_device_name
@@ -136,19 +137,36 @@ class ActorRolloutRefWorker(MegatronWorker):
         flags: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(flags, self._is_output_rank())
         self._rollout_ranks = [rank for rank, flag in enumerate(flags) if flag]
+        rollout, tokenizer = self.rollout_config, self.actor.tokenizer
+        if rollout.name == "vllm":
+            from verl.workers.rollout.vllm_rollout import join_engine_groups
+
+            join_engine_groups()  # every rank: vLLM's groups span the world
         if not self._is_output_rank():
             return
-        rollout, tokenizer = self.rollout_config, self.actor.tokenizer
-        self.rollout = InMemoryHFRollout(
-            self.actor.hf_config,
-            RolloutSettings(
-                response_length=rollout.response_length, temperature=rollout.temperature, top_p=rollout.top_p, do_sample=rollout.do_sample
-            ),
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            device=get_device_name(),
-            dtype=self.actor.param_dtype,  # the actor's: the parity gate compares like with like
+        settings = RolloutSettings(
+            response_length=rollout.response_length, temperature=rollout.temperature, top_p=rollout.top_p, do_sample=rollout.do_sample
         )
+        ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+        # the actor's dtype: the parity gate compares like with like
+        if rollout.name == "vllm":
+            from verl.workers.rollout.vllm_rollout import InMemoryVLLMRollout, VLLMEngineSettings
+
+            engine = VLLMEngineSettings(
+                max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
+                max_num_seqs=rollout.max_num_seqs,
+                max_num_batched_tokens=rollout.max_num_batched_tokens,
+                enable_chunked_prefill=rollout.enable_chunked_prefill,
+                enable_prefix_caching=rollout.enable_prefix_caching,
+                enforce_eager=rollout.enforce_eager,
+                load_format=rollout.load_format,
+                engine_kwargs=dict(rollout.engine_kwargs.get("vllm") or {}),
+            )
+            self.rollout = InMemoryVLLMRollout(
+                self.actor.model_config.path, settings, engine, **ids, dtype=self.actor.param_dtype, seed=self.actor_config.megatron.seed
+            )
+            return
+        self.rollout = InMemoryHFRollout(self.actor.hf_config, settings, **ids, device=get_device_name(), dtype=self.actor.param_dtype)
 
     def _mini_batch_rows(self) -> int:
         """Rows of one optimizer step on this rank: upstream's normalisation, ppo_mini_batch_size prompts x n

@@ -160,11 +160,11 @@ class RolloutConfig(BaseConfig, LogProbPass):
 
     def unsupported(self) -> list[str]:
         """What the rollout here does not do, one line each named ``RolloutConfig.<field>`` (the pre-start check
-        names the Hydra key): an engine other than hf, fewer than two responses per prompt (GRPO's groups), sampling
+        names the Hydra key): an engine other than hf or vllm, fewer than two responses per prompt (GRPO's groups), sampling
         that is not a distribution."""
         owner, problems = type(self).__name__, []
-        if self.name != "hf":
-            problems.append(f"{owner}.name={self.name}: only the in-process transformers rollout (hf) is available here; set {owner}.name=hf")
+        if self.name not in ("hf", "vllm"):
+            problems.append(f"{owner}.name={self.name}: the rollouts here are hf (transformers generate on the ranks) and vllm (an in-process vLLM engine); set {owner}.name=hf")
         if self.n < 2:
             problems.append(f"{owner}.n={self.n}: GRPO compares responses within a group; set {owner}.n to 2 or more")
         if not self.temperature > 0:
