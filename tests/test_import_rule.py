@@ -155,7 +155,7 @@ CHECKPOINT_FLOORS: dict[str, int] = {
     **dict.fromkeys(("errors", "layout", "async_modes", "check_audit", "dir_lock", "mbridge_config", "megatron_optimizer_state"), 0),
     **dict.fromkeys(("tracker", "names", "checksum", "megatron_metadata", "checkpoint_manager", "os_errors", "megatron_state_dicts", "precision"), 1),
     **dict.fromkeys(("data_only", "hf_verify", "integrity", "finite"), 2),  # checks
-    **dict.fromkeys(("dist_writer", "snapshot_save", "forked_save", "save_writers", "durability"), 3),  # writers
+    **dict.fromkeys(("dist_writer", "snapshot_save", "forked_save", "save_writers", "durability", "host_copy"), 3),  # writers
     **dict.fromkeys(("step_commit", "resume_check"), 4),  # the step transaction, the resume check
     **dict.fromkeys(("megatron_checkpoint_manager", "megatron_checkpoint_load"), 5),  # the manager
 }  # fmt: skip

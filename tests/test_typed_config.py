@@ -162,7 +162,7 @@ def test_each_config_names_what_this_trainer_does_not_run_by_its_field():
         "McoreActorConfig.megatron.use_mbridge=False", "McoreActorConfig.megatron.context_parallel_size=2",
         "McoreActorConfig.loss_agg_mode=token-sum", "McoreActorConfig.rollout_n=1", "McoreActorConfig.clip_ratio_c=1.0",
     ]  # fmt: skip
-    assert [p.split(":")[0] for p in RolloutConfig(name="vllm", n=1).unsupported()] == ["RolloutConfig.name=vllm", "RolloutConfig.n=1"]
+    assert [p.split(":")[0] for p in RolloutConfig(name="sglang", n=1).unsupported()] == ["RolloutConfig.name=sglang", "RolloutConfig.n=1"]
     assert RolloutConfig(log_prob_micro_batch_size_per_gpu=3).log_prob_problems(rows=8, longest=100) == [
         "RolloutConfig.log_prob_micro_batch_size_per_gpu=3 does not divide the 8 sequences of a step on each data-parallel rank; set it to a divisor of 8"
     ]
