@@ -154,7 +154,7 @@ def _checked(model_dir: str, overrides: list[str]) -> tuple[list[str], list[str]
     from hydra import compose, initialize_config_module
 
     from tests.main_leg import MBRIDGE
-    from verl.trainer.upstream_keys import ignored_settings
+    from verl.trainer.ignored_keys import ignored_settings
     from verl.trainer.validation import check_config
 
     with initialize_config_module("verl.trainer.config", version_base=None):
