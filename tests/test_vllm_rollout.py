@@ -58,12 +58,15 @@ def world(tmp_path_factory) -> None:
 
 
 def _rollout(model_dir: str, temperature: float, top_p: float):
-    from verl.workers.rollout.vllm_rollout import InMemoryVLLMRollout, VLLMEngineSettings
+    from verl.utils.custom_code import load_config
+    from verl.workers.config import RolloutConfig
+    from verl.workers.rollout.vllm_rollout import InMemoryVLLMRollout
 
     return InMemoryVLLMRollout(
         model_dir,
+        load_config(model_dir, "the test's model"),
         RolloutSettings(response_length=RESPONSE_LENGTH, temperature=temperature, top_p=top_p),
-        VLLMEngineSettings(max_model_len=32, max_num_seqs=8),
+        RolloutConfig(max_model_len=32, max_num_seqs=8, enforce_eager=True),
         eos_token_id=2,
         pad_token_id=0,
     )

@@ -150,20 +150,11 @@ class ActorRolloutRefWorker(MegatronWorker):
         ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
         # the actor's dtype: the parity gate compares like with like
         if rollout.name == "vllm":
-            from verl.workers.rollout.vllm_rollout import InMemoryVLLMRollout, VLLMEngineSettings
+            from verl.workers.rollout.vllm_rollout import InMemoryVLLMRollout
 
-            engine = VLLMEngineSettings(
-                max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
-                max_num_seqs=rollout.max_num_seqs,
-                max_num_batched_tokens=rollout.max_num_batched_tokens,
-                enable_chunked_prefill=rollout.enable_chunked_prefill,
-                enable_prefix_caching=rollout.enable_prefix_caching,
-                enforce_eager=rollout.enforce_eager,
-                load_format=rollout.load_format,
-                engine_kwargs=dict(rollout.engine_kwargs.get("vllm") or {}),
-            )
             self.rollout = InMemoryVLLMRollout(
-                self.actor.model_config.path, settings, engine, **ids, dtype=self.actor.param_dtype, seed=self.actor_config.megatron.seed
+                self.actor.model_config.path, self.actor.hf_config, settings, rollout, **ids, dtype=self.actor.param_dtype,
+                seed=self.actor_config.megatron.seed,
             )
             return
         self.rollout = InMemoryHFRollout(self.actor.hf_config, settings, **ids, device=get_device_name(), dtype=self.actor.param_dtype)

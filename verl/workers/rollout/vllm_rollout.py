@@ -12,7 +12,6 @@ naming the tensor.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import os
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from verl.workers.config.rollout import RolloutConfig
 from verl.workers.rollout.hf_rollout import RolloutSettings, response_mask
 from verl.workers.rollout.vllm_log_probs import convention_problem, logprobs_mode
 
@@ -31,20 +31,6 @@ _NOT_SLOT_ARGUMENTS = ("param", "loaded_weight", "weight_name", "return_success"
 
 class WeightSyncError(RuntimeError):
     """The engine's model did not receive every parameter slot exactly once from the actor's tensors."""
-
-
-@dataclasses.dataclass
-class VLLMEngineSettings:
-    """The engine's settings, from upstream's rollout keys (docs/grpo.md, "The vLLM rollout")."""
-
-    max_model_len: int
-    max_num_seqs: int = 1024
-    max_num_batched_tokens: int = 8192
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = True
-    load_format: str = "dummy"
-    engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def join_engine_groups() -> None:
@@ -74,20 +60,20 @@ class InMemoryVLLMRollout:
     """
 
     def __init__(
-        self, model_path: str, settings: RolloutSettings, engine: VLLMEngineSettings, eos_token_id: int, pad_token_id: int,
-        dtype: torch.dtype = torch.float32, seed: int = 0,
+        self, model_path: str, hf_config: Any, settings: RolloutSettings, engine: RolloutConfig, eos_token_id: int,
+        pad_token_id: int, dtype: torch.dtype = torch.float32, seed: int = 0,
     ) -> None:
-        """``model_path``: the HF model directory (its config; weights too with ``load_format=auto``);
-        ``dtype``: the engine's (the trainer passes the actor's, as for the hf rollout)."""
+        """``model_path``: the HF model directory (its config; weights too with ``load_format=auto``), ``hf_config``
+        its config as the actor loaded it; ``engine``: the rollout config whose engine keys (upstream's) the engine
+        takes; ``dtype``: the engine's (the trainer passes the actor's, as for the hf rollout)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: weights shared in memory
-        from transformers import AutoConfig
         from vllm import LLM
 
         self.settings = settings
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.logprobs_mode = logprobs_mode(settings.temperature)
-        hf_config = AutoConfig.from_pretrained(model_path)
+        max_model_len = engine.max_model_len or engine.prompt_length + engine.response_length
         # torch.set_num_threads is replaced by vLLM's CPU worker for the whole process; keep the actor's threads.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
@@ -98,16 +84,16 @@ class InMemoryVLLMRollout:
                 skip_tokenizer_init=True,  # prompts arrive as token ids and responses leave as token ids
                 distributed_executor_backend="uni",  # one worker in this process; its groups: join_engine_groups
                 tensor_parallel_size=1,
-                max_model_len=engine.max_model_len,
+                max_model_len=max_model_len,
                 max_num_seqs=engine.max_num_seqs,
-                max_num_batched_tokens=max(engine.max_num_batched_tokens, engine.max_model_len),
+                max_num_batched_tokens=max(engine.max_num_batched_tokens, max_model_len),
                 enable_chunked_prefill=engine.enable_chunked_prefill,
                 enable_prefix_caching=engine.enable_prefix_caching,
                 enforce_eager=engine.enforce_eager,
                 load_format=engine.load_format,
                 logprobs_mode=self.logprobs_mode,
-                kv_cache_memory_bytes=kv_cache_bytes(hf_config, dtype, engine.max_num_seqs, engine.max_model_len),
-                **engine.engine_kwargs,
+                kv_cache_memory_bytes=kv_cache_bytes(hf_config, dtype, engine.max_num_seqs, max_model_len),
+                **dict(engine.engine_kwargs.get("vllm") or {}),
             )
         finally:
             torch.set_num_threads = set_num_threads
