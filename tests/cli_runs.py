@@ -75,6 +75,13 @@ def read_metrics(ckpt: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _logged(ckpt: Path, step: int) -> bool:
+    """Whether ``metrics.jsonl`` holds a whole line of ``step`` (a line still being written is not one)."""
+    path = ckpt / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # the text after the last newline: unfinished
+    return any(json.loads(line)["step"] == step for line in lines if line)
+
+
 def comparable(metrics: dict) -> dict:
     """One step's metrics without the clocks: what two runs of the same step must agree on."""
     return {k: v for k, v in metrics.items() if not k.startswith("timing_s/") and k not in CLOCKS}
@@ -98,13 +105,15 @@ def two_ranks_ep2(model_path: str, ckpt: Path) -> list[str]:
 
 
 def stop_after_a_save(command: list[str], cwd: Path, env: dict, ckpt: Path, step: int, last: int, bridge: str | None = MBRIDGE) -> int:
-    """Start the run (through ``bridge``, as ``start_trainer``), SIGTERM its driver once ``step`` is tracked; the
-    step it can resume from, before ``last``."""
+    """Start the run (through ``bridge``, as ``start_trainer``), SIGTERM its driver once ``step`` is tracked and its
+    metrics line (with the save's record) is written; the step it can resume from, before ``last``. The ranks move
+    the tracker before the driver hears back from them: a stop in between leaves the step's line without its
+    ``checkpoint`` record."""
     log = cwd / "stopped.log"
     proc = start_trainer(command, cwd, env, log, bridge)
     try:
         deadline = time.monotonic() + 480
-        while not ((ckpt / TRACKER).is_file() and (ckpt / TRACKER).read_text() == str(step)):
+        while not ((ckpt / TRACKER).is_file() and (ckpt / TRACKER).read_text() == str(step) and _logged(ckpt, step)):
             assert proc.poll() is None, f"exited early:\n{log.read_text()[-5000:]}"
             assert time.monotonic() < deadline, f"no save of step {step} in time:\n{log.read_text()[-5000:]}"
             time.sleep(0.1)
