@@ -22,34 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 
-from benchmarks.common import LoadSampler, machine, read_metrics
-from verl.trainer.ppo.ray_trainer import METRICS_FILENAME
-from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY
-
-MBRIDGE = f"{VANILLA_MBRIDGE_KEY}=True"  # requirements.txt's stack has no Megatron-Bridge
-
-
-def run(label: str, save_freq: int, steps: int, run_dir: str, overrides: list[str]) -> tuple[list[dict], list[float]]:
-    """One run in a fresh ``run_dir``: its metrics records and the load average sampled while it ran."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    os.makedirs(run_dir)
-    command = [
-        sys.executable, "-m", "verl.trainer.main_ppo", MBRIDGE, f"trainer.total_training_steps={steps}",
-        f"trainer.save_freq={save_freq}", "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}", *overrides,
-    ]  # fmt: skip
-    with open(os.path.join(run_dir, "run.log"), "w") as log, LoadSampler() as load:
-        start = time.monotonic()
-        returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
-    if returncode != 0:
-        raise SystemExit(f"[bench_save_step] {label} run exited {returncode}; see {run_dir}/run.log")
-    print(f"[bench_save_step] {label}: {time.monotonic() - start:.0f} s", flush=True)
-    return read_metrics(os.path.join(run_dir, METRICS_FILENAME)), load.samples
+from benchmarks.common import machine, run_main_job
 
 
 def pair_row(saving: list[dict], plain: list[dict], warmup: int) -> dict:
@@ -89,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     for pair in range(args.pairs):
         runs = {}
         for label, save_freq in (("saving", 1), ("plain", 0))[:: 1 if pair % 2 == 0 else -1]:
-            runs[label], samples = run(f"pair {pair + 1} {label}", save_freq, args.steps, os.path.join(out_dir, f"pair{pair + 1}_{label}"), overrides)
+            command = [f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={save_freq}", "trainer.resume_mode=disable", *overrides]
+            runs[label], wall_s, samples = run_main_job(os.path.join(out_dir, f"pair{pair + 1}_{label}"), command, f"bench_save_step pair {pair + 1} {label}")
             load += samples
+            print(f"[bench_save_step] pair {pair + 1} {label}: {wall_s:.0f} s", flush=True)
         rows.append(pair_row(runs["saving"], runs["plain"], args.warmup))
         print(f"[bench_save_step] pair {pair + 1}: {rows[-1]}", flush=True)
     report = {

@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -170,3 +173,23 @@ class LoadSampler:
 def read_metrics(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def run_main_job(run_dir: str, overrides: list[str], label: str) -> tuple[list[dict], float, list[float]]:
+    """One ``python -m verl.trainer.main_ppo`` through mbridge (requirements.txt's stack has no Megatron-Bridge) with
+    ``overrides``, in a fresh ``run_dir`` (its checkpoints, metrics and ``run.log``): its metrics records, wall
+    seconds and the load average sampled while it ran. A run that fails ends the benchmark, naming its log."""
+    from verl.trainer.ppo.ray_trainer import METRICS_FILENAME
+    from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", f"{VANILLA_MBRIDGE_KEY}=True", f"trainer.default_local_dir={run_dir}", *overrides]
+    print(f"[{label}] {' '.join(command[1:])}", flush=True)
+    with open(os.path.join(run_dir, "run.log"), "w") as log, LoadSampler() as load:
+        start = time.monotonic()
+        returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+        wall_s = time.monotonic() - start
+    if returncode != 0:
+        raise SystemExit(f"[{label}] exited {returncode}; see {run_dir}/run.log")
+    return read_metrics(os.path.join(run_dir, METRICS_FILENAME)), wall_s, load.samples

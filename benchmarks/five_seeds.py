@@ -17,19 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
-import sys
-import time
 from collections import Counter
 
-from benchmarks.common import LoadSampler, read_metrics
-from verl.trainer.ppo.ray_trainer import METRICS_FILENAME
-from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY
+from benchmarks.common import run_main_job
 
-# The main job as scripts/run.sh runs it: on requirements.txt's stack, which has no Megatron-Bridge, through mbridge.
-MBRIDGE = f"{VANILLA_MBRIDGE_KEY}=True"
 REWARD_KEY = "critic/score/mean"
 WINDOW = 10
 TARGET = 0.9
@@ -67,18 +59,8 @@ def summarize_seed(seed: int, records: list[dict], wall_s: float, load: list[flo
 
 def run_seed(seed: int, out_dir: str, overrides: list[str]) -> dict:
     """One run of the main job with ``data.seed=seed`` in a fresh ``<out_dir>/seed_<seed>``."""
-    run_dir = os.path.join(out_dir, f"seed_{seed}")
-    shutil.rmtree(run_dir, ignore_errors=True)
-    os.makedirs(run_dir)
-    command = [sys.executable, "-m", "verl.trainer.main_ppo", MBRIDGE, f"data.seed={seed}", f"trainer.default_local_dir={run_dir}", *overrides]
-    print(f"[five_seeds] seed {seed}: {' '.join(command[1:])}", flush=True)
-    with open(os.path.join(run_dir, "run.log"), "w") as log, LoadSampler() as load:
-        start = time.monotonic()
-        returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
-        wall_s = time.monotonic() - start
-    if returncode != 0:
-        raise SystemExit(f"[five_seeds] seed {seed} exited {returncode}; see {run_dir}/run.log")
-    row = summarize_seed(seed, read_metrics(os.path.join(run_dir, METRICS_FILENAME)), wall_s, load.samples)
+    records, wall_s, load = run_main_job(os.path.join(out_dir, f"seed_{seed}"), [f"data.seed={seed}", *overrides], f"five_seeds seed {seed}")
+    row = summarize_seed(seed, records, wall_s, load)
     print(f"[five_seeds] seed {seed}: last-10 mean reward {row['reward_last10']}, {row['wall_s']} s, load {row['load_avg_median']}", flush=True)
     return row
 
