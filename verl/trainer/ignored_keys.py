@@ -9,9 +9,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from verl.trainer.config.keys import ACTOR as _ACTOR
+from verl.trainer.config.keys import EXTRA_ENGINE_KEYS, ROLLOUT, leaves, raw_yaml
 from verl.trainer.config.keys import MEGATRON as _MEGATRON
 from verl.trainer.config.keys import REF as _REF
-from verl.trainer.upstream_keys import EXTRA_ENGINE_KEYS, ROLLOUT, leaves, raw_yaml
 
 __all__ = ["ignored_settings"]
 

@@ -11,43 +11,16 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from verl.trainer.config.keys import ACTOR as _ACTOR
-from verl.trainer.config.keys import CHECKPOINT as _CHECKPOINT
+from verl.trainer.config.keys import (
+    EXTRA_ENGINE_KEYS,
+    OPEN_NODES,
+    PERF_ONLY_TRANSFORMER_FIELDS,
+    ROLLOUT,
+    leaves,
+    raw_yaml,
+)
 from verl.trainer.config.keys import MEGATRON as _MEGATRON
-from verl.trainer.config.keys import PARITY as PARITY_KEY
 from verl.trainer.config.keys import REF as _REF
-
-_YAML = os.path.join(os.path.dirname(__file__), "config", "ppo_megatron_trainer.yaml")
-ROLLOUT = "actor_rollout_ref.rollout."
-# override_transformer_config fields that change memory or speed only; any other field would change the model.
-PERF_ONLY_TRANSFORMER_FIELDS = (
-    "recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers", "attention_backend",
-    "apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
-    "gradient_accumulation_fusion", "deallocate_pipeline_outputs", "persist_layer_norm", "moe_grouped_gemm",
-    "moe_permute_fusion", "cross_entropy_loss_fusion", "moe_token_dispatcher_type",
-)  # fmt: skip
-# Nodes whose entries are free-form keyword arguments (a `+key=value` below them is not a misspelling).
-_OPEN_NODES = (
-    f"{_MEGATRON}override_transformer_config", f"{_MEGATRON}override_ddp_config", f"{_MEGATRON}override_mcore_model_config",
-    f"{_ACTOR}.optim.override_optimizer_config", f"{_CHECKPOINT}mbridge_config", "reward_model.reward_kwargs",
-    f"{ROLLOUT}engine_kwargs", "ray_kwargs.ray_init", "data.apply_chat_template_kwargs", "actor_rollout_ref.model.override_config",
-    f"{PARITY_KEY}.tolerance", "actor_rollout_ref.model.lora", "critic.optim.override_optimizer_config",
-)  # fmt: skip
-# Keys upstream's rollout has and this YAML does not list, accepted with `+` (the run script adds some).
-EXTRA_ENGINE_KEYS = ("moe_tensor_parallel_size", "quantization", "quantization_config_file", "cudagraph_capture_sizes", "layered_summon")
-
-
-def raw_yaml() -> dict:
-    raw = OmegaConf.to_container(OmegaConf.load(_YAML), resolve=False)
-    return {key: value for key, value in raw.items() if key not in ("defaults", "hydra")}
-
-
-def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict) and node:
-        out: dict[str, Any] = {}
-        for name, value in node.items():
-            out.update(leaves(value, f"{prefix}.{name}" if prefix else str(name)))
-        return out
-    return {prefix: node}
 
 
 def _refusal_rules(config: Any) -> list[tuple[str, tuple, str]]:
@@ -113,7 +86,7 @@ def _unknown_keys(config: Any) -> list[str]:
     for key in leaves(OmegaConf.to_container(config, resolve=False)):
         if key.split(".", 1)[0] in ("defaults", "hydra"):  # a config loaded from the YAML file without Hydra
             continue
-        if key in known or any(key == node or key.startswith(node + ".") for node in (*_OPEN_NODES, *extra_engine)):
+        if key in known or any(key == node or key.startswith(node + ".") for node in (*OPEN_NODES, *extra_engine)):
             continue
         if any(k.startswith(key + ".") for k in known):  # a node emptied by an override
             continue
