@@ -6,7 +6,12 @@ import logging
 
 import pytest
 
-from verl.utils.logging_utils import CHAT_WARMUP_FAILED, VLLM_RENDERER_LOGGER, SkippedTokenizerWarmupFilter, silence_library_notices
+from verl.utils.logging_utils import (
+    CHAT_WARMUP_FAILED,
+    VLLM_RENDERER_LOGGER,
+    SkippedTokenizerWarmupFilter,
+    silence_library_notices,
+)
 
 
 class _Collect(logging.Handler):
