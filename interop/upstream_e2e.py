@@ -10,7 +10,7 @@ ETP1 on 4 ranks, no VPP, no CP), the model path (the tiny Qwen3-MoE this package
 needs: ``reward.reward_model.enable=False`` (the script turns on a reward model this package does not build), the
 checkpoint directory, and the file logger. Run 1 trains two steps saving each; run 2 resumes from step 1
 (``RESUME_MODE=resume_path``) and must repeat step 2 exactly (metrics and HF export bit for bit). The trainer command line the script builds in run 1 is recorded and must
-equal the one ``tests/test_upstream_e2e_overrides.py`` holds (paths, bridge and engine as placeholders), so the
+equal the one ``interop/upstream_e2e_argv.py`` holds (paths, bridge and engine as placeholders), so the
 suite's check of those overrides is a check of what this run trained with.
 
 On a host without CUDA the script's device probe (``python3 -`` printing ``get_device_name()``; its only branches
@@ -30,6 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from interop.upstream_e2e_argv import E2E_ARGV, E2E_COMMIT
 from interop.upstream_tests import PINNED_COMMIT, resolve_git_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,8 +114,6 @@ def as_placeholders(argv: list[str], paths: dict[str, str], bridge: str, engine:
 
 def _recorded_differences(argv: list[str]) -> list[str]:
     """What the suite's recorded command line lacks or has beyond ``argv`` (both with placeholders)."""
-    from tests.test_upstream_e2e_overrides import E2E_ARGV, E2E_COMMIT
-
     if E2E_COMMIT != PINNED_COMMIT:
         return [f"the suite's list was recorded at {E2E_COMMIT[:9]}, this run used {PINNED_COMMIT[:9]}"]
     missing = [a for a in argv if a not in E2E_ARGV]
