@@ -170,15 +170,76 @@ class LoadSampler:
         self._thread.join()
 
 
+class RankPeakRSS:
+    """Each rank's peak RSS over a run, in bytes: every ``period_s`` the descendants of ``pid`` that carry a rank
+    (``RANK`` in the environment they started with: the worker group's Ray actors) are read, and a rank's peak is
+    the largest high-water mark (``VmHWM``, which only grows) read from its process; growth after the last read is
+    missed. ``driver``: the same of ``pid`` itself."""
+
+    def __init__(self, pid: int, period_s: float = 2.0) -> None:
+        self.pid, self.period_s = pid, period_s
+        self.ranks: dict[int, int] = {}
+        self.driver = 0
+        self._rank_of: dict[int, int | None] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    @staticmethod
+    def _hwm(pid: int) -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+
+    def _rank(self, pid: int) -> int | None:
+        if pid not in self._rank_of:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            ray_rank = env.get(b"WG_BACKEND") == b"ray" and env.get(b"RANK", b"").isdigit()
+            self._rank_of[pid] = int(env[b"RANK"]) if ray_rank else None
+        return self._rank_of[pid]
+
+    def sample(self) -> None:
+        import psutil
+
+        try:
+            self.driver = max(self.driver, self._hwm(self.pid))
+            children = psutil.Process(self.pid).children(recursive=True)
+        except (OSError, psutil.Error):
+            return
+        for child in children:
+            try:
+                rank = self._rank(child.pid)
+                if rank is not None:
+                    self.ranks[rank] = max(self.ranks.get(rank, 0), self._hwm(child.pid))
+            except OSError:  # gone, or not ours to read
+                continue
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> RankPeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def read_metrics(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run_main_job(run_dir: str, overrides: list[str], label: str) -> tuple[list[dict], float, list[float]]:
+def run_main_job(
+    run_dir: str, overrides: list[str], label: str, rank_rss: dict | None = None
+) -> tuple[list[dict], float, list[float]]:
     """One ``python -m verl.trainer.main_ppo`` through mbridge (requirements.txt's stack has no Megatron-Bridge) with
     ``overrides``, in a fresh ``run_dir`` (its checkpoints, metrics and ``run.log``): its metrics records, wall
-    seconds and the load average sampled while it ran. A run that fails ends the benchmark, naming its log."""
+    seconds and the load average sampled while it ran. ``rank_rss``, when given, is filled with the peak RSS in
+    bytes of each rank (``RankPeakRSS``; rank -> bytes) and of the driver (key ``"driver"``). A run that fails ends
+    the benchmark, naming its log."""
     from verl.trainer.ppo.ray_trainer import METRICS_FILENAME
     from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY
 
@@ -188,7 +249,13 @@ def run_main_job(run_dir: str, overrides: list[str], label: str) -> tuple[list[d
     print(f"[{label}] {' '.join(command[1:])}", flush=True)
     with open(os.path.join(run_dir, "run.log"), "w") as log, LoadSampler() as load:
         start = time.monotonic()
-        returncode = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        if rank_rss is None:
+            returncode = proc.wait()
+        else:
+            with RankPeakRSS(proc.pid) as peaks:
+                returncode = proc.wait()
+            rank_rss.update({**dict(sorted(peaks.ranks.items())), "driver": peaks.driver})
         wall_s = time.monotonic() - start
     if returncode != 0:
         raise SystemExit(f"[{label}] exited {returncode}; see {run_dir}/run.log")

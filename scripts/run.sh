@@ -6,6 +6,9 @@
 # It runs on requirements.txt's stack (Python 3.11), which has no Megatron-Bridge: the model is built through
 # mbridge, named first (vanilla_mbridge=True; upstream's default False is refused there in one line). On a host
 # with Megatron-Bridge, pass actor_rollout_ref.actor.megatron.vanilla_mbridge=False to build through it.
+# No rollout is named: the run samples with vLLM where `import vllm` works (the stack installed here has vLLM's
+# CPU build) and with transformers' generate otherwise, and says which at start; pass
+# actor_rollout_ref.rollout.name=hf (or =vllm) to choose.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh

@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.main_leg import MBRIDGE
+from tests.main_leg import HF_ROLLOUT, MBRIDGE, with_rollout
 from tests.process_marker import MARKER, kill_marked
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,14 +33,17 @@ def cli_env(model_cache: Path) -> dict:
     }
 
 
-def start_trainer(overrides: list[str], cwd: Path, env: dict, log: Path, bridge: str | None = MBRIDGE) -> subprocess.Popen:
+def start_trainer(
+    overrides: list[str], cwd: Path, env: dict, log: Path, bridge: str | None = MBRIDGE, rollout: str | None = HF_ROLLOUT
+) -> subprocess.Popen:
     """The trainer in its own session, so it can be stopped with everything it started (Ray included).
     Every process of the run inherits a marker in its environment (see ``kill_session``). ``bridge``: the
-    override naming the bridge (None: the config's default, Megatron-Bridge)."""
+    override naming the bridge (None: the config's default, Megatron-Bridge); ``rollout``: the override naming
+    the rollout unless ``overrides`` name one (None: the run's default, vllm where it is installed)."""
     handle = open(log, "w")
     marker = uuid.uuid4().hex
     proc = subprocess.Popen(
-        [sys.executable, "-m", "verl.trainer.main_ppo", *([bridge] if bridge else []), *overrides],
+        [sys.executable, "-m", "verl.trainer.main_ppo", *([bridge] if bridge else []), *with_rollout(overrides, rollout)],
         cwd=cwd, env={**env, MARKER: marker}, stdout=handle, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )
@@ -58,10 +61,13 @@ def kill_session(proc: subprocess.Popen) -> None:
     kill_marked(proc.marker)
 
 
-def run_trainer(overrides: list[str], cwd: Path, env: dict, timeout_s: float = 540, bridge: str | None = MBRIDGE) -> tuple[int, str]:
-    """One run to its end (nothing it started outlives it): its exit status and its output."""
+def run_trainer(
+    overrides: list[str], cwd: Path, env: dict, timeout_s: float = 540, bridge: str | None = MBRIDGE, rollout: str | None = HF_ROLLOUT
+) -> tuple[int, str]:
+    """One run to its end (nothing it started outlives it): its exit status and its output (``bridge``,
+    ``rollout``: as ``start_trainer``)."""
     log = cwd / f"run_{time.monotonic_ns()}.log"
-    proc = start_trainer(overrides, cwd, env, log, bridge)
+    proc = start_trainer(overrides, cwd, env, log, bridge, rollout)
     try:
         proc.wait(timeout=timeout_s)
     finally:

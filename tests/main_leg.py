@@ -9,6 +9,18 @@ from verl.utils.internals.megatron_bridge import VANILLA_MBRIDGE_KEY
 from verl.workers.config import megatron_actor_configs_from_yaml
 
 MBRIDGE = f"{VANILLA_MBRIDGE_KEY}=True"
+# The rollout every trainer run of the tests samples with unless its overrides name one: the run's own default
+# is vllm where vLLM is installed, whose engines cost each run seconds and memory; one CLI test runs that default
+# (tests/test_vllm_rollout.py), the others keep the cheap hf rollout.
+ROLLOUT_KEY = "actor_rollout_ref.rollout.name"
+HF_ROLLOUT = f"{ROLLOUT_KEY}=hf"
+
+
+def with_rollout(overrides: list[str], rollout: str | None = HF_ROLLOUT) -> list[str]:
+    """``overrides`` with ``rollout`` (an override of ``ROLLOUT_KEY``) first, unless one of them names the rollout
+    or ``rollout`` is None (the run's own default)."""
+    named = any(item.lstrip("+~").split("=", 1)[0] == ROLLOUT_KEY for item in overrides)
+    return list(overrides) if named or rollout is None else [rollout, *overrides]
 # The run length (the trainer's total_training_steps) of the engines tests build: the YAML's LR schedule is
 # constant, so the length changes no step's LR, only what the schedule's saved state records.
 TRAINING_STEPS = 1000

@@ -24,7 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.main_leg import MBRIDGE
+from tests.main_leg import MBRIDGE, with_rollout
 from tests.process_marker import MARKER, kill_marked
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,7 +186,7 @@ class TwoHosts:
         """``python -m verl.trainer.main_ppo`` on host A, joined to the cluster (RAY_ADDRESS)."""
         handle = open(log, "w")
         return subprocess.Popen(
-            [*self.exec_prefix(self.a), sys.executable, "-m", "verl.trainer.main_ppo", MBRIDGE, *overrides],
+            [*self.exec_prefix(self.a), sys.executable, "-m", "verl.trainer.main_ppo", MBRIDGE, *with_rollout(overrides)],
             cwd=self.work_dir, env={**self.env, **(extra_env or {})}, stdout=handle, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )  # fmt: skip

@@ -22,7 +22,7 @@ from tests.checkpoint_builders import (
     entry_outside_the_step,
     rewrite_manifest,
 )
-from tests.main_leg import MBRIDGE, TRAINING_STEPS, actor_configs, override
+from tests.main_leg import HF_ROLLOUT, MBRIDGE, TRAINING_STEPS, actor_configs, override
 from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
 from verl.utils.checkpoint.finite import is_finite
 from verl.utils.checkpoint.integrity import (
@@ -1121,7 +1121,7 @@ def test_a_data_position_of_other_data_is_refused_before_ray(tiny_moe_path, base
     torch.save({"epoch": 0, "position": 64, "batches_served": 4, "seed": 5, "shuffle": True, "num_rows": 1000}, os.path.join(step_dir, "data.pt"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH")) if p)}
     cli = subprocess.run(
-        [sys.executable, "-m", "verl.trainer.main_ppo", MBRIDGE, f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={root}", "trainer.resume_mode=auto"],
+        [sys.executable, "-m", "verl.trainer.main_ppo", MBRIDGE, HF_ROLLOUT, f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={root}", "trainer.resume_mode=auto"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     out = cli.stdout + cli.stderr
@@ -1148,7 +1148,7 @@ def test_a_step_of_ours_stripped_of_manifest_and_commit_mark_is_refused_before_r
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH")) if p)}
     started = time.monotonic()
     cli = subprocess.run(
-        [sys.executable, "-m", "verl.trainer.main_ppo", MBRIDGE, f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={root}", "trainer.resume_mode=auto"],
+        [sys.executable, "-m", "verl.trainer.main_ppo", MBRIDGE, HF_ROLLOUT, f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={root}", "trainer.resume_mode=auto"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     out = cli.stdout + cli.stderr

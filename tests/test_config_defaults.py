@@ -79,7 +79,6 @@ DIFFERENT: dict[tuple[str, str], str] = {
     (_REF, "expert_model_parallel_size"): _REF_FOLLOWS,
     (_REF, "pipeline_model_parallel_size"): _REF_FOLLOWS,
     ("algorithm", "adv_estimator"): "grpo, the only estimator here; upstream's class defaults to gae",
-    (_ROLLOUT, "name"): "hf, the only rollout here (upstream's class has no default)",
     (_ROLLOUT, "n"): _TINY_TASK,
     (_ROLLOUT, "prompt_length"): "follows data.max_prompt_length (" + _TINY_TASK + ")",
     (_ROLLOUT, "response_length"): "follows data.max_response_length (" + _TINY_TASK + ")",

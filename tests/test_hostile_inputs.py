@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint_builders import craft_metadata, entry_outside_the_step, rewrite_manifest, train_and_save
-from tests.main_leg import MBRIDGE
+from tests.main_leg import MBRIDGE, with_rollout
 from verl.utils.dataset.rl_dataset import write_rlhf_parquet
 from verl.utils.distributed import run_on_ranks
 from verl.utils.megatron.parallel import ParallelSizes
@@ -57,7 +57,8 @@ class Inputs:
         return os.path.join(root, "global_step_1", "actor")
 
     def trainer(self, *overrides: str, model: str | None = None) -> list[str]:
-        return ["-m", "verl.trainer.main_ppo", MBRIDGE, f"actor_rollout_ref.model.path={model or self.model}", *ONE_RANK, f"trainer.default_local_dir={self.work / 'out'}", *overrides]
+        given = [f"actor_rollout_ref.model.path={model or self.model}", *ONE_RANK, f"trainer.default_local_dir={self.work / 'out'}", *overrides]
+        return ["-m", "verl.trainer.main_ppo", MBRIDGE, *with_rollout(given)]
 
 
 @dataclass(frozen=True)

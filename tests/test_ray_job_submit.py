@@ -11,6 +11,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from tests.main_leg import HF_ROLLOUT
 from tests.process_marker import MARKER, kill_marked
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +39,7 @@ def test_ray_job_submit_to_loopback_head(tmp_path, tiny_moe_path):
     proc = subprocess.Popen(
         [
             "bash", str(REPO / "scripts" / "ray_job_submit.sh"),
+            HF_ROLLOUT,
             f"actor_rollout_ref.model.path={tiny_moe_path}",
             "trainer.n_gpus_per_node=2",
             f"{MEGATRON}tensor_model_parallel_size=1",

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.main_leg import MBRIDGE
+from tests.main_leg import HF_ROLLOUT, MBRIDGE
 from verl.models.mcore import validate_model_build
 from verl.models.tiny import make_tiny_hf_model
 from verl.utils.megatron.parallel import ParallelConfigError, ParallelSizes
@@ -71,7 +71,7 @@ def _trainer_config(tmp_path, model_config: dict, model_dir: str = "model"):
 
     config = OmegaConf.load("verl/trainer/config/ppo_megatron_trainer.yaml")
     config.trainer.default_local_dir = str(tmp_path / "ckpt")
-    config.merge_with_dotlist([MBRIDGE])
+    config.merge_with_dotlist([MBRIDGE, HF_ROLLOUT])
     path = tmp_path / model_dir
     path.mkdir()
     (path / "config.json").write_text(json.dumps(model_config))

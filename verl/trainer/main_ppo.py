@@ -2,7 +2,8 @@
 
 What happens, in order:
 
-1. the config is checked (``verl.trainer.validation``): every problem is printed on its own line, naming
+1. a null ``actor_rollout_ref.rollout.name`` becomes ``vllm`` where ``import vllm`` works, ``hf`` otherwise (one
+   line says which); the config is checked (``verl.trainer.validation``): every problem is printed on its own line, naming
    the override that fixes it, and the process exits with status 2 before Ray or any rank starts;
 2. with ``actor_rollout_ref.model.path=null`` the embedded tiny Qwen3-MoE is made once into a cache
    directory (``$VERL_TINY_MODEL_CACHE`` or ``~/.cache/verl_tiny``), and the model is checked against
@@ -29,6 +30,7 @@ from typing import Any
 import hydra
 
 from verl.trainer.cli_overrides import override_problems
+from verl.trainer.config.rollout_choice import choose_rollout
 from verl.trainer.data_plan import RunData, load_run_data, load_tokenizer
 from verl.trainer.ignored_keys import ignored_settings
 from verl.trainer.resume_step import check_resume_step, data_position_problems, schedule_length_warning
@@ -66,8 +68,11 @@ class RunPlan:
 
 
 def prepare(config) -> RunPlan:
-    """Every check that can run before Ray starts; raises ConfigError with all problems found."""
+    """Every check that can run before Ray starts; raises ConfigError with all problems found. A null
+    ``rollout.name`` is filled first (vllm where ``import vllm`` works, hf otherwise), so the checks and the
+    typed config see the rollout the run takes."""
     cluster = bool(os.environ.get("RAY_ADDRESS"))
+    print(f"[main_ppo] {choose_rollout(config)}", flush=True)
     model_path, device, problems = pre_start_problems(config, cluster)
     if problems:
         raise ConfigError(problems)

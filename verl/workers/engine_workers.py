@@ -175,16 +175,22 @@ class ActorRolloutRefWorker(MegatronWorker):
 
         Every rank takes part in gathering the current weights, whole and in HF names, onto the output
         rank of each data-parallel group (in memory), which loads them into its rollout model and
-        generates for its group.
+        generates for its group. The output ranks add ``timing`` (seconds of the weight sync,
+        ``update_weights``, and of ``generate``) and ``sync`` (``payload_bytes``: the bytes of the tensors
+        loaded into the rollout; with vllm ``engine_slots``: the engine's parameter slots they wrote).
         """
         self._check_built()
         sampling = prompts.get("sampling") if prompts else None
         start = time.monotonic()
+        sync: dict[str, int] = {}
         with self._resident(optimizer=False):
             weights = self.actor.bridge.gather_hf_weights(self.actor.model, receivers=self._rollout_ranks)
             # Inside: a gathered tensor may be this rank's own parameter storage, which param_offload frees.
             if self.rollout is not None:
-                self.rollout.load_weights(weights.items())
+                sync["payload_bytes"] = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
+                slots = self.rollout.load_weights(weights.items())
+                if self.rollout_config.name == "vllm":
+                    sync["engine_slots"] = int(slots)
             del weights
         sync_seconds = time.monotonic() - start
         if self.rollout is None:
@@ -192,7 +198,8 @@ class ActorRolloutRefWorker(MegatronWorker):
         start = time.monotonic()
         with self._sampling(sampling):
             output = self.rollout.generate_sequences(prompts["input_ids"], seed=int(prompts["seed"]), attention_mask=prompts.get("attention_mask"))
-        output["timing"] = {"weight_sync": sync_seconds, "generate": time.monotonic() - start}
+        output["timing"] = {"update_weights": sync_seconds, "generate": time.monotonic() - start}
+        output["sync"] = sync
         return output
 
     @contextlib.contextmanager

@@ -271,6 +271,7 @@ class MegatronGRPOTrainer:
 
         with _timed(timing, "gen"):
             rollout = self._generate(input_ids, step, timing, attention_mask=prompt_mask)
+        timing["gen"] -= timing["update_weights"]  # upstream's split: gen is the sampling, update_weights the sync
         self._stop_if_diverged(step, {"the rollout's logits (their log-probs of the sampled tokens)": rollout["rollout_log_probs"]})
         with _timed(timing, "reward"):
             scores = self._score(rows, rollout["responses"], rollout["response_mask"])
@@ -288,6 +289,7 @@ class MegatronGRPOTrainer:
         self._stop_if_diverged(step, {"the policy loss": [u["pg_loss"] for u in updates], "the grad norm": [u["grad_norm"] for u in updates]})
         timing["step"] = time.monotonic() - start_step
         return {"step": step, **self._step_metrics(scores, advantages, rollout, old_log_probs, updates), **policy_metrics,
+                **rollout["sync_metrics"],
                 **self._kl_entropy_metrics(updates), "data/epoch": self.sampler.epoch,
                 **{f"timing_s/{key}": round(value, 3) for key, value in timing.items()}}  # fmt: skip
 
@@ -343,8 +345,9 @@ class MegatronGRPOTrainer:
             for dp, part in enumerate(self._split(prompts))
         ]
         generated = self.actor_rollout_wg.generate_sequences(shards)
-        timing["weight_sync"] = max(g["timing"]["weight_sync"] for g in generated)
-        return {key: torch.cat([g[key] for g in generated]) for key in ("responses", "response_mask", "rollout_log_probs")}
+        timing["update_weights"] = max(g["timing"]["update_weights"] for g in generated)
+        out = {key: torch.cat([g[key] for g in generated]) for key in ("responses", "response_mask", "rollout_log_probs")}
+        return {**out, "sync_metrics": _sync_metrics([g["sync"] for g in generated])}
 
     def _validate(self) -> dict:
         """Every validation prompt, ``val_kwargs.n`` responses each, scored by the training reward.
@@ -654,6 +657,16 @@ def _timed(timing: dict[str, float], key: str):
         timing[key] = time.monotonic() - start
 
 
+def _sync_metrics(syncs: list[dict]) -> dict[str, float]:
+    """The weight sync of a step from each rollout replica's report: ``checkpoint_engine/payload_mbytes``
+    (upstream's name: MiB of the tensors one replica received; every replica receives the whole model) and,
+    with vllm, ``checkpoint_engine/vllm_slots_written`` (the fewest parameter slots an engine's reload wrote)."""
+    metrics = {"checkpoint_engine/payload_mbytes": max(sync["payload_bytes"] for sync in syncs) / (1 << 20)}
+    if all("engine_slots" in sync for sync in syncs):
+        metrics["checkpoint_engine/vllm_slots_written"] = float(min(sync["engine_slots"] for sync in syncs))
+    return metrics
+
+
 def _window_mean(history: list[dict]) -> float:
     return sum(m["critic/score/mean"] for m in history) / len(history)
 
@@ -666,7 +679,8 @@ def _step_line(metrics: dict, total: int) -> str:
         + (f"kl_loss {metrics['actor/kl_loss']:.2e}  " if "actor/kl_loss" in metrics else "")
         + f"entropy {metrics['actor/entropy']:.3f}  "
         f"logp_diff {metrics['rollout/log_prob_diff_max']:.1e}  "
-        f"time {metrics['timing_s/step']:.1f}s (gen {metrics['timing_s/gen']:.1f}, logp {metrics['timing_s/old_log_prob']:.1f}, "
+        f"time {metrics['timing_s/step']:.1f}s (gen {metrics['timing_s/gen']:.1f}, sync {metrics['timing_s/update_weights']:.1f}, "
+        f"logp {metrics['timing_s/old_log_prob']:.1f}, "
         f"update {metrics['timing_s/update_actor']:.1f})"
     )
 

@@ -96,7 +96,10 @@ class RolloutConfig(BaseConfig, LogProbPass):
     """The rollout.
 
     Args:
-        name: the rollout ("hf" here); n: responses per prompt; temperature / top_k / top_p / do_sample: sampling.
+        name: the rollout, hf (transformers generate on the ranks) or vllm; None (the YAML's null): the driver
+            takes vllm where ``import vllm`` works, hf otherwise, before anything reads it
+            (``verl.trainer.config.rollout_choice``); a worker given None samples with hf.
+        n: responses per prompt; temperature / top_k / top_p / do_sample: sampling.
         prompt_length / response_length: tokens of a prompt and of a response.
         log_prob_micro_batch_size(_per_gpu), log_prob_use_dynamic_bsz, log_prob_max_token_len_per_gpu: micro
             batches of the old-log-prob pass (None per gpu: the actor's ppo_micro_batch_size_per_gpu).
@@ -165,7 +168,7 @@ class RolloutConfig(BaseConfig, LogProbPass):
         names the Hydra key): an engine other than hf or vllm, fewer than two responses per prompt (GRPO's groups), sampling
         that is not a distribution."""
         owner, problems = type(self).__name__, []
-        if self.name not in ("hf", "vllm"):
+        if self.name is not None and self.name not in ("hf", "vllm"):  # None: the driver chooses (config.rollout_choice)
             problems.append(f"{owner}.name={self.name}: the rollouts here are hf (transformers generate on the ranks) and vllm (an in-process vLLM engine); set {owner}.name=hf")
         if self.name == "vllm":
             problems += self._vllm_problems()

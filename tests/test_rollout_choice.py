@@ -1,0 +1,64 @@
+"""The rollout a run takes when ``actor_rollout_ref.rollout.name`` is left null (the YAML's default): vllm where
+``import vllm`` works, hf otherwise, said in one line; a named rollout is never replaced. The probe is replaced
+here by each answer it can give (tests/test_vllm_rollout.py runs the real one on the stack with vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from tests.main_leg import MBRIDGE
+from verl.trainer.config import rollout_choice
+from verl.trainer.config.rollout_choice import ROLLOUT_NAME_KEY, choose_rollout
+
+NO_VLLM = "ModuleNotFoundError: No module named 'vllm'"
+
+
+def _composed(*overrides: str):
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        return compose("ppo_megatron_trainer", overrides=[MBRIDGE, *overrides])
+
+
+def test_the_yaml_leaves_the_rollout_to_the_run():
+    assert _composed().actor_rollout_ref.rollout.name is None
+
+
+@pytest.mark.parametrize("problem, chosen", [(None, "vllm"), (NO_VLLM, "hf")])
+def test_an_unnamed_rollout_is_vllm_where_it_imports_else_hf_in_one_line(monkeypatch, problem, chosen):
+    monkeypatch.setattr(rollout_choice, "vllm_import_problem", lambda: problem)
+    config = _composed()
+    line = choose_rollout(config)
+    assert config.actor_rollout_ref.rollout.name == chosen
+    assert "\n" not in line and line.startswith(f"rollout: {chosen}, the default where `import vllm` ")
+    if chosen == "vllm":
+        assert f"set {ROLLOUT_NAME_KEY}=hf" in line  # how to take the other
+    else:
+        assert NO_VLLM in line and "install vLLM" in line
+    assert choose_rollout(config) == f"rollout: {chosen} ({ROLLOUT_NAME_KEY}={chosen})"  # chosen once
+
+
+@pytest.mark.parametrize("name", ["hf", "vllm"])
+def test_a_named_rollout_is_kept_whatever_the_probe_says(monkeypatch, name):
+    """An explicit vllm without vLLM stays vllm here: the pre-start check refuses it (never a silent hf)."""
+
+    def probe() -> str:
+        raise AssertionError("a named rollout needs no probe")
+
+    monkeypatch.setattr(rollout_choice, "vllm_import_problem", probe)
+    config = _composed(f"{ROLLOUT_NAME_KEY}={name}")
+    assert choose_rollout(config) == f"rollout: {name} ({ROLLOUT_NAME_KEY}={name})"
+    assert config.actor_rollout_ref.rollout.name == name
+
+
+def test_prepare_says_the_rollout_first_and_checks_the_one_it_took(monkeypatch, capsys, tmp_path):
+    """``prepare`` (what the CLI runs first) fills the key before its checks: a refused value elsewhere still
+    comes after the line naming the rollout, and the run's typed config would read it."""
+    from verl.trainer.main_ppo import prepare
+    from verl.trainer.run_config import ConfigError
+
+    monkeypatch.setattr(rollout_choice, "vllm_import_problem", lambda: NO_VLLM)
+    config = _composed(f"trainer.default_local_dir={tmp_path}", "trainer.device=cpu", "actor_rollout_ref.actor.use_torch_compile=0")
+    with pytest.raises(ConfigError):
+        prepare(config)
+    assert capsys.readouterr().out.splitlines()[0].startswith("[main_ppo] rollout: hf, the default where `import vllm` fails (")
+    assert config.actor_rollout_ref.rollout.name == "hf"
