@@ -207,10 +207,14 @@ class RankPeakRSS:
             return
         for child in children:
             try:
+                # only once titled ``ray::<class>``: a worker read between the raylet's fork and its exec shows the
+                # raylet's environment (no RANK) and would be cached as no rank; a rank's own children inherit RANK
+                if not child.cmdline()[:1] or not child.cmdline()[0].startswith("ray::"):
+                    continue
                 rank = self._rank(child.pid)
                 if rank is not None:
                     self.ranks[rank] = max(self.ranks.get(rank, 0), self._hwm(child.pid))
-            except OSError:  # gone, or not ours to read
+            except (OSError, psutil.Error):  # gone, or not ours to read
                 continue
 
     def _loop(self) -> None:
