@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -73,6 +74,7 @@ class InMemoryVLLMRollout:
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.logprobs_mode = logprobs_mode(settings.temperature)
+        self._slot_sources: dict[tuple, str] = {}  # each slot -> the HF tensor that last wrote it (names what a sync misses)
         max_model_len = engine.max_model_len or engine.prompt_length + engine.response_length
         # torch.set_num_threads is replaced by vLLM's CPU worker for the whole process; keep the actor's threads.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
@@ -105,7 +107,8 @@ class InMemoryVLLMRollout:
         Returns the number of parameter slots written; raises ``WeightSyncError`` naming the tensor when a slot
         is written twice or not at all, or a tensor lands in no slot.
         """
-        report = self.llm.collective_rpc(functools.partial(_reload_accounted, weights=weights))[0]
+        report = self.llm.collective_rpc(functools.partial(_reload_accounted, weights=weights, known=self._slot_sources))[0]
+        self._slot_sources.update(report["sources"])
         self.llm.reset_prefix_cache()
         if report["problems"]:
             shown = "; ".join(report["problems"][:5])
@@ -168,8 +171,9 @@ def kv_cache_bytes(hf_config: Any, dtype: torch.dtype, max_num_seqs: int, max_mo
     return max_num_seqs * (max_model_len + 128) * per_token
 
 
-def _reload_accounted(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """Run vLLM's in-place reload on ``worker`` with every weight loader call of the model recorded.
+def _reload_accounted(worker: Any, weights: Iterable[tuple[str, torch.Tensor]], known: dict[tuple, str]) -> dict[str, Any]:
+    """Run vLLM's in-place reload on ``worker`` with every weight loader call of the model recorded; ``known``:
+    the HF tensor that wrote each slot in the syncs before (a slot this one leaves unwritten is named by it).
 
     vLLM's reload (``Worker.reload_weights``) puts each layer back in checkpoint layout on the meta device with
     buffering loaders, then calls the model's ``load_weights``, which consumes ``weights``; once a layer has all
@@ -177,6 +181,8 @@ def _reload_accounted(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) 
     parameters before the reload (a tensor arriving after its layer is complete reaches those) and on the
     checkpoint-layout ones when the model asks for the first tensor (after that preparation, before any load).
     A recorder on a buffering loader keeps it as ``__wrapped__`` under its name, so vLLM unwraps it as its own.
+    A tensor vLLM never moves to the meta device (a linear layer's ``bias``) keeps its running recorder, which
+    sees both the buffered load and its replay when the layer completes: the replay is not a second write.
     """
     model = worker.model_runner.get_model()
     ledger = _Ledger()
@@ -196,7 +202,8 @@ def _reload_accounted(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) 
     finally:
         _ACTIVE.remove(ledger)
     _prepack_cpu_experts(model)
-    return {"slots": len(ledger.writes), "problems": ledger.problems()}
+    sources = {slot: hf_name for slot, (hf_name, _) in ledger.writes.items()}
+    return {"slots": len(ledger.writes), "problems": ledger.problems(known), "sources": sources}
 
 
 def _prepack_cpu_experts(model: torch.nn.Module) -> None:
@@ -248,8 +255,10 @@ def _recorder(param_name: str, loader: Any) -> Any:
         arguments = _loader_arguments(signature, args, kwargs)
         tensor = arguments.get("loaded_weight")
         slot = (param_name, *(value for key, value in arguments.items() if key not in _NOT_SLOT_ARGUMENTS))
-        if ledger.current is not None and slot in ledger.writes:  # written twice: recorded, and not written again
-            ledger.write(slot, 0)
+        if ledger.current is not None and slot in ledger.writes:
+            if ledger.loaded.get(slot) is tensor and _replaying(sys._getframe(1)):  # vLLM replays a load it buffered
+                return loader(*args, **kwargs)
+            ledger.write(slot, 0)  # written twice: recorded, and not written again
             return True if arguments.get("return_success") else None
         try:
             result = loader(*args, **kwargs)
@@ -258,10 +267,23 @@ def _recorder(param_name: str, loader: Any) -> Any:
             raise WeightSyncError(f"{ledger.source(slot)}: shape {shape} does not fit the engine's {_slot_text(slot)}: {exc}") from exc
         if ledger.current is not None and result is not False:  # False: a fused MoE loader declining another's tensor
             ledger.write(slot, tensor.numel() if isinstance(tensor, torch.Tensor) else 0)
+            ledger.loaded[slot] = tensor
         return result
 
     record.records_slots = True
     return record
+
+
+def _replaying(frame: Any) -> bool:
+    """Whether a loader call comes from vLLM's processing of a completed layer (``_layerwise_process``), which
+    replays the loads it buffered while the layer was on the meta device."""
+    from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process
+
+    while frame is not None:
+        if frame.f_code is _layerwise_process.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _loader_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -283,6 +305,7 @@ class _Ledger:
         self.current: str | None = None  # the tensor the model is loading now; None outside the feed
         self.sent: list[str] = []
         self.writes: dict[tuple, tuple[str, int]] = {}  # slot -> (hf name, elements)
+        self.loaded: dict[tuple, Any] = {}  # slot -> the tensor its loader was given (a replay gives the same again)
         self.duplicates: list[str] = []
         self.expected: dict[str, int] = {}  # parameter -> elements a full load writes
 
@@ -296,7 +319,9 @@ class _Ledger:
         else:
             self.writes[slot] = (str(self.current), numel)
 
-    def problems(self) -> list[str]:
+    def problems(self, known: dict[tuple, str]) -> list[str]:
+        """Every slot written twice, tensor that landed nowhere and parameter short of elements; a short parameter
+        names the tensors that wrote its unwritten slots in an earlier sync (``known``), when there was one."""
         found = list(self.duplicates)
         landed = {hf_name for hf_name, _ in self.writes.values()}
         found += [f"{name} was sent and landed in no parameter of the engine's model" for name in self.sent if name not in landed]
@@ -308,7 +333,9 @@ class _Ledger:
         for name, expected in self.expected.items():
             got = written.get(name, 0)
             if got != expected:
-                found.append(f"the engine's {name} received {got} of its {expected} elements{_missing_text(name, slots.get(name, []))}")
+                unsent = sorted({hf_name for slot, hf_name in known.items() if slot[0] == name and slot not in self.writes})
+                before = f"; those slots were written before by {', '.join(unsent)}, not by this sync" if unsent else ""
+                found.append(f"the engine's {name} received {got} of its {expected} elements{_missing_text(name, slots.get(name, []))}{before}")
         return found
 
 
