@@ -175,6 +175,31 @@ def test_the_checks_accept_vllm_and_refuse_log_probs_it_cannot_return(model_dir)
     assert len(problems) == 1 and problems[0].startswith(f"{rollout}temperature=0.7 with top_p=0.9: ") and "set " in problems[0], problems
 
 
+def test_a_head_size_vllms_cpu_attention_lacks_is_refused_before_the_start(tmp_path, model_dir):
+    """The tiny Qwen2-MoE at its default head size 16 (hidden_size 64 / 4 heads; vLLM's Qwen2-MoE reads no
+    head_dim) is refused in one line naming the value and both fixes; the same family at 32 and the hf rollout pass."""
+    from verl.workers.config import RolloutConfig
+
+    rollout = "actor_rollout_ref.rollout."
+    sixteen = make_tiny_hf_model(str(tmp_path / "h16"), kind="qwen2_moe", num_layers=2)
+    problems, _ = _checked(sixteen, [f"{rollout}name=vllm"])
+    assert problems == [
+        f"{rollout}name=vllm: the model's attention head_dim=16 (hidden_size / num_attention_heads = 64 / 4); vLLM's CPU attention "
+        f"takes head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; set {rollout}name=hf or use a model with one of those head sizes"
+    ], problems
+    thirty_two = make_tiny_hf_model(str(tmp_path / "h32"), kind="qwen2_moe", num_layers=2, num_attention_heads=2, num_key_value_heads=2)
+    assert _checked(thirty_two, [f"{rollout}name=vllm"])[0] == []
+    assert RolloutConfig(name="hf").model_problems({"model_type": "qwen2_moe", "hidden_size": 64, "num_attention_heads": 4}) == []
+
+
+def test_the_head_sizes_the_check_allows_are_the_installed_vllms():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from verl.workers.config.rollout import VLLM_CPU_HEAD_SIZES
+
+    assert list(VLLM_CPU_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
+
+
 def test_an_unnamed_rollout_is_vllm_here_and_checked_as_vllm(model_dir):
     """The real probe (a child ``import vllm``) on this stack: the YAML's null becomes vllm, and the pre-start
     check then refuses what only vllm cannot do (top-p under a temperature other than 1)."""

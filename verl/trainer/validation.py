@@ -68,6 +68,7 @@ def check_config(config: Any, model_path: str | None) -> list[str]:
     if worker is not None:
         actor, rollout = worker["actor"], worker["rollout"]
         problems += actor.unsupported(rollout.n) + rollout.unsupported() + (worker["ref"].validate(actor) if actor.use_kl_loss else [])
+        problems += rollout.model_problems(model) if model is not None else []
         problems += [problem for problem in (megatron_bridge_install_problem(actor.megatron.vanilla_mbridge),) if problem]
         if trainer is not None and trainer.save_freq > 0 and not actor.checkpoint.save_contents:
             problems.append(f"{_CHECKPOINT}save_contents is empty but trainer.save_freq={trainer.save_freq}; list what to save or set trainer.save_freq=-1")

