@@ -228,10 +228,11 @@ def _case_failures(reports: list[dict], check) -> list[str]:
     failures = []
     for case, use_distributed_optimizer in OPTIMIZER_CASES.items():
         for rank, per_case in enumerate(reports):
+            where = f"{case}, rank {rank}"
             try:
-                check(per_case[case], use_distributed_optimizer, f"{case}, rank {rank}")
+                check(per_case[case], use_distributed_optimizer, where)
             except AssertionError as error:
-                failures.append(f"{case}, rank {rank}: {error}")
+                failures.append(str(error) if str(error).startswith(where) else f"{where}: {error}")
     return failures
 
 
