@@ -207,35 +207,6 @@ def _offload_roundtrip(use_distributed_optimizer: bool) -> dict:
     return report
 
 
-OPTIMIZER_CASES = {"DO=False": False, "DO=True": True}
-
-
-def _each_optimizer_case(scenario) -> dict:
-    """``scenario(use_distributed_optimizer)`` for every case of ``OPTIMIZER_CASES``, one after the other on the
-    ranks of one launch (a launch costs more than a case); an error names the case it happened in."""
-    reports = {}
-    for case, use_distributed_optimizer in OPTIMIZER_CASES.items():
-        try:
-            reports[case] = scenario(use_distributed_optimizer)
-        except Exception as error:
-            raise RuntimeError(f"{scenario.__name__}, case {case}: {type(error).__name__}: {error}") from error
-    return reports
-
-
-def _case_failures(reports: list[dict], check) -> list[str]:
-    """Run ``check(report, use_distributed_optimizer, where)`` on every case of every rank's reports; the
-    failures, each naming its case and rank, so one case's failure does not hide another's."""
-    failures = []
-    for case, use_distributed_optimizer in OPTIMIZER_CASES.items():
-        for rank, per_case in enumerate(reports):
-            where = f"{case}, rank {rank}"
-            try:
-                check(per_case[case], use_distributed_optimizer, where)
-            except AssertionError as error:
-                failures.append(str(error) if str(error).startswith(where) else f"{where}: {error}")
-    return failures
-
-
 def _chunks_without_ddp_buffers(use_distributed_optimizer: bool) -> dict:
     """Detection and offload for chunks without DDP, DDP without buffers, no parameters, no chunks."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -404,77 +375,63 @@ LAYOUTS = {
 }
 
 
-def _check_offload_roundtrip(report: dict, use_distributed_optimizer: bool, where: str, sizes: ParallelSizes) -> None:
-    device = get_device_name()
-    # The layout under test: no flat param buffer exactly when the distributed optimizer is off.
-    assert report["param_data_is_none"] and all(v is not use_distributed_optimizer for v in report["param_data_is_none"]), where
-    if sizes.ep > 1:
-        assert report["expert_buffers"] > 0, where
-    assert report["twin_step1_equal"], where
-    assert report["grads_nonzero"], where
-    # Device detection in every state.
-    assert report["fresh"] == report["on_device"] == (device, False), where
-    assert report["offloaded"] == report["offloaded_twice"] == ("cpu", True), where
-    assert report["reloaded"] == (device, False), where
-    assert report["freed"] == {"params": True, "main_grads": True, "grad_data": True}, where
-    assert all(report["optimizer_offloaded"].values()), (where, report["optimizer_offloaded"])
-    assert report["same_state_objects"], where
-    # Bit for bit, twice, with the host copies of the first cycle reused.
-    assert report["param_mismatches"] == [], where
-    assert report["grad_mismatches"] == [], where
-    assert report["state_mismatches"] == [], where
-    assert report["second_cycle_mismatches"] == [], where
-    assert report["host_copies_reused"], where
-    assert report["main_grad_views_live"], where
-    # Training after the reload is exactly the twin's that never left the device.
-    assert report["twin_step2_equal"], where
-    assert report["twin_param_mismatches"] == [] and report["twin_state_mismatches"] == [], where
-    assert all(map(torch.isfinite, map(torch.tensor, report["losses"]))), where
-    # Chunks without DDP buffers, without parameters, and no chunks at all.
-    assert report["plain_on_device"] == report["plain_reloaded"] == (device, False), where
-    assert report["plain_offloaded"] == ("cpu", True) and report["plain_freed"], where
-    assert report["plain_mismatches"] == [], where
-    assert report["frozen_buffers"] == [0], where
-    assert report["frozen_on_device"] == report["frozen_reloaded"] == (device, False), where
-    assert report["frozen_offloaded"] == report["frozen_kept_offloaded"] == ("cpu", True), where
-    assert report["frozen_mismatches"] == [], where
-    assert report["no_parameters"] == ("cpu", False), where
-    assert report["empty_list"] == ("cpu", False), where
-
-
-def _offload_roundtrip_cases() -> dict:
-    return _each_optimizer_case(_offload_roundtrip)
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_offload_reload_is_bit_exact_and_training_continues(layout):
-    """Both optimizer settings (DO=False, DO=True) on one launch of the layout's ranks."""
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True], ids=["DO=False", "DO=True"])
+def test_offload_reload_is_bit_exact_and_training_continues(layout, use_distributed_optimizer):
     world, sizes = LAYOUTS[layout]
-    reports = run_on_ranks(_offload_roundtrip_cases, world, sizes)
-    failures = _case_failures(reports, lambda report, do, where: _check_offload_roundtrip(report, do, where, sizes))
-    assert not failures, "\n".join(failures)
+    reports = run_on_ranks(_offload_roundtrip, world, sizes, args=(use_distributed_optimizer,))
+    device = get_device_name()
+    for rank, report in enumerate(reports):
+        where = f"rank {rank}"
+        # The layout under test: no flat param buffer exactly when the distributed optimizer is off.
+        assert report["param_data_is_none"] and all(
+            v is not use_distributed_optimizer for v in report["param_data_is_none"]
+        )
+        if sizes.ep > 1:
+            assert report["expert_buffers"] > 0, where
+        assert report["twin_step1_equal"], where
+        assert report["grads_nonzero"], where
+        # Device detection in every state.
+        assert report["fresh"] == report["on_device"] == (device, False), where
+        assert report["offloaded"] == report["offloaded_twice"] == ("cpu", True), where
+        assert report["reloaded"] == (device, False), where
+        assert report["freed"] == {"params": True, "main_grads": True, "grad_data": True}
+        assert all(report["optimizer_offloaded"].values()), (where, report["optimizer_offloaded"])
+        assert report["same_state_objects"], where
+        # Bit for bit, twice, with the host copies of the first cycle reused.
+        assert report["param_mismatches"] == [], where
+        assert report["grad_mismatches"] == [], where
+        assert report["state_mismatches"] == [], where
+        assert report["second_cycle_mismatches"] == [], where
+        assert report["host_copies_reused"], where
+        assert report["main_grad_views_live"], where
+        # Training after the reload is exactly the twin's that never left the device.
+        assert report["twin_step2_equal"], where
+        assert report["twin_param_mismatches"] == [] and report["twin_state_mismatches"] == [], where
+        assert all(map(torch.isfinite, map(torch.tensor, report["losses"]))), where
+        # Chunks without DDP buffers, without parameters, and no chunks at all.
+        assert report["plain_on_device"] == report["plain_reloaded"] == (device, False), where
+        assert report["plain_offloaded"] == ("cpu", True) and report["plain_freed"], where
+        assert report["plain_mismatches"] == [], where
+        assert report["frozen_buffers"] == [0], where
+        assert report["frozen_on_device"] == report["frozen_reloaded"] == (device, False), where
+        assert report["frozen_offloaded"] == report["frozen_kept_offloaded"] == ("cpu", True), where
+        assert report["frozen_mismatches"] == [], where
+        assert report["no_parameters"] == ("cpu", False), where
+        assert report["empty_list"] == ("cpu", False), where
 
 
-def _check_bf16_roundtrip(report: dict, use_distributed_optimizer: bool, where: str) -> None:
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True], ids=["DO=False", "DO=True"])
+def test_bf16_fp32_main_params_offload_bit_exact(use_distributed_optimizer):
+    report = run_on_ranks(_bf16_main_params_roundtrip, 1, ParallelSizes(), args=(use_distributed_optimizer,))[0]
     expected = "DistributedOptimizer" if use_distributed_optimizer else "Float16OptimizerWithFloat16Params"
-    assert report["optimizer"] == expected, where
-    assert report["main_params"] > 0 and all(report["offloaded_as_upstream"].values()), (where, report["offloaded_as_upstream"])
-    assert report["same_objects"], where
-    assert report["offloaded"] == ("cpu", True), where
-    assert report["reloaded"] == (get_device_name(), False), where
-    assert report["mismatches"] == [], where
-    assert report["next_step"]["update_ok"], where
-
-
-def _bf16_main_params_cases() -> dict:
-    return _each_optimizer_case(_bf16_main_params_roundtrip)
-
-
-def test_bf16_fp32_main_params_offload_bit_exact():
-    """Both optimizer settings on one launch of 1 rank."""
-    reports = run_on_ranks(_bf16_main_params_cases, 1, ParallelSizes())
-    failures = _case_failures(reports, _check_bf16_roundtrip)
-    assert not failures, "\n".join(failures)
+    assert report["optimizer"] == expected
+    assert report["main_params"] > 0 and all(report["offloaded_as_upstream"].values()), report["offloaded_as_upstream"]
+    assert report["same_objects"]
+    assert report["offloaded"] == ("cpu", True)
+    assert report["reloaded"] == (get_device_name(), False)
+    assert report["mismatches"] == []
+    assert report["next_step"]["update_ok"]
 
 
 def test_pp4_ep2_tp2_etp2_without_distributed_optimizer():
