@@ -10,7 +10,10 @@ parity gate, and its fp32 master weights, saved in ``optimizer/dist_ckpt`` and l
 the uninterrupted run's too; tests/test_bf16_resume_cli.py holds the rest of bf16 through the CLI (a TP2 save
 resumed at 1 rank; a float32 run refusing a bf16 step). The 2-rank case runs in float32, the default, at PP2 with
 upstream's interleaved pipeline (VPP2) and the KL loss: the reference and log-prob passes run as model chunks too,
-every chunk is saved and the HF export is complete (tests/test_vpp.py: the same at rank level)."""
+every chunk is saved and the HF export is complete (tests/test_vpp.py: the same at rank level). Its uninterrupted
+run also carries two behaviours that need a float32 run and change none of its metrics: the log-prob parity gate
+turned off below a correct run's gap, and upstream's ESI rule (a capacity block ending soon saves outside
+save_freq); sharing the launch saves a run of their own."""
 
 import json
 import subprocess
@@ -55,6 +58,15 @@ LAYOUTS = {
         f"{MEGATRON}expert_model_parallel_size=1", "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.05",
     ],
 }  # fmt: skip
+# The float32 case's runs also have the log-prob parity gate off at a tolerance of 1e-12, below a correct run's gap:
+# they train and log that gap (the gate on, the same model and tolerance stop the run: test_trainer_cli.py's
+# test_parity_gate_stops_a_model_the_bridge_maps_differently). Its uninterrupted run is also upstream's ESI rule
+# (CAPACITY_BLOCK_END below, that run only): a block end nearer than the longest step + 60 s +
+# trainer.esi_redundant_time saves every step from the second on (the first has no step duration yet).
+LAYOUT_EXTRAS = {
+    "2_ranks_pp2_vpp2": [f"{PARITY_GATE}.tolerance.float32=1e-12", f"{PARITY_GATE}.enable=False", "trainer.esi_redundant_time=100000"],
+}
+CAPACITY_BLOCK_END = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"  # MLP's variable, one of those upstream reads
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +84,7 @@ def _command(model_path: str, ckpt: Path, val_parquet: str, schedule: str, layou
         f"{MEGATRON}tensor_model_parallel_size=1", f"{MEGATRON}use_distributed_optimizer=False",
         f"trainer.total_training_steps={STEPS}", "trainer.save_freq=2",
         f"data.val_files={val_parquet}", "trainer.val_before_train=False", "trainer.test_freq=2",
-        "trainer.logger=[console,file]", *SCHEDULES[schedule],
+        "trainer.logger=[console,file]", *SCHEDULES[schedule], *LAYOUT_EXTRAS.get(layout, []),
     ]  # fmt: skip
 
 
@@ -96,7 +108,8 @@ def _final_weights(ckpt: Path) -> dict:
 def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, env, tiny_moe_path, val_parquet, schedule, layout):
     bf16, vpp = layout.endswith("_bf16"), "vpp2" in layout
     whole_dir, stopped_dir = tmp_path / "uninterrupted", tmp_path / "stopped"
-    code, out = run_trainer(_command(tiny_moe_path, whole_dir, val_parquet, schedule, layout), tmp_path, env)
+    block_end = {CAPACITY_BLOCK_END: str(time.time() + 50000)} if vpp else {}  # ESI: the uninterrupted run only
+    code, out = run_trainer(_command(tiny_moe_path, whole_dir, val_parquet, schedule, layout), tmp_path, {**env, **block_end})
     assert code == 0, out[-6000:]
     whole_records = {m["step"]: m for m in read_metrics(whole_dir)}
     whole = comparable_by_step(read_metrics(whole_dir))
@@ -107,6 +120,12 @@ def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path
         assert 1e-4 < whole[1]["rollout/log_prob_diff_max"] <= 1e-1, whole[1]["rollout/log_prob_diff_max"]
     if vpp:
         assert "TP1 PP2 VPP2 EP1 ETP1 CP1" in out
+        # the parity gate off: a correct run's gap, above the tolerance set, logged and trained through
+        assert 1e-12 < whole[1]["rollout/log_prob_diff_max"] <= 1e-4, whole[1]["rollout/log_prob_diff_max"]
+        # ESI: step 3 saved outside save_freq=2, step 1 not (no step duration yet); the tracker on the last
+        assert [step for step, m in whole_records.items() if "checkpoint" in m] == [2, 3, 4, 5]
+        assert "[trainer] saving step 3 outside save_freq: the capacity block ends within the next step and a save" in out
+        assert (whole_dir / TRACKER).read_text() == str(STEPS)
         assert whole_records[2]["checkpoint"]["hf"] == "all 135 tensors present with the expected shapes"
         assert {"actor/kl_loss", "actor/grad_norm", "actor/entropy"} <= set(whole[2])
         # the actor moved away from the reference: from step 3 on, the warmup's first step having had lr 0
@@ -142,30 +161,6 @@ def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path
     assert manifest["parallel"]["world_size"] == int(LAYOUTS[layout][0].rsplit("=", 1)[1])
     if vpp:
         assert manifest["parallel"] == {"world_size": 2, "tp": 1, "pp": 2, "ep": 1, "etp": 1, "cp": 1, "vpp": 2}
-
-
-def test_a_near_capacity_block_end_saves_outside_save_freq(tmp_path, env, tiny_moe_path):
-    """Upstream's ESI rule through the trainer: with the block's end (MLP's variable) nearer than the longest step
-    + 60 s + trainer.esi_redundant_time, every step from the second on is saved (the first has no step duration
-    yet), although save_freq would save only the last.
-
-    The run also has the log-prob parity gate off at a float32 tolerance of 1e-12, below a correct run's gap: it
-    trains and logs that gap (the gate on, the same model and tolerance stop the run: test_trainer_cli.py's
-    test_parity_gate_stops_a_model_the_bridge_maps_differently)."""
-    ckpt = tmp_path / "ckpt"
-    command = [
-        f"actor_rollout_ref.model.path={tiny_moe_path}", f"trainer.default_local_dir={ckpt}", *ONE_RANK,
-        f"{MEGATRON}tensor_model_parallel_size=1",
-        "trainer.total_training_steps=3", "trainer.save_freq=100", "trainer.esi_redundant_time=100000",
-        f"{PARITY_GATE}.tolerance.float32=1e-12", f"{PARITY_GATE}.enable=False",
-    ]  # fmt: skip
-    end = {"MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP": str(time.time() + 50000)}
-    code, out = run_trainer(command, tmp_path, {**env, **end})
-    assert code == 0, out[-6000:]
-    assert 1e-12 < read_metrics(ckpt)[0]["rollout/log_prob_diff_max"] <= 1e-4  # a correct run's gap, above the tolerance set
-    assert [m["step"] for m in read_metrics(ckpt) if "checkpoint" in m] == [2, 3]
-    assert "[trainer] saving step 2 outside save_freq: the capacity block ends within the next step and a save" in out
-    assert (ckpt / TRACKER).read_text() == "3"
 
 
 def test_a_negative_esi_slack_is_refused_naming_the_key(tiny_moe_path):
