@@ -62,3 +62,21 @@ def test_prepare_says_the_rollout_first_and_checks_the_one_it_took(monkeypatch, 
         prepare(config)
     assert capsys.readouterr().out.splitlines()[0].startswith("[main_ppo] rollout: hf, the default where `import vllm` fails (")
     assert config.actor_rollout_ref.rollout.name == "hf"
+
+
+@pytest.mark.parametrize("head_dim, chosen", [(16, "hf"), (32, "vllm")])
+def test_an_unnamed_rollout_is_hf_for_a_model_vllm_cannot_serve(monkeypatch, tmp_path, head_dim, chosen):
+    """With vLLM importable, a model whose head size vLLM's CPU attention lacks gets hf by default, said with
+    its head size (the main leg has vLLM's CPU build); a named ``vllm`` for it is refused by the pre-start check instead
+    (tests/test_vllm_rollout.py)."""
+    import json
+
+    monkeypatch.setattr(rollout_choice, "vllm_import_problem", lambda: None)
+    sizes = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "head_dim": head_dim}
+    (tmp_path / "config.json").write_text(json.dumps(sizes))
+    config = _composed(f"actor_rollout_ref.model.path={tmp_path}")
+    line = choose_rollout(config)
+    assert config.actor_rollout_ref.rollout.name == chosen
+    assert "\n" not in line and line.startswith(f"rollout: {chosen}, the default ")
+    if chosen == "hf":
+        assert "head_dim=16" in line and "vLLM's CPU attention" in line, line
