@@ -34,11 +34,12 @@ POINTS_DIR = str(Path(__file__).resolve().parent / "save_points")
 STEPS = 3
 STOPPED_IN = 2  # the step whose generation the SIGTERM lands in
 VLLM = "actor_rollout_ref.rollout.name=vllm"
+EAGER = "actor_rollout_ref.rollout.enforce_eager=True"  # no engine compile at each of the three starts (~20 s each)
 
 
 def _command(model_path: str, ckpt: Path) -> list[str]:
     """2 ranks at EP2 (two data-parallel groups: two engines), a save every step."""
-    return [*two_ranks_ep2(model_path, ckpt), VLLM, f"trainer.total_training_steps={STEPS}", "trainer.logger=[console,file]"]
+    return [*two_ranks_ep2(model_path, ckpt), VLLM, EAGER, f"trainer.total_training_steps={STEPS}", "trainer.logger=[console,file]"]
 
 
 def _stop_mid_generation(command: list[str], cwd: Path, env: dict, ckpt: Path) -> str:
@@ -88,7 +89,7 @@ def test_a_run_sigtermed_mid_vllm_generation_resumes_exactly(tmp_path, env, tiny
     committed = STOPPED_IN - 1
     line = f"[main_ppo] stopped by SIGTERM at step {STOPPED_IN}: step {committed} is committed (tracker {stopped_dir / TRACKER}); resume with: "
     assert line in out, out[-5000:]
-    assert f"{VLLM} trainer.total_training_steps={STEPS}" in out.split(line, 1)[1].splitlines()[0]
+    assert f"{VLLM} {EAGER} trainer.total_training_steps={STEPS}" in out.split(line, 1)[1].splitlines()[0]
     # nothing of the step it was in: the tracker, the step directories and the metrics stop at the committed step
     assert (stopped_dir / TRACKER).read_text() == str(committed)
     assert sorted(path.name for path in stopped_dir.glob("global_step_*")) == [f"global_step_{committed}"]
