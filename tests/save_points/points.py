@@ -4,7 +4,7 @@
 async save's fork), ``fork_start`` (the first instant of a process a rank forks: the async save's fork) or
 ``writer`` (one of megatron's dist-checkpoint writer processes: killed before it writes, paused once its file is
 written and reported) or ``generate`` (a rank's vLLM rollout mid-generation: once the engine's first step of a
-``generate`` call has sampled, while its requests are unfinished; a rank's second ``generate`` call is ``2``);
+``generate`` call has sampled; every call counts, a validation's too: a rank's second call is ``2``);
 ``VERL_TEST_SAVE_RANKS``: the ranks it applies to (``0,1``); ``VERL_TEST_SAVE_NTH``: the how-manieth time a process
 reaches the point counts (default 1: a rank's second save is ``2``). There the process records
 ``<VERL_TEST_SAVE_DIR>/<point>.<rank>.<pid>``, then (``VERL_TEST_SAVE_ACTION``) waits (``pause``) or SIGKILLs
@@ -75,11 +75,10 @@ def _patch_engine(module) -> None:
     def step(self):
         nonlocal generating
         outputs = original(self)
-        unfinished = self.has_unfinished_requests()
-        if not generating and unfinished:  # the first step of a call has sampled; its requests go on
+        if not generating:  # the first step of a call has sampled; its requests go on (unless it ended them all)
             generating = True
             reached("generate")
-        if not unfinished:
+        if not self.has_unfinished_requests():
             generating = False
         return outputs
 
