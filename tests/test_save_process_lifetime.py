@@ -4,6 +4,9 @@
   those the save started: as a preemption that kills the process group, or every process it finds while the save
   forks) leaves no process of the run alive 10 s later: megatron's writers (forked even in a sync save), the
   async save's fork, the Manager server the writers report through;
+- SIGKILL of the whole run in the same way while both ranks' vLLM engines (in the ranks' processes, with their
+  threads) are mid-generation leaves no process of the run either, what the ranks and their engines started
+  included;
 - a save's process that dies (a writer SIGKILLed, the async fork SIGKILLed in its first instant) fails the run
   within seconds, and the headline blames the rank that lost it, not rank 0's echo.
 
@@ -28,13 +31,14 @@ ASYNC = "actor_rollout_ref.actor.checkpoint.async_save=True"
 MODE = "actor_rollout_ref.actor.checkpoint.async_mode"
 
 
-def _start_at(env: dict, tmp_path: Path, model: str, point: str, ranks: str, action: str, async_mode: str | None):
-    """A one-step run whose save takes ``async_mode``'s writer (None: the sync one), held at ``point``."""
+def _start_at(env: dict, tmp_path: Path, model: str, point: str, ranks: str, action: str, async_mode: str | None, extra: tuple = ()):
+    """A one-step run whose save takes ``async_mode``'s writer (None: the sync one), held at ``point``; ``extra``:
+    more overrides."""
     reached = tmp_path / "reached"
     reached.mkdir()
     run_env = {**env, "PYTHONPATH": os.pathsep.join([POINTS_DIR, env["PYTHONPATH"]]), POINT: point, RANKS: ranks, ACTION: action, DIR: str(reached)}
     writer = [ASYNC, f"{MODE}={async_mode}"] if async_mode else []
-    overrides = [*two_ranks_ep2(model, tmp_path / "ckpt"), "trainer.total_training_steps=1", *writer]
+    overrides = [*two_ranks_ep2(model, tmp_path / "ckpt"), "trainer.total_training_steps=1", *writer, *extra]
     log = tmp_path / "run.log"
     return start_trainer(overrides, tmp_path, run_env, log), reached, log
 
@@ -101,13 +105,20 @@ def test_sigkill_of_the_whole_run_mid_save_leaves_no_process(tmp_path, env, tiny
     whole run must be gone; an async save's fork and megatron's writers below it must die by themselves."""
     async_save = async_mode is not None
     proc, reached, log = _start_at(env, tmp_path, tiny_moe_path, point, ranks, "pause", async_mode)
+    saves, survivors = _kill_the_run_but_what_ranks_started(proc, reached, ranks, log)
+    assert saves or not async_save, "no process of a save to outlive its rank"
+    assert not survivors, f"{len(survivors)} of the {len(saves)} processes of the save outlived the run by 10 s: {_describe(survivors)}"
+
+
+def _kill_the_run_but_what_ranks_started(proc, reached: Path, ranks: str, log: Path) -> tuple[set[int], list[psutil.Process]]:
+    """Once ``ranks`` are held at the run's point, SIGKILL every process of the run but those the ranks started,
+    all at once; (the pids the ranks started, the run's processes left 10 s later)."""
     try:
         _wait_until_reached(proc, reached, ranks, log)
         time.sleep(1.0)  # the other ranks' processes get where this point holds them
         run = _marked(proc.marker)
-        saves = _started_by_a_save(run)
-        assert saves or not async_save, f"no process of a save to outlive its rank: {_describe(run)}"
-        for victim in [p for p in run if p.pid not in saves]:  # the driver, Ray, the ranks: all at once
+        started = _started_by_a_save(run)
+        for victim in [p for p in run if p.pid not in started]:  # the driver, Ray, the ranks: all at once
             try:
                 victim.kill()
             except psutil.Error:
@@ -115,10 +126,19 @@ def test_sigkill_of_the_whole_run_mid_save_leaves_no_process(tmp_path, env, tiny
         deadline = time.monotonic() + 10
         while _marked(proc.marker) and time.monotonic() < deadline:
             time.sleep(0.2)
-        survivors = _marked(proc.marker)
+        return started, _marked(proc.marker)
     finally:
         kill_session(proc)
-    assert not survivors, f"{len(survivors)} of the {len(saves)} processes of the save outlived the run by 10 s: {_describe(survivors)}"
+
+
+def test_sigkill_of_the_whole_run_mid_vllm_generation_leaves_no_process(tmp_path, env, tiny_moe_path):
+    """Both ranks held inside their vLLM engine's generation (``generate``: the engine in the rank's process, its
+    threads running), the run SIGKILLed as above: no process of the run is left, what a rank or its engine
+    started (children of the ranks, left alive by the kill) included."""
+    extra = ("actor_rollout_ref.rollout.name=vllm",)
+    proc, reached, log = _start_at(env, tmp_path, tiny_moe_path, "generate", "0,1", "pause", None, extra)
+    started, survivors = _kill_the_run_but_what_ranks_started(proc, reached, "0,1", log)
+    assert not survivors, f"{len(survivors)} processes ({len(started)} started by the ranks) outlived the run by 10 s: {_describe(survivors)}"
 
 
 @pytest.mark.parametrize(

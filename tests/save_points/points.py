@@ -3,12 +3,14 @@
 ``VERL_TEST_SAVE_POINT``: one of ``on_save_phase``'s phases (in whichever process runs it: the rank or an
 async save's fork), ``fork_start`` (the first instant of a process a rank forks: the async save's fork) or
 ``writer`` (one of megatron's dist-checkpoint writer processes: killed before it writes, paused once its file is
-written and reported);
+written and reported) or ``generate`` (a rank's vLLM rollout mid-generation: once the engine's first step of a
+``generate`` call has sampled; every call counts, a validation's too: a rank's second call is ``2``);
 ``VERL_TEST_SAVE_RANKS``: the ranks it applies to (``0,1``); ``VERL_TEST_SAVE_NTH``: the how-manieth time a process
 reaches the point counts (default 1: a rank's second save is ``2``). There the process records
 ``<VERL_TEST_SAVE_DIR>/<point>.<rank>.<pid>``, then (``VERL_TEST_SAVE_ACTION``) waits (``pause``) or SIGKILLs
 itself (``kill``). Patched in
-when the modules load (``arm``), through the manager's public ``on_save_phase`` hook and megatron's writer.
+when the modules load (``arm``), through the manager's public ``on_save_phase`` hook, megatron's writer and
+vLLM's public ``LLMEngine.step``.
 """
 
 import importlib.abc
@@ -22,6 +24,7 @@ POINT, RANKS, ACTION, DIR = "VERL_TEST_SAVE_POINT", "VERL_TEST_SAVE_RANKS", "VER
 NTH = "VERL_TEST_SAVE_NTH"
 MANAGER = "verl.utils.checkpoint.checkpoint_manager"
 WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+ENGINE = "vllm.v1.engine.llm_engine"
 
 
 _arrivals = 0  # how often this process reached the point
@@ -65,8 +68,25 @@ def _patch_writer(module) -> None:
     module.FileSystemWriterAsync.write_preloaded_data = staticmethod(write_preloaded_data)
 
 
+def _patch_engine(module) -> None:
+    original = module.LLMEngine.step
+    generating = False  # within a burst of steps that ends with no request unfinished: one ``generate`` call
+
+    def step(self):
+        nonlocal generating
+        outputs = original(self)
+        if not generating:  # the first step of a call has sampled; its requests go on (unless it ended them all)
+            generating = True
+            reached("generate")
+        if not self.has_unfinished_requests():
+            generating = False
+        return outputs
+
+    module.LLMEngine.step = step
+
+
 class _Patcher(importlib.abc.MetaPathFinder):
-    patches = {MANAGER: _patch_manager, WRITER: _patch_writer}
+    patches = {MANAGER: _patch_manager, WRITER: _patch_writer, ENGINE: _patch_engine}
 
     def find_spec(self, name, path, target=None):
         if name not in self.patches:
