@@ -21,6 +21,8 @@ def with_rollout(overrides: list[str], rollout: str | None = HF_ROLLOUT) -> list
     or ``rollout`` is None (the run's own default)."""
     named = any(item.lstrip("+~").split("=", 1)[0] == ROLLOUT_KEY for item in overrides)
     return list(overrides) if named or rollout is None else [rollout, *overrides]
+
+
 # The run length (the trainer's total_training_steps) of the engines tests build: the YAML's LR schedule is
 # constant, so the length changes no step's LR, only what the schedule's saved state records.
 TRAINING_STEPS = 1000
