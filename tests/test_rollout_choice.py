@@ -67,11 +67,14 @@ def test_prepare_says_the_rollout_first_and_checks_the_one_it_took(monkeypatch, 
 @pytest.mark.parametrize("head_dim, chosen", [(16, "hf"), (32, "vllm")])
 def test_an_unnamed_rollout_is_hf_for_a_model_vllm_cannot_serve(monkeypatch, tmp_path, head_dim, chosen):
     """With vLLM importable, a model whose head size vLLM's CPU attention lacks gets hf by default, said with
-    its head size (the main leg has vLLM's CPU build); a named ``vllm`` for it is refused by the pre-start check instead
+    its head size; a named ``vllm`` for it is refused by the pre-start check instead
     (tests/test_vllm_rollout.py)."""
     import json
 
+    from verl.workers.config import rollout
+
     monkeypatch.setattr(rollout_choice, "vllm_import_problem", lambda: None)
+    monkeypatch.setattr(rollout, "_vllm_cpu_build", lambda: True)  # vLLM's CPU build, as on the main leg
     sizes = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "head_dim": head_dim}
     (tmp_path / "config.json").write_text(json.dumps(sizes))
     config = _composed(f"actor_rollout_ref.model.path={tmp_path}")

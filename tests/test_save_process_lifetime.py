@@ -135,6 +135,7 @@ def test_sigkill_of_the_whole_run_mid_vllm_generation_leaves_no_process(tmp_path
     """Both ranks held inside their vLLM engine's generation (``generate``: the engine in the rank's process, its
     threads running), the run SIGKILLed as above: no process of the run is left, what a rank or its engine
     started (children of the ranks, left alive by the kill) included."""
+    pytest.importorskip("vllm", reason="the vLLM rollout (the main leg has vLLM)")
     extra = ("actor_rollout_ref.rollout.name=vllm",)
     proc, reached, log = _start_at(env, tmp_path, tiny_moe_path, "generate", "0,1", "pause", None, extra)
     started, survivors = _kill_the_run_but_what_ranks_started(proc, reached, "0,1", log)

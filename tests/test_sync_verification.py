@@ -14,6 +14,8 @@ the engine after a sync of a previous step's weights), so a slot the sync misses
 reload processes the layer short of a tensor with that slot uninitialised).
 """
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -33,7 +35,8 @@ FAMILIES = {
     "qwen2_moe_shared": {"kind": "qwen2_moe", "num_attention_heads": 2, "num_key_value_heads": 1},
 }
 TWICE = {"qwen3_moe": "model.layers.0.self_attn.k_proj.weight", "qwen2_moe_shared": "model.layers.0.self_attn.k_proj.bias"}
-ROLLOUTS = ("hf", "vllm")
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
+ROLLOUTS = ("hf", pytest.param("vllm", marks=pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (the main leg has it)")))
 
 
 def _swap_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -85,6 +88,8 @@ def _syncs(model_path: str, twice: str) -> dict:
         return InMemoryHFRollout(actor.hf_config, RolloutSettings(RESPONSE_LEN), tok.eos_token_id, tok.pad_token_id)
 
     results = {"hf": {case: compared(hf_rollout(), sent) for case, sent in cases.items()}, "vllm": {}}
+    if not VLLM_INSTALLED:
+        return results
     join_engine_groups()
     engine = InMemoryVLLMRollout(
         model_path, actor.hf_config, RolloutSettings(RESPONSE_LEN), RolloutConfig(max_model_len=32, max_num_seqs=8, enforce_eager=True),
@@ -143,6 +148,7 @@ def test_a_dropped_expert_tensor_is_named_by_the_sync_and_stopped_by_the_log_pro
     assert _step_check(syncs[rollout]["dropped"]["max_diff"]) is not None, syncs[rollout]["dropped"]
 
 
+@pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (the main leg has it)")
 @pytest.mark.parametrize("where", ["next", "last"])
 def test_a_tensor_sent_twice_into_vllm_is_named_by_the_sync(syncs, family, where):
     """Sent again right after itself (its layer still buffering in vLLM's reload) or after every other tensor."""

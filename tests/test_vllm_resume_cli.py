@@ -27,6 +27,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytest.importorskip("vllm", reason="the vLLM rollout (the main leg has vLLM)")
+
 from tests.cli_runs import (
     REPO,
     TRACKER,

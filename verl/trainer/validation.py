@@ -7,7 +7,6 @@ the model's ``config.json`` (no torch, no Ray), so a bad command line fails in a
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
@@ -19,6 +18,7 @@ from verl.trainer.config.field_checks import is_int, is_number
 from verl.trainer.config.keys import ACTOR as _ACTOR
 from verl.trainer.config.keys import CHECKPOINT as _CHECKPOINT
 from verl.trainer.config.keys import REF as _REF
+from verl.trainer.config.rollout_choice import configured_model_path
 from verl.trainer.run_config import trainer_config_or_none, typed_node
 from verl.trainer.upstream_keys import check_upstream_keys
 from verl.utils.internals.megatron_bridge import megatron_bridge_install_problem
@@ -31,8 +31,7 @@ def pre_start_problems(config: Any, cluster: bool, model_path: str | None = None
     local run (None on a cluster, or when not known yet) and every problem the cheap checks find, before any
     model or rank is built. ``model_path``: check this model instead of the configured one."""
     if model_path is None:
-        given = OmegaConf.select(config, "actor_rollout_ref.model.path")
-        model_path = os.path.abspath(os.path.expanduser(str(given))) if given else None
+        model_path = configured_model_path(config)
     problems, device = check_config(config, model_path), None
     if not problems or OmegaConf.select(config, "trainer.device") in ("cuda", "npu"):
         device, device_problems = check_device(trainer_config_or_none(config), cluster)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import socket
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -141,6 +142,13 @@ class ActorRolloutRefWorker(MegatronWorker):
         if rollout.name == "vllm":
             from verl.workers.rollout.vllm_rollout import join_engine_groups
 
+            try:
+                import vllm  # noqa: F401  (the driver's host had it; on a cluster this one may not)
+            except ImportError as exc:
+                raise RuntimeError(
+                    f"actor_rollout_ref.rollout.name=vllm: `import vllm` fails on {socket.gethostname()} ({exc}); "
+                    "install vLLM on every node of the cluster, or set actor_rollout_ref.rollout.name=hf"
+                ) from None
             join_engine_groups()  # every rank: vLLM's groups span the world
         if not self._is_output_rank():
             return

@@ -10,32 +10,27 @@ explicit ``name=vllm`` without vLLM is refused by the pre-start check (``Rollout
 
 from __future__ import annotations
 
-import functools
-import subprocess
-import sys
+import os
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from verl.workers.config.model import read_hf_config
-from verl.workers.config.rollout import RolloutConfig, vllm_head_size
+from verl.workers.config.rollout import RolloutConfig, vllm_head_size, vllm_import_problem
 
 from .keys import ROLLOUT
 
-__all__ = ["ROLLOUT_NAME_KEY", "choose_rollout", "vllm_import_problem"]
+__all__ = ["ROLLOUT_NAME_KEY", "MODEL_PATH_KEY", "choose_rollout", "configured_model_path", "vllm_import_problem"]
 
 ROLLOUT_NAME_KEY = f"{ROLLOUT}name"
 MODEL_PATH_KEY = "actor_rollout_ref.model.path"
 
 
-@functools.lru_cache(maxsize=1)
-def vllm_import_problem() -> str | None:
-    """None when ``import vllm`` works for this interpreter, else the last line of its error. Tried in a child
-    process (the driver does not keep vLLM: ~0.5 GiB and seconds of import), once per process."""
-    found = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
-    if found.returncode == 0:
-        return None
-    return (found.stderr.strip().splitlines() or [f"exit status {found.returncode}"])[-1]
+def configured_model_path(config: Any) -> str | None:
+    """``actor_rollout_ref.model.path`` of a composed config, ``~`` expanded and made absolute (None: the embedded
+    model); the one reading of the key the rollout choice and the pre-start check share."""
+    given = OmegaConf.select(config, MODEL_PATH_KEY)
+    return os.path.abspath(os.path.expanduser(str(given))) if given else None
 
 
 def choose_rollout(config: Any) -> str:
@@ -46,14 +41,14 @@ def choose_rollout(config: Any) -> str:
     if name is not None:
         return f"rollout: {name} ({ROLLOUT_NAME_KEY}={name})"
     problem = vllm_import_problem()
-    model_path = OmegaConf.select(config, MODEL_PATH_KEY)
+    model_path = configured_model_path(config)
     hf_config = read_hf_config(model_path)[0] if model_path else None  # unreadable: the pre-start check says why
     unserved = RolloutConfig(name="vllm").model_problems(hf_config) if problem is None and hf_config is not None else []
     chosen = "vllm" if problem is None and not unserved else "hf"
     OmegaConf.update(config, ROLLOUT_NAME_KEY, chosen, force_add=True)
     if chosen == "vllm":
         return (
-            f"rollout: vllm, the default where `import vllm` works ({ROLLOUT_NAME_KEY} unset); "
+            f"rollout: vllm, the default where `import vllm` works ({ROLLOUT_NAME_KEY} unset; on a Ray cluster every node needs vLLM); "
             f"set {ROLLOUT_NAME_KEY}=hf to sample with transformers' generate on the ranks instead"
         )
     if unserved:

