@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_module
 
 from tests.main_leg import MBRIDGE
 from verl.trainer.config import rollout_choice
-from verl.trainer.config.rollout_choice import ROLLOUT_NAME_KEY, choose_rollout
+from verl.trainer.config.rollout_choice import ROLLOUT_NAME_KEY, choose_rollout, with_rollout_named
 
 NO_VLLM = "ModuleNotFoundError: No module named 'vllm'"
 
@@ -83,3 +83,12 @@ def test_an_unnamed_rollout_is_hf_for_a_model_vllm_cannot_serve(monkeypatch, tmp
     assert "\n" not in line and line.startswith(f"rollout: {chosen}, the default ")
     if chosen == "hf":
         assert "head_dim=16" in line and "vLLM's CPU attention" in line, line
+
+
+def test_the_resume_command_of_a_run_that_named_no_rollout_names_the_one_it_took():
+    """A stop line's resume command (``run_control.resume_command`` of these overrides) keeps the rollout the run
+    sampled with, so a resume on a host where ``import vllm`` differs does not switch rollouts."""
+    from verl.trainer.run_control import resume_command
+
+    assert resume_command(with_rollout_named(["data.seed=2"], "vllm")).split()[-2:] == [f"{ROLLOUT_NAME_KEY}=vllm", "trainer.resume_mode=auto"]
+    assert with_rollout_named([f"{ROLLOUT_NAME_KEY}=hf", "data.seed=2"], "hf") == [f"{ROLLOUT_NAME_KEY}=hf", "data.seed=2"]

