@@ -16,8 +16,6 @@ turned off below a correct run's gap, and upstream's ESI rule (a capacity block 
 save_freq); sharing the launch saves a run of their own."""
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -67,15 +65,6 @@ LAYOUT_EXTRAS = {
     "2_ranks_pp2_vpp2": [f"{PARITY_GATE}.tolerance.float32=1e-12", f"{PARITY_GATE}.enable=False", "trainer.esi_redundant_time=100000"],
 }
 CAPACITY_BLOCK_END = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"  # MLP's variable, one of those upstream reads
-
-
-@pytest.fixture(scope="module")
-def val_parquet(tmp_path_factory, env) -> str:
-    script = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "make_task_parquet.py"), "--out-dir", str(tmp_path_factory.mktemp("data"))],
-        env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return script.stdout.strip().splitlines()[-1]
 
 
 def _command(model_path: str, ckpt: Path, val_parquet: str, schedule: str, layout: str) -> list[str]:

@@ -18,8 +18,6 @@ sampled); tests/test_save_process_lifetime.py SIGKILLs a run at the same point."
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +28,6 @@ from safetensors.torch import load_file
 pytest.importorskip("vllm", reason="the vLLM rollout (the main leg has vLLM)")
 
 from tests.cli_runs import (
-    REPO,
     TRACKER,
     comparable_by_step,
     kill_session,
@@ -50,15 +47,6 @@ EAGER = "actor_rollout_ref.rollout.enforce_eager=True"  # no engine compile at e
 
 VAL_SAMPLING = [f"actor_rollout_ref.rollout.val_kwargs.{key}" for key in ("do_sample=True", "temperature=1.0")]
 TRAINED = "actor/lr"  # in a training step's metrics line, not in a validation's
-
-
-@pytest.fixture(scope="module")
-def val_parquet(tmp_path_factory, env) -> str:
-    script = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "make_task_parquet.py"), "--out-dir", str(tmp_path_factory.mktemp("data"))],
-        env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return script.stdout.strip().splitlines()[-1]
 
 
 def _command(model_path: str, ckpt: Path, val_parquet: str) -> list[str]:
