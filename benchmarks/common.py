@@ -147,21 +147,23 @@ def machine() -> dict:
     }
 
 
-class LoadSampler:
-    """The 1-minute load average, sampled every few seconds on a thread while a run goes on."""
+class PeriodicSampler:
+    """Calls ``sample()`` every ``period_s`` on a thread while the ``with`` block runs."""
 
-    def __init__(self, period_s: float = 5.0) -> None:
+    def __init__(self, period_s: float) -> None:
         self.period_s = period_s
-        self.samples: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
+    def sample(self) -> None:
+        raise NotImplementedError
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.samples.append(os.getloadavg()[0])
+            self.sample()
             self._stop.wait(self.period_s)
 
-    def __enter__(self) -> LoadSampler:
+    def __enter__(self) -> PeriodicSampler:
         self._thread.start()
         return self
 
@@ -170,19 +172,29 @@ class LoadSampler:
         self._thread.join()
 
 
-class RankPeakRSS:
+class LoadSampler(PeriodicSampler):
+    """The 1-minute load average, sampled every few seconds on a thread while a run goes on."""
+
+    def __init__(self, period_s: float = 5.0) -> None:
+        super().__init__(period_s)
+        self.samples: list[float] = []
+
+    def sample(self) -> None:
+        self.samples.append(os.getloadavg()[0])
+
+
+class RankPeakRSS(PeriodicSampler):
     """Each rank's peak RSS over a run, in bytes: every ``period_s`` the descendants of ``pid`` that carry a rank
     (``RANK`` in the environment they started with: the worker group's Ray actors) are read, and a rank's peak is
     the largest high-water mark (``VmHWM``, which only grows) read from its process; growth after the last read is
     missed. ``driver``: the same of ``pid`` itself."""
 
     def __init__(self, pid: int, period_s: float = 2.0) -> None:
-        self.pid, self.period_s = pid, period_s
+        super().__init__(period_s)
+        self.pid = pid
         self.ranks: dict[int, int] = {}
         self.driver = 0
         self._rank_of: dict[int, int | None] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
 
     @staticmethod
     def _hwm(pid: int) -> int:
@@ -209,26 +221,14 @@ class RankPeakRSS:
             try:
                 # only once titled ``ray::<class>``: a worker read between the raylet's fork and its exec shows the
                 # raylet's environment (no RANK) and would be cached as no rank; a rank's own children inherit RANK
-                if not child.cmdline()[:1] or not child.cmdline()[0].startswith("ray::"):
+                title = child.cmdline()[:1]
+                if not title or not title[0].startswith("ray::"):
                     continue
                 rank = self._rank(child.pid)
                 if rank is not None:
                     self.ranks[rank] = max(self.ranks.get(rank, 0), self._hwm(child.pid))
             except (OSError, psutil.Error):  # gone, or not ours to read
                 continue
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.period_s)
-
-    def __enter__(self) -> RankPeakRSS:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def read_metrics(path: str) -> list[dict]:
