@@ -2,13 +2,19 @@
 
 - SIGKILL of the whole run while a sync or an async save runs (the driver and every process of the run except
   those the save started: as a preemption that kills the process group, or every process it finds while the save
-  forks) leaves no process of the run alive 10 s later: megatron's writers (forked even in a sync save), the
-  async save's fork, the Manager server the writers report through;
+  forks) leaves no process of the run alive 10 s later: the async save's fork, megatron's writers below it, the
+  Manager server the writers report through (a sync save starts none: tests/test_dist_writer.py);
 - SIGKILL of the whole run in the same way while both ranks' vLLM engines (in the ranks' processes, with their
   threads) are mid-generation leaves no process of the run either, what the ranks and their engines started
   included;
 - a save's process that dies (a writer SIGKILLed, the async fork SIGKILLed in its first instant) fails the run
   within seconds, and the headline blames the rank that lost it, not rank 0's echo.
+
+The async cases run the default writer, ``background_write``. The ``snapshot`` writer is the same class with
+``to_host`` off (verl/utils/checkpoint/save_writers.py): the same fork, writers and Manager; its processes are
+proven at the rank level (tests/test_checkpoint_lifecycle.py: a killed writer of each mode fails the save fast and
+leaves no process; the crash matrix of every writer's phases) and by ``test_async_saves_forked_from_a_thread_complete``
+below. One sync point stands for the sync writer: it starts no process at any point.
 
 The points of a save are set through the run's environment (tests/save_points). Every process of a run carries
 the run's marker (tests/process_marker.py); that is how the survivors are found.
@@ -86,19 +92,11 @@ def _started_by_a_save(procs: list[psutil.Process]) -> set[int]:
     return {child.pid for pid in ranks for child in psutil.Process(pid).children(recursive=True)}
 
 
-# Each writer strategy at each of its phases where a process may be left: the sync writer's in-rank phases, and
-# each async writer's fork in its first instant and its writers done writing.
+# The sync writer mid-save, and the async writer's fork in its first instant and its writers done writing.
 @pytest.mark.parametrize(
     "async_mode, point, ranks",
-    [
-        (None, "dist_checkpoint", "0,1"), (None, "hf_weights", "0,1"),
-        ("background_write", "fork_start", "1"), ("background_write", "writer", "0,1"),
-        ("snapshot", "fork_start", "1"), ("snapshot", "writer", "0,1"),
-    ],
-    ids=[
-        "sync-dist_checkpoint", "sync-hf_weights", "background_write-fork_first_instant", "background_write-writers_done_writing",
-        "snapshot-fork_first_instant", "snapshot-writers_done_writing",
-    ],
+    [(None, "dist_checkpoint", "0,1"), ("background_write", "fork_start", "1"), ("background_write", "writer", "0,1")],
+    ids=["sync-dist_checkpoint", "background_write-fork_first_instant", "background_write-writers_done_writing"],
 )  # fmt: skip
 def test_sigkill_of_the_whole_run_mid_save_leaves_no_process(tmp_path, env, tiny_moe_path, async_mode, point, ranks):
     """A sync save writes in the rank's threads (it starts no process: tests/test_dist_writer.py), so there the
@@ -144,8 +142,8 @@ def test_sigkill_of_the_whole_run_mid_vllm_generation_leaves_no_process(tmp_path
 
 @pytest.mark.parametrize(
     "async_mode, point",
-    [("background_write", "writer"), ("background_write", "fork_start"), ("snapshot", "fork_start")],
-    ids=["background_write-a_writer", "background_write-the_fork_in_its_first_instant", "snapshot-the_fork_in_its_first_instant"],
+    [("background_write", "writer"), ("background_write", "fork_start")],
+    ids=["background_write-a_writer", "background_write-the_fork_in_its_first_instant"],
 )
 def test_a_killed_save_process_fails_the_run_within_seconds_blaming_its_rank(tmp_path, env, tiny_moe_path, async_mode, point):
     """Rank 1's process of an async save SIGKILLed (was: "rank 0 failed first", rank 0's echo; a fork killed as
