@@ -35,9 +35,11 @@ fi
 # install_transformers4_leg: .venv-transformers4, requirements.txt only (requirements-vllm.txt, vLLM's CPU build,
 # needs transformers >=5.16.1) with transformers 4.57
 install_transformers4_leg() {
-  [ -x .venv-transformers4/bin/python ] || python3 -m venv .venv-transformers4
   local python=.venv-transformers4/bin/python
-  "$python" -m pip install -q --upgrade pip
+  if [ ! -x "$python" ]; then
+    python3 -m venv .venv-transformers4
+    "$python" -m pip install -q --upgrade pip
+  fi
   "$python" -c "import torch" 2>/dev/null || "$python" -m pip install -q "torch==2.13.0"
   "$python" -m pip install -q -r <(grep -v '^transformers' requirements.txt) "transformers==4.57.6" -e ".[test]"
 }
@@ -46,14 +48,14 @@ install_transformers4_leg() {
 # without its declared dependencies (requirements-py312.txt says why; tests/test_declared_ranges.py holds setup.py's
 # ranges to this stack). pyenv's 3.12 where there is one (these machines), else python3.12 on PATH.
 install_py312_leg() {
-  if [ ! -x .venv-py312/bin/python ]; then
+  local python=.venv-py312/bin/python
+  if [ ! -x "$python" ]; then
     local py312
     py312="$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3"
     [ -x "$py312" ] || py312=python3.12
     "$py312" -m venv .venv-py312
+    "$python" -m pip install -q --upgrade pip
   fi
-  local python=.venv-py312/bin/python
-  "$python" -m pip install -q --upgrade pip
   "$python" -c "import torch" 2>/dev/null || "$python" -m pip install -q "$(grep '^torch==' requirements-py312.txt | cut -d' ' -f1)"
   "$python" -m pip install -q -r <(grep -v '^megatron-bridge' requirements-py312.txt) -e . "pytest>=8"
   "$python" -m pip install -q --no-deps "$(grep '^megatron-bridge' requirements-py312.txt | cut -d' ' -f1)"
