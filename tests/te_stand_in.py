@@ -8,7 +8,7 @@ nothing more: the same parameter names (``weight``, ``bias``, ``layer_norm_weigh
 attributes TE's ``reset_parameters`` sets, and an ``_extra_state`` on every module (TE's FP8 metadata).
 They run no kernel: a forward raises. Parameters live in host memory whatever device megatron asks for.
 
-Scoped to the processes a test starts: ``run_on_te_host`` runs ranks from a fresh interpreter whose
+Scoped to the processes a test starts: a ``TeHost`` runs ranks from an interpreter of its own whose
 ``PYTHONPATH`` (``te_host_env``) holds a ``transformer_engine`` package that installs this stand-in, so
 megatron-core sees TE from its first import, as on a CUDA host; the test process and every other rank never
 see it. Only a save and a load run there (a forward would need TE's kernels).
@@ -20,8 +20,10 @@ import dataclasses
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import types
 from contextlib import nullcontext
 from typing import Any
@@ -46,44 +48,92 @@ def te_host_env(root: str, env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-_CHILD = """
+_SERVER = """
 import sys
 from tests import te_stand_in
-te_stand_in._child(sys.argv[1])
+te_stand_in._serve()
 """
 
 
-def run_on_te_host(root: str, fn: str, world_size: int, sizes: Any, args: tuple = (), timeout_s: float = 600.0) -> list:
-    """``run_on_ranks(fn, world_size, sizes, args)`` in a fresh interpreter that imports the stand-in as
-    ``transformer_engine`` (so does its fork server, hence every rank): megatron-core, mbridge and verl see
-    TE installed, as on a CUDA host. ``fn``: ``"module:function"``; arguments and results go as JSON."""
-    request = os.path.join(root, "request.json")
-    with open(request, "w") as handle:
-        json.dump({"fn": fn, "world_size": world_size, "sizes": dataclasses.asdict(sizes), "args": list(args)}, handle)
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, request], env=te_host_env(os.path.join(root, "site")),
-        capture_output=True, text=True, timeout=timeout_s,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the TE-host run of {fn} failed ({done.returncode}):\n{done.stderr[-6000:]}")
-    with open(request + ".out") as handle:
-        return json.load(handle)
+class TeHost:
+    """One interpreter that imports the stand-in as ``transformer_engine`` (so does its fork server, hence every
+    rank): megatron-core, mbridge and verl see TE installed, as on a CUDA host. It serves one run at a time,
+    so a module's cases share its start-up (interpreter, imports, fork server) instead of paying it each.
+
+    ``run(fn, ...)`` is ``run_on_ranks(fn, world_size, sizes, args)`` there; ``fn``: ``"module:function"``;
+    arguments and results go as JSON. A run that fails raises here with its traceback; one that exceeds its
+    timeout stops the interpreter (the next run starts another)."""
+
+    def __init__(self, root: str) -> None:
+        self._root = root
+        self._runs = 0
+        self._process: subprocess.Popen | None = None
+
+    def _started(self) -> subprocess.Popen:
+        if self._process is None or self._process.poll() is not None:
+            log = open(os.path.join(self._root, "te_host.log"), "a")
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _SERVER], env=te_host_env(os.path.join(self._root, "site")),
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            )
+            log.close()
+        return self._process
+
+    def run(self, fn: str, world_size: int, sizes: Any, args: tuple = (), timeout_s: float = 600.0) -> list:
+        self._runs += 1
+        request = os.path.join(self._root, f"request_{self._runs}.json")
+        with open(request, "w") as handle:
+            json.dump({"fn": fn, "world_size": world_size, "sizes": dataclasses.asdict(sizes), "args": list(args)}, handle)
+        process = self._started()
+        process.stdin.write(request + "\n")
+        process.stdin.flush()
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(request + ".out"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the TE-host run of {fn} ended without a result:\n{self._log_tail()}")
+            time.sleep(0.2)
+        with open(request + ".out") as handle:
+            answer = json.load(handle)
+        if not answer["ok"]:
+            raise RuntimeError(f"the TE-host run of {fn} failed:\n{answer['error'][-6000:]}")
+        return answer["results"]
+
+    def _log_tail(self) -> str:
+        with open(os.path.join(self._root, "te_host.log"), errors="replace") as handle:
+            return handle.read()[-6000:]
+
+    def close(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait(timeout=60)
+        self._process = None
 
 
-def _child(request: str) -> None:
+def _serve() -> None:
+    """The TE host's loop: one request file a line on stdin; each answer written beside it, then renamed into
+    place (the caller waits for the name)."""
+    import traceback
+
     import transformer_engine
 
     from verl.utils.distributed import run_on_ranks
     from verl.utils.megatron.parallel import ParallelSizes
 
     assert transformer_engine.pytorch.Linear is Linear, "transformer_engine is not the stand-in"
-    with open(request) as handle:
-        job = json.load(handle)
-    module, _, name = job["fn"].partition(":")
-    fn = getattr(importlib.import_module(module), name)
-    results = run_on_ranks(fn, job["world_size"], ParallelSizes(**job["sizes"]), args=tuple(job["args"]))
-    with open(request + ".out", "w") as handle:
-        json.dump(results, handle)
+    for line in sys.stdin:
+        request = line.strip()
+        with open(request) as handle:
+            job = json.load(handle)
+        try:
+            module, _, name = job["fn"].partition(":")
+            fn = getattr(importlib.import_module(module), name)
+            answer = {"ok": True, "results": run_on_ranks(fn, job["world_size"], ParallelSizes(**job["sizes"]), args=tuple(job["args"]))}
+        except Exception:  # noqa: BLE001 - the caller raises it, with the ranks' tracebacks
+            answer = {"ok": False, "error": traceback.format_exc()}
+        with open(request + ".tmp", "w") as handle:
+            json.dump(answer, handle)
+        os.replace(request + ".tmp", request + ".out")
 
 
 def _host(device: Any) -> torch.device:

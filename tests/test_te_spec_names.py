@@ -1,7 +1,7 @@
 """The parallel HF export on the model a CUDA host builds: megatron-core's TransformerEngine layer spec.
 
-TransformerEngine cannot be installed without a GPU, so each case runs in a fresh interpreter that imports
-the test-only stand-in as ``transformer_engine`` (tests/te_stand_in.py): megatron-core then builds its TE
+TransformerEngine cannot be installed without a GPU, so the cases run in an interpreter of their own (one for
+the module) that imports the test-only stand-in as ``transformer_engine`` (tests/te_stand_in.py): megatron-core then builds its TE
 spec, and mbridge's own bridge class (not the local-spec one) builds, loads and names the model, with the
 TE spec's names: ``linear_qkv.layer_norm_weight``, a dense layer's ``linear_fc1.layer_norm_weight``,
 grouped-GEMM experts' ``linear_fc1.weight{i}`` (``moe_grouped_gemm=True``, which mbridge sets for every MoE
@@ -16,9 +16,16 @@ import pytest
 import torch
 
 from tests.main_leg import TRAINING_STEPS, actor_configs, override
-from tests.te_stand_in import run_on_te_host
+from tests.te_stand_in import TeHost
 from tests.test_parallel_hf_export import _files, _tensors
 from verl.utils.megatron.parallel import ParallelSizes
+
+
+@pytest.fixture(scope="module")
+def te_host(tmp_path_factory):
+    host = TeHost(str(tmp_path_factory.mktemp("te_host")))
+    yield host
+    host.close()
 
 
 def _export_on_te_spec(src: str, root: str) -> dict:
@@ -57,10 +64,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_parallel_export_of_the_te_spec_equals_mbridge_and_the_source(case, tmp_path, request):
+def test_parallel_export_of_the_te_spec_equals_mbridge_and_the_source(case, te_host, tmp_path, request):
     fixture, sizes, world = CASES[case]
     src = request.getfixturevalue(fixture)
-    results = run_on_te_host(str(tmp_path), f"{__name__}:_export_on_te_spec", world, sizes, args=(src, str(tmp_path)))
+    results = te_host.run(f"{__name__}:_export_on_te_spec", world, sizes, args=(src, str(tmp_path)))
 
     # The model is the TE spec's, built by mbridge's own bridge class, and saved by the parallel export.
     assert {r["bridge"] for r in results} == {"FaithfulQwen3MoEBridge" if "moe" in case else "FaithfulQwen3Bridge"}
@@ -127,13 +134,13 @@ def _checkpoint_on_te_spec(src: str, root: str, async_mode: str | None, use_dist
 
 
 @pytest.mark.parametrize("async_mode", [None, "background_write", "snapshot"], ids=["sync", "background_write", "snapshot"])
-def test_a_te_spec_checkpoint_saves_and_loads_back_bit_exactly(tiny_moe_path, tmp_path, async_mode):
+def test_a_te_spec_checkpoint_saves_and_loads_back_bit_exactly(tiny_moe_path, te_host, tmp_path, async_mode):
     """The checkpoint of a TE-spec model (HF weights, optimizer, RNG) at EP2, saved sync, async as a CUDA host
     does (the background write: HF export in the forked processes, from the rank's host copy) or from the
     snapshot (HF export in the forked processes),
     verified and committed, loads back bit for bit."""
-    results = run_on_te_host(
-        str(tmp_path), f"{__name__}:_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path), async_mode)
+    results = te_host.run(
+        f"{__name__}:_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path), async_mode)
     )
     assert {r["mode"] for r in results} == {async_mode or "sync"}
     assert all(r["hf_in_fork"] is (async_mode is not None) for r in results)
@@ -141,10 +148,10 @@ def test_a_te_spec_checkpoint_saves_and_loads_back_bit_exactly(tiny_moe_path, tm
     assert [r["differ"] for r in results] == [[], []]
 
 
-def test_a_te_spec_model_saved_as_megatron_shards_loads_back_bit_exactly(tiny_moe_path, tmp_path):
+def test_a_te_spec_model_saved_as_megatron_shards_loads_back_bit_exactly(tiny_moe_path, te_host, tmp_path):
     """megatron-core's TE attention leaves its ``_extra_state`` out of its sharded state dict: the strict model
     load accepts exactly that absence (it failed with ``Missing key(s) ... core_attention._extra_state``)."""
-    results = run_on_te_host(str(tmp_path), f"{__name__}:_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path), None, True))
+    results = te_host.run(f"{__name__}:_checkpoint_on_te_spec", 2, ParallelSizes(ep=2), args=(tiny_moe_path, str(tmp_path), None, True))
     assert [r["differ"] for r in results] == [[], []] and results[0]["names"]
 
 
