@@ -25,13 +25,14 @@ def tiny_dense_path(tmp_path_factory) -> str:
     return make_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_dense")), kind="dense")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def env(tmp_path_factory) -> dict:
-    """The environment of a CLI run (``tests.cli_runs``): the embedded default model made once per module."""
+    """The environment of a CLI run (``tests.cli_runs``): the embedded default model made once per session (a
+    test that damages a model makes its own cache)."""
     return cli_env(tmp_path_factory.mktemp("tiny_cache"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def val_parquet(tmp_path_factory, env) -> str:
     """The default task's prompts as a parquet file, made as a user makes one (``scripts/make_task_parquet.py``)."""
     script = subprocess.run(
