@@ -2,11 +2,12 @@
 # Create or reuse .venv, install the package with its test extras on requirements.txt's exact stack (setup.py
 # declares ranges; the suite runs the pinned releases, transformers 5.19 with vLLM's CPU build), then lint and run the
 # whole suite.
-# Then the transformers 4.57 leg: the same stack but transformers 4.57 and no vLLM in .venv-transformers4, running the
-# tests of fix 1, fix 2, the model families, the HF names and one CLI save and resume (TRANSFORMERS4_TESTS).
-# Then the Python 3.12 leg: requirements-py312.txt's stack (megatron-core 0.18, Megatron-Bridge, torch 2.14) in
-# .venv-py312, running PY312_TESTS. The two other legs' venvs install, at the lowest CPU priority, while
-# the main leg's tests run. With arguments (pytest's), only the main leg runs, on them.
+# Beside it, the transformers 4.57 leg: the same stack but transformers 4.57 and no vLLM in .venv-transformers4,
+# running the tests of fix 1, fix 2, the model families, the HF names and one CLI save and resume
+# (TRANSFORMERS4_TESTS); then the Python 3.12 leg: requirements-py312.txt's stack (megatron-core 0.18,
+# Megatron-Bridge, torch 2.14) in .venv-py312, running PY312_TESTS. Their venvs install at the lowest CPU
+# priority; their tests run while the main leg's do (other_legs says why). With arguments (pytest's), only the
+# main leg runs, on them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 main_started=$SECONDS  # each leg's time is printed at the end
@@ -61,45 +62,6 @@ install_py312_leg() {
   "$python" -m pip install -q --no-deps "$(grep '^megatron-bridge' requirements-py312.txt | cut -d' ' -f1)"
 }
 
-legs_log="$(mktemp)"
-legs_started=$SECONDS
-(
-  renice -n 19 -p "$BASHPID" > /dev/null || true  # the main leg's ranks come first; pip takes what they leave
-  ionice -c 2 -n 7 -p "$BASHPID" 2> /dev/null || true
-  deactivate
-  install_transformers4_leg
-  echo "[test.sh] transformers 4.57 leg installed after $((SECONDS - legs_started)) s"
-  install_py312_leg
-  echo "[test.sh] Python 3.12 leg installed after $((SECONDS - legs_started)) s"
-) > "$legs_log" 2>&1 &
-legs_pid=$!
-trap 'pkill -P "$legs_pid" 2> /dev/null; kill "$legs_pid" 2> /dev/null || true' EXIT  # a stopped run leaves no pip behind
-
-main_status=0
-# the GPU check from a built bundle and the offload round trips at TP2 PP2 run on the Python 3.12 leg (below), which
-# leaves the 8-rank ones to this leg
-MAIN_DESELECT=(
-  "tests/test_megatron_utils.py::test_offload_reload_is_bit_exact_and_training_continues[DO=False-tp2pp2]"
-  "tests/test_megatron_utils.py::test_offload_reload_is_bit_exact_and_training_continues[DO=True-tp2pp2]"
-  tests/test_gpu_check.py::test_the_device_bundle_resolves_offline_under_the_carry_limit
-  tests/test_gpu_check.py::test_each_run_installs_one_wheel_of_each_name
-  tests/test_gpu_check.py::test_the_check_passes_on_cpu_from_the_bundle
-  tests/test_gpu_check.py::test_a_carried_megatron_bridge_that_does_not_import_fails_the_check
-)
-run_pytest --durations=40 "${MAIN_DESELECT[@]/#/--deselect=}" || main_status=$?
-main_seconds=$((SECONDS - main_started))
-deactivate
-
-legs_status=0
-wait "$legs_pid" || legs_status=$?
-trap - EXIT
-cat "$legs_log"
-rm -f "$legs_log"
-if [ "$legs_status" -ne 0 ]; then
-  echo "[test.sh] installing the transformers 4.57 and Python 3.12 legs failed (status $legs_status); main leg: status $main_status" >&2
-  exit 1
-fi
-
 TRANSFORMERS4_TESTS=(
   tests/test_megatron_utils.py                 # fix 1
   tests/test_megatron_checkpoint_manager.py    # fix 2, resume
@@ -113,14 +75,6 @@ TRANSFORMERS4_DESELECT=(
   tests/test_megatron_utils.py::test_offload_reload_is_bit_exact_and_training_continues
   tests/test_megatron_checkpoint_manager.py::test_distributed_optimizer_state_at_another_layout_is_refused_clearly
 )
-tf4_started=$SECONDS
-echo "[test.sh] transformers 4.57 leg (.venv-transformers4): ${#TRANSFORMERS4_TESTS[@]} test files/cases"
-# shellcheck disable=SC1091
-source .venv-transformers4/bin/activate
-tf4_status=0
-run_pytest "${TRANSFORMERS4_TESTS[@]}" "${TRANSFORMERS4_DESELECT[@]/#/--deselect=}" || tf4_status=$?
-deactivate
-tf4_seconds=$((SECONDS - tf4_started))
 
 PY312_TESTS=(
   tests/test_cpu_runtime.py                    # the CPU runtime on megatron-core 0.18 and torch 2.14
@@ -138,18 +92,86 @@ PY312_TESTS=(
   tests/test_gpu_check.py::test_the_check_passes_on_cpu_from_the_bundle
   tests/test_gpu_check.py::test_a_carried_megatron_bridge_that_does_not_import_fails_the_check
 )
-py312_started=$SECONDS
-echo "[test.sh] Python 3.12 leg (.venv-py312): ${#PY312_TESTS[@]} test files/cases"
-# shellcheck disable=SC1091
-source .venv-py312/bin/activate
-py312_status=0
 # offload at the 8-rank layout runs on the main leg; here one multi-rank layout (TP2 PP2) with both optimizer settings
 PY312_DESELECT=(
   "tests/test_megatron_utils.py::test_offload_reload_is_bit_exact_and_training_continues[DO=True-tp2pp2ep2etp2]"
   "tests/test_megatron_utils.py::test_offload_reload_is_bit_exact_and_training_continues[DO=False-tp2pp2ep2etp2]"
 )
-run_pytest "${PY312_TESTS[@]}" "${PY312_DESELECT[@]/#/--deselect=}" || py312_status=$?
-py312_seconds=$((SECONDS - py312_started))
-echo "[test.sh] main leg (transformers 5.19, vLLM): status $main_status, ${main_seconds} s; transformers 4.57 leg: status $tf4_status, ${tf4_seconds} s;" \
-  "Python 3.12 leg: status $py312_status, ${py312_seconds} s (the main leg's time includes its install; the other legs' tests only, installed beside it)"
-[ "$main_status" -eq 0 ] && [ "$tf4_status" -eq 0 ] && [ "$py312_status" -eq 0 ]
+
+# the GPU check from a built bundle and the offload round trips at TP2 PP2 run on the Python 3.12 leg, which leaves the
+# 8-rank ones to this leg
+MAIN_DESELECT=(
+  "tests/test_megatron_utils.py::test_offload_reload_is_bit_exact_and_training_continues[DO=False-tp2pp2]"
+  "tests/test_megatron_utils.py::test_offload_reload_is_bit_exact_and_training_continues[DO=True-tp2pp2]"
+  tests/test_gpu_check.py::test_the_device_bundle_resolves_offline_under_the_carry_limit
+  tests/test_gpu_check.py::test_each_run_installs_one_wheel_of_each_name
+  tests/test_gpu_check.py::test_the_check_passes_on_cpu_from_the_bundle
+  tests/test_gpu_check.py::test_a_carried_megatron_bridge_that_does_not_import_fails_the_check
+)
+
+legs_dir="$(mktemp -d)"  # the other legs' output, statuses, times and pytest temporary directories
+
+# lowest_priority: this subshell (pip) takes only the CPU and disk time the tests leave
+lowest_priority() {
+  renice -n 19 -p "$BASHPID" > /dev/null || true
+  ionice -c 2 -n 7 -p "$BASHPID" 2> /dev/null || true
+}
+
+# leg_tests NAME VENV ARGS...: a leg's pytest in its venv, its own temporary directory; NAME.status and NAME.seconds
+leg_tests() {
+  local name=$1 venv=$2 started=$SECONDS status=0
+  shift 2
+  echo "[test.sh] $name leg ($venv)"
+  # shellcheck disable=SC1091
+  (source "$venv/bin/activate" && python -m pytest -q -p no:cacheprovider --basetemp="$legs_dir/$name-tmp" "$@") || status=$?
+  [ "$status" -eq 5 ] && { echo "pytest collected no tests" >&2; status=1; }
+  echo "$status" > "$legs_dir/$name.status"
+  echo "$((SECONDS - started))" > "$legs_dir/$name.seconds"
+}
+
+# other_legs: the transformers 4.57 and Python 3.12 legs, beside the main leg's tests: each venv installs at the
+# lowest priority (the 3.12 one while the 4.57 leg's tests run), each leg's tests at the same priority as the main
+# leg's; the main leg leaves about a quarter of the CPUs idle (ranks waiting on each other, fsyncs, start-ups).
+other_legs() {
+  ( lowest_priority; install_transformers4_leg ) || { echo "[test.sh] installing the transformers 4.57 leg failed"; return 1; }
+  ( lowest_priority; install_py312_leg ) > "$legs_dir/py312-install.log" 2>&1 &
+  local py312_install=$!
+  leg_tests transformers4 .venv-transformers4 "${TRANSFORMERS4_TESTS[@]}" "${TRANSFORMERS4_DESELECT[@]/#/--deselect=}"
+  if ! wait "$py312_install"; then
+    cat "$legs_dir/py312-install.log"
+    echo "[test.sh] installing the Python 3.12 leg failed"
+    return 1
+  fi
+  leg_tests py312 .venv-py312 "${PY312_TESTS[@]}" "${PY312_DESELECT[@]/#/--deselect=}"
+}
+
+# kill_tree PID: PID and everything below it (a stopped run leaves no pip or pytest of the other legs behind)
+kill_tree() {
+  local child
+  for child in $(pgrep -P "$1"); do kill_tree "$child"; done
+  kill "$1" 2> /dev/null || true
+}
+
+deactivate
+( other_legs ) > "$legs_dir/legs.log" 2>&1 &
+legs_pid=$!
+trap 'kill_tree "$legs_pid"; rm -rf "$legs_dir"' EXIT
+# shellcheck disable=SC1091
+source .venv/bin/activate
+
+main_status=0
+run_pytest --durations=40 "${MAIN_DESELECT[@]/#/--deselect=}" || main_status=$?
+main_seconds=$((SECONDS - main_started))
+deactivate
+
+echo "[test.sh] main leg done; waiting for the transformers 4.57 and Python 3.12 legs"
+legs_status=0
+wait "$legs_pid" || legs_status=$?
+cat "$legs_dir/legs.log"
+tf4_status=$(cat "$legs_dir/transformers4.status" 2> /dev/null || echo "not run")
+py312_status=$(cat "$legs_dir/py312.status" 2> /dev/null || echo "not run")
+echo "[test.sh] main leg (transformers 5.19, vLLM): status $main_status, ${main_seconds} s;" \
+  "transformers 4.57 leg: status $tf4_status, $(cat "$legs_dir/transformers4.seconds" 2> /dev/null || echo 0) s;" \
+  "Python 3.12 leg: status $py312_status, $(cat "$legs_dir/py312.seconds" 2> /dev/null || echo 0) s;" \
+  "all legs: $SECONDS s (the main leg's time includes its install; the other legs' tests ran beside it)"
+[ "$legs_status" -eq 0 ] && [ "$main_status" -eq 0 ] && [ "$tf4_status" = 0 ] && [ "$py312_status" = 0 ]
