@@ -2,9 +2,9 @@
 rollout and parity gate, fp32 master weights saved in ``optimizer/dist_ckpt`` and loaded back from it.
 
 A bf16 step saved at TP2 on 2 ranks resumes at 1 rank with the same master weights; a float32 run refuses it
-before Ray starts. A bf16 run with a cosine schedule stopped by SIGTERM after a save and resumed with the same
-command equals the uninterrupted run in every metric of every step, in the final HF export and in the final fp32
-master weights, bit for bit: tests/test_resume_schedules_cli.py's ``cosine-bf16-1rank`` case, one run for both."""
+before Ray starts. A bf16 run with a cosine schedule resumed from a step the uninterrupted run saved equals the
+uninterrupted run in every metric of every later step, in the final HF export and in the final fp32 master weights,
+bit for bit: tests/test_resume_schedules_cli.py's ``cosine-bf16-1rank`` case."""
 
 from pathlib import Path
 

@@ -1,6 +1,9 @@
-"""Resume is exact under a non-constant LR schedule, through the CLI: a run stopped by SIGTERM after a
-save and resumed with the same command logs the uninterrupted run's metrics at every step (``actor/lr``, and every
-other metric: rollout samples, rewards, losses, validation) and ends with its weights, bit for bit.
+"""Resume is exact under a non-constant LR schedule, through the CLI: a run resumed from a step the uninterrupted
+run saved (``trainer.resume_mode=resume_path``, into a directory of its own) logs the uninterrupted run's metrics at
+every later step (``actor/lr``, and every other metric: rollout samples, rewards, losses, validation) and ends with
+its weights, bit for bit. How a run is stopped and resumed with its own command is proven exact elsewhere, on the
+same state: SIGTERM mid-generation then ``resume_mode=auto`` (tests/test_vllm_resume_cli.py), SIGTERM after a save
+through Megatron-Bridge (tests/py312/test_megatron_bridge_cli.py), SIGKILL of the whole run (tests/test_trainer_cli.py).
 
 The embedded task has 9 prompts for a batch of 8, so every step is a new epoch: the sampler's reshuffle is
 crossed at every step, including the one after the resume. Validation every 2 steps crosses its cadence.
@@ -31,7 +34,6 @@ from tests.cli_runs import (
     comparable_by_step,
     read_metrics,
     run_trainer,
-    stop_after_a_save,
 )
 from tests.main_leg import MBRIDGE
 from tests.test_bf16_checkpoint import as_bf16, master_weights
@@ -94,9 +96,9 @@ def _final_weights(ckpt: Path) -> dict:
     [("cosine_warmup", "1_rank_bf16"), ("inverse_sqrt", "2_ranks_pp2_vpp2")],
     ids=["cosine-bf16-1rank", "invsqrt-vpp2-2ranks"],
 )
-def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, env, tiny_moe_path, val_parquet, schedule, layout):
+def test_a_run_resumed_from_a_saved_step_equals_the_uninterrupted_one(tmp_path, env, tiny_moe_path, val_parquet, schedule, layout):
     bf16, vpp = layout.endswith("_bf16"), "vpp2" in layout
-    whole_dir, stopped_dir = tmp_path / "uninterrupted", tmp_path / "stopped"
+    whole_dir, resumed_dir = tmp_path / "uninterrupted", tmp_path / "resumed"
     block_end = {CAPACITY_BLOCK_END: str(time.time() + 50000)} if vpp else {}  # ESI: the uninterrupted run only
     code, out = run_trainer(_command(tiny_moe_path, whole_dir, val_parquet, schedule, layout), tmp_path, {**env, **block_end})
     assert code == 0, out[-6000:]
@@ -120,33 +122,29 @@ def test_a_sigterm_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path
         # the actor moved away from the reference: from step 3 on, the warmup's first step having had lr 0
         assert all(whole[step]["actor/kl_loss"] > 0 for step in range(3, STEPS + 1))
 
-    command = _command(tiny_moe_path, stopped_dir, val_parquet, schedule, layout)
-    tracked = stop_after_a_save(command, tmp_path, env, stopped_dir, step=2, last=STEPS)
-    assert tracked == 2  # stopped before the next save, step 4's
-    before = len(read_metrics(stopped_dir))
-    code, out = run_trainer(command, tmp_path, env)  # the same command, resume_mode=auto
+    tracked = 2  # a save_freq step, before the next save (step 4's)
+    resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={whole_dir}/global_step_{tracked}"]
+    code, out = run_trainer([*_command(tiny_moe_path, resumed_dir, val_parquet, schedule, layout), *resume], tmp_path, env)
     assert code == 0, out[-6000:]
-    assert f"resumed from {stopped_dir}/global_step_{tracked} (step {tracked})" in out
+    assert f"resumed from {whole_dir}/global_step_{tracked} (step {tracked})" in out
     assert "warning: resuming" not in out  # the same length: nothing to warn about
-    first, resumed = comparable_by_step(read_metrics(stopped_dir)[:before]), comparable_by_step(read_metrics(stopped_dir)[before:])
+    resumed = comparable_by_step(read_metrics(resumed_dir))
     assert sorted(resumed) == list(range(tracked + 1, STEPS + 1))
-    assert sorted(first) == list(range(1, tracked + 1)), "a committed step's metrics line is written before the stop"
-    combined = {**{step: first[step] for step in range(1, tracked + 1)}, **resumed}
-    assert [combined[step]["actor/lr"] for step in range(1, STEPS + 1)] == lrs
-    for step in range(1, STEPS + 1):
-        assert combined[step] == whole[step], f"step {step} differs"
-    expected, actual = _final_weights(whole_dir), _final_weights(stopped_dir)
+    assert [resumed[step]["actor/lr"] for step in range(tracked + 1, STEPS + 1)] == lrs[tracked:]
+    for step in range(tracked + 1, STEPS + 1):
+        assert resumed[step] == whole[step], f"step {step} differs"
+    expected, actual = _final_weights(whole_dir), _final_weights(resumed_dir)
     assert sorted(actual) == sorted(expected)
     assert [name for name in expected if not expected[name].equal(actual[name])] == []
     if bf16:
         assert {value.dtype for value in actual.values()} == {torch.bfloat16}  # the HF export holds the bf16 parameters
-        masters = master_weights(str(_final_step(stopped_dir)))
+        masters = master_weights(str(_final_step(resumed_dir)))
         expected_masters = master_weights(str(_final_step(whole_dir)))
         assert sorted(masters) == sorted(expected_masters)
         assert [key for key in masters if not torch.equal(masters[key], expected_masters[key])] == []
         rounded = as_bf16(masters)  # fp32 masters, not bf16 numbers: they were never rebuilt from the parameters
         assert sum(int((masters[k] != rounded[k]).sum()) for k in masters) > sum(v.numel() for v in masters.values()) // 2
-    manifest = json.loads((_final_step(stopped_dir) / "manifest.json").read_text())
+    manifest = json.loads((_final_step(resumed_dir) / "manifest.json").read_text())
     assert manifest["parallel"]["world_size"] == int(LAYOUTS[layout][0].rsplit("=", 1)[1])
     if vpp:
         assert manifest["parallel"] == {"world_size": 2, "tp": 1, "pp": 2, "ep": 1, "etp": 1, "cp": 1, "vpp": 2}
