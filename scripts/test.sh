@@ -145,27 +145,29 @@ leg_tests() {
 # at the same priority as the foreground's, which alone leave ~30% of the CPU idle (ranks waiting on each other,
 # fsyncs, start-ups). A failed install is that leg's status; the lanes after it still run.
 other_legs() {
-  local tf4_installed=0 started=$SECONDS
-  ( lowest_priority; install_transformers4_leg ) > "$legs_dir/transformers4-install.log" 2>&1 || tf4_installed=$?
+  local started=$SECONDS status=0
+  ( lowest_priority; install_transformers4_leg ) > "$legs_dir/transformers4-install.log" 2>&1 || status=$?
   ( lowest_priority; install_py312_leg ) > "$legs_dir/py312-install.log" 2>&1 &
   local py312_install=$!
-  echo "[test.sh] transformers 4.57 leg installed (status $tf4_installed) after $((SECONDS - started)) s"
-  if [ "$tf4_installed" -eq 0 ]; then
-    leg_tests transformers4 .venv-transformers4 "${TRANSFORMERS4_TESTS[@]}" "${TRANSFORMERS4_DESELECT[@]/#/--deselect=}"
-  else
-    cat "$legs_dir/transformers4-install.log"
-    echo "installing the transformers 4.57 leg failed" > "$legs_dir/transformers4.status"
-  fi
-  local py312_installed=0
-  wait "$py312_install" || py312_installed=$?
-  echo "[test.sh] Python 3.12 leg installed (status $py312_installed) by $((SECONDS - started)) s"
-  if [ "$py312_installed" -eq 0 ]; then
-    leg_tests py312 .venv-py312 "${PY312_TESTS[@]}" "${PY312_DESELECT[@]/#/--deselect=}"
-  else
-    cat "$legs_dir/py312-install.log"
-    echo "installing the Python 3.12 leg failed" > "$legs_dir/py312.status"
-  fi
+  installed_leg_tests transformers4 "$status" "$started" .venv-transformers4 "${TRANSFORMERS4_TESTS[@]}" "${TRANSFORMERS4_DESELECT[@]/#/--deselect=}"
+  status=0
+  wait "$py312_install" || status=$?
+  installed_leg_tests py312 "$status" "$started" .venv-py312 "${PY312_TESTS[@]}" "${PY312_DESELECT[@]/#/--deselect=}"
   leg_tests main-lane2 .venv "${MAIN_SECOND_LANE[@]}"
+}
+
+# installed_leg_tests NAME INSTALL_STATUS STARTED VENV ARGS...: the leg's tests where its venv installed, else its
+# install log and a failed status
+installed_leg_tests() {
+  local name=$1 installed=$2 started=$3
+  shift 3
+  echo "[test.sh] $name leg installed (status $installed) by $((SECONDS - started)) s"
+  if [ "$installed" -eq 0 ]; then
+    leg_tests "$name" "$@"
+  else
+    cat "$legs_dir/$name-install.log"
+    echo "installing the $name leg failed" > "$legs_dir/$name.status"
+  fi
 }
 
 # kill_tree PID: PID and everything below it (a stopped run leaves no pip or pytest of the other legs behind)
