@@ -134,8 +134,7 @@ leg_tests() {
   shift 2
   echo "[test.sh] $name leg ($venv)"
   # shellcheck disable=SC1091
-  (source "$venv/bin/activate" && python -m pytest -q -p no:cacheprovider --basetemp="$legs_dir/$name-tmp" "$@") || status=$?
-  [ "$status" -eq 5 ] && { echo "pytest collected no tests" >&2; status=1; }
+  (source "$venv/bin/activate" && run_pytest --basetemp="$legs_dir/$name-tmp" "$@") || status=$?
   echo "$status" > "$legs_dir/$name.status"
   echo "$((SECONDS - started))" > "$legs_dir/$name.seconds"
 }
