@@ -122,7 +122,7 @@ def test_a_run_resumed_from_a_saved_step_equals_the_uninterrupted_one(tmp_path, 
         # the actor moved away from the reference: from step 3 on, the warmup's first step having had lr 0
         assert all(whole[step]["actor/kl_loss"] > 0 for step in range(3, STEPS + 1))
 
-    tracked = 2  # a save_freq step, before the next save (step 4's)
+    tracked = 2  # the first save_freq step: steps 3 to 5 are trained again from it
     resume = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={whole_dir}/global_step_{tracked}"]
     code, out = run_trainer([*_command(tiny_moe_path, resumed_dir, val_parquet, schedule, layout), *resume], tmp_path, env)
     assert code == 0, out[-6000:]
