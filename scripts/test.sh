@@ -118,6 +118,9 @@ MAIN_SECOND_LANE=(
   tests/test_vllm_rollout.py
   tests/test_vllm_stack.py
   tests/test_vpp.py
+  tests/test_resume_schedules_cli.py
+  tests/test_divergence.py
+  tests/test_ray_job_submit.py
 )
 
 legs_dir="$(mktemp -d)"  # the other legs' output, statuses, times and pytest temporary directories
