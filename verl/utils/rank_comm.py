@@ -50,16 +50,19 @@ class RankComm:
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def agree(self, error: BaseException | None, what: str) -> None:
+    def agree(self, error: BaseException | None, what: str, share: Any = None) -> list[Any]:
         """A barrier that carries each rank's outcome of a step that only some ranks may fail (a write on a full
         disk): every rank raises when any failed, the failed rank its own error, the others ``PeerFailure``
-        naming it, so no rank goes on into a collective that a failed peer never joins."""
-        failed = [(rank, cause) for rank, cause in enumerate(self.all_gather_object(describe(error) if error else None)) if cause]
+        naming it, so no rank goes on into a collective that a failed peer never joins. ``share`` (picklable
+        data) rides along in the same collective: every rank's, in rank order, is returned."""
+        gathered = self.all_gather_object((describe(error) if error else None, share))
+        failed = [(rank, cause) for rank, (cause, _) in enumerate(gathered) if cause]
         if error is not None:
             raise error
         if failed:
             rank, cause = failed[0]
             raise PeerFailure(f"rank {rank} could not {what} ({cause})")
+        return [shared for _, shared in gathered]
 
 
 class PeerFailure(RuntimeError):

@@ -19,7 +19,7 @@ pipeline group, all-gathers over EP and ETP) and then through rank 0, which writ
    them and converts them to HF tensors with the bridge's own merge and conversion
    (``verl.utils.internals.mbridge``) -- so the tensors are bit-identical to mbridge's -- and writes the file;
 5. rank 0 writes the index (the source index verbatim, as mbridge does, or a new one) and, only if
-   it is not there yet, ``config.json``. Each rank's outcome of its writes, then rank 0's of the index, is
+   it is not there yet, ``config.json``. Each rank's outcome of its writes (with the sizes it wrote), then rank 0's of the index, is
    shared (``RankComm.agree``): a rank whose write failed (a full disk) goes on sending its shards, and
    every rank raises at the end, instead of its peers waiting in a collective it never joins.
 """
@@ -285,8 +285,7 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
         del received
 
     # 5. index and config, once every rank wrote its files
-    comm.agree(failure, "write its HF files")
-    reports = comm.all_gather_object(written)
+    reports = comm.agree(failure, "write its HF files", share=written)  # one collective: the outcomes and the sizes
     index_failure = None
     if rank == 0:
         try:

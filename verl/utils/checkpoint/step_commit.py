@@ -4,7 +4,8 @@ A part writer (``MegatronCheckpointManager.save_checkpoint``, or any object that
 into the staging directory the transaction hands out; the transaction does everything else, in this order:
 
 1. staging: a leftover ``<role>.incomplete`` (an interrupted attempt) is removed, every rank waits;
-2. verify: the HF export holds every tensor its config implies (once; strict fails the save);
+2. verify: the HF export holds every tensor its config implies (once, on rank 0; strict fails the save); its
+   verdict reaches every rank in the same collective as every rank's seal of the files it wrote;
 3. manifest: our commit mark, then ``manifest.json`` over every other file (checksums the writer sealed are
    reused, the rest computed);
 4. fsync of what rank 0 wrote (every other file was fsynced by the rank that wrote it before this phase's
@@ -61,23 +62,31 @@ def _no_phase(phase: str) -> None:
     """The default phase hook: nothing observes the phases."""
 
 
+def _outcome_on_rank_zero(work: Callable[[], T], what: str, path: str) -> tuple[bool, Any]:
+    """Rank 0 only: ``(True, work())``, or ``(False, the one line every rank raises)`` when ``work`` fails (an
+    OS error named with its errno and path)."""
+    try:
+        return True, work()
+    except Exception as exc:
+        found = os_errors.explain(exc, path)
+        cause = f"{type(exc).__name__}: {found.describe(path)}" if found else describe(exc)
+        return False, f"rank 0 could not {what} ({cause})"
+
+
+def _raise_unless_ok(outcome: tuple[bool, Any]) -> Any:
+    ok, value = outcome
+    if not ok:
+        raise CheckpointError(value)
+    return value
+
+
 def from_rank_zero(work: Callable[[], T], what: str, path: str) -> T:
     """All ranks: rank 0 runs ``work`` and every rank returns its value. When it fails there, every rank raises
     the same ``CheckpointError`` naming the cause (an OS error with its errno and path), so the other ranks do
     not wait in the broadcast until the collective times out."""
-    outcome: list = [None]
-    if torch.distributed.get_rank() == 0:
-        try:
-            outcome = [(True, work())]
-        except Exception as exc:
-            found = os_errors.explain(exc, path)
-            cause = f"{type(exc).__name__}: {found.describe(path)}" if found else describe(exc)
-            outcome = [(False, f"rank 0 could not {what} ({cause})")]
+    outcome: list = [_outcome_on_rank_zero(work, what, path) if torch.distributed.get_rank() == 0 else None]
     torch.distributed.broadcast_object_list(outcome, src=0)
-    ok, value = outcome[0]
-    if not ok:
-        raise CheckpointError(value)
-    return value
+    return _raise_unless_ok(outcome[0])
 
 
 def stale_steps(root: str, role: str, step: int, max_ckpt_to_keep: int | None) -> list[str]:
@@ -271,17 +280,21 @@ class StepCommit:
         """All ranks, once every part is in the staging directory: verify, mark, rename, retention, step files,
         tracker. Raises (and keeps every committed step) when the HF export is incomplete."""
         with self._phase("hf_verify"):
-            hf_tensors = self._verify_hf_export()
+            verdict = self._hf_verdict()
         with self._phase("commit"):
-            sealed = self._gather_sealed()
+            verdict, sealed = self._gather_verdict_and_seals(verdict)
+            hf_tensors = self._judge_hf_export(verdict)
+            sealed = self._check_sealed(sealed)
             files, contents = from_rank_zero(lambda: self._mark_and_rename(sealed), f"commit step {self.step}", self.staging)
             self.placed = True
+        tracked = bool(self.spec.step_files or self.spec.track)
         with self._phase("retention"):
             retention = self.spec.retention
             if retention is not None:  # every rank (removal tolerates a shared filesystem)
                 retention.remove_previous_save_local_path(stale_steps(self.root, self.spec.role, self.step, self.spec.max_ckpt_to_keep))
-            torch.distributed.barrier()
-        if self.spec.step_files or self.spec.track:
+            if not tracked:  # else the tracker's barrier, next, is the one every rank leaves the commit by
+                torch.distributed.barrier()
+        if tracked:
             with self._phase("tracker"):
                 torch.distributed.barrier()  # every rank got here: a rank lost now leaves the tracker where it was
                 from_rank_zero(self._write_step_files_and_tracker, f"track step {self.step}", self.step_dir)
@@ -291,31 +304,34 @@ class StepCommit:
         self.committed = CommittedStep(self.path, self.step, files, contents, hf_tensors, self.spec.track, dict(self.phase_seconds))
         return self.committed
 
-    def _gather_sealed(self) -> dict[str, str]:
-        """Every rank's checksums of the files it wrote, each made durable by it before this gather (``durability``).
-        A rank whose seal failed (an fsync error: pages its host held may be lost) fails the commit on every rank,
-        named, before anything is renamed."""
-        try:
-            mine = (True, dict(self.spec.sealed()))
-        except Exception as exc:
-            mine = (False, describe(exc))
-        everyone: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, mine)
-        failed = [(rank, cause) for rank, (ok, cause) in enumerate(everyone) if not ok]
-        if failed:
-            raise CheckpointError(f"rank {failed[0][0]} could not make the files it wrote durable ({failed[0][1]})")
-        return {relpath: checksum for _, share in everyone for relpath, checksum in share.items()}
-
-    def _verify_hf_export(self) -> int | None:
-        """Fix 2's proof, once per save: the bridge wrote every tensor the config implies. The count checked."""
-        if self.spec.hf_config is None:
+    def _hf_verdict(self) -> tuple[bool, Any] | None:
+        """Rank 0: fix 2's proof, once per save: the bridge wrote every tensor the config implies (the count
+        checked): ``(True, (ok, problem, expected))`` or rank 0's failure to verify; None elsewhere or with no export."""
+        if self.spec.hf_config is None or self._rank != 0:
             return None
 
         def verdict() -> tuple[bool, str, int]:
             report = verify_hf_checkpoint(layout.hf_path(self.staging), self.spec.hf_config)
             return report.ok, report.describe() if not report.ok else "", report.expected
 
-        ok, problem, expected = from_rank_zero(verdict, "verify the HF export", self.staging)
+        return _outcome_on_rank_zero(verdict, "verify the HF export", self.staging)
+
+    def _gather_verdict_and_seals(self, verdict: tuple[bool, Any] | None) -> tuple[tuple[bool, Any] | None, list]:
+        """One collective: rank 0's verdict on the HF export to every rank, every rank's seal (the checksums of
+        the files it wrote, each made durable by it before this gather: ``durability``) to every rank."""
+        try:
+            mine = (True, dict(self.spec.sealed()))
+        except Exception as exc:
+            mine = (False, describe(exc))
+        everyone: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, (mine, verdict))
+        return everyone[0][1], [seal for seal, _ in everyone]
+
+    def _judge_hf_export(self, verdict: tuple[bool, Any] | None) -> int | None:
+        """Every rank alike: the HF export's tensor count, or its problem raised (strict) or warned on rank 0."""
+        if self.spec.hf_config is None:
+            return None
+        ok, problem, expected = _raise_unless_ok(verdict)
         if ok:
             return expected
         if self.spec.strict_hf_verify:
@@ -323,6 +339,15 @@ class StepCommit:
         if self._rank == 0:
             warnings.warn(problem, stacklevel=3)
         return None
+
+    @staticmethod
+    def _check_sealed(everyone: list) -> dict[str, str]:
+        """A rank whose seal failed (an fsync error: pages its host held may be lost) fails the commit on every
+        rank, named, before anything is renamed; else every rank's checksums, by file."""
+        failed = [(rank, cause) for rank, (ok, cause) in enumerate(everyone) if not ok]
+        if failed:
+            raise CheckpointError(f"rank {failed[0][0]} could not make the files it wrote durable ({failed[0][1]})")
+        return {relpath: checksum for _, share in everyone for relpath, checksum in share.items()}
 
     def _mark_and_rename(self, sealed: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
         """Rank 0: the commit mark, the manifest (which covers every other file), fsync of what no writer sealed,
