@@ -121,6 +121,7 @@ MAIN_SECOND_LANE=(
   tests/test_resume_schedules_cli.py
   tests/test_divergence.py
   tests/test_ray_job_submit.py
+  tests/test_bf16_resume_cli.py
 )
 
 legs_dir="$(mktemp -d)"  # the other legs' output, statuses, times and pytest temporary directories

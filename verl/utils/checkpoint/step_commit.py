@@ -15,8 +15,10 @@ into the staging directory the transaction hands out; the transaction does every
 6. the step's other files (the driver's ``data.pt``), written atomically beside the role's directory;
 7. the tracker, last: only now does a resume take this step.
 
-Every rank enters and leaves each phase together; rank 0 does the file work and every rank learns its
-verdict, a failure there included (``from_rank_zero``: no rank waits for a verdict that never comes). A failure
+Every rank passes through each phase; rank 0 does the file work and every rank learns its verdict, a failure
+there included, in the phase's collective (``from_rank_zero``, or for the HF check the seal gather that opens
+``commit``: no rank waits for a verdict that never comes). ``hf_verify`` has no collective of its own and a tracked
+commit's ``retention`` none at its end: the next phase's collective is where the ranks meet. A failure
 anywhere (the writer's included) discards the staging directory, and a step already renamed into place but not
 yet tracked, and leaves every committed step and the tracker as they were. ``commit`` (or ``finalize`` for a writer that finishes in the background)
 returns a ``CommittedStep``, the record the driver trusts instead of reading the step again.
@@ -287,14 +289,14 @@ class StepCommit:
             sealed = self._check_sealed(sealed)
             files, contents = from_rank_zero(lambda: self._mark_and_rename(sealed), f"commit step {self.step}", self.staging)
             self.placed = True
-        tracked = bool(self.spec.step_files or self.spec.track)
+        writes_tracker = bool(self.spec.step_files or self.spec.track)
         with self._phase("retention"):
             retention = self.spec.retention
             if retention is not None:  # every rank (removal tolerates a shared filesystem)
                 retention.remove_previous_save_local_path(stale_steps(self.root, self.spec.role, self.step, self.spec.max_ckpt_to_keep))
-            if not tracked:  # else the tracker's barrier, next, is the one every rank leaves the commit by
+            if not writes_tracker:  # else the tracker's barrier, next, is the one every rank leaves the commit by
                 torch.distributed.barrier()
-        if tracked:
+        if writes_tracker:
             with self._phase("tracker"):
                 torch.distributed.barrier()  # every rank got here: a rank lost now leaves the tracker where it was
                 from_rank_zero(self._write_step_files_and_tracker, f"track step {self.step}", self.step_dir)
