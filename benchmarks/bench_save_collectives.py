@@ -46,10 +46,7 @@ def _call_site(name: str) -> str:
 def saves_rank(model_path: str, root: str, saves: int, warmup: int) -> dict:
     import torch.distributed as dist
 
-    actor = engine(model_path, *(f"megatron.{key}={size}" for key, size in (
-        ("tensor_model_parallel_size", LAYOUT.tp), ("pipeline_model_parallel_size", LAYOUT.pp),
-        ("expert_model_parallel_size", LAYOUT.ep), ("expert_tensor_parallel_size", LAYOUT.etp),
-    )))  # fmt: skip
+    actor = engine(model_path)  # the YAML's layout is the job's, LAYOUT; the ranks' parallel state is already it
     counted: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     counting, inside = threading.Event(), threading.local()
 

@@ -53,8 +53,9 @@ class RankComm:
     def agree(self, error: BaseException | None, what: str, share: Any = None) -> list[Any]:
         """A barrier that carries each rank's outcome of a step that only some ranks may fail (a write on a full
         disk): every rank raises when any failed, the failed rank its own error, the others ``PeerFailure``
-        naming it, so no rank goes on into a collective that a failed peer never joins. ``share`` (picklable
-        data) rides along in the same collective: every rank's, in rank order, is returned."""
+        naming it, so no rank goes on into a collective that a failed peer never joins. ``share`` (data the
+        group can send: JSON data for ``ForkedRankComm``) rides along in the same collective: every rank's, in
+        rank order, is returned."""
         gathered = self.all_gather_object((describe(error) if error else None, share))
         failed = [(rank, cause) for rank, (cause, _) in enumerate(gathered) if cause]
         if error is not None:

@@ -284,9 +284,9 @@ class StepCommit:
         with self._phase("hf_verify"):
             verdict = self._hf_verdict()
         with self._phase("commit"):
-            verdict, sealed = self._gather_verdict_and_seals(verdict)
+            verdict, seals = self._gather_verdict_and_seals(verdict)
             hf_tensors = self._judge_hf_export(verdict)
-            sealed = self._check_sealed(sealed)
+            sealed = self._check_sealed(seals)
             files, contents = from_rank_zero(lambda: self._mark_and_rename(sealed), f"commit step {self.step}", self.staging)
             self.placed = True
         writes_tracker = bool(self.spec.step_files or self.spec.track)
