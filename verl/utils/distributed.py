@@ -23,8 +23,7 @@ from typing import Any
 
 from verl.utils.megatron.parallel import ParallelSizes
 
-# Imported once in the fork server, so each rank starts in well under a second instead of ~7 s.
-_PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt", "mbridge", "transformers", "verl.utils.megatron.cpu_runtime"]
+_PRELOAD = ["verl.utils.rank_preload"]  # run once in the fork server: see that module
 
 
 class RankFailure(RuntimeError):
