@@ -120,7 +120,6 @@ MAIN_SECOND_LANE=(
   tests/test_vpp.py
   tests/test_resume_schedules_cli.py
   tests/test_divergence.py
-  tests/test_ray_job_submit.py
   tests/test_bf16_resume_cli.py
 )
 
