@@ -1,9 +1,11 @@
 """No process of a save outlives its rank, and the errors around it, through ``python -m verl.trainer.main_ppo`` (real Ray, ranks, megatron):
 
-- SIGKILL of the whole run while a sync or an async save runs (the driver and every process of the run except
-  those the save started: as a preemption that kills the process group, or every process it finds while the save
-  forks) leaves no process of the run alive 10 s later: the async save's fork, megatron's writers below it, the
-  Manager server the writers report through (a sync save starts none: tests/test_dist_writer.py);
+- SIGKILL of the whole run while an async save runs (the driver and every process of the run except those the
+  save started: as a preemption that kills the process group, or every process it finds while the save forks)
+  leaves no process of the run alive 10 s later: the async save's fork, megatron's writers below it, the Manager
+  server the writers report through. A sync save writes in the rank's threads and starts none
+  (tests/test_dist_writer.py; only its fallback to megatron's writer, taken where a torch internal changed, forks),
+  so in a sync save the run's processes are the ones killed here;
 - SIGKILL of the whole run in the same way while both ranks' vLLM engines (in the ranks' processes, with their
   threads) are mid-generation leaves no process of the run either, what the ranks and their engines started
   included;
@@ -14,7 +16,7 @@ The async cases run the default writer, ``background_write``. The ``snapshot`` w
 ``to_host`` off (verl/utils/checkpoint/save_writers.py): the same fork, writers and Manager; its processes are
 proven at the rank level (tests/test_checkpoint_lifecycle.py: a killed writer of each mode fails the save fast and
 leaves no process; the crash matrix of every writer's phases) and by ``test_async_saves_forked_from_a_thread_complete``
-below. One sync point stands for the sync writer: it starts no process at any point.
+below.
 
 The points of a save are set through the run's environment (tests/save_points). Every process of a run carries
 the run's marker (tests/process_marker.py); that is how the survivors are found.
