@@ -119,6 +119,7 @@ MAIN_SECOND_LANE=(
   tests/test_vllm_stack.py
   tests/test_vpp.py
   tests/test_resume_schedules_cli.py
+  tests/test_divergence.py
   tests/test_bf16_resume_cli.py
 )
 
