@@ -1,5 +1,5 @@
 """``python -m <module> ...`` commands run in forks of one interpreter that has already imported the third-party
-packages they all import first (torch, transformers, pyarrow, Hydra): each command does its own work, from its own
+packages they all import first (torch, transformers, pyarrow, Hydra, Ray): each command does its own work, from its own
 ``__main__`` on, without paying a fresh interpreter's start and imports. For a matrix of commands that are refused
 within a second of their imports, that start is most of their cost.
 

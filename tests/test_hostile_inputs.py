@@ -418,8 +418,12 @@ def ran(request, tiny_dense_path, steps, tmp_path_factory) -> dict[str, Ran]:
     server_env = {**os.environ, "PYTHONPATH": pythonpath}
 
     def run_half(half: list[str]) -> dict[str, Outcome]:
+        outcomes = {}
         with PreloadedCommands(server_env) as commands:
-            return {name: run_with_yes_typed(commands, built[name][0], built[name][1], built[name][3]) for name in half}
+            for name in half:
+                argv, work, _, env = built[name]
+                outcomes[name] = run_with_yes_typed(commands, argv, work, env)
+        return outcomes
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         outcomes = {name: outcome for done in pool.map(run_half, halves) for name, outcome in done.items()}

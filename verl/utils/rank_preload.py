@@ -8,8 +8,9 @@ not the ~500k objects of these imports.
 """
 
 import contextlib
-import gc
 import importlib
+
+from verl.utils.host_memory import freeze_long_lived_objects
 
 PACKAGES = ("torch", "megatron.core", "megatron.core.models.gpt", "mbridge", "transformers", "verl.utils.megatron.cpu_runtime")
 
@@ -20,5 +21,4 @@ with contextlib.suppress(ImportError):
     from hydra.core.plugins import Plugins
 
     Plugins.instance()
-gc.collect()  # what the imports left as garbage is freed, not frozen into every rank
-gc.freeze()
+freeze_long_lived_objects()  # collected first: what the imports left as garbage is freed, not frozen into every rank
