@@ -3,7 +3,8 @@
 Each of 8 ranks (TP2 PP2 EP2 ETP2) builds the actor of the embedded default model (the job's; 4.5 MiB of state)
 and saves ``--saves`` tracked steps in a row, keeping two (``max_ckpt_to_keep=2``), through the engine's public
 ``save_checkpoint``, the sync mode. Reported: each save's seconds on its slowest rank and their median past the
-first ``--warmup``; and for saves ``warmup+1 .. warmup+3``, every torch.distributed collective rank 0 issued,
+first ``--warmup``; the CPU seconds all ranks spent in a save (process time, every thread), which against the
+cores' wall time says whether a save waits for CPU or for its peers; and for saves ``warmup+1 .. warmup+3``, every torch.distributed collective rank 0 issued,
 by call site (its innermost three frames in verl or megatron-core), with its count per save and its seconds
 per save (the time rank 0 waits there: with 8 processes on few cores, each collective waits until every rank
 has been scheduled). A collective inside another (``all_gather_object`` calls ``all_gather``) counts once.
@@ -68,16 +69,17 @@ def saves_rank(model_path: str, root: str, saves: int, warmup: int) -> dict:
     if dist.get_rank() == 0:
         for name in COLLECTIVES:
             setattr(dist, name, counter(name, getattr(dist, name)))
-    seconds = []
+    seconds, cpu_seconds = [], []
     for step in range(1, saves + 1):
         dist.barrier()
         if warmup < step <= warmup + COUNTED_SAVES:
             counting.set()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         actor.save_checkpoint(os.path.join(root, f"global_step_{step}", "actor"), global_step=step, max_ckpt_to_keep=2, track=True)
         seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - cpu_start)
         counting.clear()
-    return {"seconds": seconds, "collectives": {site: [n / COUNTED_SAVES, s / COUNTED_SAVES] for site, (n, s) in counted.items()}}
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "collectives": {site: [n / COUNTED_SAVES, s / COUNTED_SAVES] for site, (n, s) in counted.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["VERL_TINY_MODEL_CACHE"] = os.path.join(work, "model")
         ranks = run_on_ranks(saves_rank, 8, LAYOUT, args=(embedded_model_path(), os.path.join(work, "ckpt"), args.saves, args.warmup), timeout_s=900)
     per_save = [max(rank["seconds"][i] for rank in ranks) for i in range(args.saves)]
+    cpu_per_save = [sum(rank["cpu_seconds"][i] for rank in ranks) for i in range(args.saves)]
     sites = sorted(ranks[0]["collectives"].items(), key=lambda item: -item[1][1])
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -101,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         "layout": "TP2 PP2 EP2 ETP2, 8 ranks",
         "save_s": [round(s, 3) for s in per_save],
         "save_s_median_warm": round(statistics.median(per_save[args.warmup :]), 3),
+        "cpu_s_all_ranks_median_warm": round(statistics.median(cpu_per_save[args.warmup :]), 3),
+        "cores": len(os.sched_getaffinity(0)),
         "collectives_per_save": round(sum(n for n, _ in ranks[0]["collectives"].values()), 2),
         "rank0_seconds_in_collectives_per_save": round(sum(s for _, s in ranks[0]["collectives"].values()), 3),
         "by_call_site": {site: {"per_save": round(n, 2), "seconds_per_save": round(s, 4)} for site, (n, s) in sites},
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1)
     print(f"[bench_save_collectives] save s, median of saves {args.warmup + 1}-{args.saves}: {report['save_s_median_warm']}; "
+          f"CPU s of all ranks a save: {report['cpu_s_all_ranks_median_warm']} on {report['cores']} cores; "
           f"rank 0: {report['collectives_per_save']} collectives a save, {report['rank0_seconds_in_collectives_per_save']} s in them")  # fmt: skip
     for site, row in report["by_call_site"].items():
         print(f"  {row['per_save']:>4} x {row['seconds_per_save']:.4f} s  {site}")

@@ -1,8 +1,10 @@
-"""ForkedRankComm: the group a background save's forked processes form among themselves."""
+"""The groups a rank agrees over: the default group, a gloo group beside it, and the group a background save's forked processes form among themselves."""
 
 import datetime
 import os
 import time
+
+import pytest
 
 from tests.checkpoint_builders import CreatesFile
 from verl.utils.distributed import run_on_ranks
@@ -53,3 +55,38 @@ def test_a_forked_peer_message_is_data_and_a_pickle_is_refused_unrun(tmp_path):
     assert sent == "sent"
     assert "the forked process of rank 1 sent a message that is not JSON" in refused and "nothing of it was run" in refused
     assert not os.path.exists(marker)
+
+
+def _agreements(kind: str) -> dict:
+    import torch.distributed as dist
+
+    from verl.utils.rank_comm import ForkedRankComm, GroupRankComm, PeerFailure, RankComm
+
+    comm = {"default": RankComm, "gloo group": GroupRankComm, "forked": lambda: ForkedRankComm(f"agree-{kind}")}[kind]()
+    rank = dist.get_rank()
+    seen: dict = {"any": [comm.any(rank == other) for other in range(3)] + [comm.any(False)]}
+    seen["shares"] = comm.agree(None, "share", share={"rank": rank})
+    try:
+        comm.agree(OSError(28, "No space left on device") if rank == 1 else None, "write its files", share={"rank": rank})
+    except PeerFailure as exc:
+        seen["failure"] = f"peer: {exc}"
+    except OSError as exc:
+        seen["failure"] = f"own: {exc}"
+    first = comm.gather_unless_unchanged("sizes", {"a": 4})
+    again = comm.gather_unless_unchanged("sizes", {"a": 4})
+    changed = comm.gather_unless_unchanged("sizes", {"a": 8} if rank == 2 else {"a": 4})
+    seen["gathered"] = [first, again, changed]
+    seen["reused"] = kind == "forked" or again is first  # a forked group's JSON copies are compared, not reused
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["default", "gloo group", "forked"])
+def test_an_agreement_reports_every_failure_and_a_changed_value_is_never_missed(kind):
+    ranks = run_on_ranks(_agreements, 3, args=(kind,), timeout_s=120)
+    for rank, seen in enumerate(ranks):
+        assert seen["any"] == [True, True, True, False]
+        assert seen["shares"] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+        expected = "own: [Errno 28] No space left on device" if rank == 1 else "peer: rank 1 could not write its files (OSError: [Errno 28] No space left on device)"
+        assert seen["failure"] == expected
+        assert seen["gathered"] == [[{"a": 4}] * 3, [{"a": 4}] * 3, [{"a": 4}, {"a": 4}, {"a": 8}]]
+        assert seen["reused"]

@@ -142,9 +142,10 @@ class _Holdings:
 
 def _gather_holdings(bridge, models: list, comm: RankComm) -> _Holdings:
     """Step 1, one ``all_gather_object``: every rank learns what every rank holds (as JSON data: a forked
-    group's messages are never unpickled)."""
+    group's messages are never unpickled); on a group that gathered the same before (the next save), the
+    ranks only confirm that nothing changed."""
     my_shards, my_tensors = _local_shards(bridge, models)
-    everyone = comm.all_gather_object([dataclasses.asdict(shard) for shard in my_shards])
+    everyone = comm.gather_unless_unchanged("holdings", [dataclasses.asdict(shard) for shard in my_shards])
     holders: dict[tuple[str, int], list[int]] = defaultdict(list)
     meta: dict[str, _Shard] = {}
     for holder, fields in enumerate(everyone):
@@ -285,7 +286,7 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
         del received
 
     # 5. index and config, once every rank wrote its files
-    reports = comm.agree(failure, "write its HF files", share=written)  # one collective: the outcomes and the sizes
+    reports = comm.agree(failure, "write its HF files", share=written)  # the outcomes, then the sizes (unless unchanged)
     index_failure = None
     if rank == 0:
         try:

@@ -225,6 +225,7 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.agreed: frozenset[megatron_core.Place] = frozenset()  # what a reused plan resolves directly
         self.last_direct = 0  # tensor items the last sync save resolved without megatron's conversion
         self.archives: dict = {}  # the tensor items' archive templates (``write_archive``), kept across saves
+        self._comm: RankComm | None = None  # the default group, keeping the write results gathered last (``_Gathered``)
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
         reuse = _everyone_agrees(self.cached_central_plan is not None)
@@ -243,8 +244,26 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.last_threads = writer.thread_count
         # megatron's finalize names a write's failure on its coordinator rank only ("ranks:dict_keys([])" on the
         # others): every rank learns it first, the failed rank raising its own error
-        RankComm().agree(writer.failure, "write its dist checkpoint files")
-        megatron_core.finish_torch_dist_save(writer, plan.metadata, plan.dist_wrapper)
+        self._comm = self._comm or RankComm()
+        self._comm.agree(writer.failure, "write its dist checkpoint files")
+        megatron_core.finish_torch_dist_save(writer, plan.metadata, _Gathered(plan.dist_wrapper, self._comm))
+
+
+class _Gathered:
+    """torch's ``_DistWrapper`` of a save's plan whose ``gather_object`` (every rank's write results to the
+    coordinator, for ``.metadata``) is ``RankComm.gather_unless_unchanged``: a reused plan writes the same
+    items at the same offsets save after save, so the ranks only confirm that (one small collective instead of
+    the two of a gather). Everything else is the wrapped one's."""
+
+    def __init__(self, wrapped, comm: RankComm) -> None:
+        self._wrapped, self._comm = wrapped, comm
+
+    def __getattr__(self, name: str):
+        return getattr(self._wrapped, name)
+
+    def gather_object(self, obj) -> list | None:
+        gathered = self._comm.gather_unless_unchanged("write results", obj)
+        return gathered if self._wrapped.is_coordinator else None
 
 
 @contextlib.contextmanager
@@ -268,6 +287,4 @@ def _everyone_agrees(mine: bool) -> bool:
     """Whether ``mine`` holds on every rank (one tiny collective; every rank of a save calls it in turn)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return all(everyone)
+    return not RankComm().any(not mine)

@@ -17,6 +17,7 @@ import torch
 
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.names import STEP_DIR_FORMAT
+from verl.utils.rank_comm import RankComm
 
 
 def named_state_tensors(model: list | None, optimizer) -> Iterator[tuple[str, torch.Tensor]]:
@@ -70,9 +71,13 @@ def non_finite_error(what: str, rank: int, name: str, ranks_affected: int = 1) -
 
 
 def check_finite(model: list | None, optimizer, what: str) -> None:
-    """All ranks: fail together, naming the first NaN/Inf tensor of the first rank that has one."""
-    found = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(found, first_non_finite(model, optimizer))
+    """All ranks: fail together, naming the first NaN/Inf tensor of the first rank that has one (the names
+    travel only then: a finite state costs one ``RankComm.any``)."""
+    mine = first_non_finite(model, optimizer)
+    comm = RankComm()
+    if not comm.any(mine is not None):
+        return
+    found = comm.all_gather_object(mine)
     bad = [(rank, name) for rank, name in enumerate(found) if name is not None]
     if bad:
         raise non_finite_error(what, *bad[0], len(bad))
