@@ -175,6 +175,63 @@ def test_megatron_core_module_helpers_are_reached_through_their_module_only():
     )
 
 
+def _param_maps() -> dict:
+    import logging
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    formatted = []
+
+    class Watched(torch.nn.Parameter):
+        def __repr__(self) -> str:
+            formatted.append(1)
+            return "Watched()"
+
+    tracked = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.zeros(3))]
+    untracked = Watched(torch.ones(4))
+    state = {
+        "a": ShardedTensor.from_rank_offsets("a", tracked[0], replica_id=0),
+        "nested": {"b": ShardedTensor.from_rank_offsets("b", tracked[1], replica_id=0)},
+        # a factory (megatron's SwiGLU and expert weights) prints its data: a ShardedTensor's repr leaves it out
+        "c": ShardedTensorFactory("c", untracked, build_fn=lambda *args: {}, merge_fn=lambda sub_state: sub_state),
+    }
+    original = megatron_core.PARAM_ID_MAP.get()
+    expected = original(state, iter(tracked))
+    formatted_by_megatron = len(formatted)
+    megatron_core.map_only_tracked_params()
+    replaced = megatron_optimizer.get_param_id_to_sharded_param_map
+    megatron_core.map_only_tracked_params()  # once per process: a second call keeps the first
+    installed_once = megatron_optimizer.get_param_id_to_sharded_param_map is replaced
+    mapped = replaced(state, iter(tracked))
+    formatted_after = len(formatted) - formatted_by_megatron
+    logging.getLogger("megatron.core.dist_checkpointing.optimizer").setLevel(logging.DEBUG)
+    replaced(state, iter(tracked))
+    return {
+        "same_map": {k: id(v) for k, v in mapped.items()} == {k: id(v) for k, v in expected.items()},
+        "keys": sorted(v.key for v in mapped.values()),
+        "megatron_formats_the_untracked": formatted_by_megatron,
+        "formatted_after": formatted_after,
+        "installed": replaced is not original and installed_once,
+        "debug_keeps_megatron_s_own": len(formatted) - formatted_by_megatron - formatted_after,
+    }
+
+
+def test_the_optimizer_param_map_is_megatron_s_own_without_formatting_untracked_tensors():
+    """map_only_tracked_params: megatron formats every model tensor an optimizer does not track into a debug
+    message, values included, with debug logging off; the replacement gives the same map and formats none,
+    and with megatron's logger at debug level megatron's own runs (its debug line kept)."""
+    maps = run_on_ranks(_param_maps, 1, ParallelSizes(), timeout_s=120)[0]
+    assert maps == {
+        "same_map": True,
+        "keys": ["a", "b"],
+        "megatron_formats_the_untracked": 1,
+        "formatted_after": 0,
+        "installed": True,
+        "debug_keeps_megatron_s_own": 1,
+    }
+
+
 def test_async_request_argument_positions():
     """write_buckets / results_queue / preloaded_args: torch_dist's async_fn_args are [rank, write_buckets, results_queue],
     the tail of the writer's parameters after the two get_save_function_and_args binds (the writer is

@@ -23,6 +23,7 @@ from verl.utils.checkpoint.checkpoint_manager import config_get
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.checkpoint.layout import RANK_RNG_STATE_KEY, dist_path
 from verl.utils.device import get_device_name, get_torch_device
+from verl.utils.internals import megatron_core
 
 
 def without_view_copies(state: dict) -> dict:
@@ -106,6 +107,7 @@ def model_sharded_state_dict(model: list, metadata: dict) -> dict:
 
 def optimizer_sharded_state_dict(optimizer, lr_scheduler, model_state: dict, metadata: dict, is_loading: bool = False) -> dict:
     """The optimizer's sharded state (mapped onto the model's shards, which it reads only) and the scheduler's."""
+    megatron_core.map_only_tracked_params()
     state = {"optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)}
     if lr_scheduler is not None:
         state["lr_scheduler"] = lr_scheduler.state_dict()
@@ -114,7 +116,7 @@ def optimizer_sharded_state_dict(optimizer, lr_scheduler, model_state: dict, met
 
 @dataclasses.dataclass
 class DistParts:
-    """The dist checkpoints of one save, each state dict built when reached (a save consumes the one it gets).
+    """The dist checkpoints of one save (a save consumes the state dict it gets).
 
     ``contents``: of "model", "optimizer", "extra"; ``extra_state``: the RNG state, taken in the rank (a forked
     process reseeds Python's ``random``); ``on_phase``: the manager's public phase hook."""
@@ -129,14 +131,17 @@ class DistParts:
 
     def build(self, local_path: str) -> Iterator[tuple[str, dict, str]]:
         """(content, sharded state dict, directory) of each dist checkpoint, in the order they are written (the
-        manager creates the directories before any is built)."""
-        if "model" in self.contents:
-            yield "model", without_view_copies(model_sharded_state_dict(self.model, self.metadata)), dist_path(local_path, "model")
-        self.on_phase("dist_checkpoint_optimizer")
+        manager creates the directories before any is built). The model's sharded state dict is built once:
+        the optimizer's is mapped onto it (by its tensors' identity) before the model's write replaces them."""
+        model_state = model_sharded_state_dict(self.model, self.metadata) if {"model", "optimizer"} & set(self.contents) else None
+        optimizer_state = None
         if "optimizer" in self.contents:
-            model_state = model_sharded_state_dict(self.model, self.metadata)
-            state = optimizer_sharded_state_dict(self.optimizer, self.lr_scheduler, model_state, self.metadata)
-            yield "optimizer", without_view_copies(state), dist_path(local_path, "optimizer")
+            optimizer_state = optimizer_sharded_state_dict(self.optimizer, self.lr_scheduler, model_state, self.metadata)
+        if "model" in self.contents:
+            yield "model", without_view_copies(model_state), dist_path(local_path, "model")
+        self.on_phase("dist_checkpoint_optimizer")
+        if optimizer_state is not None:
+            yield "optimizer", without_view_copies(optimizer_state), dist_path(local_path, "optimizer")
         if "extra" in self.contents:
             yield "extra", self.extra_state, dist_path(local_path, "extra")
 

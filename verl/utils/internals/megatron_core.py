@@ -144,6 +144,13 @@ DUMMY_OPTIMIZER_STATE = Internal(
     "a load into a distributed optimizer that never stepped",
     params=("self",),
 )
+# megatron's optimizers call it by the name optimizer.py imported (``ChainedOptimizer`` once per optimizer it chains)
+PARAM_ID_MAP = Internal(
+    MC,
+    "megatron.core.optimizer.optimizer:get_param_id_to_sharded_param_map",
+    "an optimizer's sharded state dict without formatting the tensors it does not track",
+    params=("model_sharded_state_dict", "optim_params_iter"),
+)
 _RANDOM = "megatron.core.tensor_parallel.random"
 GET_CUDA_RNG_STATE = Internal(MC, f"{_RANDOM}:_get_cuda_rng_state", _CPU, params=("device", "clone", "graph_safe"))
 SET_CUDA_RNG_STATE = Internal(MC, f"{_RANDOM}:_set_cuda_rng_state", _CPU, params=("new_state", "device", "graph_safe"))
@@ -181,6 +188,7 @@ INTERNALS = (
     LOAD_PLANNER,
     LOAD_STATE_DICT,
     DUMMY_OPTIMIZER_STATE,
+    PARAM_ID_MAP,
     GET_CUDA_RNG_STATE,
     SET_CUDA_RNG_STATE,
     GATHER_FIRST_DIM,
@@ -560,6 +568,42 @@ def init_distributed_optimizer_state(optimizer: DistributedOptimizer) -> None:
     ``load_state_dict`` reads, which an optimizer that never stepped lacks (megatron calls it itself only on
     its Megatron-FSDP load path). No public path makes that state without stepping."""
     DUMMY_OPTIMIZER_STATE.get(type(optimizer))(optimizer)
+
+
+def map_only_tracked_params() -> None:
+    """Install, once per process, a ``get_param_id_to_sharded_param_map`` that hands megatron's own only the
+    model's sharded tensors the optimizer tracks: the same map, none of megatron's debug lines for the rest.
+    megatron formats each tensor it does not track into its debug message, values included, whether or not
+    debug logging is on, and ``ChainedOptimizer`` hands each optimizer it chains (dense, experts) the whole
+    model: 8 tensors formatted per save on a rank of the default job (docs/perf.md). With megatron's logger
+    at debug level, megatron's own runs as it is. Without the internal, nothing is installed."""
+    try:
+        original = PARAM_ID_MAP.get()
+    except InternalsChangedError:
+        return
+    if getattr(original, "maps_only_tracked", False):
+        return
+    import logging
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    logger = logging.getLogger("megatron.core.dist_checkpointing.optimizer")
+
+    def param_id_map(model_sharded_state_dict: dict, optim_params_iter: Any) -> dict:
+        params = list(optim_params_iter)
+        if logger.isEnabledFor(logging.DEBUG):
+            return original(model_sharded_state_dict, params)
+        tracked = {id(param) for param in params}
+        kept = [
+            value
+            for value in nested_values(model_sharded_state_dict)
+            if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and id(value.data) in tracked
+        ]
+        return original(dict(enumerate(kept)), params)
+
+    param_id_map.maps_only_tracked = True
+    _setattr(PARAM_ID_MAP, param_id_map)
 
 
 # ---------------------------------------------------------------- the CPU runtime's replacements
