@@ -16,7 +16,7 @@ into the staging directory the transaction hands out; the transaction does every
 7. the tracker, last: only now does a resume take this step.
 
 Every rank passes through each phase; rank 0 does the file work and every rank learns its verdict, a failure
-there included, in the phase's collective (``from_rank_zero``, or for the HF check the seal gather that opens
+there included, in the phase's collective (``from_rank_zero``; ``done_by_rank_zero`` where no value is shared; or for the HF check the seal gather that opens
 ``commit``: no rank waits for a verdict that never comes). ``hf_verify`` has no collective of its own and a tracked
 commit's ``retention`` none at its end: the next phase's collective is where the ranks meet. A failure
 anywhere (the writer's included) discards the staging directory, and a step already renamed into place but not
@@ -47,7 +47,7 @@ from verl.utils.checkpoint.hf_verify import HFCheckpointIncompleteError, verify_
 from verl.utils.checkpoint.integrity import FORMAT_VERSION, BridgeRecord, build_manifest
 from verl.utils.checkpoint.tracker import read_tracker
 from verl.utils.fs import atomic_open, atomic_write_text, fsync_path
-from verl.utils.rank_comm import describe
+from verl.utils.rank_comm import RankComm, describe
 
 
 class Retention(Protocol):
@@ -89,6 +89,18 @@ def from_rank_zero(work: Callable[[], T], what: str, path: str) -> T:
     outcome: list = [_outcome_on_rank_zero(work, what, path) if torch.distributed.get_rank() == 0 else None]
     torch.distributed.broadcast_object_list(outcome, src=0)
     return _raise_unless_ok(outcome[0])
+
+
+def done_by_rank_zero(work: Callable[[], Any], what: str, path: str) -> None:
+    """``from_rank_zero`` for work whose value no other rank needs: every rank raises the same
+    ``CheckpointError`` when it failed on rank 0; when it did not, the ranks learn that from one
+    ``RankComm.any`` instead of a broadcast of the outcome."""
+    rank_zero = torch.distributed.get_rank() == 0
+    outcome = _outcome_on_rank_zero(work, what, path) if rank_zero else (True, None)
+    if RankComm().any(not outcome[0]):
+        shared: list = [outcome if rank_zero else None]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        _raise_unless_ok(shared[0])
 
 
 def stale_steps(root: str, role: str, step: int, max_ckpt_to_keep: int | None) -> list[str]:
@@ -299,7 +311,7 @@ class StepCommit:
         if writes_tracker:
             with self._phase("tracker"):
                 torch.distributed.barrier()  # every rank got here: a rank lost now leaves the tracker where it was
-                from_rank_zero(self._write_step_files_and_tracker, f"track step {self.step}", self.step_dir)
+                done_by_rank_zero(self._write_step_files_and_tracker, f"track step {self.step}", self.step_dir)
         if self._replaced:
             with contextlib.suppress(OSError):  # committed either way; a copy left is put back or removed next run
                 self._discard_superseded()
