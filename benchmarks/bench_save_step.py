@@ -1,6 +1,10 @@
 """What a save step costs the main job: the default GRPO run with a save every step against the same run without saves.
 
     .venv/bin/python -m benchmarks.bench_save_step --out-dir /tmp/save_step [--pairs 7] [--steps 12] [hydra overrides ...]
+    .venv/bin/python -m benchmarks.bench_save_step --out-dir /tmp/save_step actor_rollout_ref.rollout.name=hf   # docs/perf.md's runs
+
+The job's rollout is the YAML's default: vLLM where it is installed (its engines on the same 2 cores make a step
+about twice as long); docs/perf.md measures the transformers rollout, as its target is set for.
 
 Each pair is two runs of ``python -m verl.trainer.main_ppo`` on the defaults (8 ranks, TP2 PP2 EP2 ETP2, the embedded
 model, the YAML's async mode) for ``--steps`` steps: one with ``trainer.save_freq=1``, one with

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl.utils.device import get_device_name, get_torch_device
+from verl.utils.device import get_device_id, get_device_name
 from verl.utils.internals import torch as torch_internals
 
 # (tensor, peer rank, tag): a tensor to send to the peer or to fill from it.
@@ -28,14 +28,16 @@ Transfer = tuple[torch.Tensor, int, int]
 class RankComm:
     """torch.distributed's default group, or ``group`` (of the same ranks). ``host_only``: the group sends
     tensors from host memory only (gloo's point-to-point), so a tensor on an accelerator travels as a host
-    copy; the default group (NCCL on a GPU host) sends them where they are."""
+    copy; the default group (NCCL on a GPU host) sends them where they are. ``keep_gathers``: this object
+    lives across saves, so ``gather_unless_unchanged`` may answer from its last gather (only then)."""
 
     host_only = False
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, keep_gathers: bool = False) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = group
-        self._gathered: dict[str, list[Any]] = {}  # ``gather_unless_unchanged``'s last result per key
+        self.keep_gathers = keep_gathers
+        self._gathered: dict[str, list[Any]] = {}  # the last gather per key (``keep_gathers``)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
@@ -52,41 +54,57 @@ class RankComm:
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def any(self, flag: bool) -> bool:
-        """Whether ``flag`` is set on any rank: one all-reduce of one number, which also waits for every rank.
-        Over gloo a fraction of an ``all_gather_object``'s cost (no pickling, one exchange instead of two:
-        docs/perf.md); on a group without a host backend the number lives on this rank's accelerator."""
-        backend = str(dist.get_backend(self.group))
-        on_host = backend == "gloo" or "cpu:gloo" in backend
-        device = torch.device("cpu") if on_host else torch.device(get_device_name(), get_torch_device().current_device())
-        number = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-        dist.all_reduce(number, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(number.item())
+    def any(self, *flags: bool) -> list[bool]:
+        """For each of ``flags``, whether it is set on any rank: one all-reduce of one number per flag, which
+        also waits for every rank. Over gloo a fraction of an ``all_gather_object``'s cost (no pickling, one
+        exchange instead of two: docs/perf.md). The numbers live in host memory where the group has a host
+        backend, else on this rank's accelerator (NCCL)."""
+        on_host = get_device_name() == "cpu" or "cpu:" in str(dist.get_backend_config(self.group))
+        device = torch.device("cpu") if on_host else torch.device(get_device_name(), get_device_id())
+        numbers = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=device)
+        dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(number) for number in numbers.tolist()]
 
     def agree(self, error: BaseException | None, what: str, share: Any = None) -> list[Any]:
         """A barrier that carries each rank's outcome of a step that only some ranks may fail (a write on a full
         disk): every rank raises when any failed, the failed rank its own error, the others ``PeerFailure``
         naming it, so no rank goes on into a collective that a failed peer never joins. The usual outcome, no
         failure anywhere, costs one ``any``; the failures' descriptions travel only when there is one.
-        ``share`` (data the group can send: JSON data for ``ForkedRankComm``): every rank's, in rank order, is
-        returned (``gather_unless_unchanged`` under ``what``)."""
-        if self.any(error is not None):
+        ``share`` (data the group can send: JSON data for ``ForkedRankComm``; None on every rank or on none):
+        every rank's, in rank order, is returned, gathered unless unchanged (``gather_unless_unchanged``, under
+        ``what``); whether it changed rides the same ``any``."""
+        changed = share is not None and self._changed(what, share)
+        failed, changed = self.any(error is not None, changed)
+        if failed:
             gathered = self.all_gather_object(describe(error) if error else None)
             if error is not None:
                 raise error
             rank, cause = next((rank, cause) for rank, cause in enumerate(gathered) if cause)
             raise PeerFailure(f"rank {rank} could not {what} ({cause})")
-        return [None] * self.world_size if share is None else self.gather_unless_unchanged(what, share)
+        if share is None:
+            return [None] * self.world_size
+        return self._gather(what, share) if changed else list(self._gathered[what])
 
     def gather_unless_unchanged(self, key: str, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` in rank order, as ``all_gather_object`` gives it; when no rank's ``obj`` changed
-        since the last gather under ``key`` on this group, that result again, for one ``any``. For what stays
-        the same from save to save (which rank holds which piece of the model, the sizes it writes). The
-        result is shared between calls: read it, do not change it."""
-        last = self._gathered.get(key)
-        if self.any(last is None or last[self.rank] != obj):
-            last = self._gathered[key] = self.all_gather_object(obj)
-        return last
+        """Every rank's ``obj`` in rank order, as ``all_gather_object`` gives it; with ``keep_gathers``, when no
+        rank's ``obj`` changed since the last gather under ``key``, that result again for one ``any``. For what
+        stays the same from save to save (which rank holds which piece of the model, the sizes it writes)."""
+        if not self.keep_gathers:
+            return self.all_gather_object(obj)
+        (changed,) = self.any(self._changed(key, obj))
+        return self._gather(key, obj) if changed else list(self._gathered[key])
+
+    def _changed(self, key: str, obj: Any) -> bool:
+        """Whether this rank's ``obj`` differs from its part of the last gather under ``key`` (always, without
+        ``keep_gathers``, so that every rank gathers)."""
+        last = self._gathered.get(key) if self.keep_gathers else None
+        return last is None or last[self.rank] != obj
+
+    def _gather(self, key: str, obj: Any) -> list[Any]:
+        gathered = self.all_gather_object(obj)
+        if self.keep_gathers:
+            self._gathered[key] = gathered
+        return list(gathered)
 
 
 class PeerFailure(RuntimeError):
@@ -105,7 +123,7 @@ class GroupRankComm(RankComm):
     host_only = True
 
     def __init__(self) -> None:
-        super().__init__(dist.new_group(backend="gloo"))
+        super().__init__(dist.new_group(backend="gloo"), keep_gathers=True)
 
 
 class ForkedRankComm(RankComm):
@@ -175,12 +193,12 @@ class ForkedRankComm(RankComm):
     def barrier(self) -> None:
         self._group.barrier().wait()
 
-    def any(self, flag: bool) -> bool:
-        number = torch.tensor([int(flag)], dtype=torch.int32)
+    def any(self, *flags: bool) -> list[bool]:
+        numbers = torch.tensor([int(flag) for flag in flags], dtype=torch.int32)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
-        self._group.allreduce([number], options).wait()
-        return bool(number.item())
+        self._group.allreduce([numbers], options).wait()
+        return [bool(number) for number in numbers.tolist()]
 
 
 def _parse_message(data: bytes, rank: int) -> Any:

@@ -142,8 +142,8 @@ class _Holdings:
 
 def _gather_holdings(bridge, models: list, comm: RankComm) -> _Holdings:
     """Step 1, one ``all_gather_object``: every rank learns what every rank holds (as JSON data: a forked
-    group's messages are never unpickled); on a group that gathered the same before (the next save), the
-    ranks only confirm that nothing changed."""
+    group's messages are never unpickled); on a group kept across saves (``RankComm.keep_gathers``: the sync
+    save's export group), from the next save on the ranks only confirm that nothing changed."""
     my_shards, my_tensors = _local_shards(bridge, models)
     everyone = comm.gather_unless_unchanged("holdings", [dataclasses.asdict(shard) for shard in my_shards])
     holders: dict[tuple[str, int], list[int]] = defaultdict(list)

@@ -43,7 +43,7 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -225,7 +225,8 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.agreed: frozenset[megatron_core.Place] = frozenset()  # what a reused plan resolves directly
         self.last_direct = 0  # tensor items the last sync save resolved without megatron's conversion
         self.archives: dict = {}  # the tensor items' archive templates (``write_archive``), kept across saves
-        self._comm: RankComm | None = None  # the default group, keeping the write results gathered last (``_Gathered``)
+        self._comm: RankComm | None = None  # the default group, made at the first save
+        self._write_results: dict = {}  # ``_Gathered``'s last gather
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
         reuse = _everyone_agrees(self.cached_central_plan is not None)
@@ -246,24 +247,27 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         # others): every rank learns it first, the failed rank raising its own error
         self._comm = self._comm or RankComm()
         self._comm.agree(writer.failure, "write its dist checkpoint files")
-        megatron_core.finish_torch_dist_save(writer, plan.metadata, _Gathered(plan.dist_wrapper, self._comm))
+        megatron_core.finish_torch_dist_save(writer, plan.metadata, _Gathered(plan.dist_wrapper, self._comm, self._write_results))
 
 
 class _Gathered:
     """torch's ``_DistWrapper`` of a save's plan whose ``gather_object`` (every rank's write results to the
-    coordinator, for ``.metadata``) is ``RankComm.gather_unless_unchanged``: a reused plan writes the same
-    items at the same offsets save after save, so the ranks only confirm that (one small collective instead of
-    the two of a gather). Everything else is the wrapped one's."""
+    coordinator, for ``.metadata``) gathers only when some rank's results differ from its last save's: a reused
+    plan writes the same items at the same offsets save after save, so the ranks usually only confirm that (one
+    ``RankComm.any`` instead of the gather's two exchanges). ``last``: this rank's results and, on the
+    coordinator, everyone's, from the last gather (kept by the strategy across saves)."""
 
-    def __init__(self, wrapped, comm: RankComm) -> None:
-        self._wrapped, self._comm = wrapped, comm
+    def __init__(self, wrapped: Any, comm: RankComm, last: dict) -> None:
+        self._wrapped, self._comm, self._last = wrapped, comm, last
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._wrapped, name)
 
-    def gather_object(self, obj) -> list | None:
-        gathered = self._comm.gather_unless_unchanged("write results", obj)
-        return gathered if self._wrapped.is_coordinator else None
+    def gather_object(self, obj: Any) -> list | None:
+        (changed,) = self._comm.any("mine" not in self._last or self._last["mine"] != obj)
+        if changed:
+            self._last["mine"], self._last["everyone"] = obj, self._wrapped.gather_object(obj)
+        return self._last["everyone"] if self._wrapped.is_coordinator else None
 
 
 @contextlib.contextmanager
@@ -287,4 +291,5 @@ def _everyone_agrees(mine: bool) -> bool:
     """Whether ``mine`` holds on every rank (one tiny collective; every rank of a save calls it in turn)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
-    return not RankComm().any(not mine)
+    (someone_not,) = RankComm().any(not mine)
+    return not someone_not

@@ -75,7 +75,8 @@ def check_finite(model: list | None, optimizer, what: str) -> None:
     travel only then: a finite state costs one ``RankComm.any``)."""
     mine = first_non_finite(model, optimizer)
     comm = RankComm()
-    if not comm.any(mine is not None):
+    (found_any,) = comm.any(mine is not None)
+    if not found_any:
         return
     found = comm.all_gather_object(mine)
     bad = [(rank, name) for rank, name in enumerate(found) if name is not None]

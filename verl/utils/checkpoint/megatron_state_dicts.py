@@ -132,13 +132,15 @@ class DistParts:
     def build(self, local_path: str) -> Iterator[tuple[str, dict, str]]:
         """(content, sharded state dict, directory) of each dist checkpoint, in the order they are written (the
         manager creates the directories before any is built). The model's sharded state dict is built once:
-        the optimizer's is mapped onto it (by its tensors' identity) before the model's write replaces them."""
+        the optimizer's is mapped onto it (by its tensors' identity) before the model's write replaces them,
+        so the ``dist_checkpoint_optimizer`` phase starts after both were built."""
         model_state = model_sharded_state_dict(self.model, self.metadata) if {"model", "optimizer"} & set(self.contents) else None
         optimizer_state = None
         if "optimizer" in self.contents:
             optimizer_state = optimizer_sharded_state_dict(self.optimizer, self.lr_scheduler, model_state, self.metadata)
         if "model" in self.contents:
             yield "model", without_view_copies(model_state), dist_path(local_path, "model")
+        model_state = None  # what the model's write built from it (factories' copies) is not held through the rest
         self.on_phase("dist_checkpoint_optimizer")
         if optimizer_state is not None:
             yield "optimizer", without_view_copies(optimizer_state), dist_path(local_path, "optimizer")

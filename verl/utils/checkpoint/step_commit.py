@@ -97,7 +97,8 @@ def done_by_rank_zero(work: Callable[[], Any], what: str, path: str) -> None:
     ``RankComm.any`` instead of a broadcast of the outcome."""
     rank_zero = torch.distributed.get_rank() == 0
     outcome = _outcome_on_rank_zero(work, what, path) if rank_zero else (True, None)
-    if RankComm().any(not outcome[0]):
+    (failed,) = RankComm().any(not outcome[0])
+    if failed:
         shared: list = [outcome if rank_zero else None]
         torch.distributed.broadcast_object_list(shared, src=0)
         _raise_unless_ok(shared[0])

@@ -576,17 +576,19 @@ def map_only_tracked_params() -> None:
     megatron formats each tensor it does not track into its debug message, values included, whether or not
     debug logging is on, and ``ChainedOptimizer`` hands each optimizer it chains (dense, experts) the whole
     model: 8 tensors formatted per save on a rank of the default job (docs/perf.md). With megatron's logger
-    at debug level, megatron's own runs as it is. Without the internal, nothing is installed."""
+    at debug level, megatron's own runs as it is. Nothing is installed where the internal changed or no longer
+    formats eagerly (a release may log lazily, or read the untracked tensors for something else)."""
     try:
         original = PARAM_ID_MAP.get()
     except InternalsChangedError:
         return
-    if getattr(original, "maps_only_tracked", False):
+    if getattr(original, "maps_only_tracked", False) or "logger.debug(f'{ten} is not tracked" not in inspect.getsource(original):
         return
     import logging
 
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.optimizer import get_optim_param_to_id_map
 
     logger = logging.getLogger("megatron.core.dist_checkpointing.optimizer")
 
@@ -594,7 +596,7 @@ def map_only_tracked_params() -> None:
         params = list(optim_params_iter)
         if logger.isEnabledFor(logging.DEBUG):
             return original(model_sharded_state_dict, params)
-        tracked = {id(param) for param in params}
+        tracked = get_optim_param_to_id_map(params)  # megatron's own ids (a DTensor's local tensor)
         kept = [
             value
             for value in nested_values(model_sharded_state_dict)
