@@ -235,9 +235,14 @@ def _mcore_features():
 
 @pytest.mark.parametrize(
     "internal",
-    [i for i in megatron_core.INTERNALS if i not in (megatron_core.WRITER_WRITE, megatron_core.LOAD_STATE_DICT) and i not in megatron_core.IN_RANK_SAVE],
+    [
+        i
+        for i in megatron_core.INTERNALS
+        if i not in (megatron_core.WRITER_WRITE, megatron_core.LOAD_STATE_DICT, megatron_core.PARAM_ID_MAP)
+        and i not in megatron_core.IN_RANK_SAVE
+    ],
     ids=lambda i: i.name,
-)  # IN_RANK_SAVE falls back to megatron's writer instead: tests/test_dist_writer.py; LOAD_STATE_DICT below
+)  # IN_RANK_SAVE falls back to megatron's writer instead: tests/test_dist_writer.py; the speed-ups below
 def test_a_megatron_internal_removed_fails_the_feature_naming_it_and_replaces_nothing(monkeypatch, internal):
     feature, *args = _mcore_features()[internal]
     replaced = [_module_and_name(i) for i in megatron_core.INTERNALS if i != internal]
@@ -258,6 +263,15 @@ def test_a_one_rank_load_keeps_its_collectives_where_torchs_load_state_dict_chan
     with megatron_core.torch_dist_load_reader_and_planner(len, dict, one_rank=True):
         assert strategy_module.checkpoint is before
     assert strategy_module.checkpoint is before
+
+
+def test_the_optimizer_param_map_is_left_to_megatron_where_it_changed(monkeypatch):
+    """``map_only_tracked_params`` is a speed-up with megatron's own path beside it: without megatron's map where
+    the optimizers call it, nothing is installed and nothing fails (a save then formats what megatron formats)."""
+    owner, name = _module_and_name(megatron_core.PARAM_ID_MAP)
+    _remove(monkeypatch, owner, name)
+    megatron_core.map_only_tracked_params()
+    assert name not in vars(owner)
 
 
 def test_another_request_layout_fails_reading_it_naming_the_writer():
