@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ class RankComm:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = group
         self.keep_gathers = keep_gathers
-        self._gathered: dict[str, list[Any]] = {}  # the last gather per key (``keep_gathers``)
+        self._gathered: dict[str, tuple[Any, Any]] = {}  # per key: this rank's last value and its gather (``keep_gathers``)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
@@ -83,28 +84,35 @@ class RankComm:
             raise PeerFailure(f"rank {rank} could not {what} ({cause})")
         if share is None:
             return [None] * self.world_size
-        return self._gather(what, share) if changed else list(self._gathered[what])
+        return self._gather(what, share, self.all_gather_object) if changed else self._last(what)
 
-    def gather_unless_unchanged(self, key: str, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` in rank order, as ``all_gather_object`` gives it; with ``keep_gathers``, when no
-        rank's ``obj`` changed since the last gather under ``key``, that result again for one ``any``. For what
-        stays the same from save to save (which rank holds which piece of the model, the sizes it writes)."""
+    def gather_unless_unchanged(self, key: str, obj: Any, gather: Callable[[Any], Any] | None = None) -> Any:
+        """Every rank's ``obj``, as ``gather`` gives it (default ``all_gather_object``: every rank's in rank
+        order); with ``keep_gathers``, when no rank's ``obj`` changed since the last gather under ``key``, that
+        result again for one ``any``. For what stays the same from save to save (which rank holds which piece of
+        the model, the sizes it writes, a dist checkpoint's write results)."""
+        gather = gather or self.all_gather_object
         if not self.keep_gathers:
-            return self.all_gather_object(obj)
+            return gather(obj)
         (changed,) = self.any(self._changed(key, obj))
-        return self._gather(key, obj) if changed else list(self._gathered[key])
+        return self._gather(key, obj, gather) if changed else self._last(key)
 
     def _changed(self, key: str, obj: Any) -> bool:
-        """Whether this rank's ``obj`` differs from its part of the last gather under ``key`` (always, without
+        """Whether this rank's ``obj`` differs from what it gave the last gather under ``key`` (always, without
         ``keep_gathers``, so that every rank gathers)."""
         last = self._gathered.get(key) if self.keep_gathers else None
-        return last is None or last[self.rank] != obj
+        return last is None or last[0] != obj
 
-    def _gather(self, key: str, obj: Any) -> list[Any]:
-        gathered = self.all_gather_object(obj)
+    def _gather(self, key: str, obj: Any, gather: Callable[[Any], Any]) -> Any:
+        gathered = gather(obj)
         if self.keep_gathers:
-            self._gathered[key] = gathered
-        return list(gathered)
+            self._gathered[key] = (obj, gathered)
+        return self._last(key) if self.keep_gathers else gathered
+
+    def _last(self, key: str) -> Any:
+        """The last gather under ``key``, as a list of its own (None stays None: a rank a gather to one rank skips)."""
+        gathered = self._gathered[key][1]
+        return None if gathered is None else list(gathered)
 
 
 class PeerFailure(RuntimeError):

@@ -225,8 +225,7 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.agreed: frozenset[megatron_core.Place] = frozenset()  # what a reused plan resolves directly
         self.last_direct = 0  # tensor items the last sync save resolved without megatron's conversion
         self.archives: dict = {}  # the tensor items' archive templates (``write_archive``), kept across saves
-        self._comm: RankComm | None = None  # the default group, made at the first save
-        self._write_results: dict = {}  # ``_Gathered``'s last gather
+        self._comm: RankComm | None = None  # the default group, made at the first save, keeping the write results' gather
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
         reuse = _everyone_agrees(self.cached_central_plan is not None)
@@ -245,29 +244,26 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.last_threads = writer.thread_count
         # megatron's finalize names a write's failure on its coordinator rank only ("ranks:dict_keys([])" on the
         # others): every rank learns it first, the failed rank raising its own error
-        self._comm = self._comm or RankComm()
+        self._comm = self._comm or RankComm(keep_gathers=True)
         self._comm.agree(writer.failure, "write its dist checkpoint files")
-        megatron_core.finish_torch_dist_save(writer, plan.metadata, _Gathered(plan.dist_wrapper, self._comm, self._write_results))
+        megatron_core.finish_torch_dist_save(writer, plan.metadata, _Gathered(plan.dist_wrapper, self._comm))
 
 
 class _Gathered:
     """torch's ``_DistWrapper`` of a save's plan whose ``gather_object`` (every rank's write results to the
     coordinator, for ``.metadata``) gathers only when some rank's results differ from its last save's: a reused
     plan writes the same items at the same offsets save after save, so the ranks usually only confirm that (one
-    ``RankComm.any`` instead of the gather's two exchanges). ``last``: this rank's results and, on the
-    coordinator, everyone's, from the last gather (kept by the strategy across saves)."""
+    ``RankComm.any`` instead of the gather's two exchanges: ``RankComm.gather_unless_unchanged`` over the
+    strategy's comm, which keeps the last gather across saves)."""
 
-    def __init__(self, wrapped: Any, comm: RankComm, last: dict) -> None:
-        self._wrapped, self._comm, self._last = wrapped, comm, last
+    def __init__(self, wrapped: Any, comm: RankComm) -> None:
+        self._wrapped, self._comm = wrapped, comm
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._wrapped, name)
 
     def gather_object(self, obj: Any) -> list | None:
-        (changed,) = self._comm.any("mine" not in self._last or self._last["mine"] != obj)
-        if changed:
-            self._last["mine"], self._last["everyone"] = obj, self._wrapped.gather_object(obj)
-        return self._last["everyone"] if self._wrapped.is_coordinator else None
+        return self._comm.gather_unless_unchanged("write results", obj, gather=self._wrapped.gather_object)
 
 
 @contextlib.contextmanager

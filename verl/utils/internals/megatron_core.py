@@ -13,6 +13,7 @@ the import of verl. Where megatron-core releases differ (0.18: ``dist_checkpoint
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import warnings
@@ -570,6 +571,7 @@ def init_distributed_optimizer_state(optimizer: DistributedOptimizer) -> None:
     DUMMY_OPTIMIZER_STATE.get(type(optimizer))(optimizer)
 
 
+@functools.cache  # decided once per process: a save calls it every time, and the source check reads a file
 def map_only_tracked_params() -> None:
     """Install, once per process, a ``get_param_id_to_sharded_param_map`` that hands megatron's own only the
     model's sharded tensors the optimizer tracks: the same map, none of megatron's debug lines for the rest.
@@ -582,7 +584,7 @@ def map_only_tracked_params() -> None:
         original = PARAM_ID_MAP.get()
     except InternalsChangedError:
         return
-    if getattr(original, "maps_only_tracked", False) or "logger.debug(f'{ten} is not tracked" not in inspect.getsource(original):
+    if "logger.debug(f'{ten} is not tracked" not in inspect.getsource(original):
         return
     import logging
 
@@ -604,7 +606,6 @@ def map_only_tracked_params() -> None:
         ]
         return original(dict(enumerate(kept)), params)
 
-    param_id_map.maps_only_tracked = True
     _setattr(PARAM_ID_MAP, param_id_map)
 
 
