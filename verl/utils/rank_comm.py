@@ -66,14 +66,14 @@ class RankComm:
         dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=self.group)
         return [bool(number) for number in numbers.tolist()]
 
-    def agree(self, error: BaseException | None, what: str, share: Any = None) -> list[Any]:
+    def agree(self, error: BaseException | None, what: str, share: Any = None, gather: Callable[[Any], Any] | None = None) -> Any:
         """A barrier that carries each rank's outcome of a step that only some ranks may fail (a write on a full
         disk): every rank raises when any failed, the failed rank its own error, the others ``PeerFailure``
         naming it, so no rank goes on into a collective that a failed peer never joins. The usual outcome, no
         failure anywhere, costs one ``any``; the failures' descriptions travel only when there is one.
         ``share`` (data the group can send: JSON data for ``ForkedRankComm``; None on every rank or on none):
         every rank's, in rank order, is returned, gathered unless unchanged (``gather_unless_unchanged``, under
-        ``what``); whether it changed rides the same ``any``."""
+        ``what``, with its ``gather``); whether it changed rides the same ``any``."""
         changed = share is not None and self._changed(what, share)
         failed, changed = self.any(error is not None, changed)
         if failed:
@@ -84,7 +84,7 @@ class RankComm:
             raise PeerFailure(f"rank {rank} could not {what} ({cause})")
         if share is None:
             return [None] * self.world_size
-        return self._gather(what, share, self.all_gather_object) if changed else self._last(what)
+        return self._gather(what, share, gather or self.all_gather_object) if changed else self._last(what)
 
     def gather_unless_unchanged(self, key: str, obj: Any, gather: Callable[[Any], Any] | None = None) -> Any:
         """Every rank's ``obj``, as ``gather`` gives it (default ``all_gather_object``: every rank's in rank

@@ -243,27 +243,29 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.last_files = writer.write()
         self.last_threads = writer.thread_count
         # megatron's finalize names a write's failure on its coordinator rank only ("ranks:dict_keys([])" on the
-        # others): every rank learns it first, the failed rank raising its own error
+        # others): every rank learns it first, the failed rank raising its own error. The same all-reduce says
+        # whether any rank's write results changed since the last save: a reused plan writes the same items at the
+        # same offsets save after save, so they are gathered to the coordinator (for ``.metadata``) only then.
         self._comm = self._comm or RankComm(keep_gathers=True)
-        self._comm.agree(writer.failure, "write its dist checkpoint files")
-        megatron_core.finish_torch_dist_save(writer, plan.metadata, _Gathered(plan.dist_wrapper, self._comm))
+        results = self._comm.agree(
+            writer.failure, "write its dist checkpoint files", share=writer.retrieve_write_results(), gather=plan.dist_wrapper.gather_object
+        )
+        megatron_core.finish_torch_dist_save(writer, plan.metadata, _Gathered(plan.dist_wrapper, results))
 
 
 class _Gathered:
     """torch's ``_DistWrapper`` of a save's plan whose ``gather_object`` (every rank's write results to the
-    coordinator, for ``.metadata``) gathers only when some rank's results differ from its last save's: a reused
-    plan writes the same items at the same offsets save after save, so the ranks usually only confirm that (one
-    ``RankComm.any`` instead of the gather's two exchanges: ``RankComm.gather_unless_unchanged`` over the
-    strategy's comm, which keeps the last gather across saves)."""
+    coordinator, for megatron's finalize) returns what the write's agreement gathered (or kept from the last
+    save): no second collective."""
 
-    def __init__(self, wrapped: Any, comm: RankComm) -> None:
-        self._wrapped, self._comm = wrapped, comm
+    def __init__(self, wrapped: Any, gathered: list | None) -> None:
+        self._wrapped, self._gathered = wrapped, gathered
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._wrapped, name)
 
     def gather_object(self, obj: Any) -> list | None:
-        return self._comm.gather_unless_unchanged("write results", obj, gather=self._wrapped.gather_object)
+        return self._gathered
 
 
 @contextlib.contextmanager
