@@ -94,6 +94,31 @@ def test_a_step_commits_its_parts_files_and_tracker_in_one_owner(tmp_path):
     assert not os.path.exists(layout.staging_path(path))
 
 
+class CountingRetention(BaseCheckpointManager):
+    """Upstream's retention, counting the removals this rank makes."""
+
+    calls = 0
+
+    def remove_previous_save_local_path(self, path: str | list[str]) -> None:
+        self.calls += 1
+        super().remove_previous_save_local_path(path)
+
+
+def _commit_three_steps_keeping_one(root: str) -> dict:
+    retention = CountingRetention(None, None)
+    for step in (1, 2, 3):
+        _save(root, step, retention=retention, max_ckpt_to_keep=1, track=True)
+    return {"calls": retention.calls, "kept": [s for s in (1, 2, 3) if os.path.isdir(layout.role_dir(root, s, "actor"))]}
+
+
+def test_rank_zero_alone_removes_the_older_steps(tmp_path):
+    """Rank 0 renamed each step into place on the filesystem every rank shares; it alone removes the steps
+    retention drops, and every rank sees them gone when the commit returns."""
+    results = run_on_ranks(_commit_three_steps_keeping_one, WORLD, args=(str(tmp_path / "run"),))
+    assert [r["calls"] for r in results] == [3] + [0] * (WORLD - 1)
+    assert all(r["kept"] == [2, 3] for r in results), results
+
+
 def _fail_a_save(root: str, error: str) -> dict:
     _save(root, 1, track=True)
     transaction = StepCommit(layout.role_dir(root, 2, "actor"), 2, _spec(step_files={"data.pt": b"x"}, track=True))

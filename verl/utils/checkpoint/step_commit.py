@@ -11,14 +11,14 @@ into the staging directory the transaction hands out; the transaction does every
 4. fsync of what rank 0 wrote (every other file was fsynced by the rank that wrote it before this phase's
    gather: ``durability``) + one rename of the staging directory into place (an older copy goes only after);
 5. retention: upstream's ``max_ckpt_to_keep`` rule over the steps committed on disk up to this one, never the
-   tracked step (``stale_steps``: the disk is the list, so no object keeps one);
+   tracked step (``stale_steps``: the disk is the list, so no object keeps one), applied by rank 0;
 6. the step's other files (the driver's ``data.pt``), written atomically beside the role's directory;
 7. the tracker, last: only now does a resume take this step.
 
 Every rank passes through each phase; rank 0 does the file work and every rank learns its verdict, a failure
 there included, in the phase's collective (``from_rank_zero``; ``done_by_rank_zero`` where no value is shared; or for the HF check the seal gather that opens
-``commit``: no rank waits for a verdict that never comes). ``hf_verify`` has no collective of its own and a tracked
-commit's ``retention`` none at its end: the next phase's collective is where the ranks meet. A failure
+``commit``: no rank waits for a verdict that never comes). ``hf_verify`` has no collective of its own, nor has a
+tracked commit's ``retention``: the next phase's collective is where the ranks meet and its outcome travels. A failure
 anywhere (the writer's included) discards the staging directory, and a step already renamed into place but not
 yet tracked, and leaves every committed step and the tracker as they were. ``commit`` (or ``finalize`` for a writer that finishes in the background)
 returns a ``CommittedStep``, the record the driver trusts instead of reading the step again.
@@ -52,7 +52,7 @@ from verl.utils.rank_comm import RankComm, describe
 
 class Retention(Protocol):
     """What removes the steps retention drops: upstream's ``BaseCheckpointManager.remove_previous_save_local_path``
-    (every rank may call it on a shared filesystem). Which steps go is the transaction's decision (``stale_steps``)."""
+    (the transaction calls it on rank 0). Which steps go is the transaction's decision (``stale_steps``)."""
 
     def remove_previous_save_local_path(self, path: str | list[str]) -> None: ...
 
@@ -95,11 +95,15 @@ def done_by_rank_zero(work: Callable[[], Any], what: str, path: str) -> None:
     """``from_rank_zero`` for work whose value no other rank needs: every rank raises the same
     ``CheckpointError`` when it failed on rank 0; when it did not, the ranks learn that from one
     ``RankComm.any`` instead of a broadcast of the outcome."""
-    rank_zero = torch.distributed.get_rank() == 0
-    outcome = _outcome_on_rank_zero(work, what, path) if rank_zero else (True, None)
+    _shared_by_rank_zero(_outcome_on_rank_zero(work, what, path) if torch.distributed.get_rank() == 0 else (True, None))
+
+
+def _shared_by_rank_zero(outcome: tuple[bool, Any]) -> None:
+    """All ranks, ``outcome`` rank 0's (``_outcome_on_rank_zero``; ``(True, None)`` elsewhere): one ``RankComm.any``,
+    and when it failed, every rank raises the same ``CheckpointError``."""
     (failed,) = RankComm().any(not outcome[0])
     if failed:
-        shared: list = [outcome if rank_zero else None]
+        shared: list = [outcome if torch.distributed.get_rank() == 0 else None]
         torch.distributed.broadcast_object_list(shared, src=0)
         _raise_unless_ok(shared[0])
 
@@ -304,14 +308,14 @@ class StepCommit:
             self.placed = True
         writes_tracker = bool(self.spec.step_files or self.spec.track)
         with self._phase("retention"):
-            retention = self.spec.retention
-            if retention is not None:  # every rank (removal tolerates a shared filesystem)
-                retention.remove_previous_save_local_path(stale_steps(self.root, self.spec.role, self.step, self.spec.max_ckpt_to_keep))
-            if not writes_tracker:  # else the tracker's barrier, next, is the one every rank leaves the commit by
-                torch.distributed.barrier()
+            # rank 0, on the filesystem every rank shares (rank 0 alone renamed the step); every rank learns its
+            # outcome where the ranks next meet
+            removed = _outcome_on_rank_zero(self._remove_stale_steps, "remove the older steps", self.root) if self._rank == 0 else (True, None)
+            if not writes_tracker:
+                _shared_by_rank_zero(removed)
         if writes_tracker:
             with self._phase("tracker"):
-                torch.distributed.barrier()  # every rank got here: a rank lost now leaves the tracker where it was
+                _shared_by_rank_zero(removed)  # every rank got here: a rank lost now leaves the tracker where it was
                 done_by_rank_zero(self._write_step_files_and_tracker, f"track step {self.step}", self.step_dir)
         if self._replaced:
             with contextlib.suppress(OSError):  # committed either way; a copy left is put back or removed next run
@@ -390,6 +394,11 @@ class StepCommit:
             raise
         fsync_path(self.step_dir)
         return tuple(manifest["files"]), contents
+
+    def _remove_stale_steps(self) -> None:
+        """Rank 0: upstream's ``max_ckpt_to_keep`` rule, through the spec's retention (``stale_steps`` decides)."""
+        if self.spec.retention is not None:
+            self.spec.retention.remove_previous_save_local_path(stale_steps(self.root, self.spec.role, self.step, self.spec.max_ckpt_to_keep))
 
     def _write_step_files_and_tracker(self) -> None:
         """Rank 0, every role committed: the step's own files durable, then the tracker names the step."""
