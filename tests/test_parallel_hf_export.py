@@ -120,6 +120,29 @@ def _gather_vs_export(src: str) -> dict:
     return {"receiver": True, "names": sorted(gathered) == sorted(exported), "mismatched": mismatched, "count": len(gathered)}
 
 
+def _sync_after_an_update(src: str) -> dict:
+    """Two syncs with the weights changed in place between them (as an optimizer step changes them): the second's
+    object gathers, and its tensors against mbridge's export of the changed weights."""
+    from verl.models.mcore.parallel_hf_save import gather_hf_weights
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    actor = MegatronEngine(*actor_configs(src, "checkpoint.save_contents=[model]", total_training_steps=TRAINING_STEPS))
+    gather_hf_weights(actor.bridge, actor.model, receivers=[0])
+    with torch.no_grad():
+        for model in actor.model:
+            for param in model.parameters():
+                param.mul_(-2.0).add_(0.5)
+    gathers, all_gather_object = [], torch.distributed.all_gather_object
+    torch.distributed.all_gather_object = lambda *args, **kwargs: gathers.append(1) or all_gather_object(*args, **kwargs)
+    try:
+        gathered = gather_hf_weights(actor.bridge, actor.model, receivers=[0])
+    finally:
+        torch.distributed.all_gather_object = all_gather_object
+    exported = dict(actor.bridge.export_weights(actor.model))
+    mismatched = [name for name in exported if name not in gathered or not torch.equal(gathered[name], exported[name])]
+    return {"object_gathers": len(gathers), "mismatched": mismatched if torch.distributed.get_rank() == 0 else []}
+
+
 def test_in_memory_gather_equals_mbridge_export_weights(tiny_moe_path):
     """The rollout's weight sync: whole HF tensors on the receiving ranks only, bit-identical to mbridge's export."""
     results = run_on_ranks(_gather_vs_export, 8, ParallelSizes(tp=2, pp=2, ep=2, etp=2), args=(tiny_moe_path,))
@@ -128,3 +151,11 @@ def test_in_memory_gather_equals_mbridge_export_weights(tiny_moe_path):
     for report in receivers:
         assert report["names"] and report["mismatched"] == [] and report["count"] == 135
     assert all(r["gathered"] == 0 for r in results if not r["receiver"])
+
+
+def test_a_later_sync_confirms_the_holdings_and_sends_the_updated_weights(tiny_moe_path):
+    """Every step's sync after the first: the ranks only confirm that what each holds is unchanged (no object
+    gather), and the receiver still gets the weights as they are now, bit-identical to mbridge's export."""
+    results = run_on_ranks(_sync_after_an_update, 8, ParallelSizes(tp=2, pp=2, ep=2, etp=2), args=(tiny_moe_path,))
+    assert all(r["object_gathers"] == 0 for r in results), results
+    assert results[0]["mismatched"] == []

@@ -5,7 +5,9 @@ mbridge's ``Bridge.save_weights`` routes every tensor through every rank (a broa
 pipeline group, all-gathers over EP and ETP) and then through rank 0, which writes every file. Here:
 
 1. every rank lists what it holds: for each parameter its global (TE) name, which TP / expert-TP
-   shard it is, shape and dtype; one ``all_gather_object`` gives every rank the same full picture.
+   shard it is, shape and dtype; one ``all_gather_object`` gives every rank the same full picture (over a
+   group kept across calls, later calls only confirm that no rank's holdings changed, and the picture and the
+   file plan made of it are kept with the bridge).
    The names are mbridge's mapping of the model's own parameters, so a TE-spec model (a CUDA host with
    TransformerEngine) and a local-spec one (its names translated to the TE spec's) take the same path;
    ``_extra_state`` entries are no parameters and are never listed;
@@ -31,7 +33,10 @@ import json
 import os
 import re
 import warnings
+import weakref
 from collections import defaultdict
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 from mbridge.core.util import unwrap_model
@@ -43,6 +48,7 @@ from verl.utils.internals import mbridge as mbridge_internals
 from verl.utils.rank_comm import RankComm, Transfer
 
 MAX_FILE_BYTES = 5 * 1024**3  # transformers' default max_shard_size when there is no source plan
+_NO_SOURCE_INDEX: Mapping = MappingProxyType({})  # a model not loaded from an indexed HF folder (one object: kept plans match it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +62,13 @@ class _Shard:
     shape: tuple[int, ...]
     dtype: str
     partition_dim: int | None
+
+    def as_data(self) -> dict:
+        """The shard as JSON data (what every rank sends): ``dataclasses.asdict`` without its deep copies."""
+        return {
+            "te_name": self.te_name, "index": self.index, "count": self.count, "merge": self.merge,
+            "shape": list(self.shape), "dtype": self.dtype, "partition_dim": self.partition_dim,
+        }  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -87,8 +100,8 @@ def _local_shards(bridge, models: list) -> tuple[list[_Shard], dict[tuple[str, i
         model = unwrap_model(model)
         names = mbridge_internals.local_to_global_names(bridge, model)
         params = dict(model.named_parameters())
-        state = model.state_dict()
-        extra = {k: state[k] for k in state if "_extra_state" not in k and "expert_bias" in k and k not in params}
+        # the router's expert_bias is a (persistent) buffer: listed from the buffers, without building a state dict
+        extra = {k: buffer for k, buffer in model.named_buffers() if "expert_bias" in k and k not in params}
         for local_name, tensor in [*params.items(), *extra.items()]:
             te_name = names[local_name]
             if is_expert_te_name(te_name):
@@ -127,73 +140,158 @@ def _default_plan(hf_names: dict[str, list[str]], shards: dict[str, _Shard], wor
 
 
 @dataclasses.dataclass
-class _Holdings:
-    """Every rank's view of who holds which piece of which parameter, plus this rank's own pieces."""
+class _Picture:
+    """Who holds which piece of which parameter, the same on every rank, and each parameter's HF names."""
 
-    my_tensors: dict[tuple[str, int], torch.Tensor]
     holders: dict[tuple[str, int], list[int]]
     meta: dict[str, _Shard]
     te_names: list[str]
-    device: torch.device  # where this rank's pieces are, and so where it receives others' (CPU when it holds none)
+    hf_names: dict[str, list[str]]
+    plans: dict = dataclasses.field(default_factory=dict)  # what a caller derived from it alone, kept with it
 
     def pieces(self, te: str) -> list[tuple[str, int]]:
         return [(te, i) for i in range(self.meta[te].count)]
 
 
-def _gather_holdings(bridge, models: list, comm: RankComm) -> _Holdings:
-    """Step 1, one ``all_gather_object``: every rank learns what every rank holds (as JSON data: a forked
-    group's messages are never unpickled); on a group kept across saves (``RankComm.keep_gathers``: the sync
-    save's export group), from the next save on the ranks only confirm that nothing changed."""
-    my_shards, my_tensors = _local_shards(bridge, models)
-    everyone = comm.gather_unless_unchanged("holdings", [dataclasses.asdict(shard) for shard in my_shards])
+@dataclasses.dataclass
+class _Holdings:
+    """Every rank's picture, plus this rank's own pieces."""
+
+    picture: _Picture
+    my_tensors: dict[tuple[str, int], torch.Tensor]
+    device: torch.device  # where this rank's pieces are, and so where it receives others' (CPU when it holds none)
+
+
+# bridge -> (every rank's holdings as gathered, the picture made of them): while no rank's holdings change (a
+# model's parameters keep their names and shapes from save to save), the picture and what is derived from it
+# are not made again.
+_PICTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SYNC_COMMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # bridge -> the weight sync's default-group comm
+
+
+def _picture(bridge, everyone: list[list[dict]]) -> _Picture:
+    kept = _PICTURES.get(bridge)
+    if kept is not None and kept[0] == everyone:  # unchanged: the kept gather's very lists, compared by identity
+        return kept[1]
     holders: dict[tuple[str, int], list[int]] = defaultdict(list)
     meta: dict[str, _Shard] = {}
     for holder, fields in enumerate(everyone):
         for shard in (_Shard(**{**f, "shape": tuple(f["shape"])}) for f in fields):
             holders[(shard.te_name, shard.index)].append(holder)
             meta.setdefault(shard.te_name, shard)
+    te_names = sorted(meta, key=_natural_key)
+    picture = _Picture(holders, meta, te_names, {te: mbridge_internals.hf_names(bridge, te) for te in te_names})
+    _PICTURES[bridge] = (everyone, picture)
+    return picture
+
+
+@dataclasses.dataclass
+class _FilePlan:
+    """The parallel save's steps 2 and 3: which HF tensor goes into which file, which rank writes each file, and
+    the rounds in which the writers receive the pieces they lack: per round, each writer's file with its
+    transfers (piece, source rank, writer, tag)."""
+
+    plan: dict[str, str]
+    names: dict[str, set[str]]
+    te_for_file: dict[str, list[str]]
+    rounds: list[list[tuple[int, str, list[tuple[tuple[str, int], int, int, int]]]]]
+
+
+def _file_plan(picture: _Picture, source_index: Mapping, world_size: int) -> _FilePlan:
+    """The file plan of ``picture``: the source checkpoint's index, else about one file per rank; each file's
+    writer balancing bytes per rank and preferring the rank that holds most of the file's pieces. Kept with the
+    picture for the same source index."""
+    kept = picture.plans.get(("files", world_size))
+    if kept is not None and kept[0] is source_index:
+        return kept[1]
+    meta, holders, hf_names = picture.meta, picture.holders, picture.hf_names
+    plan = dict(source_index.get("weight_map") or {}) or _default_plan(hf_names, meta, world_size)
+    names: dict[str, set[str]] = defaultdict(set)
+    for name, file in plan.items():
+        names[file].add(name)
+    te_for_file = {file: [te for te in picture.te_names if names[file].intersection(hf_names[te])] for file in names}
+    file_bytes = {f: sum(meta[te].nbytes * meta[te].count for te in tes) for f, tes in te_for_file.items()}
+    load = [0] * world_size
+    writer_files: list[list[str]] = [[] for _ in range(world_size)]
+    for file in sorted(names, key=lambda f: (-file_bytes[f], f)):
+        local = [0] * world_size
+        for te in te_for_file[file]:
+            for key in picture.pieces(te):
+                for holder in holders[key]:
+                    local[holder] += meta[te].nbytes
+        writer = min(range(world_size), key=lambda r: (load[r] - local[r], r))
+        load[writer] += file_bytes[file]
+        writer_files[writer].append(file)
+    rounds, tag = [], 0
+    for round_index in range(max(len(f) for f in writer_files)):
+        jobs = []
+        for writer, file in ((w, fs[round_index]) for w, fs in enumerate(writer_files) if round_index < len(fs)):
+            transfers = []
+            for te in te_for_file[file]:
+                for key in picture.pieces(te):
+                    tag += 1
+                    source = writer if writer in holders[key] else holders[key][0]
+                    if source != writer:
+                        transfers.append((key, source, writer, tag))
+            jobs.append((writer, file, transfers))
+        rounds.append(jobs)
+    files = _FilePlan(plan, dict(names), te_for_file, rounds)
+    picture.plans[("files", world_size)] = (source_index, files)
+    return files
+
+
+def _gather_holdings(bridge, models: list, comm: RankComm) -> _Holdings:
+    """Step 1, one ``all_gather_object``: every rank learns what every rank holds (as JSON data: a forked
+    group's messages are never unpickled); on a group kept across saves (``RankComm.keep_gathers``: the sync
+    save's export group, the weight sync's), from the next call on the ranks only confirm that nothing changed."""
+    my_shards, my_tensors = _local_shards(bridge, models)
+    everyone = comm.gather_unless_unchanged("holdings", [shard.as_data() for shard in my_shards])
     device = next(iter(my_tensors.values())).device if my_tensors else torch.device("cpu")
-    return _Holdings(my_tensors, holders, meta, sorted(meta, key=_natural_key), device)
+    return _Holdings(_picture(bridge, everyone), my_tensors, device)
 
 
 def gather_hf_weights(bridge, models: list, receivers: list[int]) -> dict[str, torch.Tensor]:
     """Every HF tensor of the model, whole, on each rank in ``receivers``; an empty dict on the others.
 
     In-memory counterpart of the parallel save (a rollout engine's weight sync): one ``all_gather_object``
-    of what every rank holds, then one batch of point-to-point transfers in which each receiver gets
+    of what every rank holds (from the second call on, while nothing changed, one all-reduce that confirms it),
+    then one batch of point-to-point transfers in which each receiver gets
     every piece it lacks from one holder, then the bridge's own merge and HF conversion on the receivers
     (the same tensors as mbridge's ``export_weights``, which instead broadcasts and all-gathers every
     parameter separately on every rank). Every rank must call it. A returned tensor may share storage
     with a parameter this rank holds: use it before that storage is offloaded or changed.
     """
-    comm = RankComm()
+    comm = _SYNC_COMMS.get(bridge)
+    if comm is None:  # kept with the bridge: from the second sync on, unchanged holdings are only confirmed
+        comm = _SYNC_COMMS[bridge] = RankComm(keep_gathers=True)
     rank = comm.rank
     held = _gather_holdings(bridge, models, comm)
+    picture = held.picture
     received: dict[tuple[str, int], torch.Tensor] = {}
     sends: list[Transfer] = []
     recvs: list[Transfer] = []
     tag = 0
     for order, receiver in enumerate(receivers):
-        for te in held.te_names:
-            for key in held.pieces(te):
+        for te in picture.te_names:
+            for key in picture.pieces(te):
                 tag += 1
-                holders = held.holders[key]
+                holders = picture.holders[key]
                 if receiver in holders:
                     continue
                 source = holders[order % len(holders)]  # spread the sending over the replicas
                 if rank == source:
                     sends.append((held.my_tensors[key].detach().contiguous(), receiver, tag))
                 elif rank == receiver:
-                    shard = held.meta[te]
+                    shard = picture.meta[te]
                     received[key] = torch.empty(shard.shape, dtype=_dtype(shard.dtype), device=held.device)
                     recvs.append((received[key], source, tag))
     comm.exchange(sends, recvs)
     if rank not in receivers:
         return {}
     weights: dict[str, torch.Tensor] = {}
-    for te in held.te_names:
-        pieces = [held.my_tensors[key].detach() if key in held.my_tensors else received[key] for key in held.pieces(te)]
-        weights.update(_to_hf(bridge, te, held.meta[te], pieces))
+    for te in picture.te_names:
+        pieces = [held.my_tensors[key].detach() if key in held.my_tensors else received[key] for key in picture.pieces(te)]
+        weights.update(_to_hf(bridge, te, picture.meta[te], pieces))
     return weights
 
 
@@ -225,60 +323,33 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
 
     # 1. who holds what
     held = _gather_holdings(bridge, models, comm)
-    my_tensors, holders, meta, te_names = held.my_tensors, held.holders, held.meta, held.te_names
-    hf_names = {te: mbridge_internals.hf_names(bridge, te) for te in te_names}
+    my_tensors, meta = held.my_tensors, held.picture.meta
 
-    # 2. the shard plan
-    source_index = getattr(getattr(bridge, "safetensor_io", None), "origin_index", None) or {}
-    plan = dict(source_index.get("weight_map") or {}) or _default_plan(hf_names, meta, world_size)
-    files: dict[str, set[str]] = defaultdict(set)
-    for name, file in plan.items():
-        files[file].add(name)
-    te_for_file = {file: [te for te in te_names if files[file].intersection(hf_names[te])] for file in files}
-
-    # 3. one writer per file
-    pieces = held.pieces
-    file_bytes = {f: sum(meta[te].nbytes * meta[te].count for te in tes) for f, tes in te_for_file.items()}
-    load = [0] * world_size
-    writer_files: list[list[str]] = [[] for _ in range(world_size)]
-    for file in sorted(files, key=lambda f: (-file_bytes[f], f)):
-        local = [0] * world_size
-        for te in te_for_file[file]:
-            for key in pieces(te):
-                for holder in holders[key]:
-                    local[holder] += meta[te].nbytes
-        writer = min(range(world_size), key=lambda r: (load[r] - local[r], r))
-        load[writer] += file_bytes[file]
-        writer_files[writer].append(file)
+    # 2.-3. the shard plan and the rounds of each file's writer (made once while the holdings stay the same)
+    source_index = getattr(getattr(bridge, "safetensor_io", None), "origin_index", None) or _NO_SOURCE_INDEX
+    files = _file_plan(held.picture, source_index, world_size)
 
     # 4. rounds: shards to writers, merge, convert, write (over a host-only group, from host copies: the
     # file write needs them there anyway)
     written: dict[str, int] = {}
     files_written: list[str] = []
     device = torch.device("cpu") if comm.host_only else held.device
-    tag = 0
-    for round_index in range(max(len(f) for f in writer_files)):
-        jobs = [(w, fs[round_index]) for w, fs in enumerate(writer_files) if round_index < len(fs)]
+    for jobs in files.rounds:
         received: dict[tuple[str, int], torch.Tensor] = {}
         sends: list[Transfer] = []
         recvs: list[Transfer] = []
-        for writer, file in jobs:
-            for te in te_for_file[file]:
-                for key in pieces(te):
-                    tag += 1
-                    source = writer if writer in holders[key] else holders[key][0]
-                    if source == writer:
-                        continue
-                    if rank == source:
-                        sends.append((my_tensors[key].detach().contiguous().to(device), writer, tag))
-                    elif rank == writer:
-                        received[key] = torch.empty(meta[te].shape, dtype=_dtype(meta[te].dtype), device=device)
-                        recvs.append((received[key], source, tag))
+        for key, source, writer, tag in (transfer for _, _, transfers in jobs for transfer in transfers):
+            if rank == source:
+                sends.append((my_tensors[key].detach().contiguous().to(device), writer, tag))
+            elif rank == writer:
+                shard = meta[key[0]]
+                received[key] = torch.empty(shard.shape, dtype=_dtype(shard.dtype), device=device)
+                recvs.append((received[key], source, tag))
         comm.exchange(sends, recvs)  # one batch per round
-        for writer, file in jobs:
+        for writer, file, _ in jobs:
             if writer == rank and failure is None:
                 try:
-                    sizes = _write_file(bridge, weights_path, file, files[file], te_for_file[file], meta, my_tensors, received, device)
+                    sizes = _write_file(bridge, weights_path, file, files.names[file], files.te_for_file[file], meta, my_tensors, received, device)
                     written.update(sizes)
                     files_written += [os.path.join(weights_path, file)] if sizes else []
                 except Exception as exc:  # a full disk, say: reported to every rank in step 5, not left to hang them
@@ -290,14 +361,14 @@ def save_weights_in_parallel(bridge, models: list, weights_path: str, comm: Rank
     index_failure = None
     if rank == 0:
         try:
-            files_written += _write_index_and_config(bridge, weights_path, plan, source_index, {n: b for report in reports for n, b in report.items()})
+            files_written += _write_index_and_config(bridge, weights_path, files.plan, source_index, {n: b for report in reports for n, b in report.items()})
         except Exception as exc:
             index_failure = exc
     comm.agree(index_failure, "write the HF index")
     return files_written
 
 
-def _write_index_and_config(bridge, weights_path: str, plan: dict, source_index: dict, sizes: dict[str, int]) -> list[str]:
+def _write_index_and_config(bridge, weights_path: str, plan: dict, source_index: Mapping, sizes: dict[str, int]) -> list[str]:
     """Rank 0: the index (the source's verbatim, as mbridge writes it, or a new one) and a missing ``config.json``;
     the files it wrote."""
     missing = sorted(set(plan) - set(sizes), key=_natural_key)
