@@ -4,7 +4,9 @@ Each of 8 ranks (TP2 PP2 EP2 ETP2) builds the actor of the embedded default mode
 and saves ``--saves`` tracked steps in a row, keeping two (``max_ckpt_to_keep=2``), through the engine's public
 ``save_checkpoint``, the sync mode. Reported: each save's seconds on its slowest rank and their median past the
 first ``--warmup``; the CPU seconds all ranks spent in a save (process time, every thread), which against the
-cores' wall time says whether a save waits for CPU or for its peers; and for saves ``warmup+1 .. warmup+3``, every torch.distributed collective rank 0 issued,
+cores' wall time says whether a save waits for CPU or for its peers, split into the ranks' main threads, their
+gloo threads and the rest (the save's own threads: the HF export beside the dist write, the sealing, the
+writers); and for saves ``warmup+1 .. warmup+3``, every torch.distributed collective rank 0 issued,
 by call site (its innermost three frames in verl or megatron-core), with its count per save and its seconds
 per save (the time rank 0 waits there: with 8 processes on few cores, each collective waits until every rank
 has been scheduled). A collective inside another (``all_gather_object`` calls ``all_gather``) counts once.
@@ -69,17 +71,39 @@ def saves_rank(model_path: str, root: str, saves: int, warmup: int) -> dict:
     if dist.get_rank() == 0:
         for name in COLLECTIVES:
             setattr(dist, name, counter(name, getattr(dist, name)))
-    seconds, cpu_seconds = [], []
+    seconds, cpu_seconds, split = [], [], []
     for step in range(1, saves + 1):
         dist.barrier()
         if warmup < step <= warmup + COUNTED_SAVES:
             counting.set()
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start, main_start, gloo_start = time.perf_counter(), time.process_time(), time.thread_time(), _gloo_cpu_seconds()
         actor.save_checkpoint(os.path.join(root, f"global_step_{step}", "actor"), global_step=step, max_ckpt_to_keep=2, track=True)
         seconds.append(time.perf_counter() - start)
         cpu_seconds.append(time.process_time() - cpu_start)
+        main, gloo = time.thread_time() - main_start, _gloo_cpu_seconds() - gloo_start
+        split.append({"main_thread": main, "gloo_threads": gloo, "rest": cpu_seconds[-1] - main - gloo})
         counting.clear()
-    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "collectives": {site: [n / COUNTED_SAVES, s / COUNTED_SAVES] for site, (n, s) in counted.items()}}
+    collectives = {site: [n / COUNTED_SAVES, s / COUNTED_SAVES] for site, (n, s) in counted.items()}
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "cpu_split": split, "collectives": collectives}
+
+
+def _gloo_cpu_seconds() -> float:
+    """CPU seconds so far of this process's gloo threads (``gloo_tcp_loop``, ``pt_gloo_runloop``: they live as
+    long as the process groups), from /proc in clock ticks (10 ms a thread here: a median over saves and a sum
+    over ranks smooth it). The rest of a save's CPU is its own threads' (they end with each save) and any other
+    long-lived thread's (on a GPU host NCCL's watchdog)."""
+    total = 0.0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as handle:
+                if "gloo" not in handle.read():
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         "save_s": [round(s, 3) for s in per_save],
         "save_s_median_warm": round(statistics.median(per_save[args.warmup :]), 3),
         "cpu_s_all_ranks_median_warm": round(statistics.median(cpu_per_save[args.warmup :]), 3),
+        "cpu_s_all_ranks_by_thread_median_warm": {
+            kind: round(statistics.median(sum(rank["cpu_split"][i][kind] for rank in ranks) for i in range(args.warmup, args.saves)), 3)
+            for kind in ("main_thread", "gloo_threads", "rest")
+        },
         "cores": len(os.sched_getaffinity(0)),
         "collectives_per_save": round(sum(n for n, _ in ranks[0]["collectives"].values()), 2),
         "rank0_seconds_in_collectives_per_save": round(sum(s for _, s in ranks[0]["collectives"].values()), 3),
@@ -114,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1)
     print(f"[bench_save_collectives] save s, median of saves {args.warmup + 1}-{args.saves}: {report['save_s_median_warm']}; "
-          f"CPU s of all ranks a save: {report['cpu_s_all_ranks_median_warm']} on {report['cores']} cores; "
+          f"CPU s of all ranks a save: {report['cpu_s_all_ranks_median_warm']} on {report['cores']} cores "
+          f"({', '.join(f'{kind} {s}' for kind, s in report['cpu_s_all_ranks_by_thread_median_warm'].items())}); "
           f"rank 0: {report['collectives_per_save']} collectives a save, {report['rank0_seconds_in_collectives_per_save']} s in them")  # fmt: skip
     for site, row in report["by_call_site"].items():
         print(f"  {row['per_save']:>4} x {row['seconds_per_save']:.4f} s  {site}")

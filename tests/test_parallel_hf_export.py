@@ -107,27 +107,23 @@ def test_parallel_export_is_bit_identical_to_mbridge(tiny_moe_path, tmp_path, si
 
 
 def _gather_vs_export(src: str) -> dict:
+    """Two syncs against mbridge's export, the weights changed in place between them (as an optimizer step
+    changes them); the second sync's object gathers counted."""
     from verl.models.mcore.parallel_hf_save import gather_hf_weights
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     actor = MegatronEngine(*actor_configs(src, "checkpoint.save_contents=[model]", total_training_steps=TRAINING_STEPS))
     receivers = [0, torch.distributed.get_world_size() - 3]
-    gathered = gather_hf_weights(actor.bridge, actor.model, receivers=receivers)
-    exported = dict(actor.bridge.export_weights(actor.model))  # mbridge's: every tensor on every rank
-    if torch.distributed.get_rank() not in receivers:
-        return {"receiver": False, "gathered": len(gathered)}
-    mismatched = [name for name in exported if name not in gathered or not torch.equal(gathered[name], exported[name])]
-    return {"receiver": True, "names": sorted(gathered) == sorted(exported), "mismatched": mismatched, "count": len(gathered)}
+    receiving = torch.distributed.get_rank() in receivers
 
+    def compared(gathered: dict) -> dict:
+        exported = dict(actor.bridge.export_weights(actor.model))  # mbridge's: every tensor on every rank
+        if not receiving:
+            return {"gathered": len(gathered)}
+        mismatched = [name for name in exported if name not in gathered or not torch.equal(gathered[name], exported[name])]
+        return {"names": sorted(gathered) == sorted(exported), "mismatched": mismatched, "count": len(gathered)}
 
-def _sync_after_an_update(src: str) -> dict:
-    """Two syncs with the weights changed in place between them (as an optimizer step changes them): the second's
-    object gathers, and its tensors against mbridge's export of the changed weights."""
-    from verl.models.mcore.parallel_hf_save import gather_hf_weights
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
-
-    actor = MegatronEngine(*actor_configs(src, "checkpoint.save_contents=[model]", total_training_steps=TRAINING_STEPS))
-    gather_hf_weights(actor.bridge, actor.model, receivers=[0])
+    first = compared(gather_hf_weights(actor.bridge, actor.model, receivers=receivers))
     with torch.no_grad():
         for model in actor.model:
             for param in model.parameters():
@@ -135,27 +131,21 @@ def _sync_after_an_update(src: str) -> dict:
     gathers, all_gather_object = [], torch.distributed.all_gather_object
     torch.distributed.all_gather_object = lambda *args, **kwargs: gathers.append(1) or all_gather_object(*args, **kwargs)
     try:
-        gathered = gather_hf_weights(actor.bridge, actor.model, receivers=[0])
+        after_update = gather_hf_weights(actor.bridge, actor.model, receivers=receivers)
     finally:
         torch.distributed.all_gather_object = all_gather_object
-    exported = dict(actor.bridge.export_weights(actor.model))
-    mismatched = [name for name in exported if name not in gathered or not torch.equal(gathered[name], exported[name])]
-    return {"object_gathers": len(gathers), "mismatched": mismatched if torch.distributed.get_rank() == 0 else []}
+    return {"receiver": receiving, "first": first, "after_update": compared(after_update), "object_gathers": len(gathers)}
 
 
 def test_in_memory_gather_equals_mbridge_export_weights(tiny_moe_path):
-    """The rollout's weight sync: whole HF tensors on the receiving ranks only, bit-identical to mbridge's export."""
+    """The rollout's weight sync: whole HF tensors on the receiving ranks only, bit-identical to mbridge's export;
+    a later sync (after the weights changed) only confirms what each rank holds, gathering no object, and sends
+    the weights as they are now."""
     results = run_on_ranks(_gather_vs_export, 8, ParallelSizes(tp=2, pp=2, ep=2, etp=2), args=(tiny_moe_path,))
     receivers = [r for r in results if r["receiver"]]
     assert len(receivers) == 2
     for report in receivers:
-        assert report["names"] and report["mismatched"] == [] and report["count"] == 135
-    assert all(r["gathered"] == 0 for r in results if not r["receiver"])
-
-
-def test_a_later_sync_confirms_the_holdings_and_sends_the_updated_weights(tiny_moe_path):
-    """Every step's sync after the first: the ranks only confirm that what each holds is unchanged (no object
-    gather), and the receiver still gets the weights as they are now, bit-identical to mbridge's export."""
-    results = run_on_ranks(_sync_after_an_update, 8, ParallelSizes(tp=2, pp=2, ep=2, etp=2), args=(tiny_moe_path,))
+        for sync in (report["first"], report["after_update"]):
+            assert sync["names"] and sync["mismatched"] == [] and sync["count"] == 135
+    assert all(r[sync]["gathered"] == 0 for r in results if not r["receiver"] for sync in ("first", "after_update"))
     assert all(r["object_gathers"] == 0 for r in results), results
-    assert results[0]["mismatched"] == []

@@ -81,6 +81,13 @@ def _agreements(kind: str) -> dict:
     changed = comm.gather_unless_unchanged("sizes", {"a": 8} if rank == 2 else {"a": 4})
     seen["gathered"] = [first, again, changed]
     seen["reused"] = again[0] is first[0]  # the kept gather's own entries, not a new gather's
+
+    def to_rank_zero(obj):  # as torch's _DistWrapper.gather_object: the list on rank 0, None elsewhere
+        everyone = comm.all_gather_object(obj)
+        return everyone if rank == 0 else None
+
+    shares = [{"n": rank}, {"n": rank}, {"n": rank + (rank == 1)}]  # the third changed on rank 1
+    seen["to_rank_zero"] = [comm.agree(None, "results", share=share, gather=to_rank_zero) for share in shares]
     return seen
 
 
@@ -94,3 +101,5 @@ def test_an_agreement_reports_every_failure_and_a_changed_value_is_never_missed(
         assert seen["failure"] == expected
         assert seen["gathered"] == [[{"a": 4}] * 3, [{"a": 4}] * 3, [{"a": 4}, {"a": 4}, {"a": 8}]]
         assert seen["reused"] == (kind != "forked")  # a forked group lives for one save: it keeps no gather
+        everyone = [{"n": 0}, {"n": 1}, {"n": 2}]
+        assert seen["to_rank_zero"] == ([everyone, everyone, [{"n": 0}, {"n": 2}, {"n": 2}]] if rank == 0 else [None] * 3)

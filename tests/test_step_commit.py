@@ -104,19 +104,21 @@ class CountingRetention(BaseCheckpointManager):
         super().remove_previous_save_local_path(path)
 
 
-def _commit_three_steps_keeping_one(root: str) -> dict:
+def _commit_three_steps_keeping_one(root: str, track: bool) -> dict:
     retention = CountingRetention(None, None)
     for step in (1, 2, 3):
-        _save(root, step, retention=retention, max_ckpt_to_keep=1, track=True)
+        _save(root, step, retention=retention, max_ckpt_to_keep=1, track=track)
     return {"calls": retention.calls, "kept": [s for s in (1, 2, 3) if os.path.isdir(layout.role_dir(root, s, "actor"))]}
 
 
-def test_rank_zero_alone_removes_the_older_steps(tmp_path):
+@pytest.mark.parametrize("track", [True, False])
+def test_rank_zero_alone_removes_the_older_steps(tmp_path, track):
     """Rank 0 renamed each step into place on the filesystem every rank shares; it alone removes the steps
-    retention drops, and every rank sees them gone when the commit returns."""
-    results = run_on_ranks(_commit_three_steps_keeping_one, WORLD, args=(str(tmp_path / "run"),))
+    retention drops, and every rank sees them gone when the commit returns (tracked: the tracked step stays
+    until the tracker moved on)."""
+    results = run_on_ranks(_commit_three_steps_keeping_one, WORLD, args=(str(tmp_path / "run"), track))
     assert [r["calls"] for r in results] == [3] + [0] * (WORLD - 1)
-    assert all(r["kept"] == [2, 3] for r in results), results
+    assert all(r["kept"] == ([2, 3] if track else [3]) for r in results), results
 
 
 def _fail_a_save(root: str, error: str) -> dict:
@@ -226,7 +228,7 @@ def test_a_rank_whose_fsync_failed_fails_the_commit_on_every_rank_before_the_ren
 
 
 class FailingRetention(BaseCheckpointManager):
-    """Upstream's retention whose removal fails on every rank (a step was already renamed into place)."""
+    """Upstream's retention whose removal fails (on rank 0, which removes; a step was already renamed into place)."""
 
     def remove_previous_save_local_path(self, path: str | list[str]) -> None:
         raise CheckpointError(f"retention could not remove the older steps {path}")

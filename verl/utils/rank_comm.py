@@ -72,8 +72,9 @@ class RankComm:
         naming it, so no rank goes on into a collective that a failed peer never joins. The usual outcome, no
         failure anywhere, costs one ``any``; the failures' descriptions travel only when there is one.
         ``share`` (data the group can send: JSON data for ``ForkedRankComm``; None on every rank or on none):
-        every rank's, in rank order, is returned, gathered unless unchanged (``gather_unless_unchanged``, under
-        ``what``, with its ``gather``); whether it changed rides the same ``any``."""
+        every rank's, in rank order, is returned, gathered unless unchanged (as ``gather_unless_unchanged``, under
+        ``what``); whether it changed rides the same ``any``. ``gather`` replaces the all-gather: a gather to one
+        rank (torch's ``_DistWrapper.gather_object``) returns the list there and None on the other ranks."""
         changed = share is not None and self._changed(what, share)
         failed, changed = self.any(error is not None, changed)
         if failed:
@@ -86,16 +87,15 @@ class RankComm:
             return [None] * self.world_size
         return self._gather(what, share, gather or self.all_gather_object) if changed else self._last(what)
 
-    def gather_unless_unchanged(self, key: str, obj: Any, gather: Callable[[Any], Any] | None = None) -> Any:
-        """Every rank's ``obj``, as ``gather`` gives it (default ``all_gather_object``: every rank's in rank
-        order); with ``keep_gathers``, when no rank's ``obj`` changed since the last gather under ``key``, that
-        result again for one ``any``. For what stays the same from save to save (which rank holds which piece of
-        the model, the sizes it writes, a dist checkpoint's write results)."""
-        gather = gather or self.all_gather_object
+    def gather_unless_unchanged(self, key: str, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (``all_gather_object``); with ``keep_gathers``, when no rank's ``obj``
+        changed since the last gather under ``key``, that result again for one ``any``. For what stays the same
+        from call to call (which rank holds which piece of the model). Kept gathers assume the group's ranks stay
+        the same for this object's life (a process group destroyed and made again needs a new one)."""
         if not self.keep_gathers:
-            return gather(obj)
+            return self.all_gather_object(obj)
         (changed,) = self.any(self._changed(key, obj))
-        return self._gather(key, obj, gather) if changed else self._last(key)
+        return self._gather(key, obj, self.all_gather_object) if changed else self._last(key)
 
     def _changed(self, key: str, obj: Any) -> bool:
         """Whether this rank's ``obj`` differs from what it gave the last gather under ``key`` (always, without

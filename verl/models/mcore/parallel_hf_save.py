@@ -93,7 +93,7 @@ def _natural_key(name: str) -> list:
 
 
 def _local_shards(bridge, models: list) -> tuple[list[_Shard], dict[tuple[str, int], torch.Tensor]]:
-    """This rank's parameters (plus the unregistered ``expert_bias`` buffers mbridge also exports)."""
+    """This rank's parameters (plus the router's ``expert_bias`` buffers, which mbridge also exports)."""
     mpu = bridge.mpu
     shards, tensors = [], {}
     for model in models:
@@ -147,7 +147,7 @@ class _Picture:
     meta: dict[str, _Shard]
     te_names: list[str]
     hf_names: dict[str, list[str]]
-    plans: dict = dataclasses.field(default_factory=dict)  # what a caller derived from it alone, kept with it
+    plans: dict = dataclasses.field(default_factory=dict)  # what a caller derived from it (and its own keys), kept with it
 
     def pieces(self, te: str) -> list[tuple[str, int]]:
         return [(te, i) for i in range(self.meta[te].count)]
@@ -171,7 +171,8 @@ _SYNC_COMMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # bridge -
 
 def _picture(bridge, everyone: list[list[dict]]) -> _Picture:
     kept = _PICTURES.get(bridge)
-    if kept is not None and kept[0] == everyone:  # unchanged: the kept gather's very lists, compared by identity
+    if kept is not None and kept[0] == everyone:  # fast when a kept gather answered: its very lists
+        _PICTURES[bridge] = (everyone, kept[1])  # the latest gather's lists, so that the next compare is fast too
         return kept[1]
     holders: dict[tuple[str, int], list[int]] = defaultdict(list)
     meta: dict[str, _Shard] = {}
@@ -180,7 +181,7 @@ def _picture(bridge, everyone: list[list[dict]]) -> _Picture:
             holders[(shard.te_name, shard.index)].append(holder)
             meta.setdefault(shard.te_name, shard)
     te_names = sorted(meta, key=_natural_key)
-    picture = _Picture(holders, meta, te_names, {te: mbridge_internals.hf_names(bridge, te) for te in te_names})
+    picture = _Picture(dict(holders), meta, te_names, {te: mbridge_internals.hf_names(bridge, te) for te in te_names})
     _PICTURES[bridge] = (everyone, picture)
     return picture
 
@@ -202,7 +203,7 @@ def _file_plan(picture: _Picture, source_index: Mapping, world_size: int) -> _Fi
     writer balancing bytes per rank and preferring the rank that holds most of the file's pieces. Kept with the
     picture for the same source index."""
     kept = picture.plans.get(("files", world_size))
-    if kept is not None and kept[0] is source_index:
+    if kept is not None and kept[0] is source_index:  # the bridge's index is replaced, never changed in place
         return kept[1]
     meta, holders, hf_names = picture.meta, picture.holders, picture.hf_names
     plan = dict(source_index.get("weight_map") or {}) or _default_plan(hf_names, meta, world_size)

@@ -491,8 +491,8 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             self._save_strategies[content] = (structure, strategy)
             if request is not None:
                 requests.append(request)
-        # written in the rank, each content's save has ended on every rank together (megatron's save ends with
-        # a barrier, after its finalize told every rank the outcome): no barrier of its own here
+        # written in the rank, each content's save has ended on every rank together (the writes' agreement,
+        # then megatron's finalize and the barrier its save ends with): no barrier of its own here
         self.on_save_phase("after_dist_checkpoint")
         return requests if in_background else None
 
