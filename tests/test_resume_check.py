@@ -139,23 +139,13 @@ def _state(actor) -> dict:
     return {**_params_and_optimizer(actor), "lr_scheduler": actor.scheduler.state_dict()}
 
 
-def _changed(before: dict, after: dict) -> list[str]:
-    """The entries of ``_state`` that differ, but Adam's state entries that a fresh optimizer gains at zero (the
-    read builds the optimizer's sharded state dict, which initializes an empty Adam state; zeros are its start)."""
-    return [k for k in _differing(before, after) if not (k not in before and k.startswith("optimizer.") and _is_zero(after.get(k)))]
-
-
-def _is_zero(value) -> bool:
-    return isinstance(value, torch.Tensor) and not value.any() or (isinstance(value, (int, float)) and value == 0)
-
-
 def _refusal(actor, load: Callable[[], None]) -> str:
     """``load``'s refusal (its type and text) and whether the actor's whole state stayed as before; or "loaded"."""
     before = _state(actor)
     try:
         load()
     except Exception as exc:  # noqa: BLE001 - the refusal's type and text are what is checked
-        changed = _changed(before, _state(actor))
+        changed = _differing(before, _state(actor))  # a fresh optimizer that gained Adam state counts too
         return f"{type(exc).__name__}: {exc} | untouched={not changed}" + (f" {changed[:5]}" if changed else "")
     return "loaded"
 

@@ -32,6 +32,7 @@ from verl.utils.checkpoint.integrity import (
 from verl.utils.checkpoint.megatron_optimizer_state import (
     initialize_distributed_optimizer_state,
     optimizer_state_from_loaded,
+    placeholder_optimizer_state,
     restore_adam_steps,
 )
 from verl.utils.checkpoint.megatron_state_dicts import RANK_RNG_STATE_KEY, current_parallel_layout
@@ -179,7 +180,8 @@ class MegatronLoads:
         built_bounds = [(group.get("max_lr"), group.get("min_lr")) for group in self.optimizer.param_groups]
         if self.use_distributed_optimizer:
             initialize_distributed_optimizer_state(self.optimizer)
-        request = self._build_optimizer_state_dict(self._build_model_sharded_state_dict(metadata), metadata, is_loading=True)
+        with placeholder_optimizer_state(self.optimizer):
+            request = self._build_optimizer_state_dict(self._build_model_sharded_state_dict(metadata), metadata, is_loading=True)
         loaded = self._read_dist_checkpoint(
             sharded_state_dict=into_own_buffers(request), ckpt_dir=path, **_checked(checksums, local_path, path)
         )

@@ -14,9 +14,13 @@ never stepped cannot be loaded into, and the loaded Adam step is a stale tensor 
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -108,6 +112,50 @@ def initialize_distributed_optimizer_state(optimizer) -> None:
         megatron_core.init_distributed_optimizer_state(inner)
         for group, (lr, weight_decay) in zip(inner.optimizer.param_groups, saved, strict=True):
             group["lr"], group["weight_decay"] = lr, weight_decay
+
+
+class _UninitializedForZeros(TorchFunctionMode):
+    """``torch.zeros_like`` allocates without writing (``empty_like``): a placeholder whose values nobody reads.
+    The mode sees torch's own function, which a wrapper of ``torch.zeros_like`` (the CPU runtime's device
+    mapping) calls: the comparison unwraps it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        zeros_like = inspect.unwrap(torch.zeros_like)
+        return (torch.empty_like if func is zeros_like else func)(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def placeholder_optimizer_state(optimizer) -> Iterator[None]:
+    """Within: megatron's ``init_state_fn`` (which ``sharded_state_dict(is_loading=True)`` calls to give a
+    parameter without state the Adam moments a load request needs) allocates them without zeroing; on leaving,
+    every state it created is removed, so the optimizer holds what it held before.
+
+    A load request only needs the moments' shapes: the read fills buffers of its own (``into_own_buffers``) and
+    applying replaces the whole state. Zeroing them cost a write of the full Adam state, and keeping them held a
+    second copy of it through the load and left a refused load's optimizer with state it never had."""
+    inners = [inner for inner in _inner_optimizers(optimizer) if getattr(inner, "init_state_fn", None) is not None]
+    stateless = {
+        id(inner): [p for group in inner.optimizer.param_groups for p in group["params"] if not inner.optimizer.state.get(p)]
+        for inner in inners
+    }
+    originals = {id(inner): inner.init_state_fn for inner in inners}
+
+    def uninitialized(original):
+        def init_state_fn(*args: Any, **kwargs: Any) -> None:
+            with _UninitializedForZeros():
+                original(*args, **kwargs)
+
+        return init_state_fn
+
+    for inner in inners:
+        inner.init_state_fn = uninitialized(originals[id(inner)])
+    try:
+        yield
+    finally:
+        for inner in inners:
+            inner.init_state_fn = originals[id(inner)]
+            for param in stateless[id(inner)]:
+                inner.optimizer.state.pop(param, None)
 
 
 def restore_adam_steps(optimizer, loaded: dict) -> None:
