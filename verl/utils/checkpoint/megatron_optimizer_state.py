@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from torch.overrides import TorchFunctionMode
 
 from verl.utils.internals import megatron_core
 
