@@ -1,0 +1,73 @@
+"""The HF export check reads each safetensors file's header only, and refuses a damaged one as the format's reader would."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from verl.utils.checkpoint.hf_verify import read_saved_tensors, safetensors_shapes
+
+
+def _written(tmp_path) -> str:
+    path = str(tmp_path / "model.safetensors")
+    tensors = {"a": torch.zeros(3, 4), "b": torch.ones(5, dtype=torch.bfloat16), "c": torch.zeros(0, 2), "d": torch.zeros(2, dtype=torch.int64)}
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path
+
+
+def _with_header(path: str, edit) -> None:
+    """Rewrite the file with its header JSON changed by ``edit`` (the data section kept)."""
+    raw = open(path, "rb").read()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    open(path, "wb").write(len(text).to_bytes(8, "little") + text + raw[8 + length :])
+
+
+def test_shapes_from_the_header_equal_safetensors_own(tmp_path):
+    path = _written(tmp_path)
+    with safe_open(path, framework="pt") as handle:
+        expected = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    assert safetensors_shapes(path) == expected == {"a": (3, 4), "b": (5,), "c": (0, 2), "d": (2,)}
+
+
+def _truncated(path: str) -> None:
+    with open(path, "r+b") as handle:
+        handle.truncate(handle.seek(0, 2) - 4)
+
+
+def _header_longer_than_the_file(path: str) -> None:
+    raw = open(path, "rb").read()
+    open(path, "wb").write((len(raw) * 2).to_bytes(8, "little") + raw[8:])
+
+
+def _shorter_than_a_length(path: str) -> None:
+    open(path, "wb").write(b"\x01\x02")
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (_truncated, r"the data section holds \d+ \(truncated\?\)"),
+        (_header_longer_than_the_file, r"its header claims \d+ bytes, the file holds \d+"),
+        (_shorter_than_a_length, r"2 bytes, shorter than a header"),
+        (lambda p: _with_header(p, lambda h: h["a"].update(shape=[3, 5])), r"tensor 'a' spans 48 bytes, its shape \[3, 5\] of F32 needs 60"),
+        (lambda p: _with_header(p, lambda h: h["b"].update(data_offsets=[0, 10])), r"byte ranges overlap at byte 0"),
+        (lambda p: _with_header(p, lambda h: h["a"].update(shape="3x4")), r"tensor 'a' has no valid shape and dtype"),
+        (lambda p: _with_header(p, lambda h: h["d"].update(data_offsets=[1])), r"tensor 'd' has no valid data_offsets"),
+        (lambda p: open(p, "r+b").write((3).to_bytes(8, "little") + b"[1]"), r"its header is not a JSON object"),
+    ],
+    ids=["truncated", "header-beyond-file", "tiny", "shape-vs-bytes", "overlap", "shape-not-list", "offsets-not-pair", "not-object"],
+)
+def test_a_damaged_file_is_named_unreadable_with_its_reason(tmp_path, damage, reason):
+    path = _written(tmp_path)
+    damage(path)
+    with pytest.raises(ValueError, match=reason):
+        safetensors_shapes(path)
+    shapes, problems = read_saved_tensors(str(tmp_path))
+    assert shapes == {} and len(problems) == 1 and problems[0].startswith("model.safetensors is unreadable ("), problems
