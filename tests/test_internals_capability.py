@@ -238,7 +238,7 @@ def _mcore_features():
     [
         i
         for i in megatron_core.INTERNALS
-        if i not in (megatron_core.WRITER_WRITE, megatron_core.LOAD_STATE_DICT, megatron_core.PARAM_ID_MAP)
+        if i not in (megatron_core.WRITER_WRITE, megatron_core.LOAD_STATE_DICT, megatron_core.PARAM_ID_MAP, megatron_core.SWIGLU_FACTORY)
         and i not in megatron_core.IN_RANK_SAVE
     ],
     ids=lambda i: i.name,
@@ -276,6 +276,19 @@ def test_the_optimizer_param_map_is_left_to_megatron_where_it_changed(monkeypatc
     finally:
         megatron_core.map_only_tracked_params.cache_clear()  # later callers decide against megatron as restored
     assert name not in vars(owner)
+
+
+def test_the_gated_mlp_merge_is_left_to_megatron_where_its_factory_changed(monkeypatch):
+    """``merge_without_copy`` is a speed-up with megatron's own merge beside it: without the factory it recognises
+    the merge by, a factory's merge is returned as it is, and nothing fails."""
+    owner, name = _module_and_name(megatron_core.SWIGLU_FACTORY)
+    merge_fn = lambda pieces: torch.cat(pieces)  # noqa: E731
+    _remove(monkeypatch, owner, name)
+    megatron_core.gated_mlp_merge_code.cache_clear()  # decided once per process: decide again, without the factory
+    try:
+        assert megatron_core.merge_without_copy(merge_fn) is merge_fn
+    finally:
+        megatron_core.gated_mlp_merge_code.cache_clear()
 
 
 def test_another_request_layout_fails_reading_it_naming_the_writer():

@@ -232,6 +232,27 @@ def test_the_optimizer_param_map_is_megatron_s_own_without_formatting_untracked_
     }
 
 
+def test_the_gated_mlp_merge_joins_halves_left_side_by_side_as_a_view_and_copies_others():
+    """merge_without_copy: megatron's swiglu factory merges its halves with ``torch.cat``; halves a load left
+    side by side in the factory's buffer come back as a view of it, with the same values; halves held
+    elsewhere, and any other factory's merge, go to megatron's own."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    buffer = torch.arange(24, dtype=torch.float32).view(6, 4)
+    factory = apply_swiglu_sharded_factory(ShardedTensor.from_rank_offsets("fc1", buffer, replica_id=0), ())
+    merge = megatron_core.merge_without_copy(factory.merge_fn)
+    halves = [piece.data for piece in factory.build()]
+    joined = merge(halves)
+    assert torch.equal(joined, torch.cat(halves)) and joined.data_ptr() == buffer.data_ptr() and joined.is_contiguous()
+    copies = [half.clone() for half in halves]
+    merged = merge(copies)
+    assert torch.equal(merged, buffer) and merged.data_ptr() not in (buffer.data_ptr(), copies[0].data_ptr())
+    assert merge(halves[::-1]).data_ptr() != buffer.data_ptr()  # out of order: megatron's cat
+    other = lambda pieces: pieces[0]  # noqa: E731 - a merge of another kind
+    assert megatron_core.merge_without_copy(other) is other
+
+
 def test_async_request_argument_positions():
     """write_buckets / results_queue / preloaded_args: torch_dist's async_fn_args are [rank, write_buckets, results_queue],
     the tail of the writer's parameters after the two get_save_function_and_args binds (the writer is

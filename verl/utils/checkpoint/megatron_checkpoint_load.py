@@ -36,6 +36,7 @@ from verl.utils.checkpoint.megatron_optimizer_state import (
     restore_adam_steps,
 )
 from verl.utils.checkpoint.megatron_state_dicts import RANK_RNG_STATE_KEY, current_parallel_layout
+from verl.utils.internals import megatron_core
 from verl.utils.megatron_utils import get_legacy_dist_checkpoint_path, get_legacy_hf_model_checkpoint_path
 from verl.utils.rank_comm import RankComm, describe
 
@@ -271,11 +272,14 @@ def _checked(checksums: dict | None, local_path: str, directory: str) -> dict:
 def into_own_buffers(sharded_state_dict: dict) -> dict:
     """``sharded_state_dict`` with every tensor it would load into replaced by a new host buffer of the same
     shape and dtype: the read fills those, and the model's and optimizer's own tensors change only when the
-    loaded state is applied (after every rank agreed that every file read was whole)."""
+    loaded state is applied (after every rank agreed that every file read was whole). A factory whose pieces
+    the read leaves side by side in its buffer is merged as a view of it (``megatron_core.merge_without_copy``)."""
 
     def own(value: Any) -> Any:
         if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and isinstance(value.data, torch.Tensor):
             value.data = torch.empty_like(value.data, device="cpu")
+        if isinstance(value, ShardedTensorFactory):
+            value.merge_fn = megatron_core.merge_without_copy(value.merge_fn)
         return value
 
     dict_list_map_inplace(own, sharded_state_dict)

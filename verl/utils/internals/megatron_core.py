@@ -16,6 +16,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -139,6 +140,8 @@ LOAD_STATE_DICT = Internal(
     "a one-rank dist-checkpoint load without collectives",
     params=("state_dict", "storage_reader", "process_group", "coordinator_rank", "no_dist", "planner"),
 )
+# the gated MLP's factory (linear_fc1 held as two halves on disk); its nested merge function is recognised by code
+SWIGLU_FACTORY = Internal(MC, "megatron.core.transformer.mlp:apply_swiglu_sharded_factory", "a load's merge of gated-MLP halves without a copy")
 DUMMY_OPTIMIZER_STATE = Internal(
     MC,
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values",
@@ -188,6 +191,7 @@ INTERNALS = (
     LOAD_READER,
     LOAD_PLANNER,
     LOAD_STATE_DICT,
+    SWIGLU_FACTORY,
     DUMMY_OPTIMIZER_STATE,
     PARAM_ID_MAP,
     GET_CUDA_RNG_STATE,
@@ -559,6 +563,55 @@ class _WithoutCollectives:
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
         kwargs["no_dist"] = True  # megatron passes everything after the state dict by keyword
         return self._module.load_state_dict(state_dict, *args, **kwargs)
+
+
+@functools.cache
+def gated_mlp_merge_code() -> types.CodeType | None:
+    """The code of the merge function ``apply_swiglu_sharded_factory`` gives its factories (``sh_ten_merge_fn``:
+    ``torch.cat`` of the halves along dim 0), or None where that factory changed."""
+    try:
+        factory = SWIGLU_FACTORY.get()
+    except InternalsChangedError:
+        return None
+    codes = [c for c in factory.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "sh_ten_merge_fn"]
+    return codes[0] if len(codes) == 1 and "cat" in codes[0].co_names else None
+
+
+def merge_without_copy(merge_fn: Callable[[list], Any]) -> Callable[[list], Any]:
+    """``merge_fn`` of a loaded factory, or where it is the gated MLP's (a ``torch.cat`` of its halves along dim 0)
+    one that returns the halves' joined view when the load left them side by side in one buffer, in order (the
+    load read into views of the factory's own buffer): the same values as the copy, without the copy. Halves
+    the load placed elsewhere (a copy made contiguous) go to megatron's merge."""
+    code = gated_mlp_merge_code()
+    if code is None or getattr(inspect.unwrap(merge_fn), "__code__", None) is not code:  # unwrap: a no_grad decorator
+        return merge_fn
+
+    def merge(pieces: list) -> Any:
+        joined = _adjacent_joined(pieces)
+        return merge_fn(pieces) if joined is None else joined
+
+    return merge
+
+
+def _adjacent_joined(pieces: Any) -> torch.Tensor | None:
+    """``torch.cat(pieces)`` as a view, where the pieces are contiguous tensors of one dtype and trailing shape that
+    follow each other in one storage; else None."""
+    if not isinstance(pieces, (list, tuple)) or len(pieces) < 2 or not all(isinstance(p, torch.Tensor) for p in pieces):
+        return None
+    first = pieces[0]
+    if first.dim() == 0 or any(
+        p.dtype != first.dtype or p.shape[1:] != first.shape[1:] or not p.is_contiguous() or p.numel() == 0 for p in pieces
+    ):
+        return None
+    storage = first.untyped_storage().data_ptr()
+    for before, after in zip(pieces[:-1], pieces[1:], strict=True):
+        if after.untyped_storage().data_ptr() != storage or after.data_ptr() != before.data_ptr() + before.nbytes:
+            return None
+    shape = (sum(p.shape[0] for p in pieces), *first.shape[1:])
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    return first.as_strided(shape, strides, first.storage_offset())
 
 
 # ---------------------------------------------------------------- optimizer
