@@ -291,6 +291,21 @@ def test_the_gated_mlp_merge_is_left_to_megatron_where_its_factory_changed(monke
         megatron_core.gated_mlp_merge_code.cache_clear()
 
 
+def test_the_shard_overlap_check_stays_torchs_where_it_changed(monkeypatch):
+    """``check_grid_shards_directly`` is a speed-up with torch's own check beside it: without it where it lives,
+    nothing is installed in the modules that call it, and nothing fails."""
+    owner, name = _module_and_name(torch_internals.SHARD_OVERLAP_CHECK)
+    callers = [importlib.import_module(module) for module in torch_internals.SHARD_OVERLAP_CALLERS]
+    before = [vars(module)[name] for module in callers]
+    _remove(monkeypatch, owner, name)
+    torch_internals.check_grid_shards_directly.cache_clear()  # decided once per process: decide again, without it
+    try:
+        torch_internals.check_grid_shards_directly()
+    finally:
+        torch_internals.check_grid_shards_directly.cache_clear()
+    assert [vars(module)[name] for module in callers] == before
+
+
 def test_another_request_layout_fails_reading_it_naming_the_writer():
     request = megatron_core.async_request(lambda buckets, queue, rank: None, (0, [], None), [])
     _fails_naming(megatron_core.WRITER_WRITE, megatron_core.write_buckets, request)

@@ -58,6 +58,46 @@ def test_torch_internals():
     assert torch_internals.storage_id(tensor) == key
 
 
+def _grid(offsets: list[tuple[int, int]], sizes: tuple[int, int] = (2, 4)) -> list:
+    from torch.distributed._shard.metadata import ShardMetadata
+
+    return [ShardMetadata(list(offset), list(sizes), "rank:0/cpu") for offset in offsets]
+
+
+def test_grid_shards_skip_the_pairwise_check_and_any_other_list_gets_torchs_own(monkeypatch):
+    """check_grid_shards_directly: distinct cells of one aligned grid pass without torch's check; duplicates
+    (which overlap), and shards off the grid, go to torch's own, which refuses the overlap as before."""
+    import importlib
+
+    from torch.distributed._shard.sharding_spec import _internals
+
+    original, calls = _internals.validate_non_overlapping_shards_metadata, []
+
+    def counted(shards):
+        calls.append(len(shards))
+        return original(shards)
+
+    callers = [importlib.import_module(name) for name in torch_internals.SHARD_OVERLAP_CALLERS]
+    for module in (_internals, *callers):
+        monkeypatch.setattr(module, "validate_non_overlapping_shards_metadata", counted)
+    torch_internals.check_grid_shards_directly.cache_clear()
+    try:
+        torch_internals.check_grid_shards_directly()
+        installed = {module.validate_non_overlapping_shards_metadata for module in callers}
+        assert len(installed) == 1 and counted not in installed
+        check = installed.pop()
+        check(_grid([(0, 0), (0, 4), (2, 0), (2, 4), (4, 8)]))
+        assert calls == []
+        with pytest.raises(ValueError, match="overlap"):
+            check(_grid([(0, 0), (2, 0), (0, 0)]))
+        check(_grid([(0, 0), (0, 4)], (2, 3)))  # off the grid (4 is no multiple of 3), apart: torch's passes it
+        with pytest.raises(ValueError, match="overlap"):
+            check(_grid([(0, 0), (1, 0)]))  # off the grid and overlapping
+        assert calls == [3, 2, 2]
+    finally:
+        torch_internals.check_grid_shards_directly.cache_clear()
+
+
 def _default_store_address() -> tuple:
     return torch_internals.default_store_address(), (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib
 import io
 import os
@@ -54,6 +55,14 @@ CHUNK_READ_ITEMS = Internal(
     "a dist-checkpoint load's plan for chunks saved as they are requested",
     params=("fqn", "checkpoint_md", "local_chunks"),
 )
+SHARD_OVERLAP_CHECK = Internal(
+    "torch",
+    "torch.distributed._shard.sharding_spec._internals:validate_non_overlapping_shards_metadata",
+    "megatron's ShardedTensor conversion without a pairwise overlap check of grid shards",
+    params=("shards",),
+)
+# the modules that call it by the name they imported; megatron's conversion reaches it through both
+SHARD_OVERLAP_CALLERS = ("torch.distributed._shard.sharding_spec.api", "torch.distributed._shard.sharded_tensor.api")
 IN_RANK_WRITER = (DCP_STORAGE_INFO, DCP_STORAGE_PREFIX, ZIP_WRITER, ZIP_SAVE)  # what dist_writer's write needs
 INTERNALS = (
     DYNAMO_DISABLE,
@@ -65,6 +74,7 @@ INTERNALS = (
     ZIP_WRITER,
     ZIP_SAVE,
     CHUNK_READ_ITEMS,
+    SHARD_OVERLAP_CHECK,
 )
 
 
@@ -221,3 +231,45 @@ def chunks_matched_by_place() -> Iterator[None]:
         yield
     finally:
         module.create_read_items_for_chunk_list = sweep
+
+
+@functools.cache  # decided once per process
+def check_grid_shards_directly() -> None:
+    """Install, once per process, a ``validate_non_overlapping_shards_metadata`` that accepts shards of one size,
+    each at a multiple of it, all at distinct offsets, without comparing them pairwise, and hands any other
+    list to torch's own. Such shards cannot overlap (two cells of an aligned grid overlap only where their
+    offsets are equal), so it raises exactly where torch's would. megatron converts every sharded tensor of a
+    load (and of a save's fresh plan) to a torch ``ShardedTensor`` over the whole grid of its shards, where
+    torch's sweep compares each pair that shares a layer: a MoE's experts make that quadratic (docs/perf.md).
+    Nothing is installed where the internal changed or a caller no longer holds torch's own."""
+    try:
+        original = SHARD_OVERLAP_CHECK.get()
+        callers = [importlib.import_module(name) for name in SHARD_OVERLAP_CALLERS]
+    except (InternalsChangedError, ImportError):
+        return
+    if any(getattr(module, "validate_non_overlapping_shards_metadata", None) is not original for module in callers):
+        return
+
+    def validate_non_overlapping_shards_metadata(shards: list) -> None:
+        if not _distinct_cells_of_one_grid(shards):
+            original(shards)
+
+    for module in callers:
+        module.validate_non_overlapping_shards_metadata = validate_non_overlapping_shards_metadata
+
+
+def _distinct_cells_of_one_grid(shards: list) -> bool:
+    """Whether every shard has the first one's (non-empty) sizes, offsets that are multiples of them, and an
+    offset no other shard has."""
+    if len(shards) < 2:
+        return False
+    sizes = tuple(shards[0].shard_sizes)
+    if not sizes or min(sizes) <= 0:
+        return False
+    seen = set()
+    for shard in shards:
+        offsets = tuple(shard.shard_offsets)
+        if tuple(shard.shard_sizes) != sizes or len(offsets) != len(sizes) or any(o % s for o, s in zip(offsets, sizes, strict=True)):
+            return False
+        seen.add(offsets)
+    return len(seen) == len(shards)

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from verl.utils.checkpoint.data_only import check_dist_checkpoint, data_only_torch_dist_load
 from verl.utils.checkpoint.errors import CheckpointError, ChecksumMismatchError
 from verl.utils.internals import megatron_core
+from verl.utils.internals import torch as torch_internals
 
 
 def save_dist_checkpointing(
@@ -32,6 +33,7 @@ def save_dist_checkpointing(
     Returns megatron's ``AsyncRequest`` when ``async_save`` (the write is still to run), else None.
     """
     strategy = sharded_strategy or TorchDistSaveShardedStrategy("torch_dist", 1)
+    torch_internals.check_grid_shards_directly()
     return dist_checkpointing.save(
         sharded_state_dict,
         ckpt_path,
@@ -53,6 +55,7 @@ def load_dist_checkpointing(sharded_state_dict: dict, ckpt_dir: str, checksums: 
     file name in ``ckpt_dir``): each file the load reads is checksummed from the bytes it loads, and a file that
     differs is refused (``ChecksumMismatchError``, one line naming it) with none of its bytes in the state."""
     check_dist_checkpoint(ckpt_dir, bytes_items=checksums is None)  # with checksums: checked as the load reads them
+    torch_internals.check_grid_shards_directly()
     with data_only_torch_dist_load(ckpt_dir, checksums) as mismatches:
         try:
             loaded = dist_checkpointing.load(sharded_state_dict, ckpt_dir)
