@@ -171,15 +171,16 @@ def _beyond_the_load(opens: dict, load_alone: dict, files: list[str]) -> dict[st
     return {f: opens.get(f, 0) - load_alone.get(f, 0) for f in files}
 
 
-def _extra_shards_once_more(files: list[str]) -> dict[str, int]:
-    """A full check's reads beyond the load: each shard holding bytes items (the RNG states, in ``extra``) parsed
-    once as data; no other bulk file."""
-    return {f: 1 if f.startswith("extra") and f.endswith(".distcp") else 0 for f in files}
+def _a_full_checks_opens(files: list[str]) -> dict[str, int]:
+    """A full check's opens of bulk files beyond the load: each shard holding bytes items (the RNG states, in
+    ``extra``) parsed once as data, each HF weights file once for its header (the export's tensor shapes, a few KiB
+    of it); no other shard."""
+    return {f: 1 if f.startswith("extra") and f.endswith(".distcp") or f.endswith(".safetensors") else 0 for f in files}
 
 
 def test_one_resume_reads_each_bulk_file_once_in_the_rank_that_loads_it(tiny_moe_path, saved_root, tmp_path):
     """Through the driver's record: the driver reads no shard or weights file for a checksum (only the shards that
-    hold bytes items, to parse them as data), and the ranks open the shards and weights exactly as often as the
+    hold bytes items, to parse them as data, and the weights files' headers), and the ranks open the shards and weights exactly as often as the
     load itself does, which checksums what it reads: each bulk byte is read once for its load and its checksum."""
     root = _copy_run(saved_root, tmp_path)
     step = os.path.join(root, "global_step_1", "actor")
@@ -192,9 +193,11 @@ def test_one_resume_reads_each_bulk_file_once_in_the_rank_that_loads_it(tiny_moe
     dist_files = [f for f in _files(step) if f"{os.sep}dist_ckpt{os.sep}" in f]
     assert dist_files and {f: driver[f] for f in dist_files if driver[f] > 2} == {}, driver
     data_files = _data_files(step)
-    assert {f: driver[f] for f in data_files} == _extra_shards_once_more(data_files), driver
+    assert {f: driver[f] for f in data_files} == _a_full_checks_opens(data_files), driver
+    headers = not found.checked.model_checked  # the driver had no model config: rank 0 checks the HF export's headers
     for rank in range(WORLD):
-        assert _beyond_the_load(ranks[rank], load_alone[rank], data_files) == dict.fromkeys(data_files, 0), (rank, ranks[rank])
+        expected = {f: int(rank == 0 and headers and f.endswith(".safetensors")) for f in data_files}
+        assert _beyond_the_load(ranks[rank], load_alone[rank], data_files) == expected, (rank, ranks[rank])
     assert any(ranks[0].get(f) for f in _files(step, ".distcp")), ranks[0]  # the load did read the shards
     # each .metadata parsed once per process: the pre-load check, megatron's readers and the planner share it
     # (rank 0 also reads each once for its checksum, with the other small files)
@@ -213,14 +216,14 @@ def _flip_a_byte(path: str) -> str:
 
 def test_a_load_without_the_record_checks_everything_once_itself(tiny_moe_path, saved_root, tmp_path):
     """A direct caller (no driver): rank 0 reads no shard or weights file beyond the load but the shards holding
-    bytes items (parsed as data), no other rank reads anything beyond the load; a flipped byte in a shard is
+    bytes items (parsed as data) and the weights files' headers, no other rank reads anything beyond the load; a flipped byte in a shard is
     refused naming the file, with nothing loaded, on every rank."""
     root = _copy_run(saved_root, tmp_path)
     step = os.path.join(root, "global_step_1", "actor")
     ranks = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, None))
     load_alone = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, None, False))
     data_files = _data_files(step)
-    assert _beyond_the_load(ranks[0], load_alone[0], data_files) == _extra_shards_once_more(data_files), ranks[0]
+    assert _beyond_the_load(ranks[0], load_alone[0], data_files) == _a_full_checks_opens(data_files), ranks[0]
     assert _beyond_the_load(ranks[1], load_alone[1], data_files) == dict.fromkeys(data_files, 0), ranks[1]
 
     victim = _flip_a_byte(os.path.join(step, "optimizer", "dist_ckpt", _files(os.path.join(step, "optimizer", "dist_ckpt"), ".distcp")[0]))
@@ -305,7 +308,7 @@ def test_a_record_for_another_load_is_not_trusted(tiny_moe_path, saved_root, tmp
     ranks = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, other))
     load_alone = run_on_ranks(_load_counting, WORLD, LAYOUT, args=(tiny_moe_path, step, None, False))
     data_files = _data_files(step)
-    assert _beyond_the_load(ranks[0], load_alone[0], data_files) == _extra_shards_once_more(data_files), ranks[0]
+    assert _beyond_the_load(ranks[0], load_alone[0], data_files) == _a_full_checks_opens(data_files), ranks[0]
 
 
 def test_a_step_that_does_not_fit_is_refused_in_one_wording_by_the_driver_and_the_ranks(tiny_moe_path, saved_root, tmp_path):
