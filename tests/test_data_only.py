@@ -163,6 +163,36 @@ def test_items_this_packages_writer_wrote_load_with_nothing_unpickled_and_a_flip
     _assert_a_flipped_byte_is_refused_and_nothing_served(tmp_path, checksums)
 
 
+def test_a_reader_whose_targets_are_its_own_reads_each_item_straight_into_its_target(tmp_path, monkeypatch):
+    """``own_targets``: a file of the writer's tensor items is read once, straight into the targets (no whole-file
+    read to copy from, nothing unpickled) and loads as saved; a flipped byte is still named (the targets, the
+    caller's own buffers, are then discarded)."""
+    import torch.distributed.checkpoint as dcp
+
+    from verl.utils.checkpoint import data_only
+
+    checksums = _rewritten_as_this_packages_writer_writes(str(tmp_path))
+
+    def no_whole_file_read(*args, **kwargs):
+        raise AssertionError("a whole-file read was checksummed")
+
+    monkeypatch.setattr(torch, "load", no_whole_file_read)
+    monkeypatch.setattr(data_only, "checksum_of", no_whole_file_read)
+    for flip in (False, True):
+        if flip:
+            ((victim, checksum),) = checksums.items()
+            data = bytearray((tmp_path / victim).read_bytes())
+            data[data.index(torch.arange(64.0).numpy().tobytes()) + 9] ^= 0xFF  # inside a tensor's data
+            (tmp_path / victim).write_bytes(bytes(data))
+        state = {"a": torch.zeros(64), "b": torch.zeros(8, 8)}
+        reader = DataOnlyFileSystemReader(str(tmp_path), checksums, own_targets=True)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+        if not flip:
+            assert reader.mismatches == [] and torch.equal(state["a"], torch.arange(64.0)) and torch.equal(state["b"], torch.ones(8, 8))
+    path = tmp_path / victim
+    assert reader.mismatches == [f"{path}: its content checksum differs from the manifest's {checksum} (changed or corrupted since the save)"]
+
+
 @pytest.mark.parametrize("reshard", [False, True], ids=["same_chunks", "resharded"])
 def test_a_load_plans_the_reads_torchs_sweep_plans(reshard):
     """Chunks requested as they were saved are found by their place: the same reads torch's sweep over every saved

@@ -238,7 +238,7 @@ def _mcore_features():
     [
         i
         for i in megatron_core.INTERNALS
-        if i not in (megatron_core.WRITER_WRITE, megatron_core.LOAD_STATE_DICT, megatron_core.PARAM_ID_MAP, megatron_core.SWIGLU_FACTORY)
+        if i not in (megatron_core.WRITER_WRITE, megatron_core.LOAD_STATE_DICT, megatron_core.PARAM_ID_MAP, megatron_core.CAT_MERGE)
         and i not in megatron_core.IN_RANK_SAVE
     ],
     ids=lambda i: i.name,
@@ -279,16 +279,16 @@ def test_the_optimizer_param_map_is_left_to_megatron_where_it_changed(monkeypatc
 
 
 def test_the_gated_mlp_merge_is_left_to_megatron_where_its_factory_changed(monkeypatch):
-    """``merge_without_copy`` is a speed-up with megatron's own merge beside it: without the factory it recognises
-    the merge by, a factory's merge is returned as it is, and nothing fails."""
-    owner, name = _module_and_name(megatron_core.SWIGLU_FACTORY)
+    """``merge_without_copy`` is a speed-up with megatron's own merge beside it: without what it recognises the merge
+    by, a factory's merge is returned as it is, and nothing fails."""
+    owner, name = _module_and_name(megatron_core.CAT_MERGE)
     merge_fn = lambda pieces: torch.cat(pieces)  # noqa: E731
     _remove(monkeypatch, owner, name)
-    megatron_core.gated_mlp_merge_code.cache_clear()  # decided once per process: decide again, without the factory
+    megatron_core.concatenating_merge_code.cache_clear()  # decided once per process: decide again, without it
     try:
         assert megatron_core.merge_without_copy(merge_fn) is merge_fn
     finally:
-        megatron_core.gated_mlp_merge_code.cache_clear()
+        megatron_core.concatenating_merge_code.cache_clear()
 
 
 def test_the_shard_overlap_check_stays_torchs_where_it_changed(monkeypatch):

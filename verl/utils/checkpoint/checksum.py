@@ -23,14 +23,28 @@ CHUNK = 8 << 20  # crc32 releases the GIL per call: chunks let other threads run
 BULK_SUFFIXES = (".distcp", ".safetensors")
 
 
+class RunningChecksum:
+    """The manifest's checksum of a file taken piece by piece, in the file's order, as a reader goes through it."""
+
+    def __init__(self) -> None:
+        self._crc = 0
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        with memoryview(data) as view:
+            for offset in range(0, len(view), CHUNK):
+                self._crc = crc32(view[offset : offset + CHUNK], self._crc)
+
+    def result(self, path: str) -> str:
+        """The checksum of every piece so far, as the whole content of the file at ``path`` (noted for ``check_audit``)."""
+        check_audit.note(check_audit.CHECKSUM, os.path.abspath(path))
+        return f"crc32:{self._crc:08x}"
+
+
 def checksum_of(data: bytes | bytearray | memoryview, path: str) -> str:
     """The manifest's checksum of ``data``, the whole content of the file at ``path`` (noted for ``check_audit``)."""
-    crc = 0
-    with memoryview(data) as view:
-        for offset in range(0, len(view), CHUNK):
-            crc = crc32(view[offset : offset + CHUNK], crc)
-    check_audit.note(check_audit.CHECKSUM, os.path.abspath(path))
-    return f"crc32:{crc:08x}"
+    running = RunningChecksum()
+    running.update(data)
+    return running.result(path)
 
 
 def file_checksum(path: str) -> str:

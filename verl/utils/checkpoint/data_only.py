@@ -22,7 +22,7 @@ import os
 import pickle
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from verl.utils.checkpoint.checksum import checksum_of
+from verl.utils.checkpoint.checksum import CHUNK, RunningChecksum, checksum_of
 from verl.utils.checkpoint.errors import CheckpointError
 from verl.utils.internals import InternalsChangedError
 from verl.utils.internals import torch as torch_internals
@@ -199,14 +199,27 @@ class DataOnlyFileSystemReader(FileSystemReader):
     whole, one file at a time, checksums those very bytes and serves the load's items from them only when they match: a file
     that does not match is named in ``mismatches`` and none of its items reaches the state being loaded. A tensor item
     this package's writer wrote is copied from those bytes into its target with nothing unpickled
-    (``tensor_archive_parts``); any other item goes through torch's read, one ``torch.load`` each."""
+    (``tensor_archive_parts``); any other item goes through torch's read, one ``torch.load`` each.
 
-    def __init__(self, path: str | os.PathLike, checksums: dict[str, str] | None = None, mismatches: list[str] | None = None) -> None:
+    ``own_targets``: the load's targets are buffers of the caller's own, used by nothing until the load returned
+    with no mismatch (the manager's ``into_own_buffers``). A file whose items are all such tensor items, each its
+    target's whole contiguous chunk, is then read straight into the targets and checksummed there: one read of
+    each byte and no copy. A file that differs is still named in ``mismatches``, but its targets may hold part
+    of it, so the caller must discard them."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        checksums: dict[str, str] | None = None,
+        mismatches: list[str] | None = None,
+        own_targets: bool = False,
+    ) -> None:
         super().__init__(path)
         self._metadata: Metadata | None = None
         self._kinds: dict | None = None
         self.checksums = checksums
         self.mismatches = mismatches if mismatches is not None else []
+        self.own_targets = own_targets
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self.checksums is None:  # a step without our manifest (saved by upstream verl): nothing to compare with
@@ -224,15 +237,11 @@ class DataOnlyFileSystemReader(FileSystemReader):
         """``plan``'s items from the file ``relative``, read whole and checksummed; its bytes are dropped on return,
         before the next file is read, so at most one whole file is held at a time."""
         path = os.path.join(str(self.path), relative)
+        if self.own_targets and self._read_into_targets(relative, path, plan, planner):
+            return
         with open(path, "rb") as handle:
             data = handle.read()
-        got, want = checksum_of(data, path), self.checksums.get(relative)
-        if got != want:
-            self.mismatches.append(
-                f"{path}: its content checksum differs from the manifest's {want} (changed or corrupted since the save)"
-                if want
-                else f"{path} is not listed in the step's manifest (added after the save?); remove it or restore the step"
-            )
+        if not self._matches(relative, path, checksum_of(data, path)):
             return
         planner.reading = path  # a refused bytes item is named with its file
         rest = [item for item in plan.items if not self._serve_from_archive(item, data, planner)]
@@ -246,19 +255,10 @@ class DataOnlyFileSystemReader(FileSystemReader):
         metadata gives (``tensor_archive_parts``: its bytes around the data); nothing is unpickled. False, and
         nothing copied, for any other item (a bytes item, a transformed one, an archive written by torch's own
         writer with record CRCs): torch's read then loads it as before."""
-        info = self.storage_data[item.storage_index]
-        kind = self._chunk_kinds().get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
-        if item.type != LoadItemType.TENSOR or info.transform_descriptors or kind is None:
+        archive = self._writer_archive(item, len(data))
+        if archive is None:
             return False
-        dtype, sizes = kind
-        nbytes = math.prod(sizes) * dtype.itemsize
-        # The sizes come from .metadata: an item whose data could not fit in its own bytes of this file is not
-        # probed (the probe allocates a tensor of that shape), it goes to torch's read, which refuses it.
-        if info.offset < 0 or info.offset + info.length > len(data) or nbytes >= info.length:
-            return False
-        parts = tensor_archive_parts(dtype, sizes)
-        if parts is None or info.length != len(parts[0]) + nbytes + len(parts[1]):
-            return False
+        info, dtype, sizes, nbytes, parts = archive
         start, end = info.offset + len(parts[0]), info.offset + info.length
         with memoryview(data) as view:
             if view[info.offset : start] != parts[0] or view[end - len(parts[1]) : end] != parts[1]:
@@ -278,6 +278,72 @@ class DataOnlyFileSystemReader(FileSystemReader):
                 chunk = chunk.narrow(dim, offset, length)
             target.copy_(chunk)
         planner.commit_tensor(item, target)
+        return True
+
+    def _matches(self, relative: str, path: str, got: str) -> bool:
+        """Whether the file's checksum is the manifest's; if not, the file is named in ``mismatches``."""
+        want = self.checksums.get(relative)
+        if got == want:
+            return True
+        self.mismatches.append(
+            f"{path}: its content checksum differs from the manifest's {want} (changed or corrupted since the save)"
+            if want
+            else f"{path} is not listed in the step's manifest (added after the save?); remove it or restore the step"
+        )
+        return False
+
+    def _writer_archive(self, item: ReadItem, file_size: int) -> tuple[Any, torch.dtype, tuple[int, ...], int, tuple[bytes, bytes]] | None:
+        """(storage info, dtype, sizes, data bytes, archive parts) of a tensor ``item`` whose bytes in its file of
+        ``file_size`` bytes can be this package's writer's archive of the chunk the metadata gives; else None."""
+        info = self.storage_data[item.storage_index]
+        kind = self._chunk_kinds().get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+        if item.type != LoadItemType.TENSOR or info.transform_descriptors or kind is None:
+            return None
+        dtype, sizes = kind
+        nbytes = math.prod(sizes) * dtype.itemsize
+        # The sizes come from .metadata: an item whose data could not fit in its own bytes of this file is not
+        # probed (the probe allocates a tensor of that shape), it goes to torch's read, which refuses it.
+        if info.offset < 0 or info.offset + info.length > file_size or nbytes >= info.length:
+            return None
+        parts = tensor_archive_parts(dtype, sizes)
+        if parts is None or info.length != len(parts[0]) + nbytes + len(parts[1]):
+            return None
+        return info, dtype, sizes, nbytes, parts
+
+    def _read_into_targets(self, relative: str, path: str, plan: LoadPlan, planner: LoadPlanner) -> bool:
+        """The file read once, in order, each item's data straight into its target, every byte checksummed as it
+        goes; the items committed only if the file matches the manifest. False, and nothing committed, where an
+        item is not its target's whole chunk as this package's writer writes it: the whole-file read then serves it."""
+        lookup = getattr(planner, "lookup_tensor", None)  # torch's default planner's, megatron's planner's base
+        with open(path, "rb", buffering=0) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            archives = []
+            for item in plan.items:
+                archive = self._writer_archive(item, size)
+                if archive is None or lookup is None:
+                    return False
+                info, dtype, sizes, _, parts = archive
+                # judged on the destination itself, before ``resolve_tensor``: megatron's resolves an FP8 tensor to
+                # a stand-in that its ``commit_tensor`` must follow at once
+                target = lookup(item.dest_index)
+                whole = list(item.lengths) == list(sizes) == list(target.shape) and not any(item.dest_offsets)
+                if not (whole and type(target) is torch.Tensor and target.is_contiguous() and target.dtype == dtype and target.device.type == "cpu"):
+                    return False
+                archives.append((info.offset, parts, item))
+            reads = sorted(((offset, parts, planner.resolve_tensor(item).detach(), item) for offset, parts, item in archives), key=lambda read: read[0])
+            stream, checksum = _ChecksummedStream(handle), RunningChecksum()
+            for offset, (head, tail), target, _ in reads:
+                if offset < stream.position or stream.skip_to(offset, checksum) or stream.read(len(head), checksum) != head:
+                    return False  # overlapping items, or bytes that are not the writer's archive
+                stream.read_into(target, checksum)
+                if stream.read(len(tail), checksum) != tail:
+                    return False
+            stream.skip_to(size, checksum)
+            got = checksum.result(path) if stream.position == size and stream.read(1, checksum) == b"" else "short read"
+        planner.reading = path
+        if self._matches(relative, path, got):
+            for _, _, target, item in reads:
+                planner.commit_tensor(item, target)
         return True
 
     def _chunk_kinds(self) -> dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]:
@@ -317,6 +383,46 @@ class DataOnlyLoadPlanner(MCoreLoadPlanner):
         super().load_bytes(read_item, value)
 
 
+class _ChecksummedStream:
+    """An unbuffered file read forward from its start, every byte it passes added to a running checksum."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self._handle = handle
+        self._scratch = bytearray(CHUNK)
+        self.position = 0
+
+    def _fill(self, view: memoryview, checksum: RunningChecksum) -> int:
+        """Read into ``view`` until full or at the end of the file; checksum what was read; how many bytes."""
+        filled = 0
+        while filled < len(view):
+            got = self._handle.readinto(view[filled:])
+            if not got:
+                break
+            filled += got
+        checksum.update(view[:filled])
+        self.position += filled
+        return filled
+
+    def read(self, count: int, checksum: RunningChecksum) -> bytes:
+        buffer = bytearray(count)
+        with memoryview(buffer) as view:
+            return bytes(buffer[: self._fill(view, checksum)])
+
+    def read_into(self, target: torch.Tensor, checksum: RunningChecksum) -> None:
+        """Fill ``target`` (contiguous, on the host) with the next bytes of the file."""
+        if target.numel():
+            with memoryview(target.reshape(-1).view(torch.uint8).numpy()) as view:
+                self._fill(view, checksum)
+
+    def skip_to(self, offset: int, checksum: RunningChecksum) -> bool:
+        """Read (checksumming) up to ``offset``; True if the file ended first."""
+        with memoryview(self._scratch) as scratch:
+            while self.position < offset:
+                if not self._fill(scratch[: min(len(scratch), offset - self.position)], checksum):
+                    return True
+        return False
+
+
 @contextlib.contextmanager
 def _serving_from_memory(reader: FileSystemReader, path: str, data: bytes) -> Iterator[None]:
     """While inside: ``reader`` opens ``path`` as the in-memory ``data`` (already read and checksummed)."""
@@ -339,10 +445,10 @@ def _serving_from_memory(reader: FileSystemReader, path: str, data: bytes) -> It
 
 
 @contextlib.contextmanager
-def data_only_torch_dist_load(checkpoint_dir: str, checksums: dict[str, str] | None = None) -> Iterator[list[str]]:
+def data_only_torch_dist_load(checkpoint_dir: str, checksums: dict[str, str] | None = None, own_targets: bool = False) -> Iterator[list[str]]:
     """For one megatron torch_dist load of ``checkpoint_dir``: its reader and planner are the data-only ones; with
     ``checksums`` (the manifest's, by file name in the directory) every file the load reads is checksummed from
-    the bytes it loads. A world of one process loads without collectives (torch's ``no_dist``: the same plan and
+    the bytes it loads (``own_targets``: the reader's). A world of one process loads without collectives (torch's ``no_dist``: the same plan and
     failures, without the plans' pickled round trip to itself). Yields the list of mismatches (one line per file),
     complete once the load returned."""
     from verl.utils.internals import megatron_core
@@ -352,7 +458,7 @@ def data_only_torch_dist_load(checkpoint_dir: str, checksums: dict[str, str] | N
     def reader(checkpoint_dir: str | os.PathLike, cache_metadata: bool = False, async_strategy: str = "mcore") -> FileSystemReader:
         """megatron's ``_get_filesystem_reader`` replaced; megatron-core 0.18 also passes its ``async_strategy``,
         which a data-only read does not need (it reads in the rank either way)."""
-        return DataOnlyFileSystemReader(checkpoint_dir, checksums, mismatches)
+        return DataOnlyFileSystemReader(checkpoint_dir, checksums, mismatches, own_targets)
 
     planner = functools.partial(DataOnlyLoadPlanner, checkpoint_dir=str(checkpoint_dir))
     one_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1

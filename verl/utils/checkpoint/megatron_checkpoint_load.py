@@ -147,7 +147,7 @@ class MegatronLoads:
         model_state = self._build_model_sharded_state_dict(metadata)
         checkpointed = {key: set(state) for key, state in model_state.items()}
         loaded = self._read_dist_checkpoint(
-            sharded_state_dict=into_own_buffers(dict(model_state)), ckpt_dir=path, **_checked(checksums, local_path, path)
+            sharded_state_dict=into_own_buffers(dict(model_state)), ckpt_dir=path, **_checked(checksums, local_path, path, own_targets=True)
         )
         for index in range(len(self.model)):
             key = "model" if len(self.model) == 1 else f"model{index}"
@@ -184,7 +184,7 @@ class MegatronLoads:
         with placeholder_optimizer_state(self.optimizer):
             request = self._build_optimizer_state_dict(self._build_model_sharded_state_dict(metadata), metadata, is_loading=True)
         loaded = self._read_dist_checkpoint(
-            sharded_state_dict=into_own_buffers(request), ckpt_dir=path, **_checked(checksums, local_path, path)
+            sharded_state_dict=into_own_buffers(request), ckpt_dir=path, **_checked(checksums, local_path, path, own_targets=True)
         )
         if "optimizer" not in loaded:
             raise CheckpointError(f"{path} holds no optimizer state")
@@ -261,12 +261,13 @@ def _step_checksums(local_path: str) -> dict[str, str] | None:
     return checksums
 
 
-def _checked(checksums: dict | None, local_path: str, directory: str) -> dict:
-    """The load's ``checksums`` argument for ``directory`` of the step (none for a step without a manifest, so a
-    patched ``load_dist_checkpointing`` of upstream's signature keeps working for upstream's steps)."""
+def _checked(checksums: dict | None, local_path: str, directory: str, own_targets: bool = False) -> dict:
+    """The load's ``checksums`` argument for ``directory`` of the step, and ``own_targets`` for a state dict of
+    ``into_own_buffers`` (none for a step without a manifest, so a patched ``load_dist_checkpointing`` of
+    upstream's signature keeps working for upstream's steps)."""
     if checksums is None:
         return {}
-    return {"checksums": checksums_in(checksums, os.path.relpath(directory, local_path))}
+    return {"checksums": checksums_in(checksums, os.path.relpath(directory, local_path))} | ({"own_targets": True} if own_targets else {})
 
 
 def into_own_buffers(sharded_state_dict: dict) -> dict:

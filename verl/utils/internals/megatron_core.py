@@ -52,6 +52,14 @@ ASYNC_REQUEST = Internal(
 )
 
 
+def _imported(module_name: str) -> Any:
+    """The module, or None where it cannot be imported (its internals' checks then fail naming them)."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError:
+        return None
+
+
 def _as_installed(module_name: str, owner: str | None, names: tuple[str, ...]) -> str:
     """The first of ``names`` that the installed module (or its class ``owner``) has, else the first: for an
     internal megatron-core renamed between releases. A module that cannot be imported leaves the first name,
@@ -140,8 +148,16 @@ LOAD_STATE_DICT = Internal(
     "a one-rank dist-checkpoint load without collectives",
     params=("state_dict", "storage_reader", "process_group", "coordinator_rank", "no_dist", "planner"),
 )
-# the gated MLP's factory (linear_fc1 held as two halves on disk); its nested merge function is recognised by code
-SWIGLU_FACTORY = Internal(MC, "megatron.core.transformer.mlp:apply_swiglu_sharded_factory", "a load's merge of gated-MLP halves without a copy")
+# The gated MLP's merge of linear_fc1's two halves, a torch.cat along dim 0: from 0.18 megatron's shared
+# ``cat_with_oom_fallback``; before it, a function nested in ``apply_swiglu_sharded_factory``, recognised by its code.
+_CAT_MERGE_UTILS = "megatron.core.transformer.utils"
+CAT_MERGE = Internal(
+    MC,
+    f"{_CAT_MERGE_UTILS}:cat_with_oom_fallback"
+    if hasattr(_imported(_CAT_MERGE_UTILS), "cat_with_oom_fallback")
+    else "megatron.core.transformer.mlp:apply_swiglu_sharded_factory",
+    "a load's merge of gated-MLP halves without a copy",
+)
 DUMMY_OPTIMIZER_STATE = Internal(
     MC,
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values",
@@ -191,7 +207,7 @@ INTERNALS = (
     LOAD_READER,
     LOAD_PLANNER,
     LOAD_STATE_DICT,
-    SWIGLU_FACTORY,
+    CAT_MERGE,
     DUMMY_OPTIMIZER_STATE,
     PARAM_ID_MAP,
     GET_CUDA_RNG_STATE,
@@ -566,23 +582,27 @@ class _WithoutCollectives:
 
 
 @functools.cache
-def gated_mlp_merge_code() -> types.CodeType | None:
-    """The code of the merge function ``apply_swiglu_sharded_factory`` gives its factories (``sh_ten_merge_fn``:
-    ``torch.cat`` of the halves along dim 0), or None where that factory changed."""
+def concatenating_merge_code() -> types.CodeType | None:
+    """The code of megatron's gated-MLP merge (``CAT_MERGE``: ``torch.cat`` of the halves along dim 0), or None
+    where it changed."""
     try:
-        factory = SWIGLU_FACTORY.get()
+        found = CAT_MERGE.get()
     except InternalsChangedError:
         return None
-    codes = [c for c in factory.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "sh_ten_merge_fn"]
-    return codes[0] if len(codes) == 1 and "cat" in codes[0].co_names else None
+    if CAT_MERGE.path.endswith(":cat_with_oom_fallback"):
+        code = getattr(inspect.unwrap(found), "__code__", None)
+    else:
+        nested = [c for c in found.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "sh_ten_merge_fn"]
+        code = nested[0] if len(nested) == 1 else None
+    return code if code is not None and "cat" in code.co_names else None
 
 
 def merge_without_copy(merge_fn: Callable[[list], Any]) -> Callable[[list], Any]:
-    """``merge_fn`` of a loaded factory, or where it is the gated MLP's (a ``torch.cat`` of its halves along dim 0)
+    """``merge_fn`` of a loaded factory, or where it is megatron's concatenating merge (the gated MLP's halves)
     one that returns the halves' joined view when the load left them side by side in one buffer, in order (the
     load read into views of the factory's own buffer): the same values as the copy, without the copy. Halves
     the load placed elsewhere (a copy made contiguous) go to megatron's merge."""
-    code = gated_mlp_merge_code()
+    code = concatenating_merge_code()
     if code is None or getattr(inspect.unwrap(merge_fn), "__code__", None) is not code:  # unwrap: a no_grad decorator
         return merge_fn
 

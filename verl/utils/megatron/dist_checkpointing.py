@@ -45,7 +45,9 @@ def save_dist_checkpointing(
     )
 
 
-def load_dist_checkpointing(sharded_state_dict: dict, ckpt_dir: str, checksums: dict[str, str] | None = None) -> dict:
+def load_dist_checkpointing(
+    sharded_state_dict: dict, ckpt_dir: str, checksums: dict[str, str] | None = None, own_targets: bool = False
+) -> dict:
     """Load the entries of ``sharded_state_dict`` from the torch_dist checkpoint at ``ckpt_dir``.
 
     Its ``.metadata`` and bytes items are read as data only (``verl.utils.checkpoint.data_only``): a file
@@ -53,10 +55,12 @@ def load_dist_checkpointing(sharded_state_dict: dict, ckpt_dir: str, checksums: 
     for a plain ``UntrustedContentError`` (torch's load would wrap it per rank), then read by the data-only
     reader and planner, so a file replaced in between is refused too. ``checksums`` (the step manifest's, by
     file name in ``ckpt_dir``): each file the load reads is checksummed from the bytes it loads, and a file that
-    differs is refused (``ChecksumMismatchError``, one line naming it) with none of its bytes in the state."""
+    differs is refused (``ChecksumMismatchError``, one line naming it) with none of its bytes in the state; with
+    ``own_targets`` (the state dict's tensors are the caller's own buffers, discarded on a refusal) a file is read
+    straight into them, checksummed there, so they may hold part of a refused file."""
     check_dist_checkpoint(ckpt_dir, bytes_items=checksums is None)  # with checksums: checked as the load reads them
     torch_internals.check_grid_shards_directly()
-    with data_only_torch_dist_load(ckpt_dir, checksums) as mismatches:
+    with data_only_torch_dist_load(ckpt_dir, checksums, own_targets) as mismatches:
         try:
             loaded = dist_checkpointing.load(sharded_state_dict, ckpt_dir)
         except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
