@@ -16,12 +16,15 @@ ENGINE = "verl/workers/engine/megatron/transformer_impl.py"
 OWNERS = {
     # upstream's retention list, kept for a direct call of the manager; the step transaction lists the disk instead
     "previous_saved_paths": {"verl/utils/checkpoint/checkpoint_manager.py"},
-    # the manager's save report (SaveReport) and its one marker of a save in flight (``state``)
+    # the manager's save report (SaveReport)
     **dict.fromkeys(
-        ("last_save", "state", "failure", "blocked_seconds", "hf_exported", "checked_in_background",
+        ("last_save", "failure", "blocked_seconds", "hf_exported", "checked_in_background",
          "planned_in_background", "hf_weights_in_background", "sealer", "hf_comm"),
         {MANAGER},
     ),  # fmt: skip
+    # the manager's one marker of a save in flight; the torch optimizer's per-parameter ``state`` shares only the
+    # name (a load's placeholder moments are removed from it)
+    "state": {MANAGER, "verl/utils/checkpoint/megatron_optimizer_state.py"},
     # each report's own phases: the manager's (the writer's phases) and the transaction's
     "phase_seconds": {MANAGER, TRANSACTION},
     # the transaction's marker of a deferred commit and its committed record
