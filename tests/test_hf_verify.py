@@ -61,8 +61,19 @@ def _shorter_than_a_length(path: str) -> None:
         (lambda p: _with_header(p, lambda h: h["a"].update(shape="3x4")), r"tensor 'a' has no valid shape and dtype"),
         (lambda p: _with_header(p, lambda h: h["d"].update(data_offsets=[1])), r"tensor 'd' has no valid data_offsets"),
         (lambda p: open(p, "r+b").write((3).to_bytes(8, "little") + b"[1]"), r"its header is not a JSON object"),
+        (lambda p: _with_header(p, lambda h: h["a"].update(shape=[True, 12])), r"tensor 'a' has no valid shape and dtype"),
+        (lambda p: _with_header(p, lambda h: h["a"].update(dtype="F12")), r"tensor 'a' has dtype 'F12', which the safetensors format does not name"),
+        (lambda p: _with_header(p, lambda h: h["a"].update(shape=[2**63, 2**63])), r"tensor 'a' of shape .* needs more bytes than a file can hold"),
+        (lambda p: _with_header(p, lambda h: h["a"].update(shape=[2**64])), r"tensor 'a' has no valid shape and dtype"),
+        (lambda p: _with_header(p, lambda h: h["a"].update(shape=[3], dtype="F4")), r"tensor 'a' of shape \[3\] of F4 does not fill whole bytes"),
+        (lambda p: _with_header(p, lambda h: h["a"].update(data_offsets=[-48, 0])), r"tensor 'a' has no valid data_offsets"),
+        (lambda p: _with_header(p, lambda h: h.update(__metadata__={"format": 1})), r"its __metadata__ is not a map of strings to strings"),
+        (lambda p: _with_header(p, lambda h: h["a"].update(shape=[float("nan")])), r"its header holds NaN, which JSON does not allow"),
     ],
-    ids=["truncated", "header-beyond-file", "tiny", "shape-vs-bytes", "overlap", "shape-not-list", "offsets-not-pair", "not-object"],
+    ids=[
+        "truncated", "header-beyond-file", "tiny", "shape-vs-bytes", "overlap", "shape-not-list", "offsets-not-pair", "not-object",
+        "bool-dim", "unknown-dtype", "overflowing-shape", "dim-beyond-u64", "sub-byte-remainder", "negative-offset", "metadata-not-strings", "nan",
+    ],  # fmt: skip
 )
 def test_a_damaged_file_is_named_unreadable_with_its_reason(tmp_path, damage, reason):
     path = _written(tmp_path)
@@ -71,3 +82,9 @@ def test_a_damaged_file_is_named_unreadable_with_its_reason(tmp_path, damage, re
         safetensors_shapes(path)
     shapes, problems = read_saved_tensors(str(tmp_path))
     assert shapes == {} and len(problems) == 1 and problems[0].startswith("model.safetensors is unreadable ("), problems
+
+
+def test_a_sub_byte_dtype_is_measured_in_bits(tmp_path):
+    path = _written(tmp_path)
+    _with_header(path, lambda h: h["d"].update(shape=[4, 8], dtype="F4"))  # the 16 bytes of two int64s hold 32 four-bit floats
+    assert safetensors_shapes(path)["d"] == (4, 8)

@@ -281,8 +281,14 @@ def test_the_optimizer_param_map_is_left_to_megatron_where_it_changed(monkeypatc
 def test_the_gated_mlp_merge_is_left_to_megatron_where_its_factory_changed(monkeypatch):
     """``merge_without_copy`` is a speed-up with megatron's own merge beside it: without what it recognises the merge
     by, a factory's merge is returned as it is, and nothing fails."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    fc1 = ShardedTensor.from_rank_offsets("fc1", torch.zeros(4, 2), replica_id=0)
+    merge_fn = apply_swiglu_sharded_factory(fc1, ()).merge_fn  # megatron's own, which it would speed up
     owner, name = _module_and_name(megatron_core.CAT_MERGE)
-    merge_fn = lambda pieces: torch.cat(pieces)  # noqa: E731
+    megatron_core.concatenating_merge_code.cache_clear()
+    assert megatron_core.merge_without_copy(merge_fn) is not merge_fn  # recognised while the internal is there
     _remove(monkeypatch, owner, name)
     megatron_core.concatenating_merge_code.cache_clear()  # decided once per process: decide again, without it
     try:

@@ -313,14 +313,17 @@ class DataOnlyFileSystemReader(FileSystemReader):
     def _read_into_targets(self, relative: str, path: str, plan: LoadPlan, planner: LoadPlanner) -> bool:
         """The file read once, in order, each item's data straight into its target, every byte checksummed as it
         goes; the items committed only if the file matches the manifest. False, and nothing committed, where an
-        item is not its target's whole chunk as this package's writer writes it: the whole-file read then serves it."""
+        item is not its target's whole chunk as this package's writer writes it: the whole-file read then serves
+        every item, writing over whatever part of the targets this read had filled."""
         lookup = getattr(planner, "lookup_tensor", None)  # torch's default planner's, megatron's planner's base
+        if lookup is None:
+            return False
         with open(path, "rb", buffering=0) as handle:
             size = os.fstat(handle.fileno()).st_size
             archives = []
             for item in plan.items:
                 archive = self._writer_archive(item, size)
-                if archive is None or lookup is None:
+                if archive is None:
                     return False
                 info, dtype, sizes, _, parts = archive
                 # judged on the destination itself, before ``resolve_tensor``: megatron's resolves an FP8 tensor to
@@ -329,8 +332,13 @@ class DataOnlyFileSystemReader(FileSystemReader):
                 whole = list(item.lengths) == list(sizes) == list(target.shape) and not any(item.dest_offsets)
                 if not (whole and type(target) is torch.Tensor and target.is_contiguous() and target.dtype == dtype and target.device.type == "cpu"):
                     return False
-                archives.append((info.offset, parts, item))
-            reads = sorted(((offset, parts, planner.resolve_tensor(item).detach(), item) for offset, parts, item in archives), key=lambda read: read[0])
+                archives.append((info.offset, parts, item, target))
+            reads = []
+            for offset, parts, item, target in sorted(archives, key=lambda archive: archive[0]):
+                resolved = planner.resolve_tensor(item).detach()
+                if resolved.data_ptr() != target.data_ptr():
+                    return False  # the planner gave a stand-in for the target: the whole-file read serves it
+                reads.append((offset, parts, resolved, item))
             stream, checksum = _ChecksummedStream(handle), RunningChecksum()
             for offset, (head, tail), target, _ in reads:
                 if offset < stream.position or stream.skip_to(offset, checksum) or stream.read(len(head), checksum) != head:

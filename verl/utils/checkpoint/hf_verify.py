@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from glob import glob
 
@@ -88,15 +87,39 @@ def expected_hf_tensors(hf_config) -> dict[str, tuple[int, ...]]:
 
 
 _HEADER_LIMIT = 100_000_000  # the safetensors format's own bound on a header's length
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2}
-_DTYPE_BYTES |= {"BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}  # sub-byte ones: unchecked
+_U64 = 2**64  # the format's dims and offsets are unsigned 64-bit
+# bits per element of every dtype the safetensors format names; a name outside it is refused, as its reader does
+_DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8}
+_DTYPE_BITS |= {"I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"its header holds {name}, which JSON does not allow")
+
+
+def _is_u64(value: object) -> bool:
+    return type(value) is int and 0 <= value < _U64
+
+
+def _tensor_bytes(name: str, shape: list[int], dtype: str) -> int:
+    """The bytes ``shape`` elements of ``dtype`` take; refused before any product can outgrow 64 bits."""
+    bits = _DTYPE_BITS[dtype]
+    for dim in shape:
+        if dim == 0:
+            return 0
+        bits *= dim
+        if bits >= _U64 * 8:
+            raise ValueError(f"tensor {name!r} of shape {shape} needs more bytes than a file can hold")
+    if bits % 8:
+        raise ValueError(f"tensor {name!r} of shape {shape} of {dtype} does not fill whole bytes")
+    return bits // 8
 
 
 def safetensors_shapes(file: str) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape in a safetensors file, from its header alone (8 bytes of length, then JSON), checked
-    as the format's own reader checks a file it opens: the tensors' byte ranges tile the data section exactly,
-    each as long as its shape and dtype say (where the dtype has whole bytes), and the file ends where the data
-    does. ``ValueError`` naming what is wrong. ``safe_open`` gives the same answer but maps the file, which
+    as the format's own reader checks a file it opens: known dtypes, unsigned 64-bit dims and offsets, byte ranges
+    that tile the data section exactly, each as long as its shape and dtype say, and a file that ends where the
+    data does. ``ValueError`` naming what is wrong. ``safe_open`` gives the same answer but maps the file, which
     from a cold page cache costs far more than this read (docs/perf.md)."""
     with open(file, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
@@ -106,20 +129,26 @@ def safetensors_shapes(file: str) -> dict[str, tuple[int, ...]]:
         length = int.from_bytes(prefix, "little")
         if length > min(_HEADER_LIMIT, size - 8):
             raise ValueError(f"its header claims {length} bytes, the file holds {size - 8} after the length")
-        header = json.loads(handle.read(length))
+        header = json.loads(handle.read(length).decode("utf-8"), parse_constant=_refuse_constant)
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")
+    metadata = header.get("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise ValueError("its __metadata__ is not a map of strings to strings")
     shapes, ranges = {}, []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         shape, dtype, offsets = (entry.get(k) if isinstance(entry, dict) else None for k in ("shape", "dtype", "data_offsets"))
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(dtype, str)):
+        if not (isinstance(shape, list) and all(_is_u64(d) for d in shape) and isinstance(dtype, str)):
             raise ValueError(f"tensor {name!r} has no valid shape and dtype")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+        if dtype not in _DTYPE_BITS:
+            raise ValueError(f"tensor {name!r} has dtype {dtype!r}, which the safetensors format does not name")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_u64(o) for o in offsets) and offsets[0] <= offsets[1]):
             raise ValueError(f"tensor {name!r} has no valid data_offsets")
-        if dtype in _DTYPE_BYTES and offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
-            raise ValueError(f"tensor {name!r} spans {offsets[1] - offsets[0]} bytes, its shape {shape} of {dtype} needs {math.prod(shape) * _DTYPE_BYTES[dtype]}")
+        needed = _tensor_bytes(name, shape, dtype)
+        if offsets[1] - offsets[0] != needed:
+            raise ValueError(f"tensor {name!r} spans {offsets[1] - offsets[0]} bytes, its shape {shape} of {dtype} needs {needed}")
         shapes[name] = tuple(shape)
         ranges.append(offsets)
     end = 0

@@ -119,9 +119,12 @@ class _UninitializedForZeros(TorchFunctionMode):
     The mode sees torch's own function, which a wrapper of ``torch.zeros_like`` (the CPU runtime's device
     mapping) calls: the comparison unwraps it."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.zeros_like = inspect.unwrap(torch.zeros_like)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        zeros_like = inspect.unwrap(torch.zeros_like)
-        return (torch.empty_like if func is zeros_like else func)(*args, **(kwargs or {}))
+        return (torch.empty_like if func is self.zeros_like else func)(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
