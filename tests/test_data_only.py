@@ -193,6 +193,23 @@ def test_a_reader_whose_targets_are_its_own_reads_each_item_straight_into_its_ta
     assert reader.mismatches == [f"{path}: its content checksum differs from the manifest's {checksum} (changed or corrupted since the save)"]
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [lambda data: data + b"\0", lambda data: data[:-1], lambda data: data[:-300]],
+    ids=["grown", "a_byte_short", "cut_into_the_data"],
+)
+def test_a_file_read_straight_into_the_targets_that_is_longer_or_shorter_than_saved_is_named(tmp_path, damage):
+    import torch.distributed.checkpoint as dcp
+
+    checksums = _rewritten_as_this_packages_writer_writes(str(tmp_path))
+    ((victim, checksum),) = checksums.items()
+    path = tmp_path / victim
+    path.write_bytes(damage(path.read_bytes()))
+    reader = DataOnlyFileSystemReader(str(tmp_path), checksums, own_targets=True)
+    dcp.load({"a": torch.zeros(64), "b": torch.zeros(8, 8)}, storage_reader=reader, no_dist=True)
+    assert reader.mismatches == [f"{path}: its content checksum differs from the manifest's {checksum} (changed or corrupted since the save)"]
+
+
 @pytest.mark.parametrize("reshard", [False, True], ids=["same_chunks", "resharded"])
 def test_a_load_plans_the_reads_torchs_sweep_plans(reshard):
     """Chunks requested as they were saved are found by their place: the same reads torch's sweep over every saved
@@ -212,15 +229,16 @@ def test_a_load_plans_the_reads_torchs_sweep_plans(reshard):
     assert len(planned) == len(saved) and sorted(map(repr, planned)) == sorted(map(repr, swept))
 
 
+@pytest.mark.parametrize("own_targets", [False, True], ids=["buffers", "own_targets"])
 @pytest.mark.parametrize("target_dtype", [torch.bfloat16, torch.int32], ids=["bf16", "int32"])
-def test_an_item_loaded_into_a_tensor_of_another_dtype_is_converted_as_torchs_reader_converts_it(tmp_path, target_dtype):
+def test_an_item_loaded_into_a_tensor_of_another_dtype_is_converted_as_torchs_reader_converts_it(tmp_path, target_dtype, own_targets):
     """A float32 item read in place into a bf16 or int32 target is converted (torch's ``copy_``), never its raw
     bytes reinterpreted as the target's dtype."""
     import torch.distributed.checkpoint as dcp
 
     checksums = _rewritten_as_this_packages_writer_writes(str(tmp_path))
     state = {"a": torch.zeros(64, dtype=target_dtype), "b": torch.zeros(8, 8, dtype=target_dtype)}
-    reader = DataOnlyFileSystemReader(str(tmp_path), checksums)
+    reader = DataOnlyFileSystemReader(str(tmp_path), checksums, own_targets=own_targets)
     dcp.load(state, storage_reader=reader, no_dist=True)
     assert reader.mismatches == []
     assert torch.equal(state["a"], torch.arange(64.0).to(target_dtype)) and torch.equal(state["b"], torch.ones(8, 8, dtype=target_dtype))

@@ -312,9 +312,11 @@ class DataOnlyFileSystemReader(FileSystemReader):
 
     def _read_into_targets(self, relative: str, path: str, plan: LoadPlan, planner: LoadPlanner) -> bool:
         """The file read once, in order, each item's data straight into its target, every byte checksummed as it
-        goes; the items committed only if the file matches the manifest. False, and nothing committed, where an
-        item is not its target's whole chunk as this package's writer writes it: the whole-file read then serves
-        every item, writing over whatever part of the targets this read had filled."""
+        goes. The bytes are in the targets before the checksum is known: a file that differs from the manifest is
+        named in ``mismatches``, which fails the load, and the targets are the load's own buffers, discarded then
+        (``own_targets``); the planner's ``commit_tensor`` follows only a match. False, and nothing committed,
+        where an item is not its target's whole chunk as this package's writer writes it: the whole-file read
+        then serves every item, writing over whatever part of the targets this read had filled."""
         lookup = getattr(planner, "lookup_tensor", None)  # torch's default planner's, megatron's planner's base
         if lookup is None:
             return False

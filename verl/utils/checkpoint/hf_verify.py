@@ -127,12 +127,14 @@ def safetensors_shapes(file: str) -> dict[str, tuple[int, ...]]:
         if len(prefix) < 8:
             raise ValueError(f"{size} bytes, shorter than a header")
         length = int.from_bytes(prefix, "little")
-        if length > min(_HEADER_LIMIT, size - 8):
+        if length > _HEADER_LIMIT:
+            raise ValueError(f"its header claims {length} bytes, more than the format allows ({_HEADER_LIMIT})")
+        if length > size - 8:
             raise ValueError(f"its header claims {length} bytes, the file holds {size - 8} after the length")
         header = json.loads(handle.read(length).decode("utf-8"), parse_constant=_refuse_constant)
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")
-    metadata = header.get("__metadata__", {})
+    metadata = header.get("__metadata__") or {}
     if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise ValueError("its __metadata__ is not a map of strings to strings")
     shapes, ranges = {}, []

@@ -61,7 +61,8 @@ SHARD_OVERLAP_CHECK = Internal(
     "megatron's ShardedTensor conversion without a pairwise overlap check of grid shards",
     params=("shards",),
 )
-# the modules that call it by the name they imported; megatron's conversion reaches it through both
+# the modules that call it by the name they imported and megatron's conversion reaches (sharded_tensor.utils
+# imports it too; megatron's conversion does not reach that one)
 SHARD_OVERLAP_CALLERS = ("torch.distributed._shard.sharding_spec.api", "torch.distributed._shard.sharded_tensor.api")
 IN_RANK_WRITER = (DCP_STORAGE_INFO, DCP_STORAGE_PREFIX, ZIP_WRITER, ZIP_SAVE)  # what dist_writer's write needs
 INTERNALS = (
