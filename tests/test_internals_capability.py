@@ -238,7 +238,8 @@ def _mcore_features():
     [
         i
         for i in megatron_core.INTERNALS
-        if i not in (megatron_core.WRITER_WRITE, megatron_core.LOAD_STATE_DICT, megatron_core.PARAM_ID_MAP, megatron_core.CAT_MERGE)
+        if i
+        not in (megatron_core.WRITER_WRITE, megatron_core.LOAD_STATE_DICT, megatron_core.PARAM_ID_MAP, megatron_core.CAT_MERGE, megatron_core.SAVE_CALLBACKS)
         and i not in megatron_core.IN_RANK_SAVE
     ],
     ids=lambda i: i.name,
@@ -295,6 +296,46 @@ def test_the_gated_mlp_merge_is_left_to_megatron_where_its_factory_changed(monke
         assert megatron_core.merge_without_copy(merge_fn) is merge_fn
     finally:
         megatron_core.concatenating_merge_code.cache_clear()
+
+
+def _async_save_where_megatrons_callbacks_changed(root: str) -> dict:
+    """An async save through the in-rank strategy, megatron's ``_get_save_and_finalize_callbacks`` taking its
+    writer under another name: the warnings it gave, and whether the save loads back."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    from verl.utils.checkpoint.dist_writer import InRankSaveStrategy
+
+    original = TorchDistSaveShardedStrategy._get_save_and_finalize_callbacks
+
+    def changed(self, storage_writer, *rest):
+        return original(self, storage_writer, *rest)
+
+    TorchDistSaveShardedStrategy._get_save_and_finalize_callbacks = changed
+    weight = torch.arange(16.0).reshape(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        request = dist_checkpointing.save(
+            {"w": ShardedTensor.from_rank_offsets("w", weight, replica_id=0)},
+            root,
+            sharded_strategy=InRankSaveStrategy(),
+            async_sharded_save=True,
+            **megatron_core.async_save_options(),
+        )
+        request.async_fn(*megatron_core.preloaded_args(request), **request.async_fn_kwargs)
+        for finalize in request.finalize_fns:
+            finalize()
+    loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4), replica_id=0)}, root)
+    return {"warned": [str(w.message) for w in caught if megatron_core.SAVE_CALLBACKS.name in str(w.message)], "loaded": torch.equal(loaded["w"], weight)}
+
+
+def test_an_async_save_is_megatrons_own_with_a_warning_where_its_callbacks_changed(tmp_path):
+    """Telling every rank of a failed ``.metadata`` write needs megatron's writer where its request is made:
+    where that method changed, the save is megatron's as it is, and says what it lacks."""
+    report = run_on_ranks(_async_save_where_megatrons_callbacks_changed, 1, ParallelSizes(), args=(str(tmp_path),))[0]
+    assert report["loaded"] and len(report["warned"]) == 1, report
+    assert "fails on the coordinator fails there alone" in report["warned"][0] and CONTRACT_TEST in report["warned"][0]
 
 
 def test_the_shard_overlap_check_stays_torchs_where_it_changed(monkeypatch):

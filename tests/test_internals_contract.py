@@ -311,6 +311,16 @@ def test_async_request_argument_positions():
     assert _params(FileSystemWriterAsync.finish) == ("self", "metadata", "results")  # write_checkpoint_metadata
 
 
+def test_an_async_save_hands_its_writer_to_the_callbacks_that_make_its_request():
+    """dist_writer's override of ``_get_save_and_finalize_callbacks`` (``SAVE_CALLBACKS``) keeps the writer's
+    ``.metadata`` failure: megatron's async save must pass it the writer whose ``finish`` its finalize calls,
+    and return that method's request."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    source = inspect.getsource(TorchDistSaveShardedStrategy.async_save)
+    assert "return self._get_save_and_finalize_callbacks(writer, save_state_dict_ret" in source
+
+
 def test_save_strategy_plan_cache_attributes():
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 

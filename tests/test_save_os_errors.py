@@ -1,6 +1,7 @@
 """A save that the operating system refuses says so: ENOSPC (any errno) by name, with the path, from a forked
 writer too, even when the full disk leaves no room for the fork's outcome file (a real tmpfs, filled); and a run
-whose save fills the disk leaves nothing of that step on it (through the CLI)."""
+whose save fills the disk leaves nothing of that step on it (through the CLI); a ``.metadata`` that rank 0 alone
+writes and cannot fails every rank, naming it."""
 
 import contextlib
 import errno
@@ -8,14 +9,19 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from tests.cli_runs import run_trainer, two_ranks_ep2
 from tests.save_points.points import ACTION, DIR, POINT, RANKS
+from tests.test_checkpoint_lifecycle import LAYOUT, WORLD, _actor, _batches, _step_path, _tracked
 from tests.test_save_process_lifetime import POINTS_DIR
 from verl.utils.checkpoint import snapshot_save
+from verl.utils.checkpoint.integrity import CheckpointError
 from verl.utils.checkpoint.os_errors import find_os_error, writing
+from verl.utils.distributed import run_on_ranks
 
 
 @contextlib.contextmanager
@@ -163,3 +169,52 @@ def test_a_run_whose_save_fills_the_disk_leaves_no_staging_behind(tmp_path, env,
             [sys.executable, "-m", "verl.model_merger", "verify", "--local_dir", os.path.join(ckpt, "global_step_1", "actor")], capture_output=True, text=True, env=env
         )
         assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def _a_save_whose_metadata_rank_0_cannot_write(src: str, root: str, mode: str, failing: int, met: str) -> str:
+    """Steps 1 to ``failing`` - 1 saved; then step ``failing``, whose ``.metadata`` write (rank 0's alone) fails
+    for a full disk. Each rank's error, or "saved". Rank 0 stays in the run until rank 1 has its error: a rank 1
+    still waiting for it would never get one, and ``run_on_ranks`` fails the test at its timeout."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    rank = torch.distributed.get_rank()
+    actor = _actor(src) if mode == "sync" else _actor(src, async_save=True, async_mode=mode)
+    actor.train_step(_batches(0))
+    for step in range(1, failing):
+        actor.save_checkpoint(_step_path(root, step), global_step=step, track=True)
+        actor.finalize_checkpoint()
+    if rank == 0:
+
+        def finish(writer, metadata, results) -> None:
+            path = os.path.join(str(writer.path), ".metadata")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+        FileSystemWriter.finish = finish
+    try:
+        actor.save_checkpoint(_step_path(root, failing), global_step=failing, track=True)
+        actor.finalize_checkpoint()
+        message = "saved"
+    except CheckpointError as exc:
+        message = str(exc)
+    if rank == 0:
+        while not os.path.exists(met):
+            time.sleep(0.1)
+    else:
+        open(met, "w").close()
+    return message
+
+
+@pytest.mark.parametrize(
+    ("mode", "failing"),
+    [("sync", 2), ("background_write", 2), ("background_write", 3)],
+    ids=["sync", "async-planned-in-the-rank", "async-plan-reused"],
+)  # an async save's plan is reused from a strategy's third save: its fork plans, the ranks finalize without megatron
+def test_a_metadata_write_that_fails_on_rank_0_fails_every_rank_naming_it(tiny_moe_path, tmp_path, mode, failing):
+    root = str(tmp_path / "run")
+    rank_0, rank_1 = run_on_ranks(
+        _a_save_whose_metadata_rank_0_cannot_write, WORLD, LAYOUT, args=(tiny_moe_path, root, mode, failing, str(tmp_path / "met")), timeout_s=240
+    )
+    cause = f"No space left on device (ENOSPC) writing {_step_path(root, failing)}.incomplete/optimizer/dist_ckpt/.metadata"
+    assert cause in rank_0, rank_0
+    assert "failed (PeerFailure: No space left on device (ENOSPC) writing" in rank_1 and "Nothing was committed" in rank_1, rank_1
+    assert _tracked(root) == str(failing - 1) and not os.path.exists(_step_path(root, failing))

@@ -40,7 +40,7 @@ import math
 import os
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -242,30 +242,51 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.agreed, writer.direct, self.last_direct = plan.agreed, plan.direct, len(plan.direct)
         self.last_files = writer.write()
         self.last_threads = writer.thread_count
-        # megatron's finalize names a write's failure on its coordinator rank only ("ranks:dict_keys([])" on the
-        # others): every rank learns it first, the failed rank raising its own error. The same all-reduce says
-        # whether any rank's write results changed since the last save: a reused plan writes the same items at the
-        # same offsets save after save, so they are gathered to the coordinator (for ``.metadata``) only then.
+        # Every rank learns a write's failure, the failed rank raising its own error (megatron's finalize names it
+        # on the coordinator only). The same all-reduce says whether any rank's write results changed since the
+        # last save: a reused plan writes the same items at the same offsets save after save, so they are
+        # gathered to the coordinator (for ``.metadata``) only then.
         self._comm = self._comm or RankComm(keep_gathers=True)
         results = self._comm.agree(
             writer.failure, "write its dist checkpoint files", share=writer.retrieve_write_results(), gather=plan.dist_wrapper.gather_object
         )
-        megatron_core.finish_torch_dist_save(writer, plan.metadata, _Gathered(plan.dist_wrapper, results))
+        # The coordinator's ``.metadata``, and every rank told how that went in one all-reduce: megatron's
+        # finalize raised a failed write there before the broadcast the other ranks waited in.
+        failure = None
+        if plan.dist_wrapper.is_coordinator:
+            try:
+                writer.finish(plan.metadata, results)
+            except Exception as exc:  # noqa: BLE001 - every rank fails with it, in the agreement
+                failure = exc
+        self._comm.agree(failure, "write its dist checkpoint's .metadata")
+
+    def _get_save_and_finalize_callbacks(self, writer: Any, *args: Any, **kwargs: Any) -> Any:
+        """megatron's async save's request (a save planned in the rank), whose finalize raised a failed
+        ``.metadata`` write on the coordinator alone, before the broadcast the other ranks waited in: the failure
+        is kept there, and every rank learns it in one all-reduce after megatron's finalize."""
+        try:
+            megatron_core.SAVE_CALLBACKS.get()
+        except InternalsChangedError as exc:
+            warnings.warn(f"{exc} A .metadata write that fails on the coordinator fails there alone.", stacklevel=2)
+            return super()._get_save_and_finalize_callbacks(writer, *args, **kwargs)
+        writer.finish = kept = _KeptFailure(writer.finish)
+        request = super()._get_save_and_finalize_callbacks(writer, *args, **kwargs)
+        request.finalize_fns.append(lambda: RankComm().agree(kept.failure, "write its dist checkpoint's .metadata"))
+        return request
 
 
-class _Gathered:
-    """torch's ``_DistWrapper`` of a save's plan whose ``gather_object`` (every rank's write results to the
-    coordinator, for megatron's finalize) returns what the write's agreement gathered (or kept from the last
-    save): no second collective."""
+class _KeptFailure:
+    """A writer's ``finish`` (the coordinator's ``.metadata``) that keeps its error instead of raising it."""
 
-    def __init__(self, wrapped: Any, gathered: list | None) -> None:
-        self._wrapped, self._gathered = wrapped, gathered
+    def __init__(self, finish: Callable[[Any, Any], None]) -> None:
+        self.finish = finish
+        self.failure: Exception | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._wrapped, name)
-
-    def gather_object(self, obj: Any) -> list | None:
-        return self._gathered
+    def __call__(self, metadata: Any, results: Any) -> None:
+        try:
+            self.finish(metadata, results)
+        except Exception as exc:  # noqa: BLE001 - every rank fails with it, in the agreement after the finalize
+            self.failure = exc
 
 
 @contextlib.contextmanager

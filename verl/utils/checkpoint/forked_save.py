@@ -161,7 +161,8 @@ def plan_and_write(save: ForkedSave) -> dict:
 
 def finish_forked_save(staging: str, rank: int, strategies: dict[str, tuple]) -> None:
     """Every rank: agree on the forks' outcomes, then rank 0 writes the metadata of each dist checkpoint the forks
-    planned (megatron's own finalize does it for the writes planned in the rank)."""
+    planned (megatron's own finalize does it for the writes planned in the rank), and every rank learns whether
+    it could."""
     outcome = snapshot_save.read_outcome(staging, rank)
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, outcome)
@@ -169,7 +170,13 @@ def finish_forked_save(staging: str, rank: int, strategies: dict[str, tuple]) ->
     if failed:
         failed.sort(key=lambda f: "without a result" not in f[1])  # a fork that died first is the cause
         raise CheckpointError(f"the background save failed on {len(failed)} rank(s): " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+    failure = None
     if rank == 0:
-        for content in outcome["writes"]:
-            path = layout.dist_path(staging, content)
-            snapshot_save.finish_dist_checkpoint(strategies[content][1], path, [o["writes"][content] for o in everyone])
+        try:
+            for content in outcome["writes"]:
+                path = layout.dist_path(staging, content)
+                snapshot_save.finish_dist_checkpoint(strategies[content][1], path, [o["writes"][content] for o in everyone])
+        except Exception as exc:  # noqa: BLE001 - every rank fails with it, in the agreement
+            failure = exc
+    # rank 0 alone writes them: the other ranks would otherwise go on into the next collective without it
+    RankComm().agree(failure, "write its dist checkpoints' .metadata")

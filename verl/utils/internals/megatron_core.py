@@ -56,7 +56,7 @@ def _imported(module_name: str) -> Any:
     """The module, or None where it cannot be imported (its internals' checks then fail naming them)."""
     try:
         return importlib.import_module(module_name)
-    except ImportError:
+    except Exception:  # noqa: BLE001 - any failure to import it is a changed internal, named where it is read
         return None
 
 
@@ -127,9 +127,15 @@ IN_RANK_SAVE = (
         params=("state_dict", "storage_writer", "process_group", "coordinator_rank", "planner", "cached_ckpt_structure"),
         exact=False,
     ),
-    FINALIZE_SAVE := Internal(
-        MC, f"{_SAVER}:save_state_dict_async_finalize", _IN_RANK, params=("storage_writer", "global_metadata", "dist_wrapper")
-    ),
+)
+# megatron's async save hands its writer to this method, which makes the request whose finalize writes the
+# coordinator's ``.metadata``: dist_writer's strategy overrides it so that a failed write there fails every rank.
+SAVE_CALLBACKS = Internal(
+    MC,
+    f"{_TORCH}:TorchDistSaveShardedStrategy._get_save_and_finalize_callbacks",
+    "every rank told of an async save's failed .metadata write",
+    params=("self", "writer", "save_state_dict_ret"),
+    exact=False,
 )
 # Set on each strategy by its constructor: read from the instance, like PLAN_CACHE.
 STRATEGY_SETTINGS = tuple(
@@ -208,6 +214,7 @@ INTERNALS = (
     LOAD_PLANNER,
     LOAD_STATE_DICT,
     CAT_MERGE,
+    SAVE_CALLBACKS,
     DUMMY_OPTIMIZER_STATE,
     PARAM_ID_MAP,
     GET_CUDA_RNG_STATE,
@@ -413,7 +420,8 @@ Place = tuple[str, tuple[int, ...]]  # a write item's key and global offset (DCP
 
 
 class TorchDistPlan(NamedTuple):
-    """A planned torch_dist save: what ``finish_torch_dist_save`` takes, and the tensors resolved directly.
+    """A planned torch_dist save: what its ``.metadata`` needs (the coordinator writes it), and the tensors
+    resolved directly.
 
     ``direct``: tensor write items' data by place, resolved from megatron's own ``ShardedTensor`` (no torch
     ``ShardedTensor`` built for them); every other item resolves through the planner as before. ``agreed``:
@@ -527,12 +535,6 @@ def _agreed_places(central: Any, planner: Any, direct: dict[Place, torch.Tensor]
     )
 
 
-def finish_torch_dist_save(writer: Any, metadata: Any, dist_wrapper: Any) -> None:
-    """megatron's ``save_state_dict_async_finalize``: every rank's write results to the coordinator, which writes
-    ``.metadata``; a failure on any rank raises on every rank (``CheckpointException``)."""
-    FINALIZE_SAVE.get()(writer, metadata, dist_wrapper)
-
-
 @contextlib.contextmanager
 def torch_dist_load_reader_and_planner(reader: Callable[..., Any], planner: Callable[..., Any], one_rank: bool = False) -> Iterator[None]:
     """While inside: ``TorchDistLoadShardedStrategy`` reads through ``reader(checkpoint_dir, cache_metadata=...)``
@@ -592,7 +594,7 @@ def concatenating_merge_code() -> types.CodeType | None:
     if CAT_MERGE.path.endswith(":cat_with_oom_fallback"):
         code = getattr(inspect.unwrap(found), "__code__", None)
     else:
-        nested = [c for c in found.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "sh_ten_merge_fn"]
+        nested = [c for c in inspect.unwrap(found).__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "sh_ten_merge_fn"]
         code = nested[0] if len(nested) == 1 else None
     return code if code is not None and "cat" in code.co_names else None
 
