@@ -4,6 +4,7 @@ SUCCEEDED and stops the head it started. The checkpoint the job wrote is then ch
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,19 +19,33 @@ REPO = Path(__file__).resolve().parents[1]
 MEGATRON = "actor_rollout_ref.actor.megatron."
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """Ports free now, between Ray's worker ports (below 20000) and the kernel's ephemeral range: Ray binds them
+    only once its head starts, and every outgoing connection (other tests' gloo groups) and bind to port 0
+    meanwhile draws from that range."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports: list[int] = []
+    pick = random.SystemRandom()
+    while len(ports) < count:
+        port = pick.randrange(20000, ephemeral_low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def test_ray_job_submit_to_loopback_head(tmp_path, tiny_moe_path):
     ckpt = tmp_path / "ckpt"
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths live under it
+    gcs_port, dashboard_port = _free_ports(2)
     env = {
         **os.environ,
-        "RAY_PORT": str(_free_port()),
-        "RAY_DASHBOARD_PORT": str(_free_port()),
+        "RAY_PORT": str(gcs_port),
+        "RAY_DASHBOARD_PORT": str(dashboard_port),
         "RAY_NUM_CPUS": "2",
         "RAY_TEMP_DIR": temp_dir,
         MARKER: uuid.uuid4().hex,
