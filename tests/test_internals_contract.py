@@ -315,10 +315,12 @@ def test_an_async_save_hands_its_writer_to_the_callbacks_that_make_its_request()
     """dist_writer's override of ``_get_save_and_finalize_callbacks`` (``SAVE_CALLBACKS``) keeps the writer's
     ``.metadata`` failure: megatron's async save must pass it the writer whose ``finish`` its finalize calls,
     and return that method's request."""
+    from megatron.core.dist_checkpointing.strategies.state_dict_saver import save_state_dict_async_finalize
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     source = inspect.getsource(TorchDistSaveShardedStrategy.async_save)
     assert "return self._get_save_and_finalize_callbacks(writer, save_state_dict_ret" in source
+    assert "storage_writer.finish(global_metadata, all_results)" in inspect.getsource(save_state_dict_async_finalize)
 
 
 def test_save_strategy_plan_cache_attributes():

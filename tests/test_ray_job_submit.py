@@ -24,10 +24,13 @@ def _free_ports(count: int) -> list[int]:
     only once its head starts, and every outgoing connection (other tests' gloo groups) and bind to port 0
     meanwhile draws from that range."""
     ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    low, high = (20000, ephemeral_low) if ephemeral_low > 21000 else (61000, 65536)  # a host whose range starts low
     ports: list[int] = []
     pick = random.SystemRandom()
-    while len(ports) < count:
-        port = pick.randrange(20000, ephemeral_low)
+    for _ in range(10000):
+        if len(ports) == count:
+            return ports
+        port = pick.randrange(low, high)
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
@@ -35,7 +38,7 @@ def _free_ports(count: int) -> list[int]:
                 continue
         if port not in ports:
             ports.append(port)
-    return ports
+    raise AssertionError(f"no {count} free ports in {low}-{high}")
 
 
 def test_ray_job_submit_to_loopback_head(tmp_path, tiny_moe_path):

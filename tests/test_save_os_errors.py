@@ -196,11 +196,12 @@ def _a_save_whose_metadata_rank_0_cannot_write(src: str, root: str, mode: str, f
         message = "saved"
     except CheckpointError as exc:
         message = str(exc)
-    if rank == 0:
-        while not os.path.exists(met):
-            time.sleep(0.1)
-    else:
-        open(met, "w").close()
+    finally:
+        if rank == 1:
+            open(met, "w").close()  # whatever rank 1 raised: rank 0 then returns, and rank 1's error is reported
+    deadline = time.monotonic() + 180
+    while rank == 0 and not os.path.exists(met) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return message
 
 

@@ -271,7 +271,7 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
             return super()._get_save_and_finalize_callbacks(writer, *args, **kwargs)
         writer.finish = kept = _KeptFailure(writer.finish)
         request = super()._get_save_and_finalize_callbacks(writer, *args, **kwargs)
-        request.finalize_fns.append(lambda: RankComm().agree(kept.failure, "write its dist checkpoint's .metadata"))
+        request.finalize_fns.append(lambda: RankComm().agree(kept.error, "write its dist checkpoint's .metadata"))
         return request
 
 
@@ -280,13 +280,13 @@ class _KeptFailure:
 
     def __init__(self, finish: Callable[[Any, Any], None]) -> None:
         self.finish = finish
-        self.failure: Exception | None = None
+        self.error: Exception | None = None
 
     def __call__(self, metadata: Any, results: Any) -> None:
         try:
             self.finish(metadata, results)
         except Exception as exc:  # noqa: BLE001 - every rank fails with it, in the agreement after the finalize
-            self.failure = exc
+            self.error = exc
 
 
 @contextlib.contextmanager

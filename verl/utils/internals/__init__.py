@@ -93,8 +93,8 @@ class Internal:
         else:
             try:
                 value = importlib.import_module(module_name)
-            except ImportError as exc:
-                raise self.changed(f"its module cannot be imported ({exc})") from exc
+            except Exception as exc:  # noqa: BLE001 - any failure to import it is a change, named
+                raise self.changed(f"its module cannot be imported ({type(exc).__name__}: {exc})") from exc
         for part in parts:
             try:
                 value = getattr(value, part)
