@@ -252,13 +252,10 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         )
         # The coordinator's ``.metadata``, and every rank told how that went in one all-reduce: megatron's
         # finalize raised a failed write there before the broadcast the other ranks waited in.
-        failure = None
+        finish = _KeptFailure(writer.finish)
         if plan.dist_wrapper.is_coordinator:
-            try:
-                writer.finish(plan.metadata, results)
-            except Exception as exc:  # noqa: BLE001 - every rank fails with it, in the agreement
-                failure = exc
-        self._comm.agree(failure, "write its dist checkpoint's .metadata")
+            finish(plan.metadata, results)
+        self._comm.agree(finish.error, "write its dist checkpoint's .metadata")
 
     def _get_save_and_finalize_callbacks(self, writer: Any, *args: Any, **kwargs: Any) -> Any:
         """megatron's async save's request (a save planned in the rank), whose finalize raised a failed
@@ -276,7 +273,8 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
 
 
 class _KeptFailure:
-    """A writer's ``finish`` (the coordinator's ``.metadata``) that keeps its error instead of raising it."""
+    """A writer's ``finish`` (the coordinator's ``.metadata``) that keeps its error instead of raising it, for the
+    agreement that tells every rank."""
 
     def __init__(self, finish: Callable[[Any, Any], None]) -> None:
         self.finish = finish

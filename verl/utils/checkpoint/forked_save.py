@@ -170,6 +170,8 @@ def finish_forked_save(staging: str, rank: int, strategies: dict[str, tuple]) ->
     if failed:
         failed.sort(key=lambda f: "without a result" not in f[1])  # a fork that died first is the cause
         raise CheckpointError(f"the background save failed on {len(failed)} rank(s): " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+    if not everyone[0]["writes"]:  # rank 0 writes nothing here: the rank planned them, megatron's finalize writes
+        return
     failure = None
     if rank == 0:
         try:
