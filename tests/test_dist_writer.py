@@ -300,6 +300,37 @@ def test_an_in_rank_writer_internal_gone_falls_back_to_megatrons_writer_naming_i
     assert report["warned"] and "forked writer" in report["warned"][0]
 
 
+def _save_with_common_strategy_changed(root: str) -> dict:
+    import warnings
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.base import SaveCommonStrategy
+
+    SaveCommonStrategy.save_common = lambda self, common_state_dict, checkpoint_dir, renamed=None: None  # a changed signature
+    strategy = dist_writer.InRankSaveStrategy()
+    weight = torch.arange(16.0).reshape(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy.save_agreeing_on_rank_zero_files(
+            dist_checkpointing.save,
+            sharded_state_dict={"w": ShardedTensor.from_rank_offsets("w", weight, replica_id=0)},
+            checkpoint_dir=root,
+            sharded_strategy=strategy,
+        )
+    loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4), replica_id=0)}, root)
+    messages = [str(w.message) for w in caught if megatron_core.SAVE_COMMON.name in str(w.message)]
+    return {"warned": messages, "loaded": torch.equal(loaded["w"], weight), "files": sorted(os.listdir(root))}
+
+
+def test_a_changed_common_strategy_leaves_rank_0s_own_files_to_megatron_naming_it(tmp_path):
+    """Where megatron's save no longer takes its common strategy and metadata.json writer as the strategy
+    expects, the save warns naming the internal and megatron writes both files itself, as without the takeover."""
+    report = run_on_ranks(_save_with_common_strategy_changed, 1, ParallelSizes(), args=(str(tmp_path),))[0]
+    assert report["warned"] and "fails there alone" in report["warned"][0], report
+    assert report["loaded"] and {"common.pt", "metadata.json", ".metadata"} <= set(report["files"]), report
+
+
 def test_an_item_without_record_crc_is_torch_saves_archive_and_loads_back():
     """The in-rank writer's tensor item: the bytes torch.save writes with its (process-wide) CRC switch off,
     and what DCP's reader does with them (torch.load) gives the tensor back; torch.save's own setting is

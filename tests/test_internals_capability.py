@@ -224,6 +224,10 @@ def _mcore_features():
             torch.get_rng_state,
             torch.set_rng_state,
         ),
+        **{
+            internal: (lambda: megatron_core.rank_zero_files_taken(lambda common: common, lambda config, path: None).__enter__(),)
+            for internal in megatron_core.RANK_ZERO_FILES
+        },
         megatron_core.GATHER_FIRST_DIM: (megatron_core.replace_first_dim_collectives, None, None),
         megatron_core.REDUCE_SCATTER_FIRST_DIM: (megatron_core.first_dim_collectives,),
         **{
@@ -252,6 +256,12 @@ def test_a_megatron_internal_removed_fails_the_feature_naming_it_and_replaces_no
     _fails_naming(internal, feature, *args)
     assert {(id(owner), name): vars(owner).get(name) for owner, name in replaced} == before  # none half-replaced
     _others_still_pass(internal)
+
+
+def test_an_async_finalize_not_ending_with_megatrons_metadata_json_write_is_named_and_left_alone():
+    request = megatron_core.async_request(None, (), [print, len])
+    _fails_naming(megatron_core.SAVE_FINALIZE, megatron_core.replace_metadata_finalize, request, dict)
+    assert request.finalize_fns == [print, len]
 
 
 def test_a_one_rank_load_keeps_its_collectives_where_torchs_load_state_dict_changed(monkeypatch):

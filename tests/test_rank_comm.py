@@ -103,3 +103,15 @@ def test_an_agreement_reports_every_failure_and_a_changed_value_is_never_missed(
         assert seen["reused"] == (kind != "forked")  # a forked group lives for one save: it keeps no gather
         everyone = [{"n": 0}, {"n": 1}, {"n": 2}]
         assert seen["to_rank_zero"] == ([everyone, everyone, [{"n": 0}, {"n": 2}, {"n": 2}]] if rank == 0 else [None] * 3)
+
+
+def test_a_peer_failure_keeps_which_rank_failed_at_what_through_a_pickle():
+    """A rank's error may cross a process boundary (a spawned rank's result): the failed rank and step stay."""
+    import pickle
+
+    from verl.utils.rank_comm import PeerFailure
+
+    failure = pickle.loads(pickle.dumps(PeerFailure("rank 0 could not write its HF files", "OSError: [Errno 28] No space left on device: '/x'")))
+    assert failure.failed == "rank 0 could not write its HF files"
+    assert str(failure) == "rank 0 could not write its HF files (OSError: [Errno 28] No space left on device: '/x')"
+

@@ -120,6 +120,12 @@ def test_an_errno_is_found_wherever_it_is_wrapped():
     assert find_os_error(ValueError("no errno here")) is None
 
 
+def test_another_ranks_os_error_as_text_keeps_its_file_name():
+    peer = RuntimeError("rank 0 could not write it (OSError: [Errno 28] No space left on device: '/ckpt/a b/.metadata')")
+    assert find_os_error(peer).describe("/elsewhere") == "No space left on device (ENOSPC) writing /ckpt/a b/.metadata"
+    assert find_os_error(RuntimeError("failed (os error 28)")).describe("/staging") == "No space left on device (ENOSPC) writing /staging"
+
+
 def test_a_write_that_fails_without_an_errno_on_a_full_disk_is_named_enospc(tmp_path):
     """torch's zip writer reports a stream's ENOSPC as ``unexpected pos``: the full filesystem tells."""
     from verl.utils.checkpoint.integrity import CheckpointError
@@ -171,12 +177,41 @@ def test_a_run_whose_save_fills_the_disk_leaves_no_staging_behind(tmp_path, env,
         assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
-def _a_save_whose_metadata_rank_0_cannot_write(src: str, root: str, mode: str, failing: int, met: str) -> str:
-    """Steps 1 to ``failing`` - 1 saved; then step ``failing``, whose ``.metadata`` write (rank 0's alone) fails
-    for a full disk. Each rank's error, or "saved". Rank 0 stays in the run until rank 1 has its error: a rank 1
-    still waiting for it would never get one, and ``run_on_ranks`` fails the test at its timeout."""
+def _full_disk(path: str) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def _fail_on_rank_0(file: str) -> None:
+    """From now on this rank's writes of ``file`` (one of the three a dist checkpoint's rank 0 writes alone)
+    fail for a full disk."""
+    from megatron.core.dist_checkpointing import core, serialization
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
     from torch.distributed.checkpoint import FileSystemWriter
 
+    if file == ".metadata":
+
+        def finish(writer, metadata, results) -> None:
+            raise _full_disk(os.path.join(str(writer.path), file))
+
+        FileSystemWriter.finish = finish
+    elif file == "common.pt":
+
+        def save_common(strategy, common_state_dict, checkpoint_dir) -> None:
+            raise _full_disk(os.path.join(str(checkpoint_dir), file))
+
+        TorchCommonSaveStrategy.save_common = save_common
+    else:
+
+        def save_config(config, checkpoint_dir) -> None:
+            raise _full_disk(os.path.join(str(checkpoint_dir), file))
+
+        core.save_config = serialization.save_config = save_config
+
+
+def _a_save_whose_metadata_rank_0_cannot_write(src: str, root: str, mode: str, failing: int, met: str, file: str) -> str:
+    """Steps 1 to ``failing`` - 1 saved; then step ``failing``, whose ``file`` write (rank 0's alone) fails for a
+    full disk. Each rank's error, or "saved". Rank 0 stays in the run until rank 1 has its error: a rank 1 still
+    waiting for it would never get one, and ``run_on_ranks`` fails the test at its timeout."""
     rank = torch.distributed.get_rank()
     actor = _actor(src) if mode == "sync" else _actor(src, async_save=True, async_mode=mode)
     actor.train_step(_batches(0))
@@ -184,12 +219,7 @@ def _a_save_whose_metadata_rank_0_cannot_write(src: str, root: str, mode: str, f
         actor.save_checkpoint(_step_path(root, step), global_step=step, track=True)
         actor.finalize_checkpoint()
     if rank == 0:
-
-        def finish(writer, metadata, results) -> None:
-            path = os.path.join(str(writer.path), ".metadata")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-
-        FileSystemWriter.finish = finish
+        _fail_on_rank_0(file)
     try:
         actor.save_checkpoint(_step_path(root, failing), global_step=failing, track=True)
         actor.finalize_checkpoint()
@@ -206,16 +236,33 @@ def _a_save_whose_metadata_rank_0_cannot_write(src: str, root: str, mode: str, f
 
 
 @pytest.mark.parametrize(
-    ("mode", "failing"),
-    [("sync", 2), ("background_write", 2), ("background_write", 3)],
-    ids=["sync", "async-planned-in-the-rank", "async-plan-reused"],
+    ("mode", "failing", "file"),
+    [
+        ("sync", 2, ".metadata"),
+        ("background_write", 2, ".metadata"),
+        ("background_write", 3, ".metadata"),
+        ("sync", 2, "common.pt"),
+        ("sync", 2, "metadata.json"),
+        ("background_write", 2, "common.pt"),
+        ("background_write", 2, "metadata.json"),
+    ],
+    ids=[
+        "sync",
+        "async-planned-in-the-rank",
+        "async-plan-reused",
+        "sync-common.pt",
+        "sync-metadata.json",
+        "async-planned-in-the-rank-common.pt",
+        "async-planned-in-the-rank-metadata.json",
+    ],
 )  # an async save's plan is reused from a strategy's third save: its fork plans, the ranks finalize without megatron
-def test_a_metadata_write_that_fails_on_rank_0_fails_every_rank_naming_it(tiny_moe_path, tmp_path, mode, failing):
+def test_a_metadata_write_that_fails_on_rank_0_fails_every_rank_naming_it(tiny_moe_path, tmp_path, mode, failing, file):
     root = str(tmp_path / "run")
     rank_0, rank_1 = run_on_ranks(
-        _a_save_whose_metadata_rank_0_cannot_write, WORLD, LAYOUT, args=(tiny_moe_path, root, mode, failing, str(tmp_path / "met")), timeout_s=240
+        _a_save_whose_metadata_rank_0_cannot_write, WORLD, LAYOUT, args=(tiny_moe_path, root, mode, failing, str(tmp_path / "met"), file), timeout_s=240
     )
-    cause = f"No space left on device (ENOSPC) writing {_step_path(root, failing)}.incomplete/optimizer/dist_ckpt/.metadata"
+    cause = f"No space left on device (ENOSPC) writing {_step_path(root, failing)}.incomplete/optimizer/dist_ckpt/{file}"
     assert cause in rank_0, rank_0
-    assert "failed (PeerFailure: No space left on device (ENOSPC) writing" in rank_1 and "Nothing was committed" in rank_1, rank_1
+    assert "failed (PeerFailure: rank 0 could not write its dist checkpoint" in rank_1 and cause in rank_1, rank_1  # the file, not the step
+    assert "Nothing was committed" in rank_1, rank_1
     assert _tracked(root) == str(failing - 1) and not os.path.exists(_step_path(root, failing))

@@ -14,7 +14,7 @@ import datetime
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -78,14 +78,19 @@ class RankComm:
         changed = share is not None and self._changed(what, share)
         failed, changed = self.any(error is not None, changed)
         if failed:
-            gathered = self.all_gather_object(describe(error) if error else None)
-            if error is not None:
-                raise error
-            rank, cause = next((rank, cause) for rank, cause in enumerate(gathered) if cause)
-            raise PeerFailure(f"rank {rank} could not {what} ({cause})")
+            self.fail_together(error, what)
         if share is None:
             return [None] * self.world_size
         return self._gather(what, share, gather or self.all_gather_object) if changed else self._last(what)
+
+    def fail_together(self, error: BaseException | None, what: str) -> NoReturn:
+        """Every rank, once an ``any`` has told them some rank failed ``what``: the failed rank raises its own
+        ``error``, the others ``PeerFailure`` naming the first that failed (one gather of the descriptions)."""
+        gathered = self.all_gather_object(describe(error) if error else None)
+        if error is not None:
+            raise error
+        rank, cause = next((rank, cause) for rank, cause in enumerate(gathered) if cause)
+        raise PeerFailure(f"rank {rank} could not {what}", cause)
 
     def gather_unless_unchanged(self, key: str, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (``all_gather_object``); with ``keep_gathers``, when no rank's ``obj``
@@ -116,7 +121,15 @@ class RankComm:
 
 
 class PeerFailure(RuntimeError):
-    """Another rank failed a step every rank takes together (``RankComm.agree``); its cause is in the text."""
+    """Another rank failed a step every rank takes together (``RankComm.agree``): ``failed`` says which rank and
+    what (``rank 0 could not write ...``), the text adds its cause (that rank's error, one line)."""
+
+    def __init__(self, failed: str, cause: str) -> None:
+        super().__init__(f"{failed} ({cause})")
+        self.failed, self.cause = failed, cause
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.failed, self.cause)
 
 
 def describe(error: BaseException) -> str:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import math
 import os
@@ -47,6 +48,7 @@ from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.strategies.base import SaveCommonStrategy
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
@@ -213,6 +215,9 @@ class InRankWriter(FileSystemWriter):
         return self._results
 
 
+_METADATA_FILES = "write its dist checkpoint's .metadata and metadata.json"
+
+
 class InRankSaveStrategy(TorchDistSaveShardedStrategy):
     """megatron's torch_dist save strategy whose sync ``save`` writes in the rank's threads (``InRankWriter``)
     and reuses its plan from the second save; ``async_save`` stays megatron's (a forked writer)."""
@@ -226,9 +231,51 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.last_direct = 0  # tensor items the last sync save resolved without megatron's conversion
         self.archives: dict = {}  # the tensor items' archive templates (``write_archive``), kept across saves
         self._comm: RankComm | None = None  # the default group, made at the first save, keeping the write results' gather
+        self._common = _KeptFailure(None)  # rank 0's common.pt write of the save in progress (``save_agreeing_on_rank_zero_files``)
+        self._config_path: str | None = None  # where this save wrote metadata.json itself (megatron's write then skipped)
+        self._async_metadata: tuple[_KeptFailure, str] | None = None  # an async save's kept .metadata write, and where
+
+    def save_agreeing_on_rank_zero_files(self, save: Callable[..., Any], **kwargs: Any) -> Any:
+        """``save(**kwargs)``: megatron's save with this strategy (what it returns), where the three files megatron
+        writes on rank 0 alone, each before a collective the other ranks wait in, fail every rank when that write
+        fails. ``common.pt``'s error is kept for the save's first agreement (the sync save's plan reuse, an async
+        save's own); ``.metadata`` and ``metadata.json`` are written together, before the agreement on both (a sync
+        save's last; an async save's finalize, in place of megatron's barrier)."""
+        self._common, self._config_path, self._async_metadata = _KeptFailure(None), None, None
+        with contextlib.ExitStack() as taken:
+            try:
+                taken.enter_context(megatron_core.rank_zero_files_taken(self._kept_common_strategy, self._save_config_unless_written))
+            except InternalsChangedError as exc:
+                warnings.warn(f"{exc} A common.pt or metadata.json write that fails on rank 0 fails there alone.", stacklevel=2)
+            try:
+                request = save(**kwargs)
+            finally:
+                self._common = _KeptFailure(None)  # a fork's save of a reused plan takes nothing over: no agreement
+        if request is not None and self._async_metadata is not None:
+            finish, path = self._async_metadata
+            agreement = functools.partial(self._agree_on_metadata_files, finish, path)
+            try:
+                megatron_core.replace_metadata_finalize(request, agreement)
+            except InternalsChangedError as exc:
+                warnings.warn(f"{exc} A metadata.json write that fails on rank 0 fails there alone.", stacklevel=2)
+                request.finalize_fns.insert(len(request.finalize_fns) - 1, lambda: RankComm().agree(finish.error, _METADATA_FILES))
+        return request
+
+    def _kept_common_strategy(self, default: SaveCommonStrategy) -> SaveCommonStrategy:
+        self._common = _KeptFailure(default.save_common)
+        return _KeptCommonSave(default, self._common)
+
+    def _save_config_unless_written(self, config: Any, checkpoint_dir: str | Path) -> None:
+        if self._config_path != str(checkpoint_dir):
+            megatron_core.SAVE_CONFIG.get()(config, checkpoint_dir)
+
+    def async_save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> Any:
+        if self._common.write is not None:  # planned in the rank (a forked writer's plan is reused, in the fork)
+            _everyone_agrees(True, self._common.error)
+        return super().async_save(sharded_state_dict, checkpoint_dir)
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
-        reuse = _everyone_agrees(self.cached_central_plan is not None)
+        reuse = _everyone_agrees(self.cached_central_plan is not None, self._common.error)
         writer = InRankWriter(checkpoint_dir, self.fsync, self.archives)
         try:
             for internal in torch_internals.IN_RANK_WRITER:  # checked before planning, like the megatron internals
@@ -250,41 +297,69 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         results = self._comm.agree(
             writer.failure, "write its dist checkpoint files", share=writer.retrieve_write_results(), gather=plan.dist_wrapper.gather_object
         )
-        # The coordinator's ``.metadata``, and every rank told how that went in one all-reduce: megatron's
-        # finalize raised a failed write there before the broadcast the other ranks waited in.
+        # The coordinator's ``.metadata`` and ``metadata.json``, and every rank told how that went in one
+        # all-reduce: megatron's finalize raised a failed write there before the broadcast (``.metadata``) or
+        # the barrier (``metadata.json``) the other ranks waited in.
         finish = _KeptFailure(writer.finish)
         if plan.dist_wrapper.is_coordinator:
             finish(plan.metadata, results)
-        self._comm.agree(finish.error, "write its dist checkpoint's .metadata")
+        self._agree_on_metadata_files(finish, str(writer.path), self._comm)
+
+    def _agree_on_metadata_files(self, finish: _KeptFailure, path: str, comm: RankComm | None = None) -> None:
+        """Every rank: rank 0 writes ``metadata.json`` after its ``.metadata`` (``finish``) was written, then all
+        agree on both."""
+        config = _KeptFailure(megatron_core.write_checkpointing_config)
+        if dist.get_rank() == 0 and finish.error is None:
+            config(self, path)
+            self._config_path = path
+        (comm or RankComm()).agree(finish.error or config.error, _METADATA_FILES)
 
     def _get_save_and_finalize_callbacks(self, writer: Any, *args: Any, **kwargs: Any) -> Any:
         """megatron's async save's request (a save planned in the rank), whose finalize raised a failed
         ``.metadata`` write on the coordinator alone, before the broadcast the other ranks waited in: the failure
-        is kept there, and every rank learns it in one all-reduce after megatron's finalize."""
+        is kept there, for the agreement that ends the finalize (``save_agreeing_on_rank_zero_files``)."""
         try:
             megatron_core.SAVE_CALLBACKS.get()
         except InternalsChangedError as exc:
             warnings.warn(f"{exc} A .metadata write that fails on the coordinator fails there alone.", stacklevel=2)
             return super()._get_save_and_finalize_callbacks(writer, *args, **kwargs)
         writer.finish = kept = _KeptFailure(writer.finish)
-        request = super()._get_save_and_finalize_callbacks(writer, *args, **kwargs)
-        request.finalize_fns.append(lambda: RankComm().agree(kept.error, "write its dist checkpoint's .metadata"))
-        return request
+        self._async_metadata = (kept, str(writer.path))
+        return super()._get_save_and_finalize_callbacks(writer, *args, **kwargs)
 
 
 class _KeptFailure:
-    """A writer's ``finish`` (the coordinator's ``.metadata``) that keeps its error instead of raising it, for the
-    agreement that tells every rank."""
+    """A write of rank 0's alone (``.metadata``, ``metadata.json``, ``common.pt``) that keeps its error instead of
+    raising it, for the agreement that tells every rank (None: nothing to write, no error)."""
 
-    def __init__(self, finish: Callable[[Any, Any], None]) -> None:
-        self.finish = finish
+    def __init__(self, write: Callable[..., None] | None) -> None:
+        self.write = write
         self.error: Exception | None = None
 
-    def __call__(self, metadata: Any, results: Any) -> None:
+    def __call__(self, *args: Any) -> None:
         try:
-            self.finish(metadata, results)
-        except Exception as exc:  # noqa: BLE001 - every rank fails with it, in the agreement after the finalize
+            self.write(*args)
+        except Exception as exc:  # noqa: BLE001 - every rank fails with it, in the agreement that follows
             self.error = exc
+
+
+class _KeptCommonSave(SaveCommonStrategy):
+    """megatron's common strategy (``default``) whose ``save_common`` (rank 0's ``common.pt``) keeps its error."""
+
+    def __init__(self, default: SaveCommonStrategy, save_common: _KeptFailure) -> None:
+        super().__init__(default.backend, default.version)
+        self.default = default
+        self.kept_save_common = save_common
+
+    def save_common(self, common_state_dict: dict, checkpoint_dir: str | Path) -> None:
+        self.kept_save_common(common_state_dict, checkpoint_dir)
+
+    def save_sharded_objects(self, sharded_objects_state_dict: dict, checkpoint_dir: str | Path) -> None:
+        self.default.save_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return self.default.can_handle_sharded_objects
 
 
 @contextlib.contextmanager
@@ -304,9 +379,15 @@ def collection_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _everyone_agrees(mine: bool) -> bool:
-    """Whether ``mine`` holds on every rank (one tiny collective; every rank of a save calls it in turn)."""
+def _everyone_agrees(mine: bool, common_error: Exception | None) -> bool:
+    """Whether ``mine`` holds on every rank (one tiny collective; every rank of a save calls it in turn), which
+    also carries rank 0's failed ``common.pt`` write: then every rank raises."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        if common_error is not None:
+            raise common_error
         return mine
-    (someone_not,) = RankComm().any(not mine)
+    comm = RankComm()
+    failed, someone_not = comm.any(common_error is not None, not mine)
+    if failed:
+        comm.fail_together(common_error, "write its dist checkpoint's common.pt")
     return not someone_not

@@ -181,4 +181,4 @@ def finish_forked_save(staging: str, rank: int, strategies: dict[str, tuple]) ->
         except Exception as exc:  # noqa: BLE001 - every rank fails with it, in the agreement
             failure = exc
     # rank 0 alone writes them: the other ranks would otherwise go on into the next collective without it
-    RankComm().agree(failure, "write its dist checkpoints' .metadata")
+    RankComm().agree(failure, "write its dist checkpoints' .metadata and metadata.json")

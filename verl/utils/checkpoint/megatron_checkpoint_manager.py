@@ -57,7 +57,7 @@ from verl.utils.checkpoint.megatron_state_dicts import (
 from verl.utils.device import get_device_name
 from verl.utils.internals import megatron_core
 from verl.utils.megatron.dist_checkpointing import load_dist_checkpointing, save_dist_checkpointing  # noqa: F401 (upstream's seams)
-from verl.utils.rank_comm import GroupRankComm, RankComm, forked_groups_possible
+from verl.utils.rank_comm import GroupRankComm, PeerFailure, RankComm, forked_groups_possible
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -459,6 +459,8 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
         except (Exception, DistributedCheckpointException) as exc:  # the latter derives from BaseException
             found = os_errors.explain(exc, save.local_path)  # ENOSPC or another errno, named with the path
             cause = found.describe(save.local_path) if found else (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            if found and isinstance(exc, PeerFailure):  # which rank failed, and at what
+                cause = f"{exc.failed}: {cause}"
             save.failure, save.state = f"{type(exc).__name__}: {cause}", SaveState.FAILED
             raise CheckpointError(f"saving step {save.global_step} to {save.local_path} failed ({type(exc).__name__}: {cause})") from exc
 
@@ -480,7 +482,8 @@ class MegatronCheckpointManager(MegatronLoads, MegatronStateDicts, MegatronMetad
             strategy = dist_writer.InRankSaveStrategy(fsync=False) if fresh else known[1]  # in-rank; the sealer fsyncs
             if content == "optimizer":
                 self._planned_optimizer_layout = optimizer_layout(self.optimizer)
-            request = save_dist_checkpointing(
+            request = strategy.save_agreeing_on_rank_zero_files(
+                save_dist_checkpointing,
                 sharded_state_dict=state,
                 ckpt_path=path,
                 async_save=in_background,

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from verl.utils.checkpoint.errors import CheckpointError
 
 FULL_MARGIN_BYTES = 1 << 20  # the least room a failed write without an errno must find for it not to be ENOSPC
-_TEXT_ERRNO = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")  # Rust's io::Error; Python's OSError as text
+_TEXT_ERRNO = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\][^:]*(?:: '([^']+)')?")  # Rust's io::Error; Python's OSError as text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,8 @@ def _linked(exc: BaseException) -> Iterator[BaseException]:
 
 def find_os_error(exc: BaseException, text: bool = True) -> OsFailure | None:
     """The first OSError (with an errno) in ``exc`` or what it wraps; with ``text``, also an errno only its
-    message holds (an error raised outside Python). The first file name any of them carries is kept."""
+    message holds (an error raised outside Python, or another rank's as text). The first file name any of them
+    carries is kept (in text, the one Python's OSError prints after its errno)."""
     chain = list(_linked(exc))
     filename = next((str(e.filename) for e in chain if isinstance(e, OSError) and e.filename), None)
     for current in chain:
@@ -72,7 +73,7 @@ def find_os_error(exc: BaseException, text: bool = True) -> OsFailure | None:
         for current in chain:
             match = _TEXT_ERRNO.search(str(current))
             if match:
-                return _failure(int(match.group(1) or match.group(2)), filename)
+                return _failure(int(match.group(1) or match.group(2)), filename or match.group(3))
     return None
 
 

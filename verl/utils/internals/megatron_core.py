@@ -137,6 +137,21 @@ SAVE_CALLBACKS = Internal(
     params=("self", "writer", "save_state_dict_ret"),
     exact=False,
 )
+# megatron's save writes two files on rank 0 alone, through two names of its module that it looks up per call:
+# common.pt (its common strategy's ``save_common``) before the sharded strategy's first collective, metadata.json
+# (``save_config``) before a barrier. dist_writer's strategy takes both over for a sync save, so that a failed
+# write there fails every rank in the save's own agreements instead of leaving the peers in a collective.
+_SERIALIZATION = "megatron.core.dist_checkpointing.serialization"
+_RANK_ZERO_FILES = "every rank told of a failed common.pt or metadata.json write"
+METADATA_FINALIZE = "metadata_finalize_fn"  # the name of the function megatron's save ends an async finalize with
+SAVE_FINALIZE = Internal(MC, f"{_SERIALIZATION}:save", _RANK_ZERO_FILES)  # its maker
+RANK_ZERO_FILES = (
+    SAVE_COMMON_STRATEGY := Internal(MC, f"{_SERIALIZATION}:get_default_save_common_strategy", _RANK_ZERO_FILES, params=("backend", "version")),
+    SERIALIZATION_SAVE_CONFIG := Internal(MC, f"{_SERIALIZATION}:save_config", _RANK_ZERO_FILES, params=("config", "checkpoint_dir")),
+    SAVE_COMMON := Internal(
+        MC, "megatron.core.dist_checkpointing.strategies.base:SaveCommonStrategy.save_common", _RANK_ZERO_FILES, params=("self", "common_state_dict", "checkpoint_dir")
+    ),
+)
 # Set on each strategy by its constructor: read from the instance, like PLAN_CACHE.
 STRATEGY_SETTINGS = tuple(
     Internal(MC, f"{_STRATEGY}.{name}", _IN_RANK) for name in ("keep_only_main_replica", "cached_local_plan")
@@ -215,6 +230,7 @@ INTERNALS = (
     LOAD_STATE_DICT,
     CAT_MERGE,
     SAVE_CALLBACKS,
+    *RANK_ZERO_FILES,
     DUMMY_OPTIMIZER_STATE,
     PARAM_ID_MAP,
     GET_CUDA_RNG_STATE,
@@ -410,10 +426,41 @@ def write_checkpoint_metadata(strategy: TorchDistSaveShardedStrategy, path: str,
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     WRITER_FINISH.get()
-    config_class, save_config = CHECKPOINTING_CONFIG.get(), SAVE_CONFIG.get()  # all checked before writing
-    metadata, backend, version = (PLAN_CACHE[i].get(strategy) for i in (2, 3, 4))
-    FileSystemWriterAsync(path).finish(metadata, all_results)
-    save_config(config_class(backend, version), path)
+    CHECKPOINTING_CONFIG.get(), SAVE_CONFIG.get()  # all checked before writing
+    FileSystemWriterAsync(path).finish(PLAN_CACHE[2].get(strategy), all_results)
+    write_checkpointing_config(strategy, path)
+
+
+def write_checkpointing_config(strategy: TorchDistSaveShardedStrategy, path: str) -> None:
+    """Rank 0: a dist checkpoint's ``metadata.json`` (the strategy's ``backend`` / ``version``), as megatron's
+    save writes it."""
+    backend, version = PLAN_CACHE[3].get(strategy), PLAN_CACHE[4].get(strategy)
+    SAVE_CONFIG.get()(CHECKPOINTING_CONFIG.get()(backend, version), path)
+
+
+def replace_metadata_finalize(request: AsyncRequest, finalize: Callable[[], None]) -> None:
+    """``finalize`` in place of the last of an async save's finalize functions: megatron's save appends one that
+    writes ``metadata.json`` on rank 0, then waits in a barrier. ``InternalsChangedError`` where the request
+    does not end with it (nothing replaced)."""
+    last = request.finalize_fns[-1] if request.finalize_fns else None
+    if getattr(last, "__name__", None) != METADATA_FINALIZE:
+        raise SAVE_FINALIZE.changed(f"no longer ends an async save's finalize with {METADATA_FINALIZE} (found {last!r})")
+    request.finalize_fns[-1] = finalize
+
+
+@contextlib.contextmanager
+def rank_zero_files_taken(wrap_common: Callable[[Any], Any], save_config: Callable[[Any, Any], None]) -> Iterator[None]:
+    """For its length, megatron's ``save`` takes its common strategy through ``wrap_common`` (given the default
+    one) and writes ``metadata.json`` with ``save_config``. ``InternalsChangedError`` before anything changes."""
+    default_common, original_config = (internal.get() for internal in RANK_ZERO_FILES[:2])
+    RANK_ZERO_FILES[2].get()
+    _setattr(SAVE_COMMON_STRATEGY, lambda *args, **kwargs: wrap_common(default_common(*args, **kwargs)))
+    _setattr(SERIALIZATION_SAVE_CONFIG, save_config)
+    try:
+        yield
+    finally:
+        _setattr(SAVE_COMMON_STRATEGY, default_common)
+        _setattr(SERIALIZATION_SAVE_CONFIG, original_config)
 
 
 Place = tuple[str, tuple[int, ...]]  # a write item's key and global offset (DCP's ``MetadataIndex`` fqn, offset)
