@@ -375,6 +375,8 @@ def test_disk_full_fails_clearly_and_loses_nothing(tiny_moe_path, base_root, tmp
         assert "failed" in message and "previous checkpoint and the tracker are unchanged" in message, message
         assert "File too large (EFBIG)" in message, message
         assert intact
+    if limited == (1,):  # rank 0's error names the rank that failed, at what, and its file
+        assert "(PeerFailure: rank 1 could not " in results[0][0] and ": File too large (EFBIG) writing " + root in results[0][0], results[0][0]
     assert _tracked(root) == "2"
     verify_checkpoint(_step_path(root, 1))
     verify_checkpoint(_step_path(root, 2))

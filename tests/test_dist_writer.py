@@ -300,14 +300,45 @@ def test_an_in_rank_writer_internal_gone_falls_back_to_megatrons_writer_naming_i
     assert report["warned"] and "forked writer" in report["warned"][0]
 
 
-def _save_with_common_strategy_changed(root: str) -> dict:
+def _fallback_save_whose_metadata_fails(root: str) -> str:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    module_name, _, name = megatron_core.PLAN_SAVE.path.partition(":")
+    delattr(__import__(module_name, fromlist=[name]), name)  # megatron's forked writer takes the save
+
+    def finish(writer, metadata, results) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(str(writer.path), ".metadata"))
+
+    FileSystemWriter.finish = finish
+    strategy = dist_writer.InRankSaveStrategy()
+    try:
+        strategy.save_agreeing_on_rank_zero_files(
+            dist_checkpointing.save,
+            sharded_state_dict={"w": ShardedTensor.from_rank_offsets("w", torch.ones(4), replica_id=0)},
+            checkpoint_dir=root,
+            sharded_strategy=strategy,
+        )
+    except OSError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_save_that_falls_back_to_megatrons_writer_still_raises_a_failed_metadata_write(tmp_path):
+    message = run_on_ranks(_fallback_save_whose_metadata_fails, 1, ParallelSizes(), args=(str(tmp_path),))[0]
+    assert "No space left on device" in message and ".metadata" in message, message
+
+
+def _save_with_config_writer_changed(root: str) -> dict:
     import warnings
 
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from megatron.core.dist_checkpointing.strategies.base import SaveCommonStrategy
 
-    SaveCommonStrategy.save_common = lambda self, common_state_dict, checkpoint_dir, renamed=None: None  # a changed signature
+    original = serialization.save_config
+    serialization.save_config = lambda config, path: original(config, path)  # a parameter renamed
     strategy = dist_writer.InRankSaveStrategy()
     weight = torch.arange(16.0).reshape(4, 4)
     with warnings.catch_warnings(record=True) as caught:
@@ -319,14 +350,14 @@ def _save_with_common_strategy_changed(root: str) -> dict:
             sharded_strategy=strategy,
         )
     loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4), replica_id=0)}, root)
-    messages = [str(w.message) for w in caught if megatron_core.SAVE_COMMON.name in str(w.message)]
+    messages = [str(w.message) for w in caught if megatron_core.SERIALIZATION_SAVE_CONFIG.name in str(w.message)]
     return {"warned": messages, "loaded": torch.equal(loaded["w"], weight), "files": sorted(os.listdir(root))}
 
 
-def test_a_changed_common_strategy_leaves_rank_0s_own_files_to_megatron_naming_it(tmp_path):
-    """Where megatron's save no longer takes its common strategy and metadata.json writer as the strategy
-    expects, the save warns naming the internal and megatron writes both files itself, as without the takeover."""
-    report = run_on_ranks(_save_with_common_strategy_changed, 1, ParallelSizes(), args=(str(tmp_path),))[0]
+def test_a_changed_rank_0_file_writer_leaves_rank_0s_own_files_to_megatron_naming_it(tmp_path):
+    """Where megatron's save no longer writes common.pt and metadata.json as the strategy expects, the save warns
+    naming the internal and megatron writes both files itself, as without the takeover."""
+    report = run_on_ranks(_save_with_config_writer_changed, 1, ParallelSizes(), args=(str(tmp_path),))[0]
     assert report["warned"] and "fails there alone" in report["warned"][0], report
     assert report["loaded"] and {"common.pt", "metadata.json", ".metadata"} <= set(report["files"]), report
 

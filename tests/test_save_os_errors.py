@@ -124,6 +124,10 @@ def test_another_ranks_os_error_as_text_keeps_its_file_name():
     peer = RuntimeError("rank 0 could not write it (OSError: [Errno 28] No space left on device: '/ckpt/a b/.metadata')")
     assert find_os_error(peer).describe("/elsewhere") == "No space left on device (ENOSPC) writing /ckpt/a b/.metadata"
     assert find_os_error(RuntimeError("failed (os error 28)")).describe("/staging") == "No space left on device (ENOSPC) writing /staging"
+    quoted = RuntimeError(f"rank 1 could not write it (OSError: {OSError(errno.ENOSPC, 'No space left on device', 'it' + chr(39) + 's' + chr(92))})")
+    assert find_os_error(quoted).filename == "it's" + chr(92)
+    later_line = RuntimeError("[Errno 28] No space left on device\nwhile writing key: 'decoder.w'")
+    assert find_os_error(later_line).describe("/staging") == "No space left on device (ENOSPC) writing /staging"
 
 
 def test_a_write_that_fails_without_an_errno_on_a_full_disk_is_named_enospc(tmp_path):

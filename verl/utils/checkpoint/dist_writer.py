@@ -48,7 +48,6 @@ from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.strategies.base import SaveCommonStrategy
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
@@ -232,7 +231,7 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.archives: dict = {}  # the tensor items' archive templates (``write_archive``), kept across saves
         self._comm: RankComm | None = None  # the default group, made at the first save, keeping the write results' gather
         self._common = _KeptFailure(None)  # rank 0's common.pt write of the save in progress (``save_agreeing_on_rank_zero_files``)
-        self._config_path: str | None = None  # where this save wrote metadata.json itself (megatron's write then skipped)
+        self._config_written = False  # this save wrote metadata.json itself (megatron's write then skipped)
         self._async_metadata: tuple[_KeptFailure, str] | None = None  # an async save's kept .metadata write, and where
 
     def save_agreeing_on_rank_zero_files(self, save: Callable[..., Any], **kwargs: Any) -> Any:
@@ -241,38 +240,40 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         fails. ``common.pt``'s error is kept for the save's first agreement (the sync save's plan reuse, an async
         save's own); ``.metadata`` and ``metadata.json`` are written together, before the agreement on both (a sync
         save's last; an async save's finalize, in place of megatron's barrier)."""
-        self._common, self._config_path, self._async_metadata = _KeptFailure(None), None, None
+        self._common, self._config_written, self._async_metadata = _KeptFailure(None), False, None
+        kept = None
         with contextlib.ExitStack() as taken:
             try:
-                taken.enter_context(megatron_core.rank_zero_files_taken(self._kept_common_strategy, self._save_config_unless_written))
+                taken.enter_context(megatron_core.rank_zero_files_taken(self._kept_common, self._save_config_unless_written))
             except InternalsChangedError as exc:
                 warnings.warn(f"{exc} A common.pt or metadata.json write that fails on rank 0 fails there alone.", stacklevel=2)
             try:
                 request = save(**kwargs)
-            finally:
-                self._common = _KeptFailure(None)  # a fork's save of a reused plan takes nothing over: no agreement
-        if request is not None and self._async_metadata is not None:
-            finish, path = self._async_metadata
-            agreement = functools.partial(self._agree_on_metadata_files, finish, path)
+                kept = self._async_metadata
+            finally:  # nothing of this save held past it (the writer's buckets hold its tensors)
+                self._common, self._async_metadata = _KeptFailure(None), None  # a fork's save of a reused plan: no agreement
+        if request is not None and kept is not None:
+            finish, path = kept
             try:
-                megatron_core.replace_metadata_finalize(request, agreement)
+                write_config = megatron_core.checkpointing_config_writer(self)
+                megatron_core.replace_metadata_finalize(request, functools.partial(self._agree_on_metadata_files, finish, path, write_config))
             except InternalsChangedError as exc:
                 warnings.warn(f"{exc} A metadata.json write that fails on rank 0 fails there alone.", stacklevel=2)
-                request.finalize_fns.insert(len(request.finalize_fns) - 1, lambda: RankComm().agree(finish.error, _METADATA_FILES))
+                request.finalize_fns.insert(len(request.finalize_fns) - 1, functools.partial(self._agree_on_metadata_files, finish, path, None))
         return request
 
-    def _kept_common_strategy(self, default: SaveCommonStrategy) -> SaveCommonStrategy:
-        self._common = _KeptFailure(default.save_common)
-        return _KeptCommonSave(default, self._common)
+    def _kept_common(self, save_common: Callable[..., None]) -> _KeptFailure:
+        self._common = _KeptFailure(save_common)
+        return self._common
 
     def _save_config_unless_written(self, config: Any, checkpoint_dir: str | Path) -> None:
-        if self._config_path != str(checkpoint_dir):
+        if not self._config_written:
             megatron_core.SAVE_CONFIG.get()(config, checkpoint_dir)
 
-    def async_save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> Any:
+    def async_save(self, sharded_state_dict: dict, checkpoint_dir: str | Path, *args: Any, **kwargs: Any) -> Any:
         if self._common.write is not None:  # planned in the rank (a forked writer's plan is reused, in the fork)
             _everyone_agrees(True, self._common.error)
-        return super().async_save(sharded_state_dict, checkpoint_dir)
+        return super().async_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
         reuse = _everyone_agrees(self.cached_central_plan is not None, self._common.error)
@@ -280,11 +281,15 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         try:
             for internal in torch_internals.IN_RANK_WRITER:  # checked before planning, like the megatron internals
                 internal.get()
+            write_config = megatron_core.checkpointing_config_writer(self)
             plan = megatron_core.plan_torch_dist_save(self, sharded_state_dict, writer, reuse, self.agreed)
         except InternalsChangedError as exc:
             warnings.warn(f"{exc} This save is written by megatron's forked writer processes.", stacklevel=2)
             self.last_threads, self.last_files = 0, []
-            super().save(sharded_state_dict, checkpoint_dir)
+            super().save(sharded_state_dict, checkpoint_dir)  # its finalize kept a failed .metadata write
+            if self._async_metadata is not None:
+                (finish, path), self._async_metadata = self._async_metadata, None
+                self._agree_on_metadata_files(finish, path, None)  # metadata.json: megatron's, after
             return
         self.agreed, writer.direct, self.last_direct = plan.agreed, plan.direct, len(plan.direct)
         self.last_files = writer.write()
@@ -303,15 +308,17 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         finish = _KeptFailure(writer.finish)
         if plan.dist_wrapper.is_coordinator:
             finish(plan.metadata, results)
-        self._agree_on_metadata_files(finish, str(writer.path), self._comm)
+        self._agree_on_metadata_files(finish, str(writer.path), write_config, self._comm)
 
-    def _agree_on_metadata_files(self, finish: _KeptFailure, path: str, comm: RankComm | None = None) -> None:
-        """Every rank: rank 0 writes ``metadata.json`` after its ``.metadata`` (``finish``) was written, then all
-        agree on both."""
-        config = _KeptFailure(megatron_core.write_checkpointing_config)
-        if dist.get_rank() == 0 and finish.error is None:
-            config(self, path)
-            self._config_path = path
+    def _agree_on_metadata_files(
+        self, finish: _KeptFailure, path: str, write_config: Callable[[str], None] | None, comm: RankComm | None = None
+    ) -> None:
+        """Every rank: rank 0 writes ``metadata.json`` (with ``write_config``; None: megatron writes it after) once
+        its ``.metadata`` (``finish``) was written, then all agree on both."""
+        config = _KeptFailure(write_config)
+        if write_config is not None and dist.get_rank() == 0 and finish.error is None:
+            config(path)
+            self._config_written = config.error is None
         (comm or RankComm()).agree(finish.error or config.error, _METADATA_FILES)
 
     def _get_save_and_finalize_callbacks(self, writer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -341,25 +348,6 @@ class _KeptFailure:
             self.write(*args)
         except Exception as exc:  # noqa: BLE001 - every rank fails with it, in the agreement that follows
             self.error = exc
-
-
-class _KeptCommonSave(SaveCommonStrategy):
-    """megatron's common strategy (``default``) whose ``save_common`` (rank 0's ``common.pt``) keeps its error."""
-
-    def __init__(self, default: SaveCommonStrategy, save_common: _KeptFailure) -> None:
-        super().__init__(default.backend, default.version)
-        self.default = default
-        self.kept_save_common = save_common
-
-    def save_common(self, common_state_dict: dict, checkpoint_dir: str | Path) -> None:
-        self.kept_save_common(common_state_dict, checkpoint_dir)
-
-    def save_sharded_objects(self, sharded_objects_state_dict: dict, checkpoint_dir: str | Path) -> None:
-        self.default.save_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return self.default.can_handle_sharded_objects
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ on device (ENOSPC) writing <path>`` instead of a wrapper's last line.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import errno
@@ -19,7 +20,8 @@ from collections.abc import Iterator
 from verl.utils.checkpoint.errors import CheckpointError
 
 FULL_MARGIN_BYTES = 1 << 20  # the least room a failed write without an errno must find for it not to be ENOSPC
-_TEXT_ERRNO = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\][^:]*(?:: '([^']+)')?")  # Rust's io::Error; Python's OSError as text
+# Rust's io::Error; Python's OSError as text, with the repr of its file name where it has one
+_TEXT_ERRNO = re.compile(r"""\(os error (\d+)\)|\[Errno (\d+)\][^:\n]*(?:: ('(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*"))?""")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +75,16 @@ def find_os_error(exc: BaseException, text: bool = True) -> OsFailure | None:
         for current in chain:
             match = _TEXT_ERRNO.search(str(current))
             if match:
-                return _failure(int(match.group(1) or match.group(2)), filename or match.group(3))
+                return _failure(int(match.group(1) or match.group(2)), filename or _unquoted(match.group(3)))
     return None
+
+
+def _unquoted(text: str | None) -> str | None:
+    """A file name as Python's OSError prints it (its repr), or None."""
+    try:
+        return ast.literal_eval(text) if text else None
+    except (ValueError, SyntaxError):
+        return None
 
 
 def disk_full(path: str) -> OsFailure | None:

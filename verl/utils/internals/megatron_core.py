@@ -138,18 +138,29 @@ SAVE_CALLBACKS = Internal(
     exact=False,
 )
 # megatron's save writes two files on rank 0 alone, through two names of its module that it looks up per call:
-# common.pt (its common strategy's ``save_common``) before the sharded strategy's first collective, metadata.json
-# (``save_config``) before a barrier. dist_writer's strategy takes both over for a sync save, so that a failed
-# write there fails every rank in the save's own agreements instead of leaving the peers in a collective.
+# common.pt before the sharded strategy's first collective, metadata.json (``save_config``) before a barrier.
+# Up to 0.17 common.pt comes from the strategy ``get_default_save_common_strategy()`` returns (its
+# ``save_common``); 0.18 calls the function ``save_common`` itself. dist_writer's strategy takes both over for a
+# save, so that a failed write there fails every rank in the save's own agreements instead of leaving the peers in
+# a collective.
 _SERIALIZATION = "megatron.core.dist_checkpointing.serialization"
 _RANK_ZERO_FILES = "every rank told of a failed common.pt or metadata.json write"
 METADATA_FINALIZE = "metadata_finalize_fn"  # the name of the function megatron's save ends an async finalize with
 SAVE_FINALIZE = Internal(MC, f"{_SERIALIZATION}:save", _RANK_ZERO_FILES)  # its maker
+_COMMON_NAME = _as_installed(_SERIALIZATION, None, ("save_common", "get_default_save_common_strategy"))
+_COMMON_BY_STRATEGY = _COMMON_NAME == "get_default_save_common_strategy"
 RANK_ZERO_FILES = (
-    SAVE_COMMON_STRATEGY := Internal(MC, f"{_SERIALIZATION}:get_default_save_common_strategy", _RANK_ZERO_FILES, params=("backend", "version")),
-    SERIALIZATION_SAVE_CONFIG := Internal(MC, f"{_SERIALIZATION}:save_config", _RANK_ZERO_FILES, params=("config", "checkpoint_dir")),
     SAVE_COMMON := Internal(
-        MC, "megatron.core.dist_checkpointing.strategies.base:SaveCommonStrategy.save_common", _RANK_ZERO_FILES, params=("self", "common_state_dict", "checkpoint_dir")
+        MC,
+        f"{_SERIALIZATION}:{_COMMON_NAME}",
+        _RANK_ZERO_FILES,
+        params=("backend", "version") if _COMMON_BY_STRATEGY else ("common_state_dict", "checkpoint_dir"),
+    ),
+    SERIALIZATION_SAVE_CONFIG := Internal(MC, f"{_SERIALIZATION}:save_config", _RANK_ZERO_FILES, params=("config", "checkpoint_dir")),
+    *(
+        (Internal(MC, "megatron.core.dist_checkpointing.strategies.base:SaveCommonStrategy", _RANK_ZERO_FILES),)
+        if _COMMON_BY_STRATEGY
+        else ()
     ),
 )
 # Set on each strategy by its constructor: read from the instance, like PLAN_CACHE.
@@ -426,16 +437,17 @@ def write_checkpoint_metadata(strategy: TorchDistSaveShardedStrategy, path: str,
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     WRITER_FINISH.get()
-    CHECKPOINTING_CONFIG.get(), SAVE_CONFIG.get()  # all checked before writing
+    write_config = checkpointing_config_writer(strategy)  # all checked before writing
     FileSystemWriterAsync(path).finish(PLAN_CACHE[2].get(strategy), all_results)
-    write_checkpointing_config(strategy, path)
+    write_config(path)
 
 
-def write_checkpointing_config(strategy: TorchDistSaveShardedStrategy, path: str) -> None:
-    """Rank 0: a dist checkpoint's ``metadata.json`` (the strategy's ``backend`` / ``version``), as megatron's
-    save writes it."""
-    backend, version = PLAN_CACHE[3].get(strategy), PLAN_CACHE[4].get(strategy)
-    SAVE_CONFIG.get()(CHECKPOINTING_CONFIG.get()(backend, version), path)
+def checkpointing_config_writer(strategy: TorchDistSaveShardedStrategy) -> Callable[[str], None]:
+    """What writes a dist checkpoint's ``metadata.json`` at a path (rank 0; the strategy's ``backend`` /
+    ``version``), as megatron's save writes it; its internals checked now."""
+    config_class, save_config = CHECKPOINTING_CONFIG.get(), SAVE_CONFIG.get()
+    config = config_class(PLAN_CACHE[3].get(strategy), PLAN_CACHE[4].get(strategy))
+    return functools.partial(save_config, config)
 
 
 def replace_metadata_finalize(request: AsyncRequest, finalize: Callable[[], None]) -> None:
@@ -449,18 +461,44 @@ def replace_metadata_finalize(request: AsyncRequest, finalize: Callable[[], None
 
 
 @contextlib.contextmanager
-def rank_zero_files_taken(wrap_common: Callable[[Any], Any], save_config: Callable[[Any, Any], None]) -> Iterator[None]:
-    """For its length, megatron's ``save`` takes its common strategy through ``wrap_common`` (given the default
-    one) and writes ``metadata.json`` with ``save_config``. ``InternalsChangedError`` before anything changes."""
-    default_common, original_config = (internal.get() for internal in RANK_ZERO_FILES[:2])
-    RANK_ZERO_FILES[2].get()
-    _setattr(SAVE_COMMON_STRATEGY, lambda *args, **kwargs: wrap_common(default_common(*args, **kwargs)))
+def rank_zero_files_taken(keep: Callable[[Callable], Callable], save_config: Callable[[Any, Any], None]) -> Iterator[None]:
+    """For its length, megatron's ``save`` writes ``common.pt`` with ``keep(its own writer)`` and ``metadata.json``
+    with ``save_config``. ``InternalsChangedError`` before anything changes."""
+    original_common, original_config = (internal.get() for internal in RANK_ZERO_FILES[:2])
+    for internal in RANK_ZERO_FILES[2:]:
+        internal.get()
+    if _COMMON_BY_STRATEGY:
+        _setattr(SAVE_COMMON, lambda *args, **kwargs: _common_strategy_with(original_common(*args, **kwargs), keep))
+    else:
+        _setattr(SAVE_COMMON, keep(original_common))
     _setattr(SERIALIZATION_SAVE_CONFIG, save_config)
     try:
         yield
     finally:
-        _setattr(SAVE_COMMON_STRATEGY, default_common)
+        _setattr(SAVE_COMMON, original_common)
         _setattr(SERIALIZATION_SAVE_CONFIG, original_config)
+
+
+def _common_strategy_with(default: Any, keep: Callable[[Callable], Callable]) -> Any:
+    """Up to 0.17: megatron's common strategy ``default``, its ``save_common`` through ``keep``."""
+    base = RANK_ZERO_FILES[2].get()
+
+    class KeptCommonSave(base):
+        def __init__(self) -> None:
+            super().__init__(default.backend, default.version)
+            self.kept_save_common = keep(default.save_common)
+
+        def save_common(self, common_state_dict: dict, checkpoint_dir: Any) -> None:
+            self.kept_save_common(common_state_dict, checkpoint_dir)
+
+        def save_sharded_objects(self, sharded_objects_state_dict: dict, checkpoint_dir: Any) -> None:
+            default.save_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
+
+        @property
+        def can_handle_sharded_objects(self) -> bool:
+            return default.can_handle_sharded_objects
+
+    return KeptCommonSave()
 
 
 Place = tuple[str, tuple[int, ...]]  # a write item's key and global offset (DCP's ``MetadataIndex`` fqn, offset)
