@@ -219,7 +219,8 @@ _METADATA_FILES = "write its dist checkpoint's .metadata and metadata.json"
 
 class InRankSaveStrategy(TorchDistSaveShardedStrategy):
     """megatron's torch_dist save strategy whose sync ``save`` writes in the rank's threads (``InRankWriter``)
-    and reuses its plan from the second save; ``async_save`` stays megatron's (a forked writer)."""
+    and reuses its plan from the second save; ``async_save`` stays megatron's (a forked writer). Saved through
+    ``save_agreeing_on_rank_zero_files``, a failed write of the files rank 0 writes alone fails every rank."""
 
     def __init__(self, fsync: bool = True) -> None:
         super().__init__("torch_dist", 1, cached_metadata=True)
@@ -231,7 +232,8 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         self.archives: dict = {}  # the tensor items' archive templates (``write_archive``), kept across saves
         self._comm: RankComm | None = None  # the default group, made at the first save, keeping the write results' gather
         self._common = _KeptFailure(None)  # rank 0's common.pt write of the save in progress (``save_agreeing_on_rank_zero_files``)
-        self._config_written = False  # this save wrote metadata.json itself (megatron's write then skipped)
+        self._taken = False  # megatron's writers of common.pt and metadata.json are this save's (``rank_zero_files_taken``)
+        self._config_written = False  # this sync save wrote metadata.json itself (megatron's write then skipped)
         self._async_metadata: tuple[_KeptFailure, str] | None = None  # an async save's kept .metadata write, and where
 
     def save_agreeing_on_rank_zero_files(self, save: Callable[..., Any], **kwargs: Any) -> Any:
@@ -245,13 +247,14 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         with contextlib.ExitStack() as taken:
             try:
                 taken.enter_context(megatron_core.rank_zero_files_taken(self._kept_common, self._save_config_unless_written))
+                self._taken = True
             except InternalsChangedError as exc:
                 warnings.warn(f"{exc} A common.pt or metadata.json write that fails on rank 0 fails there alone.", stacklevel=2)
             try:
                 request = save(**kwargs)
                 kept = self._async_metadata
             finally:  # nothing of this save held past it (the writer's buckets hold its tensors)
-                self._common, self._async_metadata = _KeptFailure(None), None  # a fork's save of a reused plan: no agreement
+                self._taken, self._common, self._async_metadata = False, _KeptFailure(None), None  # a fork's save: no agreement
         if request is not None and kept is not None:
             finish, path = kept
             try:
@@ -259,7 +262,9 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
                 megatron_core.replace_metadata_finalize(request, functools.partial(self._agree_on_metadata_files, finish, path, write_config))
             except InternalsChangedError as exc:
                 warnings.warn(f"{exc} A metadata.json write that fails on rank 0 fails there alone.", stacklevel=2)
-                request.finalize_fns.insert(len(request.finalize_fns) - 1, functools.partial(self._agree_on_metadata_files, finish, path, None))
+                names = [getattr(fn, "__name__", None) for fn in request.finalize_fns]  # before megatron's metadata.json
+                at = names.index(megatron_core.METADATA_FINALIZE) if megatron_core.METADATA_FINALIZE in names else len(names)
+                request.finalize_fns.insert(at, functools.partial(self._agree_on_metadata_files, finish, path, None))
         return request
 
     def _kept_common(self, save_common: Callable[..., None]) -> _KeptFailure:
@@ -271,17 +276,18 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
             megatron_core.SAVE_CONFIG.get()(config, checkpoint_dir)
 
     def async_save(self, sharded_state_dict: dict, checkpoint_dir: str | Path, *args: Any, **kwargs: Any) -> Any:
-        if self._common.write is not None:  # planned in the rank (a forked writer's plan is reused, in the fork)
+        if self._taken:  # planned in the rank (a forked writer's plan is reused in the fork, which takes nothing over)
             _everyone_agrees(True, self._common.error)
         return super().async_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
         reuse = _everyone_agrees(self.cached_central_plan is not None, self._common.error)
         writer = InRankWriter(checkpoint_dir, self.fsync, self.archives)
+        write_config = None  # megatron's metadata.json write, where the save has not taken it over
         try:
             for internal in torch_internals.IN_RANK_WRITER:  # checked before planning, like the megatron internals
                 internal.get()
-            write_config = megatron_core.checkpointing_config_writer(self)
+            write_config = megatron_core.checkpointing_config_writer(self) if self._taken else None
             plan = megatron_core.plan_torch_dist_save(self, sharded_state_dict, writer, reuse, self.agreed)
         except InternalsChangedError as exc:
             warnings.warn(f"{exc} This save is written by megatron's forked writer processes.", stacklevel=2)
@@ -289,7 +295,8 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
             super().save(sharded_state_dict, checkpoint_dir)  # its finalize kept a failed .metadata write
             if self._async_metadata is not None:
                 (finish, path), self._async_metadata = self._async_metadata, None
-                self._agree_on_metadata_files(finish, path, None)  # metadata.json: megatron's, after
+                self._agree_on_metadata_files(finish, path, write_config)
+                self._config_written = write_config is not None
             return
         self.agreed, writer.direct, self.last_direct = plan.agreed, plan.direct, len(plan.direct)
         self.last_files = writer.write()
@@ -309,6 +316,7 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         if plan.dist_wrapper.is_coordinator:
             finish(plan.metadata, results)
         self._agree_on_metadata_files(finish, str(writer.path), write_config, self._comm)
+        self._config_written = write_config is not None  # and agreed on: megatron's own write is skipped
 
     def _agree_on_metadata_files(
         self, finish: _KeptFailure, path: str, write_config: Callable[[str], None] | None, comm: RankComm | None = None
@@ -318,7 +326,6 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
         config = _KeptFailure(write_config)
         if write_config is not None and dist.get_rank() == 0 and finish.error is None:
             config(path)
-            self._config_written = config.error is None
         (comm or RankComm()).agree(finish.error or config.error, _METADATA_FILES)
 
     def _get_save_and_finalize_callbacks(self, writer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -337,7 +344,7 @@ class InRankSaveStrategy(TorchDistSaveShardedStrategy):
 
 class _KeptFailure:
     """A write of rank 0's alone (``.metadata``, ``metadata.json``, ``common.pt``) that keeps its error instead of
-    raising it, for the agreement that tells every rank (None: nothing to write, no error)."""
+    raising it, for the agreement that tells every rank (``write`` None: never called, so never an error)."""
 
     def __init__(self, write: Callable[..., None] | None) -> None:
         self.write = write

@@ -467,12 +467,12 @@ def rank_zero_files_taken(keep: Callable[[Callable], Callable], save_config: Cal
     original_common, original_config = (internal.get() for internal in RANK_ZERO_FILES[:2])
     for internal in RANK_ZERO_FILES[2:]:
         internal.get()
-    if _COMMON_BY_STRATEGY:
-        _setattr(SAVE_COMMON, lambda *args, **kwargs: _common_strategy_with(original_common(*args, **kwargs), keep))
-    else:
-        _setattr(SAVE_COMMON, keep(original_common))
-    _setattr(SERIALIZATION_SAVE_CONFIG, save_config)
     try:
+        if _COMMON_BY_STRATEGY:
+            _setattr(SAVE_COMMON, lambda *args, **kwargs: _common_strategy_with(original_common(*args, **kwargs), keep))
+        else:
+            _setattr(SAVE_COMMON, keep(original_common))
+        _setattr(SERIALIZATION_SAVE_CONFIG, save_config)
         yield
     finally:
         _setattr(SAVE_COMMON, original_common)
