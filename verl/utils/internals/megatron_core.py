@@ -481,24 +481,31 @@ def rank_zero_files_taken(keep: Callable[[Callable], Callable], save_config: Cal
 
 def _common_strategy_with(default: Any, keep: Callable[[Callable], Callable]) -> Any:
     """Up to 0.17: megatron's common strategy ``default``, its ``save_common`` through ``keep``."""
-    base = RANK_ZERO_FILES[2].get()
+    return _kept_common_save_class(RANK_ZERO_FILES[2].get())(default, keep)
+
+
+@functools.cache
+def _kept_common_save_class(base: type) -> type:
+    """A subclass of megatron's ``SaveCommonStrategy`` (``base``, which its save requires) delegating to another
+    strategy but for ``save_common``: made once, not at every save."""
 
     class KeptCommonSave(base):
-        def __init__(self) -> None:
+        def __init__(self, default: Any, keep: Callable[[Callable], Callable]) -> None:
             super().__init__(default.backend, default.version)
+            self.default = default
             self.kept_save_common = keep(default.save_common)
 
         def save_common(self, common_state_dict: dict, checkpoint_dir: Any) -> None:
             self.kept_save_common(common_state_dict, checkpoint_dir)
 
         def save_sharded_objects(self, sharded_objects_state_dict: dict, checkpoint_dir: Any) -> None:
-            default.save_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
+            self.default.save_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
 
         @property
         def can_handle_sharded_objects(self) -> bool:
-            return default.can_handle_sharded_objects
+            return self.default.can_handle_sharded_objects
 
-    return KeptCommonSave()
+    return KeptCommonSave
 
 
 Place = tuple[str, tuple[int, ...]]  # a write item's key and global offset (DCP's ``MetadataIndex`` fqn, offset)
