@@ -424,6 +424,37 @@ def test_an_incomplete_hf_export_fails_the_commit_before_the_rename(tmp_path, ti
     assert not os.path.exists(layout.step_dir(root, 1)) and read_tracker(root) is None
 
 
+def _save_with_the_hf_export_of(root: str, model_path: str) -> None:
+    from transformers import AutoConfig
+
+    class WithExport(PartWriter):
+        def save_checkpoint(self, staging: str) -> None:
+            if torch.distributed.get_rank() == 0:
+                shutil.copytree(model_path, layout.hf_path(staging))
+            super().save_checkpoint(staging)
+
+    transaction = StepCommit(layout.role_dir(root, 1, "actor"), 1, _spec(hf_config=AutoConfig.from_pretrained(model_path), track=True))
+    with transaction as staging:
+        WithExport().save_checkpoint(staging)
+
+
+def test_a_complete_hf_export_is_recorded_in_the_manifest_and_its_resume_check_derives_nothing(tmp_path, tiny_dense_path, monkeypatch):
+    from transformers import AutoConfig
+
+    from verl.utils.checkpoint import hf_verify
+    from verl.utils.checkpoint.integrity import HF_EXPORT_KEY, read_manifest, verify_step_hf_export
+
+    root = str(tmp_path / "run")
+    run_on_ranks(_save_with_the_hf_export_of, WORLD, args=(root, tiny_dense_path))
+    path = layout.role_dir(root, 1, "actor")
+    config = AutoConfig.from_pretrained(tiny_dense_path)
+    assert read_manifest(path)[HF_EXPORT_KEY] == hf_verify.verify_hf_checkpoint(tiny_dense_path, config).proof
+    derivations = []
+    monkeypatch.setattr(hf_verify, "expected_hf_tensors", lambda hf_config: derivations.append(hf_config))
+    assert verify_step_hf_export(path, config) == len(hf_verify.read_saved_tensors(tiny_dense_path)[0])
+    assert derivations == []
+
+
 # --------------------------------------------------------------------------- one owner, enforced
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

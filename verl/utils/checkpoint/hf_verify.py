@@ -8,11 +8,13 @@ MoE experts of the last layers) cannot also vouch for its own output.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from glob import glob
 
 import torch
+import transformers
 
 from verl.utils.checkpoint import check_audit
 from verl.utils.checkpoint.errors import CheckpointError
@@ -35,6 +37,7 @@ class HFVerifyReport:
     unexpected: list[str]
     wrong_shape: list[str]
     index_problems: list[str]
+    proof: dict | None = None  # where ``ok``: what a manifest records of it (``export_proof``)
 
     @property
     def ok(self) -> bool:
@@ -84,6 +87,34 @@ def expected_hf_tensors(hf_config) -> dict[str, tuple[int, ...]]:
         _EXPECTED.pop(next(iter(_EXPECTED)))
     _EXPECTED[key] = {name: tuple(t.shape) for name, t in transformers_internals.as_saved(model, state).items()}
     return dict(_EXPECTED[key])
+
+
+def export_proof(hf_config, found: dict[str, tuple[int, ...]]) -> dict[str, str | int]:
+    """What a step's manifest records of an HF export found complete: the config it was checked against (its whole
+    JSON and the transformers that derived the names) and the tensors found (names and shapes), each by SHA-256.
+    A later check of the export against the same config compares the files' headers with this record instead of
+    deriving the expected tensors again (``proves``): same config, same tensors, the same complete export."""
+    return {"config_sha256": _config_digest(hf_config), "tensors_sha256": _tensors_digest(found), "tensors": len(found)}
+
+
+def proves(proof: object, hf_config, found: dict[str, tuple[int, ...]]) -> bool:
+    """Whether ``proof`` (a manifest's record, untrusted data) was made for ``hf_config`` and these very tensors.
+    False for anything else, a malformed record included: the caller then derives the expectation itself."""
+    return (
+        isinstance(proof, dict)
+        and proof.get("config_sha256") == _config_digest(hf_config)
+        and proof.get("tensors_sha256") == _tensors_digest(found)
+    )
+
+
+def _config_digest(hf_config) -> str:
+    text = f"transformers {transformers.__version__}\n" + hf_config.to_json_string(use_diff=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _tensors_digest(found: dict[str, tuple[int, ...]]) -> str:
+    text = json.dumps(sorted((name, list(shape)) for name, shape in found.items()), separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 _HEADER_LIMIT = 100_000_000  # the safetensors format's own bound on a header's length
@@ -190,17 +221,21 @@ def read_saved_tensors(path: str) -> tuple[dict[str, tuple[int, ...]], list[str]
     return shapes, problems
 
 
-def verify_hf_checkpoint(path: str, hf_config=None) -> HFVerifyReport:
-    """Compare the folder's tensors with what its config (or ``hf_config``) implies."""
+def verify_hf_checkpoint(path: str, hf_config=None, proof: object = None) -> HFVerifyReport:
+    """Compare the folder's tensors with what its config (or ``hf_config``) implies. ``proof``: the record of an
+    earlier check (``export_proof``, from the step's manifest); where it proves the folder's tensors complete for
+    this config, the expectation is not derived again."""
     check_audit.note(check_audit.HF_EXPORT, os.path.abspath(path))
     if hf_config is None:
         try:
             hf_config = load_config(path, f"HF folder {path}", fix="an HF folder this package wrote names no custom code; use one that does not")
         except CustomCodeError as exc:
             raise CheckpointError(str(exc)) from None
-    expected = expected_hf_tensors(hf_config)
     found, index_problems = read_saved_tensors(path)
-    return HFVerifyReport(
+    if not index_problems and proves(proof, hf_config, found):
+        return HFVerifyReport(path, len(found), len(found), [], [], [], [], proof=dict(proof))
+    expected = expected_hf_tensors(hf_config)
+    report = HFVerifyReport(
         path=path,
         expected=len(expected),
         found=len(set(found) & set(expected)),
@@ -209,3 +244,6 @@ def verify_hf_checkpoint(path: str, hf_config=None) -> HFVerifyReport:
         wrong_shape=sorted(f"{n} {found[n]} != {expected[n]}" for n in set(found) & set(expected) if found[n] != expected[n]),
         index_problems=index_problems,
     )
+    if report.ok:
+        report.proof = export_proof(hf_config, found)
+    return report

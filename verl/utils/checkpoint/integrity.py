@@ -49,6 +49,9 @@ from verl.utils.megatron.layer_pattern import megatron_moe_layers
 
 FORMAT_VERSION = 2  # each file's size and content checksum (1, sizes only, is refused: it cannot vouch for bytes)
 _CHECKSUM_RE = re.compile(r"crc32:[0-9a-f]{8}")
+# the manifest's record of its HF export found complete at the save: a resume checks the export's headers against
+# it instead of deriving the expected tensors again (``hf_verify.proves``)
+HF_EXPORT_KEY = "hf_export"
 # TransformerConfig fields that make two models incompatible (a checkpoint of one cannot load into the other).
 MODEL_IDENTITY_FIELDS = (
     "num_layers",
@@ -146,10 +149,11 @@ def build_manifest(
     use_distributed_optimizer: bool | None = None,
     known_checksums: dict[str, str] | None = None,
     bridge: BridgeRecord | None = None,
+    hf_export: dict | None = None,
 ) -> dict:
-    """Every file of the step (relative path -> size and content checksum), the layout it was saved at and the
-    bridge that wrote it. ``known_checksums``: files (relative paths) already hashed since they were complete;
-    the rest is hashed here."""
+    """Every file of the step (relative path -> size and content checksum), the layout it was saved at, the
+    bridge that wrote it and ``hf_export``, the proof of its HF export found complete (``hf_verify.export_proof``).
+    ``known_checksums``: files (relative paths) already hashed since they were complete; the rest is hashed here."""
     known = known_checksums or {}
     relative = _step_files(step_path)
     todo = [r for r in relative if r not in known]
@@ -161,6 +165,8 @@ def build_manifest(
         manifest["use_distributed_optimizer"] = use_distributed_optimizer
     if bridge is not None:
         manifest["bridge"] = dataclasses.asdict(bridge)
+    if hf_export is not None:
+        manifest[HF_EXPORT_KEY] = hf_export
     return manifest
 
 
@@ -515,10 +521,11 @@ def check_hf_folders_name_no_code(step_path: str, contents: dict) -> None:
 
 def verify_step_hf_export(step_path: str, hf_config=None) -> int:
     """The step's HF export (``model/huggingface``) holds every tensor its config implies, with the expected
-    shapes; returns how many. Raises CheckpointError naming what is missing or wrong."""
+    shapes; returns how many. Raises CheckpointError naming what is missing or wrong. Where the manifest's
+    record proves these very tensors complete for this config, the expectation is not derived again."""
     from verl.utils.checkpoint.hf_verify import verify_hf_checkpoint
 
-    report = verify_hf_checkpoint(hf_path(step_path), hf_config)
+    report = verify_hf_checkpoint(hf_path(step_path), hf_config, proof=(read_manifest(step_path) or {}).get(HF_EXPORT_KEY))
     if not report.ok:
         raise CheckpointError(report.describe())
     return report.expected

@@ -302,9 +302,9 @@ class StepCommit:
             verdict = self._hf_verdict()
         with self._phase("commit"):
             verdict, seals = self._gather_verdict_and_seals(verdict)
-            hf_tensors = self._judge_hf_export(verdict)
+            hf_tensors, hf_proof = self._judge_hf_export(verdict)
             sealed = self._check_sealed(seals)
-            files, contents = from_rank_zero(lambda: self._mark_and_rename(sealed), f"commit step {self.step}", self.staging)
+            files, contents = from_rank_zero(lambda: self._mark_and_rename(sealed, hf_proof), f"commit step {self.step}", self.staging)
             self.placed = True
         writes_tracker = bool(self.spec.step_files or self.spec.track)
         with self._phase("retention"):
@@ -325,13 +325,14 @@ class StepCommit:
 
     def _hf_verdict(self) -> tuple[bool, Any] | None:
         """Rank 0: fix 2's proof, once per save: the bridge wrote every tensor the config implies (the count
-        checked): ``(True, (ok, problem, expected))`` or rank 0's failure to verify; None elsewhere or with no export."""
+        checked): ``(True, (ok, problem, expected, proof))`` or rank 0's failure to verify; None elsewhere or with
+        no export. ``proof``: the manifest's record of the export found complete (``hf_verify.export_proof``)."""
         if self.spec.hf_config is None or self._rank != 0:
             return None
 
-        def verdict() -> tuple[bool, str, int]:
+        def verdict() -> tuple[bool, str, int, dict | None]:
             report = verify_hf_checkpoint(layout.hf_path(self.staging), self.spec.hf_config)
-            return report.ok, report.describe() if not report.ok else "", report.expected
+            return report.ok, report.describe() if not report.ok else "", report.expected, report.proof
 
         return _outcome_on_rank_zero(verdict, "verify the HF export", self.staging)
 
@@ -346,18 +347,19 @@ class StepCommit:
         torch.distributed.all_gather_object(everyone, (mine, verdict))
         return everyone[0][1], [seal for seal, _ in everyone]
 
-    def _judge_hf_export(self, verdict: tuple[bool, Any] | None) -> int | None:
-        """Every rank alike: the HF export's tensor count, or its problem raised (strict) or warned on rank 0."""
+    def _judge_hf_export(self, verdict: tuple[bool, Any] | None) -> tuple[int | None, dict | None]:
+        """Every rank alike: the HF export's tensor count and the proof of it, or its problem raised (strict) or
+        warned on rank 0 (then neither)."""
         if self.spec.hf_config is None:
-            return None
-        ok, problem, expected = _raise_unless_ok(verdict)
+            return None, None
+        ok, problem, expected, proof = _raise_unless_ok(verdict)
         if ok:
-            return expected
+            return expected, proof
         if self.spec.strict_hf_verify:
             raise HFCheckpointIncompleteError(problem)
         if self._rank == 0:
             warnings.warn(problem, stacklevel=3)
-        return None
+        return None, None
 
     @staticmethod
     def _check_sealed(everyone: list) -> dict[str, str]:
@@ -368,13 +370,18 @@ class StepCommit:
             raise CheckpointError(f"rank {failed[0][0]} could not make the files it wrote durable ({failed[0][1]})")
         return {relpath: checksum for _, share in everyone for relpath, checksum in share.items()}
 
-    def _mark_and_rename(self, sealed: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
-        """Rank 0: the commit mark, the manifest (which covers every other file), fsync of what no writer sealed,
-        then one rename."""
+    def _mark_and_rename(self, sealed: dict[str, str], hf_proof: dict | None) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+        """Rank 0: the commit mark, the manifest (which covers every other file; ``hf_proof``, the HF export found
+        complete), fsync of what no writer sealed, then one rename."""
         mark = {"format_version": FORMAT_VERSION, "global_step": self.step, "role": self.spec.role}
         atomic_write_text(os.path.join(self.staging, layout.COMMIT_MARK_FILENAME), json.dumps(mark, indent=2))
         manifest = build_manifest(
-            self.staging, dict(self.spec.parallel), self.spec.use_distributed_optimizer, known_checksums=sealed, bridge=self.spec.bridge
+            self.staging,
+            dict(self.spec.parallel),
+            self.spec.use_distributed_optimizer,
+            known_checksums=sealed,
+            bridge=self.spec.bridge,
+            hf_export=hf_proof,
         )
         atomic_write_text(os.path.join(self.staging, layout.MANIFEST_FILENAME), json.dumps(manifest, indent=2))
         contents = None
