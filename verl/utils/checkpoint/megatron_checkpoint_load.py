@@ -9,6 +9,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -99,19 +100,30 @@ class MegatronLoads:
         RankComm().agree(error, f"read {local_path}")
         applies: list[Callable[[], None]] = []
         reads = []
+        hf_weights = None
         if self.should_load_dist_ckpt_model:
             reads.append(lambda: self._read_model_from_dist_checkpoint(local_path, metadata, checksums))
         elif self.should_load_hf_model:
-            reads.append(lambda: self._read_model_as_hf(local_path, checksums))
+            hf_weights = os.path.relpath(layout.hf_path(local_path), local_path) if checksums is not None else None
+            applies.append(lambda: self._load_model_as_hf_via_bridge(layout.hf_path(local_path)))
         if self.should_load_optimizer:
             reads.append(lambda: self._read_optimizer(local_path, metadata, checksums))
         if self.should_load_extra:
             reads.append(lambda: self._read_extra(local_path, checksums))
-        for read in reads:
+        # The bridge reads the HF weights straight into the model when applied, so their checksums come before any
+        # apply: in a read of their own (the bridge's then finds them in the page cache), beside the other reads.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-weights-checksums") as beside:
+            hf_checked = beside.submit(verify_bulk_checksums, local_path, hf_weights) if hf_weights is not None else None
+            for read in reads:
+                try:
+                    applies.append(read())
+                except (Exception, CheckpointException) as exc:
+                    error = error or exc
             try:
-                applies.append(read())
+                if hf_checked is not None:
+                    hf_checked.result()
             except (Exception, CheckpointException) as exc:
-                error = error or exc
+                error = exc  # the model's, the first part
         return applies, error
 
     @staticmethod
@@ -164,14 +176,6 @@ class MegatronLoads:
                 _load_chunk_strictly(chunk, loaded[key], checkpointed[key], path)
 
         return apply
-
-    def _read_model_as_hf(self, local_path: str, checksums: dict | None) -> Callable[[], None]:
-        """The bridge reads the HF weights straight into the model, so their checksums come first (a read the
-        bridge's own then finds in the page cache)."""
-        hf_model_path = layout.hf_path(local_path)
-        if checksums is not None:
-            verify_bulk_checksums(local_path, os.path.relpath(hf_model_path, local_path))
-        return lambda: self._load_model_as_hf_via_bridge(hf_model_path)
 
     def _load_model_as_hf_via_bridge(self, hf_model_path: str) -> None:
         self.bridge.load_weights(self.model, hf_model_path)
