@@ -243,7 +243,14 @@ def _mcore_features():
         i
         for i in megatron_core.INTERNALS
         if i
-        not in (megatron_core.WRITER_WRITE, megatron_core.LOAD_STATE_DICT, megatron_core.PARAM_ID_MAP, megatron_core.CAT_MERGE, megatron_core.SAVE_CALLBACKS)
+        not in (
+            megatron_core.WRITER_WRITE,
+            megatron_core.LOAD_STATE_DICT,
+            megatron_core.PARAM_ID_MAP,
+            megatron_core.CAT_MERGE,
+            megatron_core.SAVE_CALLBACKS,
+            megatron_core.SHARD_ACCESS_COUNT,
+        )
         and i not in megatron_core.IN_RANK_SAVE
     ],
     ids=lambda i: i.name,
@@ -286,6 +293,19 @@ def test_the_optimizer_param_map_is_left_to_megatron_where_it_changed(monkeypatc
         megatron_core.map_only_tracked_params()
     finally:
         megatron_core.map_only_tracked_params.cache_clear()  # later callers decide against megatron as restored
+    assert name not in vars(owner)
+
+
+def test_the_shard_access_count_is_left_to_megatron_where_it_changed(monkeypatch):
+    """``count_shard_access_at_once`` is a speed-up with megatron's own count beside it: without it where it lives,
+    nothing is installed and nothing fails."""
+    owner, name = _module_and_name(megatron_core.SHARD_ACCESS_COUNT)
+    _remove(monkeypatch, owner, name)
+    megatron_core.count_shard_access_at_once.cache_clear()  # decided once per process: decide again, without it
+    try:
+        megatron_core.count_shard_access_at_once()
+    finally:
+        megatron_core.count_shard_access_at_once.cache_clear()
     assert name not in vars(owner)
 
 

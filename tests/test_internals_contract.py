@@ -64,6 +64,46 @@ def _grid(offsets: list[tuple[int, int]], sizes: tuple[int, int] = (2, 4)) -> li
     return [ShardMetadata(list(offset), list(sizes), "rank:0/cpu") for offset in offsets]
 
 
+def _sharded(offsets: list[tuple[int, int]], replica_id: int = 0, grid: tuple[int, int] = (3, 2)) -> list:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return [
+        (rank, ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), (0, row, grid[0]), (1, column, grid[1]), replica_id=replica_id))
+        for rank, (row, column) in enumerate(offsets)
+    ]
+
+
+def test_shard_access_counted_at_once_is_megatrons_count_and_off_grid_cells_get_megatrons_own(monkeypatch):
+    """count_shard_access_at_once: the same counts as megatron's (a gap, a duplicate, replicas left out); a cell
+    off the grid goes to megatron's own, whose error stays."""
+    from megatron.core.dist_checkpointing import validation
+
+    original, calls = validation._compute_shards_access, []
+
+    def counted(rank_sharding):
+        calls.append(len(rank_sharding))
+        return original(rank_sharding)
+
+    monkeypatch.setattr(validation, "_compute_shards_access", counted)
+    megatron_core.count_shard_access_at_once.cache_clear()
+    try:
+        megatron_core.count_shard_access_at_once()
+        installed = validation._compute_shards_access
+        megatron_core.count_shard_access_at_once()  # once per process: a second call keeps the first
+        assert installed is validation._compute_shards_access and installed is not counted
+        whole, gap_and_twice = [(r, c) for r in range(3) for c in range(2)], [(0, 0), (0, 0), (1, 1), (2, 0), (2, 1)]
+        for shards in (_sharded(whole), _sharded(gap_and_twice), _sharded(whole) + _sharded(whole, replica_id=1)):
+            assert torch.equal(installed(shards), original(shards))
+        assert installed(_sharded(gap_and_twice)).tolist() == [[2, 0], [0, 1], [1, 1]]
+        assert calls == []
+        row_4_of_5 = _sharded([(4, 0)], grid=(5, 2))[0][1]  # off the first shard's grid of 3 rows
+        with pytest.raises(IndexError):
+            installed([*_sharded([(0, 0)]), (1, row_4_of_5)])
+        assert calls == [2]
+    finally:
+        megatron_core.count_shard_access_at_once.cache_clear()
+
+
 def test_grid_shards_skip_the_pairwise_check_and_any_other_list_gets_torchs_own(monkeypatch):
     """check_grid_shards_directly: distinct cells of one aligned grid pass without torch's check; duplicates
     (which overlap), and shards off the grid, go to torch's own, which refuses the overlap as before."""

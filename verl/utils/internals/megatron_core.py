@@ -203,6 +203,13 @@ PARAM_ID_MAP = Internal(
     "an optimizer's sharded state dict without formatting the tensors it does not track",
     params=("model_sharded_state_dict", "optim_params_iter"),
 )
+# megatron's sharding check of a save and a load (rank 0): each grid cell's count of main replicas
+SHARD_ACCESS_COUNT = Internal(
+    MC,
+    "megatron.core.dist_checkpointing.validation:_compute_shards_access",
+    "the sharding check of a dist checkpoint's save and load, counted in one pass",
+    params=("rank_sharding",),
+)
 _RANDOM = "megatron.core.tensor_parallel.random"
 GET_CUDA_RNG_STATE = Internal(MC, f"{_RANDOM}:_get_cuda_rng_state", _CPU, params=("device", "clone", "graph_safe"))
 SET_CUDA_RNG_STATE = Internal(MC, f"{_RANDOM}:_set_cuda_rng_state", _CPU, params=("new_state", "device", "graph_safe"))
@@ -244,6 +251,7 @@ INTERNALS = (
     *RANK_ZERO_FILES,
     DUMMY_OPTIMIZER_STATE,
     PARAM_ID_MAP,
+    SHARD_ACCESS_COUNT,
     GET_CUDA_RNG_STATE,
     SET_CUDA_RNG_STATE,
     GATHER_FIRST_DIM,
@@ -726,6 +734,37 @@ def _adjacent_joined(pieces: Any) -> torch.Tensor | None:
     for dim in range(len(shape) - 2, -1, -1):
         strides[dim] = strides[dim + 1] * shape[dim + 1]
     return first.as_strided(shape, strides, first.storage_offset())
+
+
+@functools.cache  # decided once per process: every save and load calls it
+def count_shard_access_at_once() -> None:
+    """Install, once per process, a ``_compute_shards_access`` that counts each grid cell's main replicas in a list
+    and makes the tensor once: the same tensor as megatron's, which indexes its tensor once per shard (an
+    optimizer's state has thousands; docs/perf.md). A cell off the grid (megatron then raises, or indexes a
+    slice) goes to megatron's own. Nothing is installed where the internal changed."""
+    try:
+        original = SHARD_ACCESS_COUNT.get()
+    except InternalsChangedError:
+        return
+    from megatron.core.dist_checkpointing.mapping import is_main_replica
+
+    def compute_shards_access(rank_sharding: list) -> torch.Tensor:
+        grid = tuple(rank_sharding[0][1].axis_fragmentations)
+        if not grid:
+            return original(rank_sharding)
+        strides = [1] * len(grid)
+        for axis in range(len(grid) - 2, -1, -1):
+            strides[axis] = strides[axis + 1] * grid[axis + 1]
+        counts = [0] * (strides[0] * grid[0])
+        for _, sharding in rank_sharding:
+            if is_main_replica(sharding.replica_id):
+                cell = sharding.local_chunk_offset_in_global()
+                if len(cell) != len(grid) or not all(0 <= i < n for i, n in zip(cell, grid, strict=True)):
+                    return original(rank_sharding)
+                counts[sum(i * stride for i, stride in zip(cell, strides, strict=True))] += 1
+        return torch.tensor(counts, dtype=torch.int, device="cpu").view(grid)
+
+    _setattr(SHARD_ACCESS_COUNT, compute_shards_access)
 
 
 # ---------------------------------------------------------------- optimizer

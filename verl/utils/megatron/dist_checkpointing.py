@@ -34,6 +34,7 @@ def save_dist_checkpointing(
     """
     strategy = sharded_strategy or TorchDistSaveShardedStrategy("torch_dist", 1)
     torch_internals.check_grid_shards_directly()
+    megatron_core.count_shard_access_at_once()
     return dist_checkpointing.save(
         sharded_state_dict,
         ckpt_path,
@@ -60,6 +61,7 @@ def load_dist_checkpointing(
     straight into them, checksummed there, so they may hold part of a refused file."""
     check_dist_checkpoint(ckpt_dir, bytes_items=checksums is None)  # with checksums: checked as the load reads them
     torch_internals.check_grid_shards_directly()
+    megatron_core.count_shard_access_at_once()
     with data_only_torch_dist_load(ckpt_dir, checksums, own_targets) as mismatches:
         try:
             loaded = dist_checkpointing.load(sharded_state_dict, ckpt_dir)
