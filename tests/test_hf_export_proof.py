@@ -56,6 +56,16 @@ def test_the_same_export_against_the_same_config_is_proven_without_deriving_it(t
     assert derivations == []
 
 
+def test_a_config_read_from_another_folder_is_the_same_config(tiny_moe_path, tmp_path, derivations):
+    from transformers import AutoConfig
+
+    elsewhere = shutil.copytree(tiny_moe_path, str(tmp_path / "elsewhere"))
+    proof = hf_verify.verify_hf_checkpoint(tiny_moe_path, AutoConfig.from_pretrained(tiny_moe_path)).proof
+    derivations.clear()
+    assert hf_verify.verify_hf_checkpoint(elsewhere, AutoConfig.from_pretrained(elsewhere), proof=proof).ok
+    assert derivations == []
+
+
 def test_an_export_that_lost_a_tensor_since_its_proof_is_derived_and_refused_naming_it(tiny_moe_path, tmp_path, derivations):
     proof = _proof_of(tiny_moe_path)
     report = hf_verify.verify_hf_checkpoint(_without_one_expert_tensor(tiny_moe_path, tmp_path), tiny_hf_config("moe"), proof=proof)
@@ -75,9 +85,12 @@ def test_a_proof_made_for_another_config_proves_nothing(tiny_moe_path, derivatio
 
 @pytest.mark.parametrize(
     "proof",
-    [None, [], "sha", {"config_sha256": 1, "tensors_sha256": None}, {"tensors": 135}],
-    ids=["none", "list", "string", "wrong-types", "no-digests"],
+    [None, [], "sha", {"config_sha256": 1, "tensors_sha256": None}, {"tensors": 135}, "another-count"],
+    ids=["none", "list", "string", "wrong-types", "no-digests", "another-count"],
 )
 def test_a_malformed_proof_is_ignored_and_the_expectation_derived(tiny_moe_path, derivations, proof):
+    if proof == "another-count":  # the digests right, the count not: a record no save wrote
+        proof = {**_proof_of(tiny_moe_path), "tensors": 1}
+        derivations.clear()
     report = hf_verify.verify_hf_checkpoint(tiny_moe_path, tiny_hf_config("moe"), proof=proof)
     assert report.ok and derivations == [1]

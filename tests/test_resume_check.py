@@ -247,17 +247,20 @@ def _append_a_space(path: str) -> str:
 def test_a_file_changed_after_the_drivers_check_is_refused_on_every_rank_before_anything_is_applied(tiny_moe_path, saved_root, tmp_path):
     """The driver checked the step; then a byte of one shard or weights file flips (the manifest unchanged, so the
     record still fits), or the small transformer_config.json changes: every rank refuses the load in one line
-    naming the file, and the weights, optimizer state, RNG and LR schedule are as before, whichever part held the byte (model, optimizer, RNG)."""
+    naming the file, and the weights, optimizer state, RNG and LR schedule are as before, whichever part held the byte (model, optimizer, RNG).
+    With a byte flipped in both the weights and a shard (checksummed side by side), the model's file is the one named."""
     steps, records, expected = [], [], []
-    for case, part in enumerate(["model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt", "transformer_config.json"]):
+    parts = ["model/huggingface", "optimizer/dist_ckpt", "extra/dist_ckpt", "transformer_config.json", "model/huggingface+optimizer/dist_ckpt"]
+    for case, part in enumerate(parts):
         root = _copy_run(saved_root, tmp_path / str(case))
         step = os.path.join(root, "global_step_1", "actor")
         records.append(_driver_check(root).checked)
         if part.endswith(".json"):
             expected.append(_append_a_space(os.path.join(step, part)))
         else:
-            folder = os.path.join(step, part)
-            expected.append(f"{_flip_a_byte(os.path.join(folder, _data_files(folder)[0]))}: its content checksum differs")
+            folders = [os.path.join(step, p) for p in part.split("+")]
+            flipped = [_flip_a_byte(os.path.join(folder, _data_files(folder)[0])) for folder in folders]
+            expected.append(f"{flipped[0]}: its content checksum differs")
         steps.append(step)
     for refusals in run_on_ranks(_each_load_refused, WORLD, LAYOUT, args=(tiny_moe_path, steps, records)):
         for named, message in zip(expected, refusals, strict=True):

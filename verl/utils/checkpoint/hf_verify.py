@@ -89,26 +89,31 @@ def expected_hf_tensors(hf_config) -> dict[str, tuple[int, ...]]:
     return dict(_EXPECTED[key])
 
 
+# Part of every proof: raised whenever how this package derives the expected tensors changes (``expected_hf_tensors``,
+# ``transformers_internals.as_saved``), so that a step proven by the older derivation is judged again.
+EXPECTATION_VERSION = 1
+
+
 def export_proof(hf_config, found: dict[str, tuple[int, ...]]) -> dict[str, str | int]:
-    """What a step's manifest records of an HF export found complete: the config it was checked against (its whole
-    JSON and the transformers that derived the names) and the tensors found (names and shapes), each by SHA-256.
-    A later check of the export against the same config compares the files' headers with this record instead of
-    deriving the expected tensors again (``proves``): same config, same tensors, the same complete export."""
+    """What a step's manifest records of an HF export found complete: the config it was checked against (its
+    settings, with the transformers and the ``EXPECTATION_VERSION`` that derived the names) and the tensors found
+    (names and shapes), each by SHA-256, and their count. A later check of the export against the same config
+    compares the files' headers with this record instead of deriving the expected tensors again (``proves``):
+    same config, same derivation, same tensors, the same complete export."""
     return {"config_sha256": _config_digest(hf_config), "tensors_sha256": _tensors_digest(found), "tensors": len(found)}
 
 
 def proves(proof: object, hf_config, found: dict[str, tuple[int, ...]]) -> bool:
     """Whether ``proof`` (a manifest's record, untrusted data) was made for ``hf_config`` and these very tensors.
     False for anything else, a malformed record included: the caller then derives the expectation itself."""
-    return (
-        isinstance(proof, dict)
-        and proof.get("config_sha256") == _config_digest(hf_config)
-        and proof.get("tensors_sha256") == _tensors_digest(found)
-    )
+    return isinstance(proof, dict) and proof == export_proof(hf_config, found)
 
 
 def _config_digest(hf_config) -> str:
-    text = f"transformers {transformers.__version__}\n" + hf_config.to_json_string(use_diff=False)
+    """The config's settings, not where it was read from (``_name_or_path``): the save's config and a resume's
+    are read from different folders."""
+    settings = {key: value for key, value in hf_config.to_dict().items() if key != "_name_or_path"}
+    text = f"expectation {EXPECTATION_VERSION}; transformers {transformers.__version__}\n" + json.dumps(settings, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -233,7 +238,9 @@ def verify_hf_checkpoint(path: str, hf_config=None, proof: object = None) -> HFV
             raise CheckpointError(str(exc)) from None
     found, index_problems = read_saved_tensors(path)
     if not index_problems and proves(proof, hf_config, found):
-        return HFVerifyReport(path, len(found), len(found), [], [], [], [], proof=dict(proof))
+        return HFVerifyReport(
+            path=path, expected=len(found), found=len(found), missing=[], unexpected=[], wrong_shape=[], index_problems=[], proof=dict(proof)
+        )
     expected = expected_hf_tensors(hf_config)
     report = HFVerifyReport(
         path=path,

@@ -5,6 +5,7 @@ The checks of the step come before, on every rank together (``verl.utils.checkpo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -88,8 +89,9 @@ class MegatronLoads:
 
     def _read_parts(self, local_path: str) -> tuple[list[Callable[[], None]], BaseException | None]:
         """Every part ``load_contents`` names, read (every rank takes every read: they are collectives) and
-        checksummed, nothing applied: what applies each, and the first error of a read on this rank (any error,
-        torch's ``CheckpointException`` too, so that the agreement carries it rather than a peer waiting)."""
+        checksummed, nothing applied: what applies each, and the error of a read on this rank to report (any
+        error, torch's ``CheckpointException`` too, so that the agreement carries it rather than a peer waiting):
+        the model's where it failed, else the first of the others."""
         error: BaseException | None = None
         try:
             metadata = self._load_content_metadata(local_path)
@@ -112,8 +114,9 @@ class MegatronLoads:
             reads.append(lambda: self._read_extra(local_path, checksums))
         # The bridge reads the HF weights straight into the model when applied, so their checksums come before any
         # apply: in a read of their own (the bridge's then finds them in the page cache), beside the other reads.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-weights-checksums") as beside:
-            hf_checked = beside.submit(verify_bulk_checksums, local_path, hf_weights) if hf_weights is not None else None
+        beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-weights-checksums") if hf_weights is not None else None
+        with beside or contextlib.nullcontext():
+            hf_checked = beside.submit(verify_bulk_checksums, local_path, hf_weights) if beside is not None else None
             for read in reads:
                 try:
                     applies.append(read())
