@@ -6,9 +6,12 @@ state) is written beside it. Each pair then, for each source tree given (``--tre
 of an earlier commit to compare with), in alternating order:
 1. a fresh rank builds the actor (not timed), drops the page cache (``/proc/sys/vm/drop_caches``: run as root),
    and times the resume end to end: the driver's pre-start check of the step, then the rank's load;
-2. the page cache is dropped again and ``safetensors.torch.load_file`` of the plain file is timed.
-The ratio of each pair is resume / plain; the report gives each tree's median and spread, with the date and the
-machine's load. Numbers go in docs/perf.md, never in a test.
+2. the page cache is dropped again and ``safetensors.torch.load_file`` of the plain file is timed;
+3. the page cache is dropped again and the same ``load_file`` is timed with each tensor then copied into memory of
+   its own (``clone``). ``load_file`` maps the file: its tensors are the page cache's pages, nothing is copied. A
+   resume must land the bytes in the optimizer's and model's own memory, which this side does too.
+The ratio of each pair is resume / plain (and resume / plain with its copy); the report gives each tree's medians
+and spread, with the date and the machine's load. Numbers go in docs/perf.md, never in a test.
 
 Usage (from the repository root, as root)::
 
@@ -105,13 +108,18 @@ def _in_tree(tree: str, fn_name: str, *args: str) -> object:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def _timed_plain(plain: str) -> float:
+def _timed_plain(plain: str, copy: bool = False) -> float:
+    """``load_file`` of ``plain`` from a cold page cache; with ``copy``, each tensor then cloned into memory of its own."""
     from safetensors.torch import load_file
 
     drop_page_cache()
     start = time.perf_counter()
-    load_file(plain)
-    return time.perf_counter() - start
+    tensors = load_file(plain)
+    if copy:
+        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+    elapsed = time.perf_counter() - start
+    del tensors
+    return elapsed
 
 
 def main() -> int:
@@ -131,14 +139,20 @@ def main() -> int:
     step = os.path.join(root, "global_step_1", "actor")
     step_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(step) for f in names)
     ratios: dict[str, list[float]] = {tree: [] for tree in trees}
-    seconds: dict[str, list[tuple[float, float]]] = {tree: [] for tree in trees}
+    copied_ratios: dict[str, list[float]] = {tree: [] for tree in trees}
+    seconds: dict[str, list[tuple[float, float, float]]] = {tree: [] for tree in trees}
     for pair in range(args.pairs):
         for tree in trees if pair % 2 == 0 else trees[::-1]:
             resume = float(_in_tree(tree, "_timed_resume", model_path, step))
-            base = _timed_plain(plain)
+            base, copied = _timed_plain(plain), _timed_plain(plain, copy=True)
             ratios[tree].append(resume / base)
-            seconds[tree].append((resume, base))
-            print(f"pair {pair + 1} {tree}: resume {resume:.2f}s, plain {base:.2f}s, ratio {resume / base:.2f}", flush=True)
+            copied_ratios[tree].append(resume / copied)
+            seconds[tree].append((resume, base, copied))
+            print(
+                f"pair {pair + 1} {tree}: resume {resume:.2f}s, plain {base:.2f}s, plain + copy {copied:.2f}s, "
+                f"ratios {resume / base:.2f} and {resume / copied:.2f}",
+                flush=True,
+            )
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
         "params": count,
@@ -150,7 +164,10 @@ def main() -> int:
                 "median_ratio": statistics.median(ratios[tree]),
                 "min_ratio": min(ratios[tree]),
                 "max_ratio": max(ratios[tree]),
-                "seconds": seconds[tree],
+                "median_ratio_to_plain_with_copy": statistics.median(copied_ratios[tree]),
+                "min_ratio_to_plain_with_copy": min(copied_ratios[tree]),
+                "max_ratio_to_plain_with_copy": max(copied_ratios[tree]),
+                "seconds": seconds[tree],  # resume, plain, plain with its copy
             }
             for tree in trees
         },
