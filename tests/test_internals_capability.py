@@ -283,29 +283,30 @@ def test_a_one_rank_load_keeps_its_collectives_where_torchs_load_state_dict_chan
     assert strategy_module.checkpoint is before
 
 
+def _installed_without(monkeypatch, internal, install) -> tuple:
+    """A speed-up's ``install`` (decided once per process) decided again with ``internal`` removed where it lives,
+    then forgotten, so that later callers decide against the internal as restored; the internal's owner and name."""
+    owner, name = _module_and_name(internal)
+    _remove(monkeypatch, owner, name)
+    install.cache_clear()
+    try:
+        install()
+    finally:
+        install.cache_clear()
+    return owner, name
+
+
 def test_the_optimizer_param_map_is_left_to_megatron_where_it_changed(monkeypatch):
     """``map_only_tracked_params`` is a speed-up with megatron's own path beside it: without megatron's map where
     the optimizers call it, nothing is installed and nothing fails (a save then formats what megatron formats)."""
-    owner, name = _module_and_name(megatron_core.PARAM_ID_MAP)
-    _remove(monkeypatch, owner, name)
-    megatron_core.map_only_tracked_params.cache_clear()  # decided once per process: decide again, without megatron's
-    try:
-        megatron_core.map_only_tracked_params()
-    finally:
-        megatron_core.map_only_tracked_params.cache_clear()  # later callers decide against megatron as restored
+    owner, name = _installed_without(monkeypatch, megatron_core.PARAM_ID_MAP, megatron_core.map_only_tracked_params)
     assert name not in vars(owner)
 
 
 def test_the_shard_access_count_is_left_to_megatron_where_it_changed(monkeypatch):
     """``count_shard_access_at_once`` is a speed-up with megatron's own count beside it: without it where it lives,
     nothing is installed and nothing fails."""
-    owner, name = _module_and_name(megatron_core.SHARD_ACCESS_COUNT)
-    _remove(monkeypatch, owner, name)
-    megatron_core.count_shard_access_at_once.cache_clear()  # decided once per process: decide again, without it
-    try:
-        megatron_core.count_shard_access_at_once()
-    finally:
-        megatron_core.count_shard_access_at_once.cache_clear()
+    owner, name = _installed_without(monkeypatch, megatron_core.SHARD_ACCESS_COUNT, megatron_core.count_shard_access_at_once)
     assert name not in vars(owner)
 
 
@@ -371,15 +372,9 @@ def test_an_async_save_is_megatrons_own_with_a_warning_where_its_callbacks_chang
 def test_the_shard_overlap_check_stays_torchs_where_it_changed(monkeypatch):
     """``check_grid_shards_directly`` is a speed-up with torch's own check beside it: without it where it lives,
     nothing is installed in the modules that call it, and nothing fails."""
-    owner, name = _module_and_name(torch_internals.SHARD_OVERLAP_CHECK)
     callers = [importlib.import_module(module) for module in torch_internals.SHARD_OVERLAP_CALLERS]
-    before = [vars(module)[name] for module in callers]
-    _remove(monkeypatch, owner, name)
-    torch_internals.check_grid_shards_directly.cache_clear()  # decided once per process: decide again, without it
-    try:
-        torch_internals.check_grid_shards_directly()
-    finally:
-        torch_internals.check_grid_shards_directly.cache_clear()
+    before = [vars(module)[_module_and_name(torch_internals.SHARD_OVERLAP_CHECK)[1]] for module in callers]
+    _, name = _installed_without(monkeypatch, torch_internals.SHARD_OVERLAP_CHECK, torch_internals.check_grid_shards_directly)
     assert [vars(module)[name] for module in callers] == before
 
 
