@@ -47,7 +47,8 @@ def _attempt(timed: Callable[..., Any], phase: str, fn: Callable[[], Any]) -> tu
 @dataclasses.dataclass
 class HFExport:
     """The HF export as one unit, in a rank or a fork, over any group of ranks: rank 0's config -> barrier (fix 2)
-    -> every rank's weights -> barrier (every file complete on every rank); the step transaction then verifies it
+    -> every rank's weights -> barrier (every file complete on every rank; the parallel save's own last agreement,
+    ``parallel_hf_save``, where the bridge saves in parallel); the step transaction then verifies it
     once. Each barrier carries the ranks' outcomes (``RankComm.agree``): a write that fails on one rank (a full
     disk) fails the export on all of them, where a plain barrier would hold the others until the group's timeout.
     ``timed(phase, fn, *args)``: how the rank announces and times ``hf_config`` and ``hf_weights``."""
@@ -73,8 +74,12 @@ class HFExport:
             config_files = durability.files_in(self.hf_path)
         (wait_for_config or functools.partial(group.agree, what="write the HF config"))(failure)
         kwargs = self.save_kwargs if comm is None else {**self.save_kwargs, "comm": comm}
+        agrees_itself = getattr(self.bridge, "saves_in_parallel", False)
         weights, failure = _attempt(self.timed, "hf_weights", functools.partial(self.bridge.save_weights, self.model, self.hf_path, **kwargs))
-        group.agree(failure, "write its HF weights")  # every file complete on every rank, or every rank raises
+        if not agrees_itself:
+            group.agree(failure, "write its HF weights")  # every file complete on every rank, or every rank raises
+        elif failure is not None:  # the parallel save's last agreement follows every rank's writes: all raise alike
+            raise failure
         return None if weights is None else [*config_files, *weights]
 
 
