@@ -98,15 +98,9 @@ def export_proof(hf_config, found: dict[str, tuple[int, ...]]) -> dict[str, str 
     """What a step's manifest records of an HF export found complete: the config it was checked against (its
     settings, with the transformers and the ``EXPECTATION_VERSION`` that derived the names) and the tensors found
     (names and shapes), each by SHA-256, and their count. A later check of the export against the same config
-    compares the files' headers with this record instead of deriving the expected tensors again (``proves``):
-    same config, same derivation, same tensors, the same complete export."""
+    compares the files' headers with this record instead of deriving the expected tensors again (only a record
+    equal to this one proves anything): same config, same derivation, same tensors, the same complete export."""
     return {"config_sha256": _config_digest(hf_config), "tensors_sha256": _tensors_digest(found), "tensors": len(found)}
-
-
-def proves(proof: object, hf_config, found: dict[str, tuple[int, ...]]) -> bool:
-    """Whether ``proof`` (a manifest's record, untrusted data) was made for ``hf_config`` and these very tensors.
-    False for anything else, a malformed record included: the caller then derives the expectation itself."""
-    return isinstance(proof, dict) and proof == export_proof(hf_config, found)
 
 
 def _config_digest(hf_config) -> str:
@@ -237,9 +231,10 @@ def verify_hf_checkpoint(path: str, hf_config=None, proof: object = None) -> HFV
         except CustomCodeError as exc:
             raise CheckpointError(str(exc)) from None
     found, index_problems = read_saved_tensors(path)
-    if not index_problems and proves(proof, hf_config, found):
+    mine = export_proof(hf_config, found)
+    if not index_problems and proof == mine:  # a manifest's record is untrusted data: anything else proves nothing
         return HFVerifyReport(
-            path=path, expected=len(found), found=len(found), missing=[], unexpected=[], wrong_shape=[], index_problems=[], proof=dict(proof)
+            path=path, expected=len(found), found=len(found), missing=[], unexpected=[], wrong_shape=[], index_problems=[], proof=mine
         )
     expected = expected_hf_tensors(hf_config)
     report = HFVerifyReport(
@@ -252,5 +247,5 @@ def verify_hf_checkpoint(path: str, hf_config=None, proof: object = None) -> HFV
         index_problems=index_problems,
     )
     if report.ok:
-        report.proof = export_proof(hf_config, found)
+        report.proof = mine
     return report

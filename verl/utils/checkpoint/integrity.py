@@ -50,7 +50,7 @@ from verl.utils.megatron.layer_pattern import megatron_moe_layers
 FORMAT_VERSION = 2  # each file's size and content checksum (1, sizes only, is refused: it cannot vouch for bytes)
 _CHECKSUM_RE = re.compile(r"crc32:[0-9a-f]{8}")
 # the manifest's record of its HF export found complete at the save: a resume checks the export's headers against
-# it instead of deriving the expected tensors again (``hf_verify.proves``)
+# it instead of deriving the expected tensors again (``hf_verify.export_proof``)
 HF_EXPORT_KEY = "hf_export"
 # TransformerConfig fields that make two models incompatible (a checkpoint of one cannot load into the other).
 MODEL_IDENTITY_FIELDS = (
