@@ -5,7 +5,6 @@ The checks of the step come before, on every rank together (``verl.utils.checkpo
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import warnings
@@ -113,10 +112,10 @@ class MegatronLoads:
         if self.should_load_extra:
             reads.append(lambda: self._read_extra(local_path, checksums))
         # The bridge reads the HF weights straight into the model when applied, so their checksums come before any
-        # apply: in a read of their own (the bridge's then finds them in the page cache), beside the other reads.
-        beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-weights-checksums") if hf_weights is not None else None
-        with beside or contextlib.nullcontext():
-            hf_checked = beside.submit(verify_bulk_checksums, local_path, hf_weights) if beside is not None else None
+        # apply: in a read of their own (the bridge's then finds them in the page cache), beside the other reads
+        # (the pool starts its thread at the submit only).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-weights-checksums") as beside:
+            hf_checked = beside.submit(verify_bulk_checksums, local_path, hf_weights) if hf_weights is not None else None
             for read in reads:
                 try:
                     applies.append(read())
