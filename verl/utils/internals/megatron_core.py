@@ -730,10 +730,15 @@ def _adjacent_joined(pieces: Any) -> torch.Tensor | None:
         if after.untyped_storage().data_ptr() != storage or after.data_ptr() != before.data_ptr() + before.nbytes:
             return None
     shape = (sum(p.shape[0] for p in pieces), *first.shape[1:])
+    return first.as_strided(shape, _row_major_strides(shape), first.storage_offset())
+
+
+def _row_major_strides(shape: tuple[int, ...]) -> list[int]:
+    """The strides, in elements, of a contiguous (row-major) array of ``shape``."""
     strides = [1] * len(shape)
     for dim in range(len(shape) - 2, -1, -1):
         strides[dim] = strides[dim + 1] * shape[dim + 1]
-    return first.as_strided(shape, strides, first.storage_offset())
+    return strides
 
 
 @functools.cache  # decided once per process: every save and load calls it
@@ -752,9 +757,7 @@ def count_shard_access_at_once() -> None:
         grid = tuple(rank_sharding[0][1].axis_fragmentations)
         if not grid:
             return original(rank_sharding)
-        strides = [1] * len(grid)
-        for axis in range(len(grid) - 2, -1, -1):
-            strides[axis] = strides[axis + 1] * grid[axis + 1]
+        strides = _row_major_strides(grid)
         counts = [0] * (strides[0] * grid[0])
         for _, sharding in rank_sharding:
             if is_main_replica(sharding.replica_id):
